@@ -1,0 +1,35 @@
+# Two commands for a fresh machine:
+#   make demo   set everything up, then run the main job on the built-in default
+#   make test   set everything up, then run the test suite (what .ci/run calls)
+# TORCH_INDEX: pip index for torch when none is installed, e.g. https://download.pytorch.org/whl/cpu
+# (leave empty where `pip install torch==2.13.0` already resolves to a CPU build).
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_VERSION ?= 2.13.0
+TORCH_INDEX ?=
+PY := $(VENV)/bin/python
+HLBP := $(VENV)/bin/hlbp
+
+.PHONY: setup demo test lint clean
+
+setup: $(VENV)/.hlbp-installed
+
+$(VENV)/.hlbp-installed: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# Install the CPU build of torch explicitly when none is present, so no multi-GB CUDA build is pulled.
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "torch==$(TORCH_VERSION)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
+	$(PY) -m pip install -q -e ".[dev,hf]"
+	touch $@
+
+demo: setup
+	$(HLBP) train --model tiny --steps 300
+
+test: setup
+	$(PY) -m pytest -q -p no:cacheprovider
+
+lint: setup
+	$(VENV)/bin/ruff check .
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

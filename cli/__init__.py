@@ -1,0 +1,1 @@
+"""hlbp.cli: the typer application behind the `hlbp` command."""

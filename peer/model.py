@@ -1,0 +1,239 @@
+"""A LLaMA-style decoder (RoPE, RMSNorm, SwiGLU, causal SDPA) that splits into pipeline stages.
+
+The whole model is itself a :class:`Stage` that covers every layer. ``split`` builds stages whose parameter names
+are exactly the whole model's names (``embed.weight``, ``blocks.3.attn.wq.weight``, ``head.weight``), so a shard
+of the SparseLoCo round means the same tensors on a full replica and on a stage peer, and a stage can load its
+slice of a full state dict directly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hlbp.peer.errors import UserInputError
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape of the decoder. Every peer of a run builds the same config from the run manifest."""
+
+    vocab_size: int = 8192  # set from the run's tokenizer; the presets' values are what the default one has
+    d_model: int = 128  # residual stream width
+    n_layers: int = 4  # transformer blocks
+    n_heads: int = 4  # attention heads; d_model must divide evenly
+    d_ff: int = 352  # SwiGLU hidden width (about 8/3 of d_model, rounded to a multiple of 32)
+    max_seq_len: int = 128  # longest context; RoPE tables are built for this length
+    rope_theta: float = 10000.0  # RoPE base frequency
+    norm_eps: float = 1e-5  # RMSNorm epsilon
+    init_std: float = 0.02  # std of the normal init of every weight matrix
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "max_seq_len"):
+            if getattr(self, name) < 1:
+                raise UserInputError(f"model config: {name} must be a positive integer, got {getattr(self, name)}")
+        if self.d_model % self.n_heads or (self.d_model // self.n_heads) % 2:
+            raise UserInputError(
+                f"model config: d_model={self.d_model} must split into {self.n_heads} heads of even width"
+            )
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    def replace(self, **changes: object) -> ModelConfig:
+        """A copy with some fields changed, e.g. ``vocab_size`` from the tokenizer."""
+        return dataclasses.replace(self, **changes)
+
+
+# Sizes with the default 8k vocabulary; the 125m and larger presets are for GPU users with a 50k vocabulary.
+PRESETS: dict[str, ModelConfig] = {
+    "tiny": ModelConfig(vocab_size=8192, d_model=128, n_layers=4, n_heads=4, d_ff=352, max_seq_len=128),
+    "small": ModelConfig(vocab_size=8192, d_model=512, n_layers=6, n_heads=8, d_ff=1376, max_seq_len=256),
+    "125m": ModelConfig(vocab_size=50304, d_model=768, n_layers=12, n_heads=12, d_ff=2048, max_seq_len=1024),
+    "350m": ModelConfig(vocab_size=50304, d_model=1024, n_layers=24, n_heads=16, d_ff=2816, max_seq_len=1024),
+    "1b": ModelConfig(vocab_size=50304, d_model=2048, n_layers=18, n_heads=16, d_ff=5632, max_seq_len=2048),
+}
+
+
+def preset(name: str, **overrides: object) -> ModelConfig:
+    """The named preset with optional field overrides; unknown names raise :class:`UserInputError`."""
+    if name not in PRESETS:
+        raise UserInputError(f"unknown model preset {name!r}; choose one of {', '.join(PRESETS)}")
+    try:
+        return PRESETS[name].replace(**overrides)
+    except TypeError as exc:
+        raise UserInputError(f"bad model override for preset {name!r}: {exc}") from None
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 so that bf16 autocast does not lose the mean-square.
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
+
+
+def rope_tables(config: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin tables of shape [max_seq_len, head_dim / 2]."""
+    half = config.head_dim // 2
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(half, dtype=torch.float32) / half))
+    angles = torch.outer(torch.arange(config.max_seq_len, dtype=torch.float32), inv_freq)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (x[..., :half], x[..., half:]) of x [batch, heads, seq, head_dim] by position."""
+    seq = x.shape[-2]
+    cos, sin = cos[:seq].to(x.dtype), sin[:seq].to(x.dtype)
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.n_heads = config.n_heads
+        d = config.d_model
+        self.wq = nn.Linear(d, d, bias=False)
+        self.wk = nn.Linear(d, d, bias=False)
+        self.wv = nn.Linear(d, d, bias=False)
+        self.wo = nn.Linear(d, d, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = (w(x).view(b, t, self.n_heads, -1).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(y.transpose(1, 2).reshape(b, t, d))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(config.d_model, config.d_ff, bias=False)  # gate
+        self.w3 = nn.Linear(config.d_model, config.d_ff, bias=False)  # up
+        self.w2 = nn.Linear(config.d_ff, config.d_model, bias=False)  # down: writes the residual stream
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: x + attn(norm(x)), then x + ffn(norm(x))."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(config.d_model, config.norm_eps)
+        self.attn = Attention(config)
+        self.ffn_norm = RMSNorm(config.d_model, config.norm_eps)
+        self.ffn = FeedForward(config)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin)
+        return x + self.ffn(self.ffn_norm(x))
+
+
+class Stage(nn.Module):
+    """Blocks ``[start, end)`` of the decoder; the first stage adds the embedding, the last the norm and head.
+
+    Input: token ids [batch, seq] on the first stage, else hidden states [batch, seq, d_model].
+    Output: logits [batch, seq, vocab] on the last stage, else hidden states.
+    """
+
+    def __init__(self, config: ModelConfig, start: int, end: int) -> None:
+        super().__init__()
+        if not 0 <= start < end <= config.n_layers:
+            raise UserInputError(f"stage layers [{start}, {end}) do not fit a {config.n_layers}-layer model")
+        self.config = config
+        self.start, self.end = start, end
+        self.is_first, self.is_last = start == 0, end == config.n_layers
+        if self.is_first:
+            self.embed = nn.Embedding(config.vocab_size, config.d_model)
+        # Keyed by the global block index so parameter names match the whole model's.
+        self.blocks = nn.ModuleDict({str(i): Block(config) for i in range(start, end)})
+        if self.is_last:
+            self.norm = RMSNorm(config.d_model, config.norm_eps)
+            self.head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        cos, sin = rope_tables(config)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """GPT-2 style init: N(0, 0.02), residual writers scaled by 1/sqrt(2 * n_layers)."""
+        std = self.config.init_std
+        for name, p in self.named_parameters():
+            if p.dim() == 1:
+                nn.init.ones_(p)
+            elif name.endswith(("attn.wo.weight", "ffn.w2.weight")):
+                nn.init.normal_(p, 0.0, std / math.sqrt(2 * self.config.n_layers))
+            else:
+                nn.init.normal_(p, 0.0, std)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.is_first:
+            x = self.embed(x)
+        if x.shape[1] > self.config.max_seq_len:
+            raise UserInputError(f"sequence of {x.shape[1]} tokens exceeds max_seq_len={self.config.max_seq_len}")
+        for block in self.blocks.values():
+            x = block(x, self.rope_cos, self.rope_sin)
+        if self.is_last:
+            x = self.head(self.norm(x))
+        return x
+
+    def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean next-token cross-entropy; only meaningful on the last stage."""
+        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def build_model(config: ModelConfig) -> Stage:
+    """The whole decoder: one stage spanning every layer."""
+    return Stage(config, 0, config.n_layers)
+
+
+def partition(n_layers: int, n_stages: int) -> list[tuple[int, int]]:
+    """Contiguous ``[start, end)`` layer ranges for ``n_stages`` stages, as even as possible.
+
+    Earlier stages get the extra layer when the split is uneven; the last stage already carries the head.
+    """
+    if not 1 <= n_stages <= n_layers:
+        raise UserInputError(f"cannot split {n_layers} layers into {n_stages} stages; use 1..{n_layers}")
+    base, extra = divmod(n_layers, n_stages)
+    bounds, start = [], 0
+    for s in range(n_stages):
+        end = start + base + (1 if s < extra else 0)
+        bounds.append((start, end))
+        start = end
+    return bounds
+
+
+def split(
+    config: ModelConfig, n_stages: int, bounds: list[tuple[int, int]] | None = None
+) -> list[Stage]:
+    """Build the stages of a pipeline; ``bounds`` (from the run manifest) overrides the even partition."""
+    bounds = bounds if bounds is not None else partition(config.n_layers, n_stages)
+    if len(bounds) != n_stages or bounds[0][0] != 0 or bounds[-1][1] != config.n_layers or any(
+        a[1] != b[0] for a, b in itertools.pairwise(bounds)
+    ):
+        raise UserInputError(f"stage partition {bounds} must tile layers 0..{config.n_layers} contiguously")
+    return [Stage(config, a, b) for a, b in bounds]
+
+
+def load_from_full(stage: Stage, full_state: dict[str, torch.Tensor]) -> None:
+    """Copy this stage's slice of a whole-model state dict into the stage (names are shared)."""
+    stage.load_state_dict({k: full_state[k] for k in stage.state_dict()}, strict=True)
+
+
+def count_parameters(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())

@@ -1,0 +1,193 @@
+"""The inner trainer: AdamW with warm-up and cosine decay, clipping, micro-batch accumulation, evaluation.
+
+:class:`InnerTrainer` is the piece a full replica reuses between outer rounds: it owns a model, its AdamW state
+and a data stream, and ``train_step(step)`` is a pure function of the step number and that state (the stream is
+random-access), which is what makes checkpoints resume exactly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from hlbp.peer.checkpoint import optimizer_from_tensors, optimizer_to_tensors
+from hlbp.peer.errors import UserInputError
+
+
+@dataclass
+class OptimConfig:
+    """Inner optimizer and schedule. Defaults suit the tiny preset on CPU."""
+
+    lr: float = 3e-3  # peak AdamW learning rate
+    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio at total_steps
+    warmup_steps: int = 30  # linear warm-up from 0
+    total_steps: int = 300  # length of the cosine schedule
+    weight_decay: float = 0.1  # decoupled weight decay on matrices only
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0  # max global grad norm; 0 disables clipping
+    grad_accum: int = 1  # micro-batches per optimizer step
+
+    def validate(self) -> None:
+        if not (self.lr > 0 and math.isfinite(self.lr)):
+            raise UserInputError(f"--lr must be a positive number, got {self.lr}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise UserInputError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if self.warmup_steps < 0 or self.total_steps < 1:
+            raise UserInputError("--warmup must be >= 0 and --steps >= 1")
+        if self.grad_accum < 1:
+            raise UserInputError(f"--grad-accum must be >= 1, got {self.grad_accum}")
+        if self.grad_clip < 0 or self.weight_decay < 0:
+            raise UserInputError("--grad-clip and --weight-decay must be >= 0")
+
+
+def lr_at(step: int, cfg: OptimConfig) -> float:
+    """Learning rate for optimizer step ``step`` (0-based): linear warm-up, then cosine to the floor."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    span = max(1, cfg.total_steps - cfg.warmup_steps)
+    progress = min(1.0, (step - cfg.warmup_steps) / span)
+    floor = cfg.lr * cfg.min_lr_ratio
+    return floor + 0.5 * (cfg.lr - floor) * (1 + math.cos(math.pi * progress))
+
+
+def pick_device(name: str = "auto") -> torch.device:
+    """``auto`` is CUDA when present, else CPU; an unavailable explicit choice is a user error."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise UserInputError(f"--device {name!r} is not a device; use auto, cpu or cuda[:N]") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UserInputError("--device cuda was asked for but no CUDA GPU is visible; use --device cpu")
+    return device
+
+
+def autocast(device: torch.device) -> contextlib.AbstractContextManager:
+    """bf16 autocast on CUDA; full fp32 on CPU, where bf16 matmuls are slower than fp32 on most hosts."""
+    if device.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def make_adamw(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
+    """AdamW with weight decay on matrices and none on norms (1-D parameters)."""
+    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=False, foreach=True)
+
+
+# (step, micro-batch index) -> (inputs, targets)
+BatchFn = Callable[[int, int], tuple[torch.Tensor, torch.Tensor]]
+
+
+class InnerTrainer:
+    """A model, its AdamW state and a batch source; one ``train_step`` is one optimizer step.
+
+    ``batch_fn(step, micro)`` returns the (inputs, targets) micro-batch for a step; it must be deterministic so
+    that a resumed run sees exactly the data an uninterrupted one would have seen.
+    """
+
+    def __init__(self, model: nn.Module, cfg: OptimConfig, batch_fn: BatchFn, device: torch.device) -> None:
+        cfg.validate()
+        self.model = model.to(device)
+        self.cfg = cfg
+        self.batch_fn = batch_fn
+        self.device = device
+        self.optimizer = make_adamw(self.model, cfg)
+        self.step = 0  # optimizer steps taken so far
+        self.tokens = 0  # training tokens consumed so far
+
+    def train_step(self) -> float:
+        """One optimizer step over ``grad_accum`` micro-batches; returns the mean training loss."""
+        self.model.train()
+        lr = lr_at(self.step, self.cfg)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.zero_grad(set_to_none=True)
+        total = 0.0
+        for micro in range(self.cfg.grad_accum):
+            x, y = (t.to(self.device, non_blocking=True) for t in self.batch_fn(self.step, micro))
+            with autocast(self.device):
+                loss = self.model.loss(self.model(x), y) / self.cfg.grad_accum
+            loss.backward()
+            total += loss.item()
+            self.tokens += y.numel()
+        if not math.isfinite(total):
+            raise FloatingPointError(f"training loss became {total} at step {self.step}; lower --lr")
+        if self.cfg.grad_clip > 0:
+            nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+        self.optimizer.step()
+        self.step += 1
+        return total
+
+    @torch.no_grad()
+    def evaluate(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+        """Mean loss over fixed validation batches (token-weighted)."""
+        return evaluate(self.model, batches, self.device)
+
+    def state_tensors(self) -> tuple[dict[str, torch.Tensor], dict]:
+        """Model and optimizer tensors plus a JSON header, for :func:`hlbp.peer.checkpoint.save_checkpoint`."""
+        tensors = {f"model.{k}": v for k, v in self.model.state_dict().items()}
+        opt_tensors, opt_desc = optimizer_to_tensors(self.optimizer)
+        tensors.update(opt_tensors)
+        return tensors, {"step": self.step, "tokens": self.tokens, "optimizer": opt_desc}
+
+    def load_state(self, tensors: dict[str, torch.Tensor], header: dict) -> None:
+        """Restore what :meth:`state_tensors` saved; a checkpoint of another model is a user error."""
+        model_state = {k[len("model."):]: v for k, v in tensors.items() if k.startswith("model.")}
+        try:
+            self.model.load_state_dict(model_state, strict=True)
+        except RuntimeError as exc:
+            first = str(exc).splitlines()[0]
+            raise UserInputError(f"checkpoint does not match this model: {first}") from None
+        optimizer_from_tensors(self.optimizer, tensors, header["optimizer"])
+        self.step = int(header["step"])
+        self.tokens = int(header.get("tokens", 0))
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device) -> float:
+    """Token-weighted mean loss of ``model`` (a whole model or a last stage fed inputs) over ``batches``."""
+    was_training = model.training
+    model.eval()
+    total, count = 0.0, 0
+    for x, y in batches:
+        x, y = x.to(device), y.to(device)
+        with autocast(device):
+            total += model.loss(model(x), y).item() * y.numel()
+        count += y.numel()
+    model.train(was_training)
+    return total / max(1, count)
+
+
+class Throughput:
+    """Tokens per second over a sliding window of recent steps, for progress display."""
+
+    def __init__(self, window: int = 20) -> None:
+        self.window = window
+        self.samples: list[tuple[float, int]] = []
+
+    def add(self, tokens: int) -> None:
+        self.samples.append((time.perf_counter(), tokens))
+        del self.samples[: -self.window - 1]
+
+    @property
+    def tokens_per_s(self) -> float:
+        if len(self.samples) < 2:
+            return 0.0
+        (t0, _), (t1, _) = self.samples[0], self.samples[-1]
+        return sum(n for _, n in self.samples[1:]) / max(t1 - t0, 1e-9)
+
+
+def micro_batches(stream, grad_accum: int) -> BatchFn:
+    """Adapter: a batch function over (step, micro) from a random-access stream of ``batch(index)``."""
+    return lambda step, micro: stream.batch(step * grad_accum + micro)

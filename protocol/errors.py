@@ -1,0 +1,9 @@
+"""The single error type for anything malformed that arrives from the network, a file or a peer."""
+
+
+class ProtocolError(ValueError):
+    """Raised when untrusted bytes or records are malformed, oversized, out of range or non-finite.
+
+    The message says what was wrong and, where it helps, what the sender or operator can do.
+    Every decoder in ``hlbp.protocol`` raises this type and no other for bad input.
+    """

@@ -1,0 +1,77 @@
+"""The `hlbp` command as a user runs it: a real subprocess, real text, clear errors with exit status 2."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+HLBP = str(Path(sys.executable).with_name("hlbp"))
+
+
+def run(*args: str, env: dict | None = None, timeout: float = 180) -> subprocess.CompletedProcess:
+    full_env = {**os.environ, "COLUMNS": "200", **(env or {})}
+    return subprocess.run([HLBP, *args], check=False, capture_output=True, text=True, timeout=timeout, env=full_env)
+
+
+def test_help_and_version():
+    out = run("--help")
+    assert out.returncode == 0 and "train" in out.stdout
+    ver = run("--version")
+    assert ver.returncode == 0 and ver.stdout.startswith("hlbp ")
+    train_help = run("train", "--help")
+    assert "HLBP_STEPS" in train_help.stdout and "HLBP_DATA" in train_help.stdout
+
+
+def test_train_smoke_writes_metrics_checkpoint_and_resumes(small_text, tmp_path, cache_dir):
+    common = [
+        "--data", str(small_text), "--vocab-size", "512", "--batch-size", "4", "--seq-len", "32",
+        "--eval-every", "2", "--eval-batches", "2", "--out-dir", str(tmp_path / "run"), "--no-progress",
+        "--cache-dir", str(cache_dir),
+    ]
+    first = run("train", "--steps", "3", *common)
+    assert first.returncode == 0, first.stderr
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["steps"] == 3 and summary["tokens_per_s"] > 0
+    assert (tmp_path / "run" / "checkpoint.safetensors").exists()
+    events = [json.loads(line)["event"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert events.count("train") == 3 and "eval" in events
+
+    again = run("train", "--steps", "3", *common)
+    assert again.returncode == 2 and "--resume" in again.stderr
+
+    # flags can come from HLBP_* variables
+    resumed = run("train", *common, env={"HLBP_STEPS": "5", "HLBP_RESUME": "1"})
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resumed from" in resumed.stderr
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["steps"] == 5
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--model", "huge"], "unknown model preset"),
+        (["--data", "/no/such/path"], "/no/such/path"),
+        (["--steps", "0"], "--steps"),
+        (["--lr", "-1"], "--lr"),
+        (["--seq-len", "100000"], "--seq-len"),
+        (["--device", "cuda:0"] if not os.path.exists("/dev/nvidia0") else ["--device", "tpu"], "device"),
+    ],
+)
+def test_bad_flags_give_one_line_errors(args, message, small_text, tmp_path, cache_dir):
+    out = run(
+        "train", "--data", str(small_text), "--vocab-size", "512", "--cache-dir", str(cache_dir),
+        "--out-dir", str(tmp_path), "--no-progress", *args,
+    )
+    assert out.returncode == 2, out.stderr
+    assert message in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_unparseable_flag_is_rejected_by_the_parser():
+    out = run("train", "--steps", "many")
+    assert out.returncode == 2 and "Traceback" not in out.stderr

@@ -1,0 +1,79 @@
+"""The stage split computes exactly what the whole model computes: same loss, same gradients."""
+
+import pytest
+import torch
+
+from hlbp.peer.errors import UserInputError
+from hlbp.peer.model import PRESETS, build_model, count_parameters, load_from_full, partition, preset, split
+
+
+def _chain(stages, x):
+    for stage in stages:
+        x = stage(x)
+    return x
+
+
+@pytest.mark.parametrize("n_stages", [1, 2, 3, 4])
+def test_stages_chained_equal_whole_model_loss_and_gradients(n_stages):
+    torch.manual_seed(0)
+    config = preset("tiny", vocab_size=300)
+    model = build_model(config)
+    stages = split(config, n_stages)
+    state = model.state_dict()
+    for stage in stages:
+        load_from_full(stage, state)
+    x = torch.randint(0, 300, (2, 32))
+    y = torch.randint(0, 300, (2, 32))
+
+    whole = model.loss(model(x), y)
+    whole.backward()
+    piped = stages[-1].loss(_chain(stages, x), y)
+    piped.backward()
+
+    assert torch.allclose(whole, piped, atol=1e-6)
+    whole_grads = {n: p.grad for n, p in model.named_parameters()}
+    seen = set()
+    for stage in stages:
+        for name, p in stage.named_parameters():
+            assert torch.allclose(p.grad, whole_grads[name], atol=1e-6, rtol=1e-5), name
+            seen.add(name)
+    # the stages together own every parameter exactly once
+    assert seen == set(whole_grads)
+    assert sum(count_parameters(s) for s in stages) == count_parameters(model)
+
+
+def test_stage_roles_embedding_first_head_last():
+    stages = split(preset("tiny"), 2)
+    assert hasattr(stages[0], "embed") and not hasattr(stages[0], "head")
+    assert hasattr(stages[1], "head") and not hasattr(stages[1], "embed")
+
+
+def test_presets_have_documented_sizes():
+    sizes = {}
+    for name, config in PRESETS.items():
+        with torch.device("meta"):
+            sizes[name] = count_parameters(build_model(config))
+    assert 1e6 <= sizes["tiny"] <= 3e6
+    assert 20e6 <= sizes["small"] <= 40e6
+    assert sizes["125m"] < sizes["350m"] < sizes["1b"]
+
+
+def test_partition_is_contiguous_and_even():
+    assert partition(7, 3) == [(0, 3), (3, 5), (5, 7)]
+    assert partition(4, 4) == [(0, 1), (1, 2), (2, 3), (3, 4)]
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda: partition(4, 5),
+        lambda: partition(4, 0),
+        lambda: preset("huge"),
+        lambda: preset("tiny", d_model=130),
+        lambda: preset("tiny", colour=1),
+        lambda: split(preset("tiny"), 2, bounds=[(0, 1), (2, 4)]),
+    ],
+)
+def test_bad_model_arguments_raise_user_input_error(call):
+    with pytest.raises(UserInputError):
+        call()

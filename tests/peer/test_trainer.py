@@ -1,0 +1,94 @@
+"""Inner trainer: schedule, exact resume from a checkpoint, atomic checkpoints, bad input."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from hlbp.peer.checkpoint import load_checkpoint, save_checkpoint
+from hlbp.peer.data import TokenStream
+from hlbp.peer.errors import UserInputError
+from hlbp.peer.model import build_model, preset
+from hlbp.peer.trainer import InnerTrainer, OptimConfig, lr_at, micro_batches
+
+
+def _trainer(data, steps=20, init_seed=0):
+    torch.manual_seed(init_seed)
+    config = preset("tiny", vocab_size=data.vocab_size, n_layers=2, max_seq_len=32)
+    model = build_model(config)
+    stream = TokenStream(data.train, 32, 4, seed=0, rank=0)
+    cfg = OptimConfig(lr=3e-3, warmup_steps=5, total_steps=steps, grad_accum=2)
+    return InnerTrainer(model, cfg, micro_batches(stream, cfg.grad_accum), torch.device("cpu"))
+
+
+def test_lr_schedule_warms_up_then_decays_to_floor():
+    cfg = OptimConfig(lr=1.0, warmup_steps=10, total_steps=110, min_lr_ratio=0.1)
+    assert lr_at(0, cfg) == pytest.approx(0.1)
+    assert lr_at(9, cfg) == pytest.approx(1.0)
+    assert lr_at(60, cfg) == pytest.approx(0.55)
+    assert lr_at(110, cfg) == pytest.approx(0.1)
+    assert lr_at(500, cfg) == pytest.approx(0.1)
+
+
+def test_resume_10_plus_10_equals_20(builtin_data, tmp_path):
+    straight = _trainer(builtin_data)
+    for _ in range(20):
+        straight.train_step()
+
+    first = _trainer(builtin_data)
+    for _ in range(10):
+        first.train_step()
+    tensors, header = first.state_tensors()
+    save_checkpoint(tmp_path / "ck.safetensors", tensors, header)
+    del first
+
+    resumed = _trainer(builtin_data, init_seed=123)  # different init: everything must come from the checkpoint
+    resumed.load_state(*load_checkpoint(tmp_path / "ck.safetensors"))
+    assert resumed.step == 10
+    for _ in range(10):
+        resumed.train_step()
+    a, b = straight.model.state_dict(), resumed.model.state_dict()
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=1e-6)
+    assert resumed.tokens == straight.tokens
+
+
+def test_training_lowers_loss(builtin_data):
+    t = _trainer(builtin_data, steps=40)
+    first = t.train_step()
+    for _ in range(39):
+        last = t.train_step()
+    assert last < first - 1.0
+
+
+def test_checkpoint_is_atomic_and_validated(tmp_path):
+    path = tmp_path / "c.safetensors"
+    save_checkpoint(path, {"a": torch.ones(3)}, {"step": 1})
+    assert [p.name for p in tmp_path.iterdir()] == ["c.safetensors"]  # no temporary file left behind
+    tensors, header = load_checkpoint(path)
+    assert header == {"step": 1} and torch.equal(tensors["a"], torch.ones(3))
+    (tmp_path / "junk.safetensors").write_bytes(b"not a checkpoint at all")
+    with pytest.raises(UserInputError, match="junk"):
+        load_checkpoint(tmp_path / "junk.safetensors")
+    with pytest.raises(UserInputError, match="does not exist"):
+        load_checkpoint(tmp_path / "missing.safetensors")
+
+
+def test_checkpoint_of_another_model_is_a_user_error(builtin_data, tmp_path):
+    t = _trainer(builtin_data)
+    tensors, header = t.state_tensors()
+    save_checkpoint(tmp_path / "ck.safetensors", tensors, header)
+    other = InnerTrainer(
+        build_model(preset("tiny", vocab_size=builtin_data.vocab_size, n_layers=3, max_seq_len=32)),
+        t.cfg, t.batch_fn, torch.device("cpu"),
+    )
+    with pytest.raises(UserInputError, match="does not match"):
+        other.load_state(*load_checkpoint(tmp_path / "ck.safetensors"))
+
+
+@pytest.mark.parametrize(
+    "change", [{"lr": 0.0}, {"lr": float("nan")}, {"grad_accum": 0}, {"min_lr_ratio": 2.0}, {"total_steps": 0}]
+)
+def test_bad_optimizer_settings(change):
+    with pytest.raises(UserInputError):
+        dataclasses.replace(OptimConfig(), **change).validate()
