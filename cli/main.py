@@ -9,6 +9,7 @@ from pathlib import Path
 import typer
 from rich.console import Console
 
+from hlbp.cli.bench import bench_app
 from hlbp.cli.options import opt
 from hlbp.peer.errors import UserInputError
 from hlbp.protocol import ProtocolError
@@ -21,6 +22,7 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 console = Console(stderr=True)
+app.add_typer(bench_app, name="bench")
 
 
 def _version() -> str:

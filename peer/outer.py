@@ -1,0 +1,217 @@
+"""Outer optimizers: SparseLoCo (sparse, 2-bit, error feedback) and DiLoCo (dense Nesterov), per shard.
+
+The round protocol drives both through one interface:
+
+1. ``contribute(anchor, local)``: this replica's message for the round, from the global parameters it started
+   the round at (``anchor``) and where its inner steps took it (``local``).
+2. ``apply(anchor, contributions)``: the next global parameters from the accepted contributions.
+3. ``withdraw(contribution)``: the round closed without this replica's contribution; keep it for later.
+
+Both work on any set of named tensors, so a stage peer runs them on its own shard alone. ``apply`` is
+deterministic given the contributions in the same order; callers sort contributions canonically (by sender) so
+that every in-sync peer computes bit-identical parameters.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from hlbp.peer.errors import UserInputError
+from hlbp.protocol.sparse import SparseTensor, compress, decompress
+
+Tensors = Mapping[str, torch.Tensor]
+
+
+@dataclass
+class OuterConfig:
+    """Outer optimizer settings; the run manifest fixes them for every peer."""
+
+    kind: Literal["sparseloco", "diloco"] = "sparseloco"
+    # SparseLoCo
+    k: int = 64  # values kept per 4096 (1.56 % density)
+    beta: float = 0.95  # error-feedback decay
+    alpha: float = 1.0  # outer learning rate (plain SGD on the aggregated pseudo-gradient)
+    quant_bits: int | None = 2  # 2-bit values with a lookup table, or None for fp32 values
+    aggregation: Literal["mean", "selectors"] = "mean"  # paper's 1/R mean, or reference code's mean over selectors
+    clip_median: bool = False  # scale each contribution to at most the median contribution norm
+    token_weighted: bool = False  # weight contributions by tokens processed instead of equally
+    # DiLoCo
+    outer_lr: float = 0.7  # Nesterov SGD learning rate
+    momentum: float = 0.9  # Nesterov momentum
+    wire_dtype: Literal["fp32", "bf16"] = "fp32"  # dense wire format of the pseudo-gradient
+
+    def validate(self) -> None:
+        if self.kind not in ("sparseloco", "diloco"):
+            raise UserInputError(f"outer optimizer must be sparseloco or diloco, got {self.kind!r}")
+        if not 1 <= self.k <= 4096:
+            raise UserInputError(f"k must be in 1..4096 (values kept per 4096), got {self.k}")
+        if not 0 <= self.beta < 1 or not 0 <= self.momentum < 1:
+            raise UserInputError("beta and momentum must be in [0, 1)")
+        if not (self.alpha > 0 and self.outer_lr > 0):
+            raise UserInputError("alpha and outer_lr must be positive")
+        if self.aggregation not in ("mean", "selectors"):
+            raise UserInputError(f"aggregation must be mean or selectors, got {self.aggregation!r}")
+        if self.wire_dtype not in ("fp32", "bf16"):
+            raise UserInputError(f"wire dtype must be fp32 or bf16, got {self.wire_dtype!r}")
+
+
+@dataclass
+class Contribution:
+    """One replica's message for one round and shard: its pseudo-gradient and the tokens behind it."""
+
+    sender: str
+    tokens: int
+    tensors: dict[str, SparseTensor] | dict[str, torch.Tensor]
+
+
+def pseudo_gradient(anchor: Tensors, local: Tensors) -> dict[str, torch.Tensor]:
+    """Δ = θ(t) − θ_r in float32 on the CPU, where the wire codecs and aggregation run."""
+    return {n: anchor[n].detach().float().cpu() - local[n].detach().float().cpu() for n in anchor}
+
+
+def _weights(contributions: Sequence[Contribution], token_weighted: bool) -> list[float]:
+    w = [float(c.tokens) if token_weighted else 1.0 for c in contributions]
+    if any(not math.isfinite(x) or x < 0 for x in w) or (w and sum(w) <= 0):
+        raise ValueError(f"contribution weights must be finite, non-negative and not all zero: {w}")
+    return w
+
+
+class OuterOptimizer(ABC):
+    """The interface the round protocol calls; see the module docstring."""
+
+    config: OuterConfig
+
+    @abstractmethod
+    def contribute(self, anchor: Tensors, local: Tensors, sender: str = "", tokens: int = 0) -> Contribution:
+        """This replica's contribution for the round (updates internal state such as the EF buffer)."""
+
+    @abstractmethod
+    def apply(self, anchor: Tensors, contributions: Sequence[Contribution]) -> dict[str, torch.Tensor]:
+        """Next global parameters (float32, CPU) from the accepted contributions, in the given order."""
+
+    def withdraw(self, contribution: Contribution) -> None:
+        """The round closed without ``contribution``; by default nothing is kept."""
+
+    @abstractmethod
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        """Optimizer state for checkpoints, keyed ``<kind>.<param name>``."""
+
+    @abstractmethod
+    def load_state(self, tensors: Tensors) -> None:
+        """Restore :meth:`state_tensors`; missing entries start from zero."""
+
+
+class SparseLoCo(OuterOptimizer):
+    """SparseLoCo: chunked top-k of an error-feedback buffer, 2-bit values, plain outer SGD (ALGORITHMS.md §1)."""
+
+    def __init__(self, config: OuterConfig) -> None:
+        config.validate()
+        self.config = config
+        self.ef: dict[str, torch.Tensor] = {}  # error-feedback buffer per parameter, float32 on CPU
+
+    def contribute(self, anchor: Tensors, local: Tensors, sender: str = "", tokens: int = 0) -> Contribution:
+        sent: dict[str, SparseTensor] = {}
+        for name, delta in pseudo_gradient(anchor, local).items():
+            e = self.ef.get(name)
+            e = delta if e is None else e.mul_(self.config.beta).add_(delta)
+            s = compress(e, self.config.k, self.config.quant_bits)
+            e.sub_(decompress(s))  # whatever was not sent (including quantisation error) stays for later rounds
+            self.ef[name] = e
+            sent[name] = s
+        return Contribution(sender, tokens, sent)
+
+    def withdraw(self, contribution: Contribution) -> None:
+        # A straggler's unsent pseudo-gradient goes back into its buffer, as if it had never been taken out.
+        for name, s in contribution.tensors.items():
+            self.ef[name].add_(decompress(s))
+
+    def aggregate(self, contributions: Sequence[Contribution], names: Sequence[str]) -> dict[str, torch.Tensor]:
+        """The combined pseudo-gradient Δ per parameter (zero where no contribution selected anything)."""
+        cfg = self.config
+        w = _weights(contributions, cfg.token_weighted)
+        if cfg.clip_median and len(contributions) > 1:
+            norms = [
+                math.sqrt(sum(float(s.dense_values().double().pow(2).sum()) for s in c.tensors.values()))
+                for c in contributions
+            ]
+            median = float(torch.tensor(norms, dtype=torch.float64).median())
+            w = [wi * (min(1.0, median / n) if n > 0 else 1.0) for wi, n in zip(w, norms)]
+        total = sum(_weights(contributions, cfg.token_weighted))
+        out = {}
+        for name in names:
+            ref = contributions[0].tensors[name]
+            numel = math.prod(ref.shape)
+            num = torch.zeros(numel, dtype=torch.float32)
+            den = torch.zeros(numel, dtype=torch.float32)
+            for wi, c in zip(w, contributions):
+                s = c.tensors[name]
+                idx = s.flat_indices()
+                num.index_add_(0, idx, s.dense_values() * wi)
+                if cfg.aggregation == "selectors":
+                    den.index_add_(0, idx, torch.full((idx.numel(),), wi, dtype=torch.float32))
+            if cfg.aggregation == "mean":
+                delta = num / total
+            else:
+                delta = torch.where(den > 0, num / den.clamp(min=1e-30), torch.zeros_like(num))
+            out[name] = delta.view(ref.shape)
+        return out
+
+    def apply(self, anchor: Tensors, contributions: Sequence[Contribution]) -> dict[str, torch.Tensor]:
+        if not contributions:
+            return {n: t.detach().float().cpu().clone() for n, t in anchor.items()}
+        delta = self.aggregate(contributions, list(anchor))
+        return {n: anchor[n].detach().float().cpu() - self.config.alpha * delta[n] for n in anchor}
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        return {f"ef.{n}": t for n, t in self.ef.items()}
+
+    def load_state(self, tensors: Tensors) -> None:
+        self.ef = {n[3:]: t.float().clone() for n, t in tensors.items() if n.startswith("ef.")}
+
+
+class DiLoCo(OuterOptimizer):
+    """DiLoCo: dense mean pseudo-gradient, Nesterov outer SGD; the dense baseline SparseLoCo must beat."""
+
+    def __init__(self, config: OuterConfig) -> None:
+        config.validate()
+        self.config = config
+        self.momentum: dict[str, torch.Tensor] = {}
+
+    def contribute(self, anchor: Tensors, local: Tensors, sender: str = "", tokens: int = 0) -> Contribution:
+        dtype = torch.bfloat16 if self.config.wire_dtype == "bf16" else torch.float32
+        return Contribution(sender, tokens, {n: d.to(dtype) for n, d in pseudo_gradient(anchor, local).items()})
+
+    def apply(self, anchor: Tensors, contributions: Sequence[Contribution]) -> dict[str, torch.Tensor]:
+        if not contributions:
+            return {n: t.detach().float().cpu().clone() for n, t in anchor.items()}
+        w = _weights(contributions, self.config.token_weighted)
+        total = sum(w)
+        mu, lr = self.config.momentum, self.config.outer_lr
+        out = {}
+        for name, a in anchor.items():
+            mean = torch.zeros(a.shape, dtype=torch.float32)
+            for wi, c in zip(w, contributions):
+                mean.add_(c.tensors[name].float(), alpha=wi / total)
+            m = self.momentum.get(name)
+            m = mean.clone() if m is None else m.mul_(mu).add_(mean)
+            self.momentum[name] = m
+            out[name] = a.detach().float().cpu() - lr * (mean + mu * m)
+        return out
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        return {f"momentum.{n}": t for n, t in self.momentum.items()}
+
+    def load_state(self, tensors: Tensors) -> None:
+        self.momentum = {n[9:]: t.float().clone() for n, t in tensors.items() if n.startswith("momentum.")}
+
+
+def make_outer(config: OuterConfig) -> OuterOptimizer:
+    """The outer optimizer the config names."""
+    config.validate()
+    return SparseLoCo(config) if config.kind == "sparseloco" else DiLoCo(config)

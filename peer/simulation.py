@@ -1,0 +1,183 @@
+"""In-process simulation of R replicas under an outer optimizer: the convergence benchmarks' engine.
+
+No network: every replica lives in this process and contributions are passed as objects, but each one is also
+encoded to wire bytes and decoded again, so that the loss reflects exactly what peers would apply and the byte
+counts are real. A replica only needs ``params()``, ``load_params()`` and ``train(steps)``, so pipeline replicas
+with compressed stage boundaries plug in beside full replicas.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from hlbp.peer.data import PreparedData, TokenStream, val_batches
+from hlbp.peer.model import ModelConfig, Stage, build_model
+from hlbp.peer.outer import Contribution, OuterConfig, make_outer
+from hlbp.peer.trainer import InnerTrainer, OptimConfig, evaluate, micro_batches
+from hlbp.peer.wire import contribution_from_bytes, contribution_to_bytes
+
+
+class Replica(Protocol):
+    """What the simulation needs of a replica: its parameters, and H inner steps on its own data."""
+
+    name: str
+    tokens: int
+
+    def params(self) -> dict[str, torch.Tensor]: ...
+
+    def load_params(self, params: dict[str, torch.Tensor]) -> None: ...
+
+    def train(self, steps: int) -> float: ...
+
+
+class FullReplica:
+    """A whole model with its own AdamW state and its own data stream (rank)."""
+
+    def __init__(self, name: str, model: Stage, trainer: InnerTrainer) -> None:
+        self.name, self.model, self.trainer = name, model, trainer
+
+    @property
+    def tokens(self) -> int:
+        return self.trainer.tokens
+
+    def params(self) -> dict[str, torch.Tensor]:
+        return {n: p.detach() for n, p in self.model.named_parameters()}
+
+    @torch.no_grad()
+    def load_params(self, params: dict[str, torch.Tensor]) -> None:
+        for n, p in self.model.named_parameters():
+            p.copy_(params[n])
+
+    def train(self, steps: int) -> float:
+        return sum(self.trainer.train_step() for _ in range(steps)) / max(1, steps)
+
+
+@dataclass
+class SimConfig:
+    """One simulated run: R replicas, ``rounds`` outer rounds of ``inner_steps`` AdamW steps each."""
+
+    model: ModelConfig
+    outer: OuterConfig
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    replicas: int = 4
+    rounds: int = 10
+    inner_steps: int = 15
+    batch_size: int = 8
+    seq_len: int = 128
+    seed: int = 0
+    eval_batches: int = 8
+
+
+ReplicaFactory = Callable[[int, Stage, InnerTrainer], Replica]
+
+
+def make_full_replicas(cfg: SimConfig, data: PreparedData, device: torch.device) -> list[Replica]:
+    """R full replicas starting from identical weights (seed), each drawing its own data (rank)."""
+    out: list[Replica] = []
+    optim = dataclasses.replace(cfg.optim, total_steps=cfg.rounds * cfg.inner_steps)
+    for r in range(cfg.replicas):
+        torch.manual_seed(cfg.seed)
+        model = build_model(cfg.model)
+        stream = TokenStream(data.train, cfg.seq_len, cfg.batch_size, seed=cfg.seed, rank=r)
+        out.append(FullReplica(f"replica-{r}", model, InnerTrainer(model, optim, micro_batches(stream, 1), device)))
+    return out
+
+
+def run_outer_simulation(
+    cfg: SimConfig,
+    data: PreparedData,
+    replicas: Sequence[Replica],
+    device: torch.device,
+    on_round: Callable[[dict[str, Any]], None] | None = None,
+) -> dict[str, Any]:
+    """Run ``cfg.rounds`` outer rounds; returns per-round validation loss and wire bytes of the global model."""
+    torch.manual_seed(cfg.seed)
+    anchor = {n: t.detach().float().cpu().clone() for n, t in replicas[0].params().items()}
+    for rep in replicas[1:]:
+        rep.load_params(anchor)
+    optimizers = [make_outer(dataclasses.replace(cfg.outer)) for _ in replicas]
+    applier = make_outer(dataclasses.replace(cfg.outer))  # holds the (shared, deterministic) outer momentum
+    evaluator = build_model(cfg.model).to(device)
+    val = val_batches(data.val, cfg.seq_len, cfg.batch_size, cfg.eval_batches)
+    shapes = {n: tuple(t.shape) for n, t in anchor.items()}
+
+    def val_loss() -> float:
+        with torch.no_grad():
+            for n, p in evaluator.named_parameters():
+                p.copy_(anchor[n])
+        return evaluate(evaluator, val, device)
+
+    history = [{"round": 0, "tokens": 0, "val_loss": val_loss(), "bytes_per_replica": 0, "seconds": 0.0}]
+    if on_round:
+        on_round(history[-1])
+    start = time.perf_counter()
+    for rnd in range(1, cfg.rounds + 1):
+        contributions: list[Contribution] = []
+        wire = 0
+        for rep, opt in zip(replicas, optimizers):
+            rep.train(cfg.inner_steps)
+            c = opt.contribute(anchor, rep.params(), rep.name, rep.tokens)
+            # what the wire carries is what everybody applies: encode, count, decode
+            payload = contribution_to_bytes(c, cfg.outer, run="sim", round=rnd, shard=0)
+            wire += len(payload)
+            contributions.append(contribution_from_bytes(payload, cfg.outer, shapes))
+        contributions.sort(key=lambda c: c.sender)
+        anchor = applier.apply(anchor, contributions)
+        for rep in replicas:
+            rep.load_params(anchor)
+        record = {
+            "round": rnd,
+            "tokens": sum(rep.tokens for rep in replicas),
+            "val_loss": val_loss(),
+            "bytes_per_replica": wire / len(replicas),
+            "seconds": round(time.perf_counter() - start, 2),
+        }
+        history.append(record)
+        if on_round:
+            on_round(record)
+    n_params = sum(t.numel() for t in anchor.values())
+    return {
+        "history": history,
+        "final_val_loss": history[-1]["val_loss"],
+        "bytes_per_round_per_replica": history[-1]["bytes_per_replica"],
+        "bits_per_param": 8 * history[-1]["bytes_per_replica"] / n_params,
+        "params": n_params,
+        "tokens": history[-1]["tokens"],
+        "seconds": history[-1]["seconds"],
+    }
+
+
+def run_single_adamw(
+    cfg: SimConfig, data: PreparedData, device: torch.device, on_round: Callable[[dict[str, Any]], None] | None = None
+) -> dict[str, Any]:
+    """The data-parallel ideal: one AdamW run with R times the batch over the same total tokens."""
+    torch.manual_seed(cfg.seed)
+    model = build_model(cfg.model)
+    total_steps = cfg.rounds * cfg.inner_steps
+    optim = dataclasses.replace(cfg.optim, total_steps=total_steps, grad_accum=cfg.replicas)
+    stream = TokenStream(data.train, cfg.seq_len, cfg.batch_size, seed=cfg.seed, rank=0)
+    trainer = InnerTrainer(model, optim, micro_batches(stream, cfg.replicas), device)
+    val = val_batches(data.val, cfg.seq_len, cfg.batch_size, cfg.eval_batches)
+    history = [{"round": 0, "tokens": 0, "val_loss": evaluate(model, val, device), "seconds": 0.0}]
+    if on_round:
+        on_round(history[-1])
+    start = time.perf_counter()
+    for rnd in range(1, cfg.rounds + 1):
+        for _ in range(cfg.inner_steps):
+            trainer.train_step()
+        history.append({
+            "round": rnd, "tokens": trainer.tokens, "val_loss": evaluate(model, val, device),
+            "seconds": round(time.perf_counter() - start, 2),
+        })
+        if on_round:
+            on_round(history[-1])
+    return {
+        "history": history, "final_val_loss": history[-1]["val_loss"], "tokens": trainer.tokens,
+        "seconds": history[-1]["seconds"], "bytes_per_round_per_replica": 0,
+    }

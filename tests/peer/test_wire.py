@@ -1,0 +1,59 @@
+"""Contributions survive the wire exactly, and a frame for another run, round, shard or codec is refused."""
+
+import pytest
+import torch
+
+from hlbp.peer.outer import OuterConfig, make_outer
+from hlbp.peer.wire import contribution_from_bytes, contribution_to_bytes
+from hlbp.protocol import ProtocolError
+from hlbp.protocol.sparse import decompress
+
+SHAPES = {"blocks.0.attn.wq.weight": (128, 128), "norm.weight": (128,)}
+
+
+def _contribution(cfg):
+    g = torch.Generator().manual_seed(0)
+    anchor = {n: torch.randn(s, generator=g) for n, s in SHAPES.items()}
+    local = {n: t + 0.01 * torch.randn(t.shape, generator=g) for n, t in anchor.items()}
+    return make_outer(cfg).contribute(anchor, local, "peer-a", 4096)
+
+
+@pytest.mark.parametrize("fmt", ["entropy", "packed12"])
+def test_sparse_round_trip_is_exact(fmt):
+    cfg = OuterConfig(k=64)
+    c = _contribution(cfg)
+    data = contribution_to_bytes(c, cfg, "run1", 7, 2, index_format=fmt)
+    back = contribution_from_bytes(data, cfg, SHAPES, run="run1", round=7, shard=2)
+    assert back.sender == "peer-a" and back.tokens == 4096
+    for n in SHAPES:
+        assert torch.equal(decompress(back.tensors[n]), decompress(c.tensors[n]))
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_dense_round_trip(dtype):
+    cfg = OuterConfig(kind="diloco", wire_dtype=dtype)
+    c = _contribution(cfg)
+    back = contribution_from_bytes(contribution_to_bytes(c, cfg, "run1", 1, 0), cfg, SHAPES)
+    for n in SHAPES:
+        assert torch.equal(back.tensors[n], c.tensors[n].float())
+
+
+@pytest.mark.parametrize(
+    "expect",
+    [{"run": "other"}, {"round": 8}, {"shard": 0}],
+)
+def test_wrong_round_run_or_shard_is_refused(expect):
+    cfg = OuterConfig(k=64)
+    data = contribution_to_bytes(_contribution(cfg), cfg, "run1", 7, 2)
+    with pytest.raises(ProtocolError):
+        contribution_from_bytes(data, cfg, SHAPES, **{"run": "run1", "round": 7, "shard": 2, **expect})
+
+
+def test_codec_other_than_the_runs_is_refused():
+    data = contribution_to_bytes(_contribution(OuterConfig(k=64)), OuterConfig(k=64), "r", 1, 0)
+    with pytest.raises(ProtocolError):
+        contribution_from_bytes(data, OuterConfig(k=128), SHAPES)
+    with pytest.raises(ProtocolError):
+        contribution_from_bytes(data, OuterConfig(kind="diloco"), SHAPES)
+    with pytest.raises(ProtocolError):
+        contribution_from_bytes(data, OuterConfig(k=64), {"other": (4,)})
