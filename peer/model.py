@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hlbp.peer.errors import UserInputError
+from hlbp.peer.subspace import fixed_table, project_rows, project_writer, subspace_basis
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,15 @@ class ModelConfig:
     rope_theta: float = 10000.0  # RoPE base frequency
     norm_eps: float = 1e-5  # RMSNorm epsilon
     init_std: float = 0.02  # std of the normal init of every weight matrix
+    # Exact subspace network, variant A of ALGORITHMS.md §3 (hlbp.peer.subspace); subspace_rank = 0 is the plain
+    # model. The residual stream is T_fixed[x] + (something in span(U)) up to the last constrained block, so stage
+    # boundaries there can be sent as k values per token without loss.
+    subspace_rank: int = 0  # k: U is d_model x k; the embedding and every write of a constrained block use U·Uᵀ
+    subspace_layers: int | None = None  # leading blocks under the constraint (before the last stage); None: all
+    subspace_seed: int = 0  # seed of U and T_fixed (the run's): every peer rebuilds both, nobody sends them
+    subspace_table_std: float = 1.0  # std of the entries of the frozen token table T_fixed
+    subspace_out_gain: float = 1.0  # fixed gain of the norm on constrained sublayers' outputs
+    subspace_drift: bool = False  # drift absorption: the embedding's off-span part enters as a constant (T_⊥)
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "max_seq_len"):
@@ -42,10 +52,23 @@ class ModelConfig:
             raise UserInputError(
                 f"model config: d_model={self.d_model} must split into {self.n_heads} heads of even width"
             )
+        if not 0 <= self.subspace_rank <= self.d_model:
+            raise UserInputError(f"model config: subspace_rank must be in 0..{self.d_model}, got {self.subspace_rank}")
+        if self.subspace_layers is not None and not 0 <= self.subspace_layers <= self.n_layers:
+            raise UserInputError(f"model config: subspace_layers must be in 0..{self.n_layers}")
+        if not (self.subspace_table_std >= 0 and self.subspace_out_gain > 0):
+            raise UserInputError("model config: subspace_table_std must be >= 0 and subspace_out_gain > 0")
 
     @property
     def head_dim(self) -> int:
         return self.d_model // self.n_heads
+
+    @property
+    def constrained_layers(self) -> int:
+        """How many leading blocks write only into span(U): 0 for the plain model."""
+        if not self.subspace_rank:
+            return 0
+        return self.n_layers if self.subspace_layers is None else self.subspace_layers
 
     def replace(self, **changes: object) -> ModelConfig:
         """A copy with some fields changed, e.g. ``vocab_size`` from the tokenizer."""
@@ -70,6 +93,18 @@ def preset(name: str, **overrides: object) -> ModelConfig:
         return PRESETS[name].replace(**overrides)
     except TypeError as exc:
         raise UserInputError(f"bad model override for preset {name!r}: {exc}") from None
+
+
+class FixedNorm(nn.Module):
+    """RMS normalisation times one fixed scalar: unlike per-channel gains it maps span(U) into itself."""
+
+    def __init__(self, gain: float, eps: float) -> None:
+        super().__init__()
+        self.gain, self.eps = gain, eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.gain
 
 
 class RMSNorm(nn.Module):
@@ -110,12 +145,15 @@ class Attention(nn.Module):
         self.wv = nn.Linear(d, d, bias=False)
         self.wo = nn.Linear(d, d, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, basis: torch.Tensor | None = None
+    ) -> torch.Tensor:
         b, t, d = x.shape
         q, k, v = (w(x).view(b, t, self.n_heads, -1).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.wo(y.transpose(1, 2).reshape(b, t, d))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, d)
+        wo = self.wo.weight if basis is None else project_writer(self.wo.weight, basis)
+        return F.linear(y, wo)
 
 
 class FeedForward(nn.Module):
@@ -125,23 +163,36 @@ class FeedForward(nn.Module):
         self.w3 = nn.Linear(config.d_model, config.d_ff, bias=False)  # up
         self.w2 = nn.Linear(config.d_ff, config.d_model, bias=False)  # down: writes the residual stream
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+    def forward(self, x: torch.Tensor, basis: torch.Tensor | None = None) -> torch.Tensor:
+        w2 = self.w2.weight if basis is None else project_writer(self.w2.weight, basis)
+        return F.linear(F.silu(self.w1(x)) * self.w3(x), w2)
 
 
 class Block(nn.Module):
-    """Pre-norm transformer block: x + attn(norm(x)), then x + ffn(norm(x))."""
+    """Pre-norm transformer block: x + attn(norm(x)), then x + ffn(norm(x)).
 
-    def __init__(self, config: ModelConfig) -> None:
+    A constrained block (variant A) writes U·Uᵀ·W_O and U·Uᵀ·W_2 outputs, each normalised with a fixed gain, so
+    whatever it adds to the residual stream lies in span(U).
+    """
+
+    def __init__(self, config: ModelConfig, index: int = 0) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(config.d_model, config.norm_eps)
         self.attn = Attention(config)
         self.ffn_norm = RMSNorm(config.d_model, config.norm_eps)
         self.ffn = FeedForward(config)
+        self.constrained = index < config.constrained_layers
+        if self.constrained:
+            self.out_norm = FixedNorm(config.subspace_out_gain, config.norm_eps)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), cos, sin)
-        return x + self.ffn(self.ffn_norm(x))
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, basis: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        if not self.constrained:
+            x = x + self.attn(self.attn_norm(x), cos, sin)
+            return x + self.ffn(self.ffn_norm(x))
+        x = x + self.out_norm(self.attn(self.attn_norm(x), cos, sin, basis))
+        return x + self.out_norm(self.ffn(self.ffn_norm(x), basis))
 
 
 class Stage(nn.Module):
@@ -161,13 +212,20 @@ class Stage(nn.Module):
         if self.is_first:
             self.embed = nn.Embedding(config.vocab_size, config.d_model)
         # Keyed by the global block index so parameter names match the whole model's.
-        self.blocks = nn.ModuleDict({str(i): Block(config) for i in range(start, end)})
+        self.blocks = nn.ModuleDict({str(i): Block(config, i) for i in range(start, end)})
         if self.is_last:
             self.norm = RMSNorm(config.d_model, config.norm_eps)
             self.head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         cos, sin = rope_tables(config)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+        if config.subspace_rank:
+            # Rebuilt from the seed on every peer, never trained, saved or sent: not part of the state dict.
+            basis = subspace_basis(config.d_model, config.subspace_rank, config.subspace_seed)
+            self.register_buffer("subspace_basis", basis, persistent=False)
+            if self.is_first:
+                table = fixed_table(config.vocab_size, config.d_model, config.subspace_seed, config.subspace_table_std)
+                self.register_buffer("fixed_table", table, persistent=False)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -181,13 +239,29 @@ class Stage(nn.Module):
             else:
                 nn.init.normal_(p, 0.0, std)
 
+    def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
+        """The residual stream's start: embed[x], or T_fixed[x] + embed[x]·U·Uᵀ in the subspace network.
+
+        Under drift absorption the embedding's part outside span(U) belongs to the fixed table (T_⊥ = T_fixed +
+        embed − embed·U·Uᵀ, rebuilt by the codecs after every outer step): it is added, but as a constant, so
+        only the in-span part T_S = embed·U·Uᵀ trains, as in variant A.
+        """
+        e = self.embed(ids)
+        if not self.config.subspace_rank:
+            return e
+        trained = project_rows(e, self.subspace_basis)
+        if self.config.subspace_drift:
+            trained = trained + (e - trained).detach()
+        return trained + self.fixed_table[ids].to(e.dtype)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.is_first:
-            x = self.embed(x)
+            x = self.embed_tokens(x)
         if x.shape[1] > self.config.max_seq_len:
             raise UserInputError(f"sequence of {x.shape[1]} tokens exceeds max_seq_len={self.config.max_seq_len}")
+        basis = getattr(self, "subspace_basis", None)
         for block in self.blocks.values():
-            x = block(x, self.rope_cos, self.rope_sin)
+            x = block(x, self.rope_cos, self.rope_sin, basis)
         if self.is_last:
             x = self.head(self.norm(x))
         return x

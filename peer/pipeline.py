@@ -1,0 +1,186 @@
+"""A pipeline replica in one process: the stages of one swarm chained with an activation codec at every boundary.
+
+Each boundary is a codec module (:mod:`hlbp.peer.subspace`) whose forward and backward go through the real wire
+bytes of :mod:`hlbp.protocol.activations`, so the loss reflects exactly what stage peers would compute and each
+boundary's meter counts the bytes that would cross it in each direction. A :class:`PipelineReplica` implements the
+simulation's ``Replica`` protocol, so it takes part in :func:`hlbp.peer.simulation.run_outer_simulation` beside
+full replicas. A one-stage pipeline has no boundary and is a full replica; variant-A runs use it for their full
+replicas because those must keep the same constraint (see :func:`run_model_config`).
+
+Keeping T_fixed in step across peers: after each outer step every stage needs the anchor table of
+:func:`hlbp.peer.subspace.anchor_table`. For A it is fixed by the seed. For B and A+drift it is a function of the
+synchronized embedding, so in a network run every stage peer, not only stage 0, follows the embedding's shard of
+each round (it applies the same accepted contributions to ``embed.weight``); here that is simply the replica's own
+stage-0 embedding after ``load_params``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from hlbp.peer.model import ModelConfig, Stage, build_model, load_from_full, partition, split
+from hlbp.peer.subspace import (
+    ActivationCodec,
+    CodecConfig,
+    SubspaceCodec,
+    SubspaceConstraint,
+    anchor_table,
+    constrained_model_config,
+    make_codec,
+)
+from hlbp.peer.trainer import BatchFn, InnerTrainer, OptimConfig
+
+
+def run_model_config(
+    base: ModelConfig, codec: CodecConfig, n_stages: int, bounds: list[tuple[int, int]] | None = None
+) -> ModelConfig:
+    """The model every replica of a run trains, full replicas included.
+
+    For the variants A it is the constrained network, constrained up to the first layer of the last stage of the
+    run's partition. Full replicas train it too: the global model is one function, so a constraint that pipeline
+    replicas need for a lossless codec binds every replica (ALGORITHMS.md §3 A; the outer step is then projected
+    identically everywhere). Only the codec, and so the bytes, differ between full and pipeline replicas.
+    """
+    bounds = bounds if bounds is not None else partition(base.n_layers, n_stages)
+    return constrained_model_config(base, codec, bounds[-1][0])
+
+
+class PipelineModel(nn.Module):
+    """Stages chained through codecs; ``forward(ids)`` gives logits and ``loss`` is the last stage's.
+
+    Parameter names inside the module are ``stages.<s>.<name>``; :meth:`shard_parameters` gives them under the
+    whole model's names.
+    """
+
+    def __init__(self, stages: Sequence[Stage], codecs: Sequence[ActivationCodec]) -> None:
+        super().__init__()
+        if len(codecs) != len(stages) - 1:
+            raise ValueError(f"{len(stages)} stages need {len(stages) - 1} codecs, got {len(codecs)}")
+        self.stages = nn.ModuleList(stages)
+        self.codecs = nn.ModuleList(codecs)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.stages[0](ids)
+        for codec, stage in zip(self.codecs, self.stages[1:]):
+            h = stage(codec(h, ids))
+        return h
+
+    def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return self.stages[-1].loss(logits, targets)
+
+    def boundary_states(self, ids: torch.Tensor) -> list[torch.Tensor]:
+        """Hidden states leaving each stage but the last, with no codec in between (for measurements)."""
+        out, h = [], self.stages[0](ids)
+        for stage in self.stages[1:]:
+            out.append(h)
+            h = stage(h)
+        return out
+
+    def shard_parameters(self) -> dict[str, nn.Parameter]:
+        return {n: p for stage in self.stages for n, p in stage.named_parameters()}
+
+    def meters(self) -> list[dict[str, float]]:
+        """Per boundary: bytes per token and totals each way so far."""
+        return [codec.meter.summary() for codec in self.codecs]
+
+
+def build_pipeline(
+    config: ModelConfig,
+    codec: CodecConfig,
+    n_stages: int,
+    full_state: dict[str, torch.Tensor] | None = None,
+    bounds: list[tuple[int, int]] | None = None,
+    max_tokens: int = 1 << 20,
+) -> PipelineModel:
+    """Stages of ``config`` (the run's model, see :func:`run_model_config`), loaded from ``full_state`` if given."""
+    stages = split(config, n_stages, bounds)
+    if full_state is not None:
+        for stage in stages:
+            load_from_full(stage, full_state)
+    embed = stages[0].embed.weight.detach()
+    base = getattr(stages[0], "fixed_table", None)
+    codecs = [
+        make_codec(codec, config.d_model, config.vocab_size, config.max_seq_len, base, embed, max_tokens)
+        for _ in range(n_stages - 1)
+    ]
+    return PipelineModel(stages, codecs)
+
+
+class PipelineReplica:
+    """A pipeline (or, with one stage, a full) replica with its own AdamW state and data: a simulation ``Replica``.
+
+    It re-projects variant A's constrained tensors after every inner step and, after loading the global
+    parameters of an outer step, remembers them and rebuilds T_fixed at every boundary.
+    """
+
+    def __init__(self, name: str, model: PipelineModel, trainer: InnerTrainer, codec: CodecConfig) -> None:
+        self.name, self.model, self.trainer, self.codec = name, model, trainer, codec
+        config = model.stages[0].config
+        params = model.shard_parameters()
+        self.constraint = SubspaceConstraint(params, config) if config.subspace_rank else None
+        self.refresh_tables()
+
+    @property
+    def tokens(self) -> int:
+        return self.trainer.tokens
+
+    def params(self) -> dict[str, torch.Tensor]:
+        return {n: p.detach() for n, p in self.model.shard_parameters().items()}
+
+    @torch.no_grad()
+    def load_params(self, params: dict[str, torch.Tensor]) -> None:
+        for n, p in self.model.shard_parameters().items():
+            p.copy_(params[n])
+        if self.constraint is not None:
+            self.constraint.sync()
+        self.refresh_tables()
+
+    def train(self, steps: int) -> float:
+        total = 0.0
+        for _ in range(steps):
+            total += self.trainer.train_step()
+            if self.constraint is not None:
+                self.constraint.reproject()
+        return total / max(1, steps)
+
+    @torch.no_grad()
+    def refresh_tables(self) -> None:
+        """Every boundary's T_fixed from the synchronized embedding (B and A+drift), shared by all boundaries."""
+        subspace = [c for c in self.model.codecs if isinstance(c, SubspaceCodec)]
+        if not subspace or subspace[0].variant == "subspace-a":
+            return
+        first = subspace[0]
+        base = getattr(self.model.stages[0], "fixed_table", None)
+        table = anchor_table(first.variant, base, self.model.stages[0].embed.weight.detach(), first.basis)
+        for codec in subspace:
+            codec.set_table(table)
+
+    def meters(self) -> list[dict[str, float]]:
+        return self.model.meters()
+
+
+def make_replica(
+    name: str,
+    config: ModelConfig,
+    codec: CodecConfig,
+    n_stages: int,
+    full_state: dict[str, torch.Tensor],
+    optim: OptimConfig,
+    batch_fn: BatchFn,
+    device: torch.device,
+    bounds: list[tuple[int, int]] | None = None,
+) -> PipelineReplica:
+    """A replica of the run's model ``config`` starting from ``full_state``: a pipeline of ``n_stages`` stages
+    with ``codec`` at each boundary, or a full replica when ``n_stages`` is 1."""
+    model = build_pipeline(config, codec, n_stages, full_state, bounds).to(device)
+    return PipelineReplica(name, model, InnerTrainer(model, optim, batch_fn, device), codec)
+
+
+def initial_state(config: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
+    """The whole model's initial parameters from ``seed``, as every replica of a run starts (same as
+    :func:`hlbp.peer.simulation.make_full_replicas`); the subspace fields of ``config`` do not change them."""
+    torch.manual_seed(seed)
+    return {n: t.detach().clone() for n, t in build_model(config).state_dict().items()}
