@@ -42,3 +42,120 @@ def convergence(
     if inner_steps is not None:
         changes["inner_steps"] = inner_steps
     run_convergence_bench(dataclasses.replace(cfg, **changes), out, console)
+
+
+@bench_app.command("activations")
+def activations(
+    quick: bool = opt(False, "--quick", env="BENCH_QUICK", help=QUICK_HELP),
+    out: Path | None = opt(None, "--out", env="BENCH_OUT", help=OUT_HELP),
+    stages: int = opt(4, "--stages", env="BENCH_STAGES", help="Pipeline stages (boundaries = stages - 1)."),
+    train_steps: int | None = opt(
+        None, "--train-steps", env="BENCH_TRAIN_STEPS", help="Inner steps under each codec first (default 10; quick 2)."
+    ),
+    seed: int = opt(0, "--seed", env="SEED", help="Seed for init, data, U and T_fixed."),
+    threads: int | None = opt(None, "--threads", env="THREADS", help="torch CPU threads."),
+) -> None:
+    """Per codec and k/d: bytes per token per boundary each way, encode/decode time, reconstruction error."""
+    import dataclasses
+
+    import torch
+
+    from hlbp.peer.bench.activations import ActivationsBenchConfig, run_activations_bench
+
+    if threads:
+        torch.set_num_threads(threads)
+    cfg = ActivationsBenchConfig.quick() if quick else ActivationsBenchConfig()
+    changes: dict = {"stages": stages, "seed": seed}
+    if train_steps is not None:
+        changes["train_steps"] = train_steps
+    run_activations_bench(dataclasses.replace(cfg, **changes), out, console)
+
+
+@bench_app.command("heterogeneous")
+def heterogeneous(
+    quick: bool = opt(False, "--quick", env="BENCH_QUICK", help=QUICK_HELP),
+    out: Path | None = opt(None, "--out", env="BENCH_OUT", help=OUT_HELP),
+    replicas: int = opt(4, "--replicas", env="BENCH_REPLICAS", help="Replicas R (half of them compress in 'half')."),
+    stages: int = opt(2, "--stages", env="BENCH_STAGES", help="Stages of each pipeline replica."),
+    rounds: int | None = opt(None, "--rounds", env="BENCH_ROUNDS", help="Outer rounds (default 12; quick 2)."),
+    inner_steps: int | None = opt(None, "--inner-steps", env="BENCH_INNER_STEPS", help="H (default 15; quick 4)."),
+    ratios: str | None = opt(
+        None, "--ratios", env="BENCH_RATIOS", help="Comma-separated k/d (default 1/8,1/32,1/128; quick 1/32)."
+    ),
+    variants: str | None = opt(
+        None, "--variants", env="BENCH_VARIANTS",
+        help="Comma-separated codecs (default subspace-a,subspace-b,subspace-a-drift).",
+    ),
+    wire_dtype: str | None = opt(
+        None, "--wire-dtype", env="BENCH_WIRE_DTYPE", help="Activation wire dtype fp32/bf16/fp16 (default fp32)."
+    ),
+    seed: int = opt(0, "--seed", env="SEED", help="Seed for init, data, U and T_fixed."),
+    threads: int | None = opt(None, "--threads", env="THREADS", help="torch CPU threads."),
+) -> None:
+    """SparseLoCo with some replicas as compressed pipelines: variant x k/d x {none, half, all} compressed."""
+    import dataclasses
+
+    import torch
+
+    from hlbp.peer.bench.heterogeneous import HeterogeneousBenchConfig, run_heterogeneous_bench
+    from hlbp.peer.subspace import CodecConfig
+
+    if threads:
+        torch.set_num_threads(threads)
+    cfg = HeterogeneousBenchConfig.quick() if quick else HeterogeneousBenchConfig()
+    changes: dict = {"replicas": replicas, "stages": stages, "seed": seed, "wire_dtype": wire_dtype}
+    if rounds is not None:
+        changes["rounds"] = rounds
+    if inner_steps is not None:
+        changes["inner_steps"] = inner_steps
+    if ratios:
+        changes["ratios"] = tuple(r.strip() for r in ratios.split(",") if r.strip())
+    if variants:
+        changes["variants"] = tuple(v.strip() for v in variants.split(",") if v.strip())
+        for v in changes["variants"]:
+            CodecConfig(v)  # rejects unknown names with a clear message before any work
+    run_heterogeneous_bench(dataclasses.replace(cfg, **changes), out, console)
+
+
+@bench_app.command("codec")
+def codec(
+    quick: bool = opt(False, "--quick", env="BENCH_QUICK", help=QUICK_HELP),
+    out: Path | None = opt(None, "--out", env="BENCH_OUT", help=OUT_HELP),
+    models: str | None = opt(
+        None, "--models", env="BENCH_MODELS",
+        help="Comma-separated presets for the real inputs (default tiny,small; quick tiny).",
+    ),
+    rounds: int | None = opt(
+        None, "--rounds", env="BENCH_ROUNDS", help="Outer rounds; all but the last fill EF buffers (default 2)."
+    ),
+    inner_steps: int | None = opt(
+        None, "--inner-steps", env="BENCH_INNER_STEPS", help="H (default 15; quick 5)."
+    ),
+    warmup_steps: int | None = opt(
+        None, "--warmup-steps", env="BENCH_WARMUP_STEPS",
+        help="AdamW steps before the first round (default 20; quick 5).",
+    ),
+    repeats: int | None = opt(
+        None, "--repeats", env="BENCH_REPEATS", help="Timed runs per row, median shown (default 3; quick 2)."
+    ),
+    seed: int = opt(0, "--seed", env="SEED", help="Seed for init, data and the synthetic input."),
+    threads: int | None = opt(None, "--threads", env="THREADS", help="torch CPU threads."),
+) -> None:
+    """SparseLoCo entropy and packed12 formats vs dense fp32, bf16 and zstd: bits/param, time, error."""
+    import dataclasses
+
+    import torch
+
+    from hlbp.peer.bench.codec import CodecBenchConfig, run_codec_bench
+
+    if threads:
+        torch.set_num_threads(threads)
+    cfg = CodecBenchConfig.quick() if quick else CodecBenchConfig()
+    changes: dict = {"seed": seed}
+    if models is not None:
+        changes["models"] = tuple(m.strip() for m in models.split(",") if m.strip())
+    for name, value in (("rounds", rounds), ("inner_steps", inner_steps), ("warmup_steps", warmup_steps),
+                        ("repeats", repeats)):
+        if value is not None:
+            changes[name] = value
+    run_codec_bench(dataclasses.replace(cfg, **changes), out, console)

@@ -10,6 +10,7 @@ import typer
 from rich.console import Console
 
 from hlbp.cli.bench import bench_app
+from hlbp.cli.control_cmds import register as register_control_commands
 from hlbp.cli.options import opt
 from hlbp.peer.errors import UserInputError
 from hlbp.protocol import ProtocolError
@@ -23,6 +24,7 @@ app = typer.Typer(
 )
 console = Console(stderr=True)
 app.add_typer(bench_app, name="bench")
+register_control_commands(app)
 
 
 def _version() -> str:

@@ -1,0 +1,296 @@
+"""``hlbp bootstrap``, ``hlbp join`` and ``hlbp status``: the control-plane commands.
+
+A thin shell: flags (each also an HLBP_* variable) become config dataclasses, hlbp.bootstrap and hlbp.peer do the
+work. ``register(app)`` adds the three commands to the main typer app. Heavy imports (hivemind, torch) happen
+inside the commands, so ``hlbp --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from hlbp.cli.options import opt
+from hlbp.peer.errors import UserInputError
+from hlbp.protocol import ProtocolError
+
+err_console = Console(stderr=True)
+
+_INITIAL_PEERS_HELP = "Multiaddrs of running peers, with /p2p/<peer id> (the line `hlbp bootstrap` printed)."
+_ANNOUNCE_HELP = "Public multiaddrs others should dial (e.g. /ip4/<public IP>/tcp/PORT), when NAT hides ours."
+
+
+def _split(values: list[str] | None) -> list[str]:
+    """Flags may repeat, and each value (or HLBP_* variable) may hold several addresses split by commas or spaces."""
+    return [part for value in values or [] for part in value.replace(",", " ").split()]
+
+
+def _setup_logging() -> None:
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def _echo(line: str) -> None:
+    # Plain prints (not rich) so that addresses and the join command paste cleanly, even when piped.
+    print(line, flush=True)
+
+
+def _stop_on_signals(stop: threading.Event, interrupt: threading.Event | None = None) -> None:
+    """SIGTERM and SIGINT set ``stop``; while ``interrupt`` is set they also raise KeyboardInterrupt in the main
+    thread, to cut short work (local training) that does not poll ``stop``."""
+
+    main_pid = os.getpid()
+
+    def handler(signum: int, _frame: Any) -> None:
+        if os.getpid() != main_pid:
+            # A forked child (hivemind's DHT process) inherits this handler; it must die as it would by default,
+            # or a terminate() from the parent would be ignored and the parent would wait for it forever.
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        stop.set()
+        if interrupt is not None and interrupt.is_set():
+            raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)
+
+
+def bootstrap(
+    host_maddrs: list[str] = opt(["/ip4/0.0.0.0/tcp/31337"], "--host-maddrs", env="HOST_MADDRS",
+                                 help="Multiaddrs to listen on.", metavar="MULTIADDR"),
+    announce_maddrs: list[str] = opt([], "--announce-maddrs", env="ANNOUNCE_MADDRS", help=_ANNOUNCE_HELP,
+                                     metavar="MULTIADDR"),
+    initial_peers: list[str] = opt([], "--initial-peers", env="INITIAL_PEERS",
+                                   help="Other bootstraps of the same DHT, for redundancy (optional).",
+                                   metavar="MULTIADDR"),
+    identity: Path = opt(None, "--identity", env="IDENTITY",
+                         help="Persistent Ed25519 identity file, created (mode 0400) if absent "
+                              "[default: ~/.config/hlbp/bootstrap.key]."),
+    run_config: Path = opt(None, "--run-config", env="RUN_CONFIG",
+                           help="TOML run config (model, stages, hyperparameters); defaults without it."),
+    tokenizer: Path = opt(None, "--tokenizer", env="TOKENIZER",
+                          help="Publish this tokenizer.json instead of preparing one from the data recipe."),
+    cache_dir: Path = opt(None, "--cache-dir", env="CACHE", help="Cache for corpus and tokenizer [~/.cache/hlbp]."),
+    ttl: float = opt(60.0, "--ttl", env="TTL", help="Seconds the manifest and records live without a refresh."),
+    nat_port_map: bool = opt(False, "--nat-port-map/--no-nat-port-map", env="NAT_PORT_MAP",
+                             help="Ask the router for a port mapping (UPnP / NAT-PMP)."),
+) -> None:
+    """Run a long-lived DHT entry point that publishes the signed run manifest and serves the tokenizer.
+
+    Prints its multiaddrs and a ready-to-paste `hlbp join` command.
+    Stops cleanly on SIGTERM or Ctrl-C.
+    """
+    from hlbp.bootstrap.node import BootstrapConfig, default_identity_path, run_bootstrap
+    from hlbp.peer.control import NetworkConfig
+
+    _setup_logging()
+    cfg = BootstrapConfig(
+        net=NetworkConfig(initial_peers=_split(initial_peers), host_maddrs=_split(host_maddrs),
+                          announce_maddrs=_split(announce_maddrs), nat_port_map=nat_port_map),
+        identity=identity or default_identity_path(), run_config=run_config, tokenizer=tokenizer,
+        cache_dir=cache_dir, ttl=ttl,
+    )
+    stop = threading.Event()
+    _stop_on_signals(stop)
+    run_bootstrap(cfg, _echo, stop)
+
+
+def join(
+    initial_peers: list[str] = opt([], "--initial-peers", env="INITIAL_PEERS", help=_INITIAL_PEERS_HELP,
+                                   metavar="MULTIADDR"),
+    host_maddrs: list[str] = opt(["/ip4/0.0.0.0/tcp/0"], "--host-maddrs", env="HOST_MADDRS",
+                                 help="Multiaddrs to listen on; a fixed port helps others dial you.",
+                                 metavar="MULTIADDR"),
+    announce_maddrs: list[str] = opt([], "--announce-maddrs", env="ANNOUNCE_MADDRS", help=_ANNOUNCE_HELP,
+                                     metavar="MULTIADDR"),
+    identity: Path = opt(None, "--identity", env="IDENTITY",
+                         help="Persistent identity file (created 0400 if absent); default: a new one per session."),
+    manifest_signer: list[str] = opt([], "--manifest-signer", env="MANIFEST_SIGNER", metavar="PEER_ID",
+                                     help="Peer ids trusted to sign the manifest [default: the initial peers, and "
+                                          "the signer they follow]."),
+    role: str = opt(None, "--role", env="ROLE", help="Force the role: replica or stage."),
+    stage: int = opt(None, "--stage", env="STAGE", help="Force this pipeline stage (implies --role stage)."),
+    memory_gb: float = opt(None, "--memory-gb", env="MEMORY_GB", help="Announce this memory instead of measuring."),
+    throughput: float = opt(None, "--throughput", env="THROUGHPUT",
+                            help="Announce these full-model tokens/s instead of a warm-up."),
+    bandwidth: float = opt(None, "--bandwidth", env="BANDWIDTH", help="Announce these bytes/s instead of a probe."),
+    ttl: float = opt(60.0, "--ttl", env="TTL", help="Seconds our record lives without a heartbeat."),
+    reachability: str = opt("auto", "--reachability", env="REACHABILITY",
+                            help="auto (ask a peer to dial us back), public, or client (DHT client mode)."),
+    connect_timeout: float = opt(60.0, "--connect-timeout", env="CONNECT_TIMEOUT",
+                                 help="Seconds to keep retrying the initial peers."),
+    manifest_timeout: float = opt(30.0, "--manifest-timeout", env="MANIFEST_TIMEOUT",
+                                  help="Seconds to wait for the run manifest."),
+    cache_dir: Path = opt(None, "--cache-dir", env="CACHE", help="Cache for artifacts and data [~/.cache/hlbp]."),
+    probe_mb: float = opt(4.0, "--probe-mb", env="PROBE_MB", help="MiB downloaded to measure bandwidth."),
+    train: bool = opt(True, "--train/--no-train", env="TRAIN",
+                      help="Train after announcing; --no-train holds the role without training."),
+    max_steps: int = opt(None, "--max-steps", env="MAX_STEPS", help="Leave after this many local training steps."),
+    out_dir: Path = opt(Path("runs/join"), "--out-dir", env="OUT_DIR", help="Checkpoints and metrics of training."),
+    nat_port_map: bool = opt(False, "--nat-port-map/--no-nat-port-map", env="NAT_PORT_MAP",
+                             help="Ask the router for a port mapping (UPnP / NAT-PMP)."),
+) -> None:
+    """Join a run: read its manifest, measure this machine, take a role, announce it, and train until stopped.
+
+    Outer SparseLoCo rounds come later. Until then a full replica trains locally with the inner trainer,
+    and a stage peer holds its place in its pipeline swarm.
+    SIGTERM or Ctrl-C marks the peer offline and leaves within seconds.
+    """
+    from hlbp.peer.control import NetworkConfig
+    from hlbp.peer.join import JoinConfig, TrainContext, default_train_hook
+    from hlbp.peer.join import join as do_join
+
+    _setup_logging()
+    if probe_mb <= 0 or max_steps is not None and max_steps < 0:
+        raise UserInputError("--probe-mb must be > 0 and --max-steps >= 0")
+    cfg = JoinConfig(
+        net=NetworkConfig(initial_peers=_split(initial_peers), host_maddrs=_split(host_maddrs),
+                          announce_maddrs=_split(announce_maddrs), connect_timeout_s=connect_timeout,
+                          nat_port_map=nat_port_map),
+        identity=identity, manifest_signers=_split(manifest_signer), role=role, stage=stage, memory_gb=memory_gb,
+        throughput=throughput, bandwidth=bandwidth, ttl=ttl, reachability=reachability,
+        manifest_timeout_s=manifest_timeout, cache_dir=cache_dir, probe_bytes=int(probe_mb * (1 << 20)),
+        train=train, max_steps=max_steps, out_dir=out_dir,
+    )
+    stop, training = threading.Event(), threading.Event()
+    _stop_on_signals(stop, training)
+    peer = do_join(cfg, _echo)
+    try:
+        out = Path(out_dir) / peer.manifest.manifest.run_id / peer.plane.peer_id[-12:]
+        ctx = TrainContext(peer=peer, max_steps=max_steps, out_dir=out, cache_dir=cache_dir, stop=stop)
+        if not train:
+            _echo("holding the role without training (--no-train); Ctrl-C or SIGTERM to leave")
+            stop.wait()
+        elif peer.role.kind != "replica":
+            _echo("holding this stage until pipeline rounds are wired in; Ctrl-C or SIGTERM to leave")
+            default_train_hook(ctx)
+        elif not stop.is_set():
+            training.set()  # from here a signal also interrupts the training loop, which does not poll `stop`
+            try:
+                default_train_hook(ctx)
+            except KeyboardInterrupt:
+                _echo("stopping training")
+            finally:
+                training.clear()
+    finally:
+        _echo("leaving: marking this peer offline")
+        peer.leave()
+
+
+def status(
+    initial_peers: list[str] = opt([], "--initial-peers", env="INITIAL_PEERS", help=_INITIAL_PEERS_HELP,
+                                   metavar="MULTIADDR"),
+    manifest_signer: list[str] = opt([], "--manifest-signer", env="MANIFEST_SIGNER", metavar="PEER_ID",
+                                     help="Peer ids trusted to sign the manifest [default: the initial peers]."),
+    show_offline: bool = opt(False, "--offline/--no-offline", env="STATUS_OFFLINE",
+                             help="Also list peers that left but whose records have not expired."),
+    as_json: bool = opt(False, "--json/--no-json", env="STATUS_JSON", help="Print JSON for scripts."),
+    connect_timeout: float = opt(20.0, "--connect-timeout", env="CONNECT_TIMEOUT",
+                                 help="Seconds to keep retrying the initial peers."),
+    manifest_timeout: float = opt(10.0, "--manifest-timeout", env="MANIFEST_TIMEOUT",
+                                  help="Seconds to wait for the run manifest."),
+) -> None:
+    """Show the run's peers from the DHT: role, swarm, stage, version, throughput, bandwidth, last seen."""
+    import tempfile
+
+    from hlbp.peer.control import ControlPlane, NetworkConfig, dht_time
+    from hlbp.peer.join import trusted_signers
+
+    _setup_logging()
+    peers_list = _split(initial_peers)
+    if not peers_list:
+        raise UserInputError("pass --initial-peers (or HLBP_INITIAL_PEERS): the multiaddr of any peer of the run")
+    # A client-mode node on loopback: status only dials out, so it opens no port to the outside.
+    net = NetworkConfig(initial_peers=peers_list, host_maddrs=["/ip4/127.0.0.1/tcp/0"], client_mode=True,
+                        connect_timeout_s=connect_timeout)
+    anchors, explicit = trusted_signers(peers_list, _split(manifest_signer))
+    with tempfile.TemporaryDirectory(prefix="hlbp-status-") as tmp:
+        plane = ControlPlane.connect(net, Path(tmp) / "identity.key")
+        try:
+            signed = plane.find_manifest(anchors, explicit, manifest_timeout)
+            records = plane.read_peers(signed.manifest.run_id)
+            now = dht_time()
+        finally:
+            plane.shutdown()
+    report = status_report(signed, records, now, show_offline)
+    if as_json:
+        print(json.dumps(report, indent=1), flush=True)
+        return
+    # Piped output (grep, less, a log) is not wrapped by a terminal, so give the table room instead of eliding.
+    Console(width=None if sys.stdout.isatty() else 160).print(status_table(report))
+
+
+def status_report(signed: Any, records: dict[str, Any], now: float, show_offline: bool) -> dict[str, Any]:
+    """The JSON shape of ``hlbp status --json``: the run, then one entry per peer sorted by role, swarm, stage."""
+    m = signed.manifest
+    peers = []
+    for peer_id, rec in records.items():
+        a = rec.announcement
+        if not a.online and not show_offline:
+            continue
+        peers.append({
+            "peer_id": peer_id, "role": a.role, "swarm": a.swarm, "stage": a.stage, "online": a.online,
+            "throughput": a.throughput, "bandwidth": a.bandwidth, "memory_gb": a.memory_gb, "software": a.software,
+            "protocol": a.protocol_version, "reachability": a.reachability, "seq": a.seq,
+            "last_seen_s": round(max(0.0, now - a.issued_at), 1), "expires_in_s": round(a.expires_at - now, 1),
+            "record_bytes": rec.size, "maddrs": list(a.maddrs),
+            "manifest_current": a.manifest_signer == signed.signer and a.manifest_digest == signed.digest,
+        })
+    order = {"bootstrap": 0, "replica": 1, "stage": 2}
+    peers.sort(key=lambda p: (order.get(p["role"], 9), p["swarm"] or 0, p["stage"] or 0, p["peer_id"]))
+    return {
+        "run_id": m.run_id, "model": m.model, "stages": [list(s) for s in m.stages], "signer": signed.signer,
+        "manifest_digest": signed.digest, "protocol": m.protocol_version, "peers": peers,
+    }
+
+
+def status_table(report: dict[str, Any]) -> Table:
+    """The human view of :func:`status_report`: one row per peer, narrow enough for an 80-column terminal."""
+    table = Table(title=f"run {report['run_id']}: {report['model']}, {len(report['stages'])} stages, "
+                        f"{len(report['peers'])} peers", box=None, pad_edge=False)
+    for column in ("peer", "role", "where", "state", "tok/s", "MB/s", "GB", "version", "reach", "seen"):
+        table.add_column(column, justify="right" if column in ("tok/s", "MB/s", "GB", "seen") else "left")
+    for p in report["peers"]:
+        where = f"m{p['swarm']} s{p['stage']}" if p["role"] == "stage" else ""
+        table.add_row(
+            p["peer_id"][-8:], p["role"], where, "online" if p["online"] else "offline", f"{p['throughput']:,.0f}",
+            f"{p['bandwidth'] / 1e6:,.0f}", f"{p['memory_gb']:.0f}", f"{p['software']}/p{p['protocol']}",
+            p["reachability"], f"{p['last_seen_s']:.0f}s",
+        )
+    return table
+
+
+def register(app: typer.Typer) -> None:
+    """Add ``bootstrap``, ``join`` and ``status`` to the ``hlbp`` app."""
+    app.command()(bootstrap)
+    app.command()(join)
+    app.command()(status)
+
+
+def _main() -> None:
+    """Stand-alone entry (``python -m hlbp.cli.control_cmds``), with the same error handling as ``hlbp``."""
+    app = typer.Typer(name="hlbp", no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
+    register(app)
+    try:
+        app()
+    except (UserInputError, ProtocolError) as exc:
+        err_console.print(f"[bold red]error:[/] {exc}")
+        sys.exit(2)
+    except KeyboardInterrupt:
+        err_console.print("interrupted")
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    _main()

@@ -1,0 +1,310 @@
+"""``hlbp join``: attach to a run, measure this machine, pick a role, announce it, then train until stopped.
+
+The steps, in order, each with a bounded wait:
+
+1. connect to the initial peers (exponential backoff; a clear error listing every address);
+2. fetch and verify the run manifest (signature, signer trust, protocol version);
+3. check that others can dial us; if not, fall back to DHT client mode and say how to fix it;
+4. fetch the run's artifacts by content hash from any peer that serves them;
+5. measure memory, tokens/s and bandwidth (each can be forced by a flag);
+6. choose a role with hlbp.peer.roles and announce it; a heartbeat keeps the record fresh;
+7. hand over to the training hook. Outer rounds are not wired in yet: a full replica trains locally with the inner
+   trainer, a stage peer holds its place in the swarm.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hlbp.peer.capacity import measure, measure_bandwidth, measure_throughput, model_warmup
+from hlbp.peer.control import (
+    ControlPlane,
+    Heartbeat,
+    NetworkConfig,
+    load_or_create_identity,
+    software_version,
+)
+from hlbp.peer.errors import UserInputError
+from hlbp.peer.roles import Capacity, PeerView, Role, Thresholds, choose_role
+from hlbp.protocol import ProtocolError
+from hlbp.protocol.records import Announcement, SignedManifest, public_key_from_peer_id, sha256_hex
+
+logger = logging.getLogger(__name__)
+
+TOKENIZER_ARTIFACT = "tokenizer.json"
+
+
+@dataclass
+class JoinConfig:
+    """Everything ``hlbp join`` needs; each field is one CLI flag and one HLBP_* variable."""
+
+    net: NetworkConfig = field(default_factory=NetworkConfig)
+    identity: Path | None = None  # persistent key file; None: a fresh identity for this session only
+    manifest_signers: list[str] = field(default_factory=list)  # trusted signers; empty: the initial peers
+    role: str | None = None  # force replica or stage
+    stage: int | None = None  # force this stage (implies role stage)
+    memory_gb: float | None = None  # force available memory instead of measuring it
+    throughput: float | None = None  # force full-model tokens/s instead of a warm-up
+    bandwidth: float | None = None  # force bytes/s instead of a probe
+    ttl: float = 60.0  # seconds our record lives without a heartbeat (heartbeat every ttl/3)
+    reachability: str = "auto"  # auto: ask a peer to dial us back; public: skip; client: DHT client mode
+    manifest_timeout_s: float = 30.0  # how long to wait for the manifest to appear
+    cache_dir: Path | None = None  # artifacts and data cache; None: hlbp.peer.data's default
+    probe_bytes: int = 4 << 20  # bytes downloaded to measure bandwidth
+    train: bool = True  # False: announce and hold the role without training (tests, dry runs)
+    max_steps: int | None = None  # stop training after this many steps, then leave
+    out_dir: Path = Path("runs/join")  # checkpoints and metrics of local training
+
+
+@dataclass
+class JoinedPeer:
+    """A peer that has announced its role. :meth:`leave` marks it offline and stops the DHT."""
+
+    plane: ControlPlane
+    heartbeat: Heartbeat
+    manifest: SignedManifest
+    role: Role
+    capacity: Capacity
+    tokenizer_path: Path
+    join_seconds: float  # from the start of join() to the first announcement
+    reachability: str
+    _tmp: tempfile.TemporaryDirectory | None = None
+
+    def leave(self) -> None:
+        try:
+            self.heartbeat.leave()
+        finally:
+            self.plane.shutdown()
+            if self._tmp is not None:
+                self._tmp.cleanup()
+
+
+def _cache_dir(cfg: JoinConfig) -> Path:
+    if cfg.cache_dir is not None:
+        return Path(cfg.cache_dir).expanduser()
+    from hlbp.peer.data import default_cache_dir
+
+    return default_cache_dir()
+
+
+def trusted_signers(initial_peers: list[str], manifest_signers: list[str]) -> tuple[set[str], bool]:
+    """(signers, explicit): --manifest-signer ids if given, else the peer ids inside the initial multiaddrs."""
+    if manifest_signers:
+        for signer in manifest_signers:
+            try:
+                public_key_from_peer_id(signer)
+            except ProtocolError:
+                raise UserInputError(f"--manifest-signer {signer!r} is not a peer id like 12D3KooW...") from None
+        return set(manifest_signers), True
+    return {a.rstrip("/").split("/p2p/")[-1] for a in initial_peers if "/p2p/" in a}, False
+
+
+def check_reachability(plane: ControlPlane, helpers: list[str]) -> tuple[str, list[str]]:
+    """("public" | "client" | "unknown", our addresses) after asking the first helper that answers to dial us."""
+    maddrs = plane.maddrs()
+    for peer_id in helpers:
+        try:
+            reachable, _ = plane.dial_back(peer_id, maddrs)
+        except Exception as exc:  # noqa: BLE001 - a helper that can't help: ask the next one
+            logger.debug("dial-back through %s failed: %s", peer_id, exc)
+            continue
+        return ("public" if reachable else "client"), maddrs
+    return "unknown", maddrs
+
+
+def _client_mode_hint(maddrs: list[str]) -> str:
+    ports = sorted({a.split("/tcp/")[1].split("/")[0] for a in maddrs if "/tcp/" in a})
+    return (
+        f"other peers cannot dial this machine at {', '.join(maddrs) or 'any address'}; running as a DHT client "
+        f"(it still trains, but serves nothing). To fix it, forward TCP port {', '.join(ports) or '<port>'} to this "
+        "machine, or listen on a fixed port with --host-maddrs /ip4/0.0.0.0/tcp/PORT and pass "
+        "--announce-maddrs /ip4/<public IP>/tcp/PORT"
+    )
+
+
+def thresholds_for(signed: SignedManifest) -> Thresholds:
+    """Memory thresholds from the model's parameter counts (built on the meta device: no memory, no time)."""
+    import torch
+
+    from hlbp.peer.model import Stage, build_model, count_parameters, preset
+
+    m = signed.manifest
+    config = preset(m.model, **m.model_overrides)
+    with torch.device("meta"):
+        n_full = count_parameters(build_model(config))
+        largest = max(count_parameters(Stage(config, a, b)) for a, b in m.stages)
+    return Thresholds.for_model(n_full, largest, m.placement.replica_min_throughput, m.placement.max_peers_per_stage)
+
+
+def _fetch_tokenizer(plane: ControlPlane, signed: SignedManifest, sources: list[str], cache: Path) -> Path:
+    m = signed.manifest
+    art = m.artifact(TOKENIZER_ARTIFACT)
+    if art is None or art.sha256 != m.tokenizer_hash:
+        raise UserInputError(f"the run manifest of {m.run_id} lists no tokenizer.json artifact matching its hash")
+    path = cache / "artifacts" / art.sha256 / art.name
+    if path.exists() and sha256_hex(path.read_bytes()) == art.sha256:
+        return path
+    return plane.fetch_artifact(art, sources, path)
+
+
+def _sources(plane: ControlPlane, signed: SignedManifest, anchors: set[str], sha: str) -> list[str]:
+    """Peers serving ``sha``: trusted anchors first, then the manifest signer, then every other announcer."""
+    peers = plane.read_peers(signed.manifest.run_id)
+    serving = [p for p, rec in peers.items() if rec.announcement.online and sha in rec.announcement.artifacts]
+    order = sorted(anchors) + [signed.signer] + sorted(serving)
+    seen: list[str] = []
+    for p in order:
+        if p != plane.peer_id and p not in seen and (p in serving or p in anchors or p == signed.signer):
+            seen.append(p)
+    return seen
+
+
+def join(cfg: JoinConfig, echo: Callable[[str], None]) -> JoinedPeer:
+    """Run steps 1-6 of the module docstring; returns the announced peer (the caller trains, then leaves)."""
+    start = time.perf_counter()
+    if cfg.reachability not in ("auto", "public", "client"):
+        raise UserInputError(f"--reachability must be auto, public or client, got {cfg.reachability!r}")
+    if cfg.ttl < 1:
+        raise UserInputError(f"--ttl must be at least 1 second, got {cfg.ttl}")
+    if not cfg.net.initial_peers:
+        raise UserInputError("pass --initial-peers (or HLBP_INITIAL_PEERS): the multiaddr `hlbp bootstrap` printed")
+    tmp = None
+    if cfg.identity is None:
+        tmp = tempfile.TemporaryDirectory(prefix="hlbp-id-")
+        identity_path = Path(tmp.name) / "identity.key"
+    else:
+        identity_path = Path(cfg.identity).expanduser()
+    identity = load_or_create_identity(identity_path)
+    anchors, explicit = trusted_signers(cfg.net.initial_peers, cfg.manifest_signers)
+    if cfg.reachability == "client":
+        cfg.net.client_mode = True
+
+    plane = ControlPlane.connect(cfg.net, identity_path, identity=identity)
+    try:
+        echo(f"connected as {plane.peer_id} in {time.perf_counter() - start:.1f} s")
+        signed = plane.find_manifest(anchors, explicit, cfg.manifest_timeout_s)
+        m = signed.manifest
+        plane.watch_run(m.run_id)
+        echo(f"run {m.run_id}: model {m.model}, {len(m.stages)} stages, signed by {signed.signer}")
+
+        reachability = "client" if cfg.net.client_mode else "public"
+        if cfg.reachability == "auto":
+            helpers = [a for a in sorted(anchors) if a != plane.peer_id] + [signed.signer]
+            reachability, maddrs = check_reachability(plane, list(dict.fromkeys(helpers)))
+            if reachability == "client":
+                echo("warning: " + _client_mode_hint(maddrs))
+                plane.shutdown()
+                cfg.net.client_mode = True
+                plane = ControlPlane.connect(cfg.net, identity_path, run_ids=(m.run_id,), identity=identity)
+
+        cache = _cache_dir(cfg)
+        sources = _sources(plane, signed, anchors, m.tokenizer_hash)
+        tokenizer_path = _fetch_tokenizer(plane, signed, sources, cache)
+        plane.serve_artifacts({m.tokenizer_hash: tokenizer_path})
+
+        thresholds = thresholds_for(signed)
+        probe_peer = sources[0] if sources else signed.signer
+
+        def throughput_fn(memory_gb: float) -> float:
+            factory, spec = model_warmup(m.model, m.model_overrides, m.stages, m.hparams.batch_size,
+                                         m.hparams.seq_len, memory_gb >= thresholds.replica_memory_gb)
+            return measure_throughput(factory, spec, seed=m.seed)
+
+        def bandwidth_fn() -> float:
+            return measure_bandwidth(lambda n: plane.probe(probe_peer, n), cfg.probe_bytes)
+
+        capacity = measure(cfg.memory_gb, cfg.throughput, cfg.bandwidth, throughput_fn, bandwidth_fn)
+        peers = plane.read_peers(m.run_id)
+        views = [
+            PeerView(p, r.announcement.role, r.announcement.swarm, r.announcement.stage, r.announcement.throughput)
+            for p, r in peers.items() if r.announcement.online and p != plane.peer_id
+        ]
+        try:
+            role = choose_role(capacity, views, len(m.stages), thresholds, force_role=cfg.role, force_stage=cfg.stage)
+        except ValueError as exc:
+            raise UserInputError(str(exc)) from None
+        if not role.fits:
+            need = thresholds.replica_memory_gb if role.kind == "replica" else thresholds.stage_memory_gb
+            message = (f"this machine has {capacity.memory_gb:.1f} GB available but a {role.kind} of {m.model} needs "
+                       f"about {need:.1f} GB")
+            if cfg.role is None and cfg.stage is None:
+                raise UserInputError(message + "; free memory, or force a role with --role/--stage")
+            echo(f"warning: {message}; continuing because the role was forced")
+
+        record = Announcement(
+            run_id=m.run_id, role=role.kind, swarm=role.swarm, stage=role.stage, throughput=capacity.throughput,
+            bandwidth=capacity.bandwidth, memory_gb=capacity.memory_gb, software=software_version(),
+            reachability=reachability, maddrs=tuple(plane.maddrs()[:8]), artifacts=(m.tokenizer_hash,),
+            manifest_signer=signed.signer, manifest_digest=signed.digest,
+        )
+        heartbeat = Heartbeat(plane, record, cfg.ttl, manifest=signed)
+        heartbeat.start()
+    except BaseException:
+        plane.shutdown()
+        if tmp is not None:
+            tmp.cleanup()
+        raise
+    seconds = time.perf_counter() - start
+    where = "full replica" if role.kind == "replica" else f"stage {role.stage} of swarm {role.swarm}"
+    echo(f"role: {where} ({role.reason})")
+    echo(f"capacity: {capacity.memory_gb:.1f} GB, {capacity.throughput:,.0f} tok/s, "
+         f"{capacity.bandwidth / 1e6:,.1f} MB/s; reachability {reachability}")
+    echo(f"announced in {seconds:.1f} s ({heartbeat.last_size}-byte record, refreshed every {cfg.ttl / 3:.0f} s)")
+    return JoinedPeer(plane, heartbeat, signed, role, capacity, tokenizer_path, seconds, reachability, tmp)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# After the announcement: training
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class TrainContext:
+    """What a training hook gets: the run, this peer's role, and when to stop."""
+
+    peer: JoinedPeer
+    max_steps: int | None  # None: until stopped
+    out_dir: Path  # this peer's checkpoint and metrics directory
+    cache_dir: Path | None  # hlbp.peer.data's cache; None: its default
+    stop: threading.Event  # set on SIGTERM/SIGINT; a hook returns soon after
+
+
+TrainHook = Callable[[TrainContext], None]
+
+
+def data_rank(peer_id: str) -> int:
+    """A stable per-peer data-stream rank, so replicas draw different windows and a restart draws the same."""
+    return int.from_bytes(hashlib.sha256(peer_id.encode()).digest()[:4], "big") % 65536
+
+
+def default_train_hook(ctx: TrainContext) -> None:
+    """A full replica trains locally with the inner trainer; a stage peer holds its place until stopped.
+
+    Outer SparseLoCo rounds and pipeline stage traffic are not wired in yet, so both are stand-ins that keep the
+    peer's announcement honest while the round protocol lands.
+    """
+    peer = ctx.peer
+    if peer.role.kind != "replica":
+        ctx.stop.wait()
+        return
+    from hlbp.peer.localrun import LocalRunConfig, run_local_training
+    from hlbp.peer.trainer import OptimConfig
+
+    m = peer.manifest.manifest
+    steps = ctx.max_steps if ctx.max_steps is not None else 1_000_000
+    cfg = LocalRunConfig(
+        model=m.model, steps=steps, batch_size=m.hparams.batch_size, seq_len=m.hparams.seq_len,
+        data=m.data_recipe, tokenizer=peer.tokenizer_path, cache_dir=ctx.cache_dir, seed=m.seed, rank=data_rank(peer.plane.peer_id),
+        out_dir=ctx.out_dir, resume=True, progress=True, optim=OptimConfig(lr=m.hparams.lr),
+    )
+    if m.model_overrides:
+        logger.warning("local training uses preset %s without the run's model overrides %s", m.model,
+                       m.model_overrides)
+    run_local_training(cfg)

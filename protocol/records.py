@@ -1,0 +1,688 @@
+"""Control-plane records and data-plane request headers: schemas, msgpack codecs with size limits, signatures.
+
+Two records travel through the DHT, each wrapped in a signed envelope:
+
+- the run manifest, published by the bootstrap: what model, tokenizer, data, hyperparameters and stage partition
+  every peer of the run uses;
+- a peer announcement, published by every peer and refreshed by heartbeats: its role, stage, swarm, measured
+  capacity, software version and reachability.
+
+An envelope is bound to its sender: the signer is an Ed25519 libp2p peer id, which embeds the public key itself
+(an "identity" multihash), so the same key that p2pd uses for the peer's transport identity signs its records and
+a verifier needs nothing but the peer id. Readers ignore unknown body fields, so records can grow new fields without
+breaking older peers. Everything here is a pure function over bytes: no network, no clock (callers pass ``now``),
+no global state. Every decoder raises :class:`ProtocolError` and nothing else on bad input.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import re
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import msgpack
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+
+from hlbp.protocol.errors import ProtocolError
+
+PROTOCOL_VERSION = 1  # bumped when peers of different versions can no longer train together
+ENVELOPE_MAGIC = b"hlbp"
+ENVELOPE_SCHEMA = 1  # layout of the envelope itself, independent of the body schemas
+KIND_MANIFEST = "manifest"
+KIND_ANNOUNCEMENT = "announce"
+
+MAX_MANIFEST_BYTES = 16 * 1024  # a manifest is a few hundred bytes; the cap bounds what a forger can make us parse
+MAX_ANNOUNCEMENT_BYTES = 4 * 1024
+MAX_HEADER_BYTES = 4 * 1024  # a data-plane request or response header
+MAX_RECORD_TTL_S = 3600.0  # an announcement may not claim to live longer than this
+MAX_CLOCK_SKEW_S = 120.0  # tolerated difference between a signer's clock and ours
+MAX_ARTIFACT_BYTES = 256 * 1024 * 1024  # largest artifact a fetcher accepts unless the manifest says less
+MAX_PROBE_BYTES = 64 * 1024 * 1024  # largest bandwidth probe a server sends
+
+MANIFEST_KEY = "hlbp:manifest"  # DHT key; subkey is the signer's peer id
+
+ROLES = ("replica", "stage", "bootstrap")
+REACHABILITY = ("public", "client", "unknown")
+
+_RUN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+_SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
+_B58_ALPHABET = "123456789ABCDEFGHJKLMNPQRSTUVWXYZabcdefghijkmnopqrstuvwxyz"
+_B58_INDEX = {ch: i for i, ch in enumerate(_B58_ALPHABET)}
+# libp2p key protobufs, hand-encoded so that this module needs no protobuf runtime:
+# PublicKey{Type: Ed25519 (1), Data: 32 bytes} and PrivateKey{Type: Ed25519, Data: seed || public key}.
+_ED25519_PUBLIC_PB_PREFIX = b"\x08\x01\x12\x20"
+_ED25519_PRIVATE_PB_PREFIX = b"\x08\x01\x12\x40"
+_IDENTITY_MULTIHASH_PREFIX = b"\x00\x24"  # multihash code 0x00 (identity), length 36
+
+
+def peers_key(run_id: str) -> str:
+    """DHT key under which the peers of ``run_id`` announce themselves, one subkey (their peer id) each."""
+    return f"hlbp:{run_id}:peers"
+
+
+def sha256_hex(data: bytes) -> str:
+    """Content hash used for artifacts and record digests."""
+    return hashlib.sha256(data).hexdigest()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Peer identity: Ed25519 keys whose libp2p peer id embeds the public key
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def b58encode(data: bytes) -> str:
+    """Bitcoin-alphabet base58, the text form of libp2p peer ids."""
+    number = int.from_bytes(data, "big")
+    digits = []
+    while number:
+        number, rem = divmod(number, 58)
+        digits.append(_B58_ALPHABET[rem])
+    zeros = len(data) - len(data.lstrip(b"\0"))
+    return "1" * zeros + "".join(reversed(digits))
+
+
+def b58decode(text: str, max_len: int = 128) -> bytes:
+    """Inverse of :func:`b58encode`; rejects foreign characters and over-long input."""
+    if not isinstance(text, str) or not text or len(text) > max_len:
+        raise ProtocolError(f"a base58 string of 1..{max_len} characters was expected")
+    number = 0
+    for ch in text:
+        digit = _B58_INDEX.get(ch)
+        if digit is None:
+            raise ProtocolError(f"{ch!r} is not a base58 character")
+        number = number * 58 + digit
+    zeros = len(text) - len(text.lstrip("1"))
+    return b"\0" * zeros + number.to_bytes((number.bit_length() + 7) // 8, "big")
+
+
+def peer_id_from_public_key(public_key: bytes) -> str:
+    """The libp2p peer id (base58, ``12D3KooW...``) of a raw 32-byte Ed25519 public key."""
+    if len(public_key) != 32:
+        raise ProtocolError("an Ed25519 public key has 32 bytes")
+    return b58encode(_IDENTITY_MULTIHASH_PREFIX + _ED25519_PUBLIC_PB_PREFIX + public_key)
+
+
+def public_key_from_peer_id(peer_id: str) -> bytes:
+    """The raw Ed25519 public key inside a peer id; peer ids of other key types cannot sign hlbp records."""
+    raw = b58decode(peer_id)
+    prefix = _IDENTITY_MULTIHASH_PREFIX + _ED25519_PUBLIC_PB_PREFIX
+    if len(raw) != len(prefix) + 32 or not raw.startswith(prefix):
+        raise ProtocolError(f"peer id {peer_id[:60]!r} is not an Ed25519 identity peer id")
+    return raw[len(prefix) :]
+
+
+class Identity:
+    """An Ed25519 private key: the peer's libp2p transport identity and its record-signing key at once."""
+
+    def __init__(self, seed: bytes) -> None:
+        if len(seed) != 32:
+            raise ProtocolError("an Ed25519 private key seed has 32 bytes")
+        self._key = Ed25519PrivateKey.from_private_bytes(seed)
+        self.public_key = self._key.public_key().public_bytes(
+            serialization.Encoding.Raw, serialization.PublicFormat.Raw
+        )
+        self.peer_id = peer_id_from_public_key(self.public_key)
+
+    @classmethod
+    def generate(cls) -> Identity:
+        key = Ed25519PrivateKey.generate()
+        return cls(key.private_bytes(serialization.Encoding.Raw, serialization.PrivateFormat.Raw,
+                                     serialization.NoEncryption()))
+
+    @classmethod
+    def from_file_bytes(cls, data: bytes) -> Identity:
+        """Parse a libp2p ``PrivateKey`` protobuf as p2pd reads it from its ``-id`` file (Ed25519 only)."""
+        if len(data) != len(_ED25519_PRIVATE_PB_PREFIX) + 64 or not data.startswith(_ED25519_PRIVATE_PB_PREFIX):
+            raise ProtocolError("the identity file does not hold an Ed25519 libp2p private key")
+        body = data[len(_ED25519_PRIVATE_PB_PREFIX) :]
+        identity = cls(body[:32])
+        if identity.public_key != body[32:]:
+            raise ProtocolError("the identity file's public key does not match its private key")
+        return identity
+
+    def to_file_bytes(self) -> bytes:
+        """The libp2p ``PrivateKey`` protobuf that p2pd accepts as ``-id`` (seed followed by public key)."""
+        seed = self._key.private_bytes(serialization.Encoding.Raw, serialization.PrivateFormat.Raw,
+                                       serialization.NoEncryption())
+        return _ED25519_PRIVATE_PB_PREFIX + seed + self.public_key
+
+    def sign(self, message: bytes) -> bytes:
+        return self._key.sign(message)
+
+
+def verify_signature(peer_id: str, message: bytes, signature: bytes) -> bool:
+    """True if ``signature`` over ``message`` was made by the key embedded in ``peer_id``."""
+    try:
+        key = Ed25519PublicKey.from_public_bytes(public_key_from_peer_id(peer_id))
+        key.verify(signature, message)
+        return True
+    except (ProtocolError, InvalidSignature, ValueError):
+        return False
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Signed envelope
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Envelope:
+    """A verified envelope: who signed it, its decoded body, and a digest that names these exact bytes."""
+
+    kind: str
+    signer: str  # base58 peer id
+    body: dict[str, Any]
+    digest: str  # sha256 of the whole envelope
+
+
+def _signed_message(kind: str, signer: bytes, body: bytes) -> bytes:
+    # The kind and signer are inside the signed bytes, so a manifest signature can't pass as an announcement and
+    # a record can't be re-attributed to another peer.
+    return msgpack.packb(["hlbp-record", kind, signer, body], use_bin_type=True)
+
+
+def seal(kind: str, body: dict[str, Any], identity: Identity) -> bytes:
+    """Sign ``body`` as a record of ``kind`` by ``identity``; returns the envelope bytes stored in the DHT."""
+    body_bytes = msgpack.packb(body, use_bin_type=True)
+    signer = b58decode(identity.peer_id)
+    signature = identity.sign(_signed_message(kind, signer, body_bytes))
+    return msgpack.packb([ENVELOPE_MAGIC, ENVELOPE_SCHEMA, kind, signer, body_bytes, signature], use_bin_type=True)
+
+
+def _unpack(data: bytes, max_bytes: int) -> Any:
+    if len(data) > max_bytes:
+        raise ProtocolError(f"{len(data)} bytes of msgpack exceed the limit of {max_bytes}")
+    try:
+        # msgpack caps every container and string at len(data), so a small input can't claim a huge allocation.
+        return msgpack.unpackb(data, raw=False, strict_map_key=True, use_list=True)
+    except (ValueError, TypeError) as exc:  # FormatError, StackError, ExtraData, truncated input: all ValueError
+        raise ProtocolError(f"not valid msgpack: {type(exc).__name__}") from None
+
+
+def open_envelope(data: Any, kind: str, *, max_bytes: int, signer: str | None = None) -> Envelope:
+    """Verify an envelope of ``kind``; if ``signer`` is given, the envelope must be signed by that peer id."""
+    if not isinstance(data, bytes):
+        raise ProtocolError(f"a record must be bytes, got {type(data).__name__}")
+    if len(data) > max_bytes:
+        raise ProtocolError(f"a {kind} record has {len(data)} bytes, more than the limit of {max_bytes}")
+    items = _unpack(data, max_bytes)
+    if not isinstance(items, list) or len(items) != 6:
+        raise ProtocolError("a record envelope is a 6-item array")
+    magic, schema, got_kind, signer_bytes, body_bytes, signature = items
+    if magic != ENVELOPE_MAGIC or schema != ENVELOPE_SCHEMA:
+        raise ProtocolError("not an hlbp record envelope (wrong magic or envelope schema)")
+    if got_kind != kind:
+        raise ProtocolError(f"expected a {kind} record, got {str(got_kind)[:32]!r}")
+    if not all(isinstance(x, bytes) for x in (signer_bytes, body_bytes, signature)):
+        raise ProtocolError("envelope signer, body and signature must be bytes")
+    if len(signer_bytes) > 64 or len(signature) != 64:
+        raise ProtocolError("envelope signer or signature has the wrong size")
+    signer_id = b58encode(signer_bytes)
+    if signer is not None and signer_id != signer:
+        raise ProtocolError(f"record signed by {signer_id[:60]} is stored under peer {str(signer)[:60]}")
+    if not verify_signature(signer_id, _signed_message(kind, signer_bytes, body_bytes), signature):
+        raise ProtocolError(f"bad signature on a {kind} record claiming to be from {signer_id[:60]}")
+    body = _unpack(body_bytes, max_bytes)
+    if not isinstance(body, dict):
+        raise ProtocolError("a record body is a map")
+    return Envelope(kind=kind, signer=signer_id, body=body, digest=sha256_hex(data))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Field checks: every field read from a body goes through one of these
+# ---------------------------------------------------------------------------------------------------------------
+
+_MISSING = object()
+
+
+def _field(body: dict[str, Any], name: str, default: Any) -> Any:
+    value = body.get(name, default)
+    if value is _MISSING:
+        raise ProtocolError(f"record field {name!r} is missing")
+    return value
+
+
+def _int(body: dict[str, Any], name: str, lo: int, hi: int, default: Any = _MISSING) -> int:
+    value = _field(body, name, default)
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise ProtocolError(f"record field {name!r} must be an integer in [{lo}, {hi}], got {str(value)[:40]}")
+    return value
+
+
+def _opt_int(body: dict[str, Any], name: str, lo: int, hi: int) -> int | None:
+    return None if body.get(name) is None else _int(body, name, lo, hi)
+
+
+def _float(body: dict[str, Any], name: str, lo: float, hi: float, default: Any = _MISSING) -> float:
+    value = _field(body, name, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ProtocolError(f"record field {name!r} must be a number, got {type(value).__name__}")
+    value = float(value)
+    if not (math.isfinite(value) and lo <= value <= hi):
+        raise ProtocolError(f"record field {name!r} must be finite and in [{lo}, {hi}], got {value}")
+    return value
+
+
+def _str(body: dict[str, Any], name: str, max_len: int, default: Any = _MISSING,
+         pattern: re.Pattern[str] | None = None, choices: tuple[str, ...] | None = None) -> str:
+    value = _field(body, name, default)
+    if not isinstance(value, str) or len(value) > max_len:
+        raise ProtocolError(f"record field {name!r} must be a string of at most {max_len} characters")
+    if pattern is not None and not pattern.match(value):
+        raise ProtocolError(f"record field {name!r} has an invalid value {value[:40]!r}")
+    if choices is not None and value not in choices:
+        raise ProtocolError(f"record field {name!r} must be one of {', '.join(choices)}, got {value[:40]!r}")
+    return value
+
+
+def _str_list(body: dict[str, Any], name: str, max_items: int, max_len: int,
+              pattern: re.Pattern[str] | None = None) -> tuple[str, ...]:
+    value = body.get(name, [])
+    if not isinstance(value, list) or len(value) > max_items:
+        raise ProtocolError(f"record field {name!r} must be a list of at most {max_items} strings")
+    return tuple(_str({"item": item}, "item", max_len, pattern=pattern) for item in value)
+
+
+def check_run_id(run_id: str) -> str:
+    """Run ids name DHT keys and directories, so they are short and use a safe alphabet."""
+    return _str({"run_id": run_id}, "run_id", 64, pattern=_RUN_ID_RE)
+
+
+def check_sha256(digest: str) -> str:
+    return _str({"sha256": digest}, "sha256", 64, pattern=_SHA256_RE)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Run manifest
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Hyperparameters:
+    """Training hyperparameters every peer of a run shares (ALGORITHMS.md names them)."""
+
+    inner_steps: int = 30  # H: inner AdamW steps between two outer rounds
+    lr: float = 3e-3  # peak inner AdamW learning rate
+    batch_size: int = 16  # sequences per micro-batch
+    seq_len: int = 128  # tokens per sequence
+    k: int = 64  # SparseLoCo: values kept per chunk of 4096
+    beta: float = 0.95  # SparseLoCo error-feedback decay
+    alpha: float = 1.0  # outer learning rate
+    round_deadline_s: float = 30.0  # first outer round's deadline; later ones adapt within the bounds below
+    min_deadline_s: float = 5.0  # lower bound of an adapted round deadline
+    max_deadline_s: float = 600.0  # upper bound of an adapted round deadline
+
+    @classmethod
+    def from_body(cls, body: dict[str, Any]) -> Hyperparameters:
+        d = cls()
+        hp = cls(
+            inner_steps=_int(body, "inner_steps", 1, 1_000_000, d.inner_steps),
+            lr=_float(body, "lr", 1e-9, 10.0, d.lr),
+            batch_size=_int(body, "batch_size", 1, 1 << 20, d.batch_size),
+            seq_len=_int(body, "seq_len", 2, 1 << 20, d.seq_len),
+            k=_int(body, "k", 1, 4096, d.k),
+            beta=_float(body, "beta", 0.0, 1.0, d.beta),
+            alpha=_float(body, "alpha", 0.0, 100.0, d.alpha),
+            round_deadline_s=_float(body, "round_deadline_s", 0.1, 86400.0, d.round_deadline_s),
+            min_deadline_s=_float(body, "min_deadline_s", 0.1, 86400.0, d.min_deadline_s),
+            max_deadline_s=_float(body, "max_deadline_s", 0.1, 86400.0, d.max_deadline_s),
+        )
+        if not hp.min_deadline_s <= hp.round_deadline_s <= hp.max_deadline_s:
+            raise ProtocolError("deadlines must satisfy min_deadline_s <= round_deadline_s <= max_deadline_s")
+        return hp
+
+
+@dataclass(frozen=True)
+class ActivationCodec:
+    """How activations cross a stage boundary: dense, or a subspace variant with k values per token."""
+
+    name: str = "dense"  # dense, subspace-a (exact subspace network) or subspace-b (decoupled, lossy)
+    k: int = 0  # values per token for the subspace codecs; 0 for dense
+
+    NAMES = ("dense", "subspace-a", "subspace-b")
+
+    @classmethod
+    def from_body(cls, body: dict[str, Any]) -> ActivationCodec:
+        codec = cls(name=_str(body, "name", 32, "dense", choices=cls.NAMES), k=_int(body, "k", 0, 1 << 16, 0))
+        if codec.name != "dense" and codec.k < 1:
+            raise ProtocolError(f"activation codec {codec.name} needs k >= 1")
+        return codec
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Run-wide thresholds of the role policy, so that every peer applies the same rule."""
+
+    replica_min_throughput: float = 0.0  # full-model tokens/s a peer needs to hold a full replica
+    max_peers_per_stage: int = 1  # stage peers per stage of a swarm before a new swarm is opened
+
+    @classmethod
+    def from_body(cls, body: dict[str, Any]) -> Placement:
+        return cls(
+            replica_min_throughput=_float(body, "replica_min_throughput", 0.0, 1e12, 0.0),
+            max_peers_per_stage=_int(body, "max_peers_per_stage", 1, 1024, 1),
+        )
+
+
+@dataclass(frozen=True)
+class Artifact:
+    """A file of the run (the tokenizer) that peers fetch by content hash over the data plane."""
+
+    name: str  # file name, e.g. tokenizer.json
+    sha256: str  # content hash; the fetcher verifies it
+    size: int  # bytes; the fetcher refuses anything longer
+
+    @classmethod
+    def from_body(cls, body: dict[str, Any]) -> Artifact:
+        return cls(
+            name=_str(body, "name", 128, pattern=re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")),
+            sha256=_str(body, "sha256", 64, pattern=_SHA256_RE),
+            size=_int(body, "size", 0, MAX_ARTIFACT_BYTES),
+        )
+
+
+_OverrideValue = int | float | str | bool
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """Everything that defines a run. The bootstrap signs it; every peer builds the same model from it."""
+
+    run_id: str  # names the run's DHT keys
+    seed: int  # seeds model init, data order and the subspace bases
+    model: str  # model preset name (hlbp.peer.model.PRESETS)
+    tokenizer_hash: str  # sha256 of tokenizer.json
+    stages: tuple[tuple[int, int], ...]  # pipeline partition: [start_layer, end_layer) per stage
+    model_overrides: dict[str, _OverrideValue] = field(default_factory=dict)  # preset fields changed for this run
+    data_recipe: str = "builtin"  # corpus spec, as hlbp.peer.data understands it
+    hparams: Hyperparameters = field(default_factory=Hyperparameters)
+    codec: ActivationCodec = field(default_factory=ActivationCodec)
+    placement: Placement = field(default_factory=Placement)
+    artifacts: tuple[Artifact, ...] = ()  # files served by hash; includes tokenizer.json
+    protocol_version: int = PROTOCOL_VERSION
+    issued_at: float = 0.0  # signer's clock when issued; the newest manifest of a signer wins
+
+    def artifact(self, name: str) -> Artifact | None:
+        return next((a for a in self.artifacts if a.name == name), None)
+
+    def to_body(self) -> dict[str, Any]:
+        return {
+            "run": self.run_id,
+            "proto": self.protocol_version,
+            "issued_at": self.issued_at,
+            "seed": self.seed,
+            "model": self.model,
+            "model_overrides": dict(self.model_overrides),
+            "tokenizer_hash": self.tokenizer_hash,
+            "data_recipe": self.data_recipe,
+            "hparams": asdict(self.hparams),
+            "stages": [list(s) for s in self.stages],
+            "codec": {"name": self.codec.name, "k": self.codec.k},
+            "placement": asdict(self.placement),
+            "artifacts": [asdict(a) for a in self.artifacts],
+        }
+
+    @classmethod
+    def from_body(cls, body: dict[str, Any]) -> Manifest:
+        proto = _int(body, "proto", 0, 1 << 30)
+        if proto != PROTOCOL_VERSION:
+            raise ProtocolVersionMismatch(proto)
+        return cls(
+            run_id=_str(body, "run", 64, pattern=_RUN_ID_RE),
+            protocol_version=proto,
+            issued_at=_float(body, "issued_at", 0.0, 1e11),
+            seed=_int(body, "seed", 0, (1 << 63) - 1),
+            model=_str(body, "model", 64),
+            model_overrides=_overrides(body.get("model_overrides", {})),
+            tokenizer_hash=_str(body, "tokenizer_hash", 64, pattern=_SHA256_RE),
+            data_recipe=_str(body, "data_recipe", 1024, "builtin"),
+            hparams=Hyperparameters.from_body(_map(body, "hparams")),
+            stages=check_stages(body.get("stages")),
+            codec=ActivationCodec.from_body(_map(body, "codec")),
+            placement=Placement.from_body(_map(body, "placement")),
+            artifacts=_artifacts(body.get("artifacts", [])),
+        )
+
+
+class ProtocolVersionMismatch(ProtocolError):
+    """The record speaks another protocol version; the message says which, so the user can upgrade."""
+
+    def __init__(self, version: int) -> None:
+        self.version = version
+        super().__init__(
+            f"the run uses hlbp protocol version {version}, this hlbp speaks version {PROTOCOL_VERSION}; "
+            f"install the hlbp release that matches the run"
+        )
+
+
+def _map(body: dict[str, Any], name: str) -> dict[str, Any]:
+    value = body.get(name, {})
+    if not isinstance(value, dict):
+        raise ProtocolError(f"record field {name!r} must be a map")
+    return value
+
+
+def _overrides(value: Any) -> dict[str, _OverrideValue]:
+    if not isinstance(value, dict) or len(value) > 32:
+        raise ProtocolError("model_overrides must be a map of at most 32 entries")
+    out: dict[str, _OverrideValue] = {}
+    for key, item in value.items():
+        _str({"key": key}, "key", 64, pattern=re.compile(r"^[a-z_][a-z0-9_]*$"))
+        if isinstance(item, float) and not math.isfinite(item):
+            raise ProtocolError(f"model override {key} is not finite")
+        if not isinstance(item, (int, float, str, bool)) or (isinstance(item, str) and len(item) > 128):
+            raise ProtocolError(f"model override {key} must be a number, a boolean or a short string")
+        out[key] = item
+    return out
+
+
+def _artifacts(value: Any) -> tuple[Artifact, ...]:
+    if not isinstance(value, list) or len(value) > 16:
+        raise ProtocolError("artifacts must be a list of at most 16 entries")
+    return tuple(Artifact.from_body(item if isinstance(item, dict) else {}) for item in value)
+
+
+def check_stages(value: Any) -> tuple[tuple[int, int], ...]:
+    """A stage partition: 1..256 contiguous ``[start, end)`` layer ranges starting at layer 0."""
+    if not isinstance(value, (list, tuple)) or not 1 <= len(value) <= 256:
+        raise ProtocolError("stages must be a list of 1..256 [start, end) pairs")
+    stages: list[tuple[int, int]] = []
+    for i, pair in enumerate(value):
+        if not isinstance(pair, (list, tuple)) or len(pair) != 2:
+            raise ProtocolError(f"stage {i} must be a [start, end) pair")
+        start = _int({"start": pair[0]}, "start", 0, 1 << 16)
+        end = _int({"end": pair[1]}, "end", 1, 1 << 16)
+        expected = stages[-1][1] if stages else 0
+        if start != expected or end <= start:
+            raise ProtocolError(f"stage {i} is [{start}, {end}); stages must be contiguous from layer 0")
+        stages.append((start, end))
+    return tuple(stages)
+
+
+@dataclass(frozen=True)
+class SignedManifest:
+    manifest: Manifest
+    signer: str  # peer id of the signer
+    digest: str  # sha256 of the envelope; peers name the manifest they follow by (signer, digest)
+    envelope: bytes  # the signed bytes, re-publishable verbatim by any peer
+
+
+def encode_manifest(manifest: Manifest, identity: Identity) -> bytes:
+    data = seal(KIND_MANIFEST, manifest.to_body(), identity)
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise ProtocolError(f"the manifest encodes to {len(data)} bytes, over the {MAX_MANIFEST_BYTES} limit")
+    return data
+
+
+def decode_manifest(data: Any, *, signer: str | None = None) -> SignedManifest:
+    """Verify and parse a manifest envelope. A manifest of another protocol version raises
+    :class:`ProtocolVersionMismatch`."""
+    env = open_envelope(data, KIND_MANIFEST, max_bytes=MAX_MANIFEST_BYTES, signer=signer)
+    return SignedManifest(Manifest.from_body(env.body), env.signer, env.digest, data)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Peer announcement
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Announcement:
+    """What a peer tells the swarm about itself. Signed, expiring, versioned by ``seq``."""
+
+    run_id: str  # the run this peer takes part in
+    role: str  # replica, stage or bootstrap
+    swarm: int | None = None  # pipeline swarm, for stage peers
+    stage: int | None = None  # stage index within the swarm, for stage peers
+    throughput: float = 0.0  # measured training speed, in full-model tokens/s
+    bandwidth: float = 0.0  # measured download bandwidth from a peer, bytes/s
+    memory_gb: float = 0.0  # available memory when it joined
+    software: str = ""  # hlbp version string
+    reachability: str = "unknown"  # public: others can dial it; client: it only dials out
+    online: bool = True  # False in the last record a peer writes when it leaves
+    maddrs: tuple[str, ...] = ()  # multiaddrs it listens on, for data-plane streams
+    artifacts: tuple[str, ...] = ()  # sha256 of the artifacts it serves
+    manifest_signer: str = ""  # the manifest this peer follows: signer peer id ...
+    manifest_digest: str = ""  # ... and envelope digest; lets a joiner trust a manifest through this peer
+    seq: int = 0  # grows with every record the peer writes; the newest wins
+    issued_at: float = 0.0  # signer's clock when written: the peer's "last seen"
+    expires_at: float = 0.0  # readers drop the record after this time
+    protocol_version: int = PROTOCOL_VERSION
+
+    def to_body(self) -> dict[str, Any]:
+        return {
+            "run": self.run_id,
+            "proto": self.protocol_version,
+            "seq": self.seq,
+            "issued_at": self.issued_at,
+            "expires_at": self.expires_at,
+            "role": self.role,
+            "swarm": self.swarm,
+            "stage": self.stage,
+            "throughput": self.throughput,
+            "bandwidth": self.bandwidth,
+            "memory_gb": self.memory_gb,
+            "software": self.software,
+            "reachability": self.reachability,
+            "online": self.online,
+            "maddrs": list(self.maddrs),
+            "artifacts": list(self.artifacts),
+            "manifest_signer": self.manifest_signer,
+            "manifest_digest": self.manifest_digest,
+        }
+
+    @classmethod
+    def from_body(cls, body: dict[str, Any]) -> Announcement:
+        proto = _int(body, "proto", 0, 1 << 30)
+        if proto != PROTOCOL_VERSION:
+            raise ProtocolVersionMismatch(proto)
+        online = body.get("online", True)
+        if not isinstance(online, bool):
+            raise ProtocolError("record field 'online' must be a boolean")
+        ann = cls(
+            run_id=_str(body, "run", 64, pattern=_RUN_ID_RE),
+            protocol_version=proto,
+            seq=_int(body, "seq", 0, (1 << 63) - 1),
+            issued_at=_float(body, "issued_at", 0.0, 1e11),
+            expires_at=_float(body, "expires_at", 0.0, 1e11),
+            role=_str(body, "role", 16, choices=ROLES),
+            swarm=_opt_int(body, "swarm", 0, 1 << 20),
+            stage=_opt_int(body, "stage", 0, 255),
+            throughput=_float(body, "throughput", 0.0, 1e12, 0.0),
+            bandwidth=_float(body, "bandwidth", 0.0, 1e13, 0.0),
+            memory_gb=_float(body, "memory_gb", 0.0, 1e6, 0.0),
+            software=_str(body, "software", 64, ""),
+            reachability=_str(body, "reachability", 16, "unknown", choices=REACHABILITY),
+            online=online,
+            maddrs=_str_list(body, "maddrs", 8, 256),
+            artifacts=_str_list(body, "artifacts", 16, 64, pattern=_SHA256_RE),
+            manifest_signer=_str(body, "manifest_signer", 64, ""),
+            manifest_digest=_str(body, "manifest_digest", 64, ""),
+        )
+        if ann.role == "stage" and (ann.swarm is None or ann.stage is None):
+            raise ProtocolError("a stage peer's record must name its swarm and stage")
+        if not 0 < ann.expires_at - ann.issued_at <= MAX_RECORD_TTL_S:
+            raise ProtocolError(f"a record must expire within {MAX_RECORD_TTL_S:.0f} s of being issued")
+        return ann
+
+
+@dataclass(frozen=True)
+class SignedAnnouncement:
+    announcement: Announcement
+    peer_id: str  # the signer, which is the announcing peer
+    size: int  # envelope bytes, for reporting
+
+
+def encode_announcement(announcement: Announcement, identity: Identity) -> bytes:
+    data = seal(KIND_ANNOUNCEMENT, announcement.to_body(), identity)
+    if len(data) > MAX_ANNOUNCEMENT_BYTES:
+        raise ProtocolError(f"an announcement encodes to {len(data)} bytes, over the {MAX_ANNOUNCEMENT_BYTES} limit")
+    return data
+
+
+def decode_announcement(data: Any, *, now: float, signer: str | None = None,
+                        run_id: str | None = None) -> SignedAnnouncement:
+    """Verify and parse an announcement; expired, future-dated or other-run records raise ProtocolError."""
+    env = open_envelope(data, KIND_ANNOUNCEMENT, max_bytes=MAX_ANNOUNCEMENT_BYTES, signer=signer)
+    ann = Announcement.from_body(env.body)
+    if ann.expires_at < now:
+        raise ProtocolError(f"the record of {env.signer[:60]} expired {now - ann.expires_at:.0f} s ago")
+    if ann.issued_at > now + MAX_CLOCK_SKEW_S:
+        raise ProtocolError(f"the record of {env.signer[:60]} is dated {ann.issued_at - now:.0f} s in the future")
+    if run_id is not None and ann.run_id != run_id:
+        raise ProtocolError(f"the record of {env.signer[:60]} belongs to run {ann.run_id!r}, not {run_id!r}")
+    return SignedAnnouncement(ann, env.signer, len(data))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Data-plane headers: one length-prefixed msgpack map opens every request and every response
+# ---------------------------------------------------------------------------------------------------------------
+
+FRAME_PREFIX_BYTES = 4
+OPS = ("artifact", "probe", "dialback")
+
+
+def encode_header(header: dict[str, Any]) -> bytes:
+    """A 4-byte big-endian length, then the msgpack map."""
+    payload = msgpack.packb(header, use_bin_type=True)
+    if len(payload) > MAX_HEADER_BYTES:
+        raise ProtocolError(f"a header of {len(payload)} bytes exceeds the {MAX_HEADER_BYTES} limit")
+    return len(payload).to_bytes(FRAME_PREFIX_BYTES, "big") + payload
+
+
+def header_length(prefix: bytes) -> int:
+    """Length announced by a frame prefix; refuses lengths over the header limit before anything is read."""
+    if len(prefix) != FRAME_PREFIX_BYTES:
+        raise ProtocolError("truncated frame prefix")
+    length = int.from_bytes(prefix, "big")
+    if length > MAX_HEADER_BYTES:
+        raise ProtocolError(f"a peer announced a {length}-byte header, over the {MAX_HEADER_BYTES} limit")
+    return length
+
+
+def decode_header(payload: bytes) -> dict[str, Any]:
+    header = _unpack(payload, MAX_HEADER_BYTES)
+    if not isinstance(header, dict):
+        raise ProtocolError("a frame header is a map")
+    return header
+
+
+def parse_request(header: dict[str, Any]) -> tuple[str, Any]:
+    """(op, argument) of a request: artifact -> sha256, probe -> byte count, dialback -> multiaddrs."""
+    op = _str(header, "op", 16, choices=OPS)
+    if op == "artifact":
+        return op, _str(header, "sha256", 64, pattern=_SHA256_RE)
+    if op == "probe":
+        return op, _int(header, "bytes", 1, MAX_PROBE_BYTES)
+    return op, _str_list(header, "maddrs", 8, 256)
+
+
+def parse_body_size(header: dict[str, Any], max_size: int) -> int:
+    """Body size from a response header; an ``error`` field becomes a ProtocolError carrying the peer's text."""
+    if "error" in header:
+        raise ProtocolError(f"peer refused: {_str(header, 'error', 256)}")
+    return _int(header, "size", 0, max_size)

@@ -1,0 +1,143 @@
+"""Helpers for multi-process control-plane tests: real `hlbp` processes and real p2pd daemons on 127.0.0.1.
+
+Each process runs in its own session, so a test can SIGKILL a whole peer (main process, DHT process and p2pd) the
+way a spot instance dies, and teardown can always reap everything it started. Waiting is done by polling with a
+deadline, never by sleeping for a fixed time.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+LOOPBACK = "/ip4/127.0.0.1/tcp/0"
+
+
+class Proc:
+    """One `python -m hlbp.cli.control_cmds ...` process whose combined output is collected line by line."""
+
+    def __init__(self, args: list[str], env: dict[str, str]) -> None:
+        self.args = args
+        self.popen = subprocess.Popen(
+            [sys.executable, "-m", "hlbp.cli.control_cmds", *args], stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, text=True, start_new_session=True, env=env,
+        )
+        self.lines: list[str] = []
+        self.eof = False  # the process closed its output: no more lines will come
+        self._cond = threading.Condition()
+        threading.Thread(target=self._pump, daemon=True).start()
+
+    def _pump(self) -> None:
+        assert self.popen.stdout is not None
+        for line in self.popen.stdout:
+            with self._cond:
+                self.lines.append(line.rstrip("\n"))
+                self._cond.notify_all()
+        with self._cond:
+            self.eof = True
+            self._cond.notify_all()
+
+    @property
+    def output(self) -> str:
+        with self._cond:
+            return "\n".join(self.lines)
+
+    def wait_for(self, pattern: str, timeout: float = 60.0) -> re.Match[str]:
+        """The first output line matching ``pattern``; fails with the whole output if it does not come in time."""
+        regex = re.compile(pattern)
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while True:
+                for line in self.lines:
+                    match = regex.search(line)
+                    if match:
+                        return match
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or self.eof:
+                    raise AssertionError(f"no line matching {pattern!r} (exit {self.popen.poll()}):\n"
+                                         + "\n".join(self.lines))
+                self._cond.wait(min(remaining, 0.5))
+
+    def kill_all(self) -> None:
+        """SIGKILL the whole session: the main process, its DHT process and p2pd."""
+        try:
+            os.killpg(self.popen.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.popen.wait(timeout=10)
+
+    def terminate(self, timeout: float = 20.0) -> int:
+        """SIGTERM to the main process only, as `docker stop` does; returns its exit status."""
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGTERM)
+        return self.popen.wait(timeout=timeout)
+
+
+def poll(fn: Callable[[], Any], timeout: float, what: str, interval: float = 0.25) -> Any:
+    """Call ``fn`` until it returns something truthy or ``timeout`` passes (then fail, showing the last value)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = fn()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}; last value: {value!r}")
+        time.sleep(interval)  # poll interval, bounded by the deadline above
+
+
+def free_tcp_port() -> int:
+    """A port that nothing listens on right now (for an address that must not be dialable)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def write_run(tmp: Path) -> tuple[Path, Path]:
+    """A run config (2 stages, replicas need 1000 tok/s, one peer per stage) and a stand-in tokenizer file."""
+    run = tmp / "run.toml"
+    run.write_text('run_id = "test-run"\nseed = 3\nn_stages = 2\n[placement]\n'
+                   "replica_min_throughput = 1000.0\nmax_peers_per_stage = 1\n")
+    tok = tmp / "tokenizer.json"
+    # ~300 KB like a real tokenizer.json: more than the 64 KiB a hivemind pipe message may hold
+    tok.write_text('{"model": "stand-in tokenizer for control-plane tests", "pad": "' + "x" * 300_000 + '"}')
+    return run, tok
+
+
+def start_bootstrap(spawn: Callable[..., Proc], tmp: Path, ttl: float) -> tuple[Proc, str, str]:
+    """(process, full multiaddr, peer id) of a bootstrap on loopback with a persistent identity under ``tmp``."""
+    run, tok = write_run(tmp)
+    proc = spawn("bootstrap", "--host-maddrs", LOOPBACK, "--identity", str(tmp / "bootstrap.key"),
+                 "--run-config", str(run), "--tokenizer", str(tok), "--ttl", str(ttl))
+    proc.wait_for("^join with:", timeout=60)
+    maddr = proc.wait_for(r"^\s+hlbp join --initial-peers (\S+)").group(1)
+    return proc, maddr, maddr.split("/p2p/")[1]
+
+
+def start_joiner(spawn: Callable[..., Proc], maddr: str, tmp: Path, *extra: str, ttl: float = 10.0,
+                 memory_gb: float = 8.0, throughput: float = 500.0, bandwidth: str | None = "1e8") -> Proc:
+    """A joiner that holds its role without training, with forced capacity; returns once it announced."""
+    args = ["join", "--initial-peers", maddr, "--host-maddrs", LOOPBACK, "--no-train", "--ttl", str(ttl),
+            "--memory-gb", str(memory_gb), "--throughput", str(throughput), "--cache-dir", str(tmp / "joincache"),
+            "--connect-timeout", "20", "--manifest-timeout", "20"]
+    if bandwidth is not None:
+        args += ["--bandwidth", bandwidth]
+    if "--reachability" not in extra:
+        args += ["--reachability", "public"]
+    proc = spawn(*args, *extra)
+    proc.wait_for("^announced in", timeout=90)
+    return proc
+
+
+def joiner_peer_id(proc: Proc) -> str:
+    return proc.wait_for(r"^connected as (\S+)").group(1)
+
+

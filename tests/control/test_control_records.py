@@ -1,0 +1,197 @@
+"""Signed records: round trips, and every kind of bad input is refused with ProtocolError."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import msgpack
+import pytest
+
+from hlbp.protocol import ProtocolError
+from hlbp.protocol.records import (
+    KIND_ANNOUNCEMENT,
+    KIND_MANIFEST,
+    MAX_ANNOUNCEMENT_BYTES,
+    Announcement,
+    Artifact,
+    Identity,
+    Manifest,
+    ProtocolVersionMismatch,
+    b58decode,
+    b58encode,
+    decode_announcement,
+    decode_header,
+    decode_manifest,
+    encode_announcement,
+    encode_header,
+    encode_manifest,
+    header_length,
+    open_envelope,
+    parse_body_size,
+    parse_request,
+    peer_id_from_public_key,
+    public_key_from_peer_id,
+    seal,
+)
+
+SHA = "ab" * 32
+NOW = 1_000_000.0
+
+
+def _identity(seed: int) -> Identity:
+    return Identity(bytes([seed]) * 32)
+
+
+MANIFEST = Manifest(run_id="run-1", seed=7, model="tiny", tokenizer_hash=SHA, stages=((0, 2), (2, 4)),
+                    artifacts=(Artifact("tokenizer.json", SHA, 123),), issued_at=NOW)
+ANNOUNCEMENT = Announcement(run_id="run-1", role="stage", swarm=0, stage=1, throughput=1500.0, bandwidth=2e7,
+                            memory_gb=8.0, software="0.1.0", reachability="public",
+                            maddrs=("/ip4/127.0.0.1/tcp/4001",), artifacts=(SHA,), seq=3, issued_at=NOW,
+                            expires_at=NOW + 60)
+
+
+def _manifest(**changes) -> Manifest:
+    return replace(MANIFEST, **changes)
+
+
+def _announcement(**changes) -> Announcement:
+    return replace(ANNOUNCEMENT, **changes)
+
+
+def test_base58_round_trip_and_leading_zeros():
+    for data in (b"\0", b"\0\0\1", bytes(range(40)), b"\xff" * 38):
+        assert b58decode(b58encode(data)) == data
+    assert b58encode(b"\0\0\1") == "112"
+    with pytest.raises(ProtocolError):
+        b58decode("0OIl")
+
+
+def test_peer_id_embeds_the_public_key_like_libp2p():
+    ident = _identity(1)
+    assert ident.peer_id.startswith("12D3KooW")
+    assert public_key_from_peer_id(ident.peer_id) == ident.public_key
+    assert peer_id_from_public_key(ident.public_key) == ident.peer_id
+    with pytest.raises(ProtocolError):
+        public_key_from_peer_id("QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N")  # an RSA (sha256) peer id
+
+
+def test_identity_file_round_trip_and_rejects_other_keys():
+    ident = _identity(2)
+    again = Identity.from_file_bytes(ident.to_file_bytes())
+    assert again.peer_id == ident.peer_id
+    with pytest.raises(ProtocolError):
+        Identity.from_file_bytes(b"\x08\x00\x12\x40" + bytes(64))  # RSA key type
+    tampered = bytearray(ident.to_file_bytes())
+    tampered[-1] ^= 1
+    with pytest.raises(ProtocolError):
+        Identity.from_file_bytes(bytes(tampered))
+
+
+def test_manifest_round_trip():
+    ident = _identity(3)
+    data = encode_manifest(_manifest(), ident)
+    signed = decode_manifest(data, signer=ident.peer_id)
+    assert signed.manifest == _manifest()
+    assert signed.signer == ident.peer_id and signed.envelope == data and len(signed.digest) == 64
+
+
+def test_announcement_round_trip():
+    ident = _identity(4)
+    data = encode_announcement(_announcement(), ident)
+    rec = decode_announcement(data, now=NOW + 1, signer=ident.peer_id, run_id="run-1")
+    assert rec.announcement == _announcement() and rec.peer_id == ident.peer_id and rec.size == len(data)
+
+
+def test_unknown_fields_are_ignored():
+    ident = _identity(5)
+    body = {**_announcement().to_body(), "gpu": "H100", "future_field": [1, 2, {"x": 3}]}
+    rec = decode_announcement(seal(KIND_ANNOUNCEMENT, body, ident), now=NOW, signer=ident.peer_id)
+    assert rec.announcement == _announcement()
+
+
+def test_forged_signature_and_wrong_signer_are_refused():
+    owner, forger = _identity(6), _identity(7)
+    data = encode_announcement(_announcement(), owner)
+    with pytest.raises(ProtocolError, match="stored under"):
+        decode_announcement(data, now=NOW, signer=forger.peer_id)
+    # Swap the signer field for the forger's id: the signature no longer verifies.
+    items = msgpack.unpackb(data, raw=False)
+    items[3] = b58decode(forger.peer_id)
+    with pytest.raises(ProtocolError, match="bad signature"):
+        decode_announcement(msgpack.packb(items, use_bin_type=True), now=NOW)
+    # Change one body byte under a valid signature.
+    items = msgpack.unpackb(data, raw=False)
+    items[4] = items[4].replace(b"stage", b"stagf", 1)
+    with pytest.raises(ProtocolError, match="bad signature"):
+        decode_announcement(msgpack.packb(items, use_bin_type=True), now=NOW)
+
+
+def test_unsigned_malformed_and_oversized_are_refused():
+    ident = _identity(8)
+    good = msgpack.unpackb(encode_announcement(_announcement(), ident), raw=False)
+    unsigned = msgpack.packb(good[:5] + [b"\0" * 64], use_bin_type=True)
+    cases = [unsigned, b"", b"\xc1", b"garbage", msgpack.packb([b"hlbp", 1]), msgpack.packb({"a": 1}), 12345,
+             b"\x91" * 3000]
+    for bad in cases:
+        with pytest.raises(ProtocolError):
+            decode_announcement(bad, now=NOW)
+    oversized = seal(KIND_ANNOUNCEMENT, {**_announcement().to_body(), "pad": "x" * MAX_ANNOUNCEMENT_BYTES}, ident)
+    with pytest.raises(ProtocolError, match="limit"):
+        decode_announcement(oversized, now=NOW)
+    with pytest.raises(ProtocolError, match="expected a announce record|expected a"):
+        decode_announcement(encode_manifest(_manifest(), ident), now=NOW)
+
+
+def test_expired_future_and_other_run_records_are_refused():
+    ident = _identity(9)
+    data = encode_announcement(_announcement(), ident)
+    with pytest.raises(ProtocolError, match="expired"):
+        decode_announcement(data, now=NOW + 61)
+    with pytest.raises(ProtocolError, match="future"):
+        decode_announcement(data, now=NOW - 1000)
+    with pytest.raises(ProtocolError, match="belongs to run"):
+        decode_announcement(data, now=NOW, run_id="other")
+    too_long = encode_announcement(_announcement(expires_at=NOW + 10 * 3600), ident)
+    with pytest.raises(ProtocolError, match="expire within"):
+        decode_announcement(too_long, now=NOW)
+
+
+def test_bad_field_values_are_refused():
+    ident = _identity(10)
+    for changes in ({"role": "king"}, {"throughput": float("nan")}, {"stage": None}, {"reachability": "x"},
+                    {"artifacts": ("not-a-hash",)}, {"run_id": "../etc"}):
+        body = {**_announcement().to_body(), **{("run" if k == "run_id" else k): v for k, v in changes.items()}}
+        body = {k: list(v) if isinstance(v, tuple) else v for k, v in body.items()}
+        with pytest.raises(ProtocolError):
+            decode_announcement(seal(KIND_ANNOUNCEMENT, body, ident), now=NOW)
+    for stages in ([[0, 2], [3, 4]], [[1, 2]], [], [[0, 0]], [[0, True]]):
+        body = {**_manifest().to_body(), "stages": stages}
+        with pytest.raises(ProtocolError):
+            decode_manifest(seal(KIND_MANIFEST, body, ident))
+
+
+def test_protocol_version_mismatch_is_its_own_error_with_a_message():
+    ident = _identity(11)
+    data = seal(KIND_MANIFEST, {**_manifest().to_body(), "proto": 2}, ident)
+    with pytest.raises(ProtocolVersionMismatch, match="protocol version 2.*speaks version 1"):
+        decode_manifest(data)
+    # The envelope itself is valid: a DHT validator can pass it on for the joiner to explain.
+    assert open_envelope(data, KIND_MANIFEST, max_bytes=1 << 14).signer == ident.peer_id
+
+
+def test_data_plane_headers():
+    frame = encode_header({"op": "artifact", "sha256": SHA})
+    assert header_length(frame[:4]) == len(frame) - 4
+    assert parse_request(decode_header(frame[4:])) == ("artifact", SHA)
+    assert parse_request({"op": "probe", "bytes": 10}) == ("probe", 10)
+    for bad in ({"op": "rm"}, {"op": "probe", "bytes": -1}, {"op": "probe", "bytes": 1 << 40},
+                {"op": "artifact", "sha256": "zz"}):
+        with pytest.raises(ProtocolError):
+            parse_request(bad)
+    with pytest.raises(ProtocolError):
+        header_length((1 << 20).to_bytes(4, "big"))
+    assert parse_body_size({"size": 5}, 10) == 5
+    with pytest.raises(ProtocolError, match="peer refused"):
+        parse_body_size({"error": "no artifact"}, 10)
+    with pytest.raises(ProtocolError):
+        parse_body_size({"size": 11}, 10)

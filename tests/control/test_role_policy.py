@@ -1,0 +1,92 @@
+"""Role policy: pure decisions from capacity, announced peers and thresholds."""
+
+from __future__ import annotations
+
+import pytest
+
+from hlbp.peer.roles import Capacity, PeerView, Thresholds, choose_role, estimate_memory_gb
+
+T = Thresholds(replica_memory_gb=10.0, stage_memory_gb=3.0, replica_min_throughput=1000.0, max_peers_per_stage=1)
+STRONG = Capacity(memory_gb=32.0, throughput=5000.0, bandwidth=1e8)
+WEAK = Capacity(memory_gb=4.0, throughput=300.0, bandwidth=1e7)
+
+
+def stage(peer: str, swarm: int, s: int, tps: float = 300.0) -> PeerView:
+    return PeerView(peer, "stage", swarm, s, tps)
+
+
+def test_empty_swarm_strong_is_replica_weak_opens_swarm_zero():
+    assert choose_role(STRONG, [], 3, T).kind == "replica"
+    role = choose_role(WEAK, [], 3, T)
+    assert (role.kind, role.swarm, role.stage, role.fits) == ("stage", 0, 0, True)
+    assert "no pipeline swarm" in role.reason
+
+
+def test_one_weak_peer_next_weak_completes_its_swarm():
+    role = choose_role(WEAK, [stage("a", 0, 0)], 3, T)
+    assert (role.swarm, role.stage) == (0, 1)
+
+
+def test_all_strong_every_peer_is_a_replica():
+    peers: list[PeerView] = []
+    for i in range(5):
+        role = choose_role(STRONG, peers, 2, T)
+        assert role.kind == "replica"
+        peers.append(PeerView(f"p{i}", "replica", throughput=STRONG.throughput))
+
+
+def test_a_stage_gone_is_refilled_before_anything_else():
+    # Swarm 0 lost stage 1; swarm 1 is complete. The gap is filled, no new swarm opened.
+    peers = [stage("a", 0, 0), stage("b", 0, 2), stage("c", 1, 0), stage("d", 1, 1), stage("e", 1, 2)]
+    role = choose_role(WEAK, peers, 3, T)
+    assert (role.swarm, role.stage) == (0, 1)
+
+
+def test_completes_the_most_complete_swarm_first():
+    peers = [stage("a", 0, 0), stage("b", 1, 0), stage("c", 1, 1)]
+    assert (choose_role(WEAK, peers, 3, T).swarm, choose_role(WEAK, peers, 3, T).stage) == (1, 2)
+
+
+def test_full_swarms_open_a_new_one_or_strengthen_the_weakest_stage():
+    peers = [stage("a", 0, 0, 500.0), stage("b", 0, 1, 200.0)]
+    role = choose_role(WEAK, peers, 2, T)
+    assert (role.swarm, role.stage) == (1, 0)
+    roomy = Thresholds(10.0, 3.0, 1000.0, max_peers_per_stage=2)
+    role = choose_role(WEAK, peers, 2, roomy)
+    assert (role.swarm, role.stage) == (0, 1)
+    assert "least throughput" in role.reason
+
+
+def test_replicas_bootstrap_offline_stage_out_of_range_are_ignored():
+    peers = [PeerView("r", "replica", throughput=9000.0), PeerView("b", "bootstrap"), stage("x", 0, 7)]
+    role = choose_role(WEAK, peers, 2, T)
+    assert (role.swarm, role.stage) == (0, 0)
+
+
+def test_memory_or_speed_alone_is_not_enough_for_a_replica():
+    slow_big = Capacity(memory_gb=64.0, throughput=10.0, bandwidth=1e8)
+    fast_small = Capacity(memory_gb=5.0, throughput=9000.0, bandwidth=1e8)
+    assert choose_role(slow_big, [], 2, T).kind == "stage"
+    assert choose_role(fast_small, [], 2, T).kind == "stage"
+    assert "GB <" in choose_role(fast_small, [], 2, T).reason
+
+
+def test_overrides():
+    assert choose_role(WEAK, [], 2, T, force_role="replica").kind == "replica"
+    assert not choose_role(WEAK, [], 2, T, force_role="replica").fits
+    role = choose_role(STRONG, [stage("a", 0, 0)], 2, T, force_stage=0)
+    assert (role.kind, role.swarm, role.stage) == ("stage", 1, 0)
+    assert choose_role(STRONG, [], 2, T, force_role="stage").kind == "stage"
+    for kwargs in ({"force_role": "king"}, {"force_stage": 2}, {"force_role": "replica", "force_stage": 0}):
+        with pytest.raises(ValueError):
+            choose_role(WEAK, [], 2, T, **kwargs)
+
+
+def test_too_little_memory_for_any_stage_is_reported_not_hidden():
+    tiny = Capacity(memory_gb=1.0, throughput=100.0, bandwidth=1e6)
+    assert not choose_role(tiny, [], 2, T).fits
+
+
+def test_memory_estimate_grows_with_parameters():
+    assert estimate_memory_gb(0) == pytest.approx(0.5)
+    assert estimate_memory_gb(1_000_000_000) == pytest.approx(30.5)
