@@ -140,11 +140,17 @@ def join(
     out_dir: Path = opt(Path("runs/join"), "--out-dir", env="OUT_DIR", help="Checkpoints and metrics of training."),
     nat_port_map: bool = opt(False, "--nat-port-map/--no-nat-port-map", env="NAT_PORT_MAP",
                              help="Ask the router for a port mapping (UPnP / NAT-PMP)."),
+    rounds: int = opt(None, "--rounds", env="ROUNDS", help="Leave after this many outer rounds (full replica)."),
+    local_only: bool = opt(False, "--local-only/--no-local-only", env="LOCAL_ONLY",
+                           help="Full replica trains alone with the inner trainer, without outer rounds."),
+    threads: int = opt(None, "--threads", env="THREADS", help="torch CPU threads."),
+    inject_delay: float = opt(0.0, "--inject-delay", env="INJECT_DELAY",
+                              help="Fault injection: seconds of extra delay per inner step (a straggler)."),
 ) -> None:
     """Join a run: read its manifest, measure this machine, take a role, announce it, and train until stopped.
 
-    Outer SparseLoCo rounds come later. Until then a full replica trains locally with the inner trainer,
-    and a stage peer holds its place in its pipeline swarm.
+    A full replica trains H inner steps per round and merges with the others in SparseLoCo rounds. A stage peer
+    holds its place in its pipeline swarm (pipeline traffic over the network is not wired in yet).
     SIGTERM or Ctrl-C marks the peer offline and leaves within seconds.
     """
     from hlbp.peer.control import NetworkConfig
@@ -175,6 +181,12 @@ def join(
         elif peer.role.kind != "replica":
             _echo("holding this stage until pipeline rounds are wired in; Ctrl-C or SIGTERM to leave")
             default_train_hook(ctx)
+        elif not local_only and not stop.is_set():
+            from hlbp.peer.replica import ReplicaOptions, replica_train_hook
+
+            if rounds is not None and rounds < 0 or inject_delay < 0:
+                raise UserInputError("--rounds and --inject-delay must be >= 0")
+            replica_train_hook(ctx, ReplicaOptions(rounds=rounds, inject_delay_s=inject_delay, threads=threads), _echo)
         elif not stop.is_set():
             training.set()  # from here a signal also interrupts the training loop, which does not poll `stop`
             try:

@@ -1,0 +1,107 @@
+"""A full replica inside a run: the manifest's model and data, the inner trainer, and outer rounds.
+
+``replica_train_hook`` is what ``hlbp join`` runs after the peer has announced itself as a full replica. It builds
+everything from the signed manifest (so every replica starts from identical weights), then hands over to
+:class:`hlbp.peer.rounds.RoundRunner` until stopped or until ``rounds`` rounds are done, and leaves a summary.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from hlbp.peer.checkpoint import atomic_write_bytes
+from hlbp.peer.data import TokenStream, prepare_data, val_batches
+from hlbp.peer.join import TrainContext, data_rank
+from hlbp.peer.metrics import MetricsLog
+from hlbp.peer.model import build_model, preset, split
+from hlbp.peer.outer import OuterConfig
+from hlbp.peer.rounds import RoundConfig, RoundRunner, RoundStats
+from hlbp.peer.trainer import InnerTrainer, OptimConfig, evaluate, micro_batches, pick_device
+from hlbp.peer.transport import P2PBlobTransport
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ReplicaOptions:
+    """Per-peer settings that are not the run's (the manifest fixes the rest)."""
+
+    rounds: int | None = None  # leave after this many outer rounds; None: until stopped
+    eval_batches: int = 4  # validation batches scored after every round (0: none)
+    inject_delay_s: float = 0.0  # fault injection: sleep this long after every inner step (a straggler)
+    threads: int | None = None  # torch CPU threads
+    device: str = "auto"
+
+
+def replica_train_hook(ctx: TrainContext, options: ReplicaOptions, echo: Any = print) -> dict[str, Any]:
+    """Train with outer rounds until stopped; returns (and writes to summary.json) what happened."""
+    if options.threads:
+        torch.set_num_threads(options.threads)
+    peer = ctx.peer
+    m = peer.manifest.manifest
+    hp = m.hparams
+    device = pick_device(options.device)
+    data = prepare_data(m.data_recipe, ctx.cache_dir, tokenizer_path=peer.tokenizer_path)
+    config = preset(m.model, **dict(m.model_overrides), vocab_size=data.vocab_size)
+    torch.manual_seed(m.seed)  # every replica builds bit-identical initial weights
+    model = build_model(config)
+    bounds = [tuple(s) for s in m.stages]
+    with torch.device("meta"):
+        stages = split(config, len(bounds), bounds)
+    shards = [[n for n, _ in s.named_parameters()] for s in stages]
+    rank = data_rank(peer.plane.peer_id)
+    stream = TokenStream(data.train, hp.seq_len, hp.batch_size, seed=m.seed, rank=rank)
+    total = (options.rounds or 1000) * hp.inner_steps
+    optim = OptimConfig(lr=hp.lr, warmup_steps=min(30, max(1, total // 10)), total_steps=total)
+    trainer = InnerTrainer(model, optim, micro_batches(stream, 1), device)
+    val = val_batches(data.val, hp.seq_len, hp.batch_size, options.eval_batches) if options.eval_batches else []
+    outer = OuterConfig(kind="sparseloco", k=hp.k, beta=hp.beta, alpha=hp.alpha)
+    rcfg = RoundConfig(run_id=m.run_id, inner_steps=hp.inner_steps, deadline_s=hp.round_deadline_s,
+                       min_deadline_s=hp.min_deadline_s, max_deadline_s=hp.max_deadline_s)
+    transport = P2PBlobTransport(peer.plane.dht)
+    ctx.out_dir.mkdir(parents=True, exist_ok=True)
+    metrics = MetricsLog(ctx.out_dir / "metrics.jsonl")
+
+    def expected() -> int:
+        try:
+            peers = peer.plane.read_peers(m.run_id)
+        except Exception as exc:  # noqa: BLE001 - a failed read only means we wait for the window instead
+            logger.debug("reading peers failed: %s", exc)
+            return 0
+        return sum(1 for a in peers.values() if a.announcement.role == "replica" and a.announcement.online)
+
+    def on_round(stats: RoundStats, val_loss: float | None) -> None:
+        share = "accepted" if stats.accepted else ("left out" if stats.contributed else "weight 0")
+        echo(f"round {stats.round}: {stats.members} contributions, ours {share}, val {val_loss or float('nan'):.4f}, "
+             f"compute {stats.compute_s:.1f}s comm {stats.comm_s:.1f}s wait {stats.wait_s:.1f}s, "
+             f"sent {stats.bytes_sent:,} B recv {stats.bytes_received:,} B, shard 0 {stats.checksums.get(0, '')[:10]}")
+
+    runner = RoundRunner(
+        peer.plane.dht, peer.plane.identity, transport, trainer, outer, shards, rcfg, ctx.stop,
+        checkpoint=ctx.out_dir / "checkpoint.safetensors", metrics=metrics, expected=expected, on_round=on_round,
+        evaluate=(lambda: evaluate(trainer.model, val, device)) if val else None, delay_s=options.inject_delay_s,
+    )
+    start = time.perf_counter()
+    echo(f"replica: {runner.start()}; starting at round {runner.round}")
+    try:
+        history = runner.run(options.rounds)
+    finally:
+        transport.close()
+        metrics.close()
+    summary = {
+        "peer": peer.plane.peer_id,
+        "run": m.run_id,
+        "seconds": round(time.perf_counter() - start, 2),
+        "rounds": [dataclasses.asdict(s) for s in history],
+        "final_round": runner.round - 1,
+        "in_sync": runner.in_sync,
+    }
+    atomic_write_bytes(ctx.out_dir / "summary.json", json.dumps(summary, indent=1).encode())
+    return summary

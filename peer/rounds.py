@@ -1,0 +1,577 @@
+"""The outer-round protocol between full replicas: contribute, agree on an accepted set, apply, verify.
+
+One round r, as every replica runs it:
+
+1. Inner phase: H AdamW steps from the round's anchor θ(r), cut short if round r has already closed without us.
+2. Contribute: encode one SparseLoCo (or DiLoCo) payload per shard, serve it on the data plane, and store a
+   signed notice (digest, size, tokens) in the DHT.
+3. Close: the contributors are ranked by rendezvous hashing of (round, peer id). The first-ranked one publishes the
+   signed accepted set when every expected contributor has arrived or the adaptive window after the first arrival
+   has passed; the k-th ranked one takes over after k further ``takeover_s`` if nothing appeared. Everybody applies
+   the set of the best-ranked coordinator that published one. A straggler is never waited for: its unsent
+   pseudo-gradient goes back into its error-feedback buffer.
+4. Apply: fetch every accepted payload (from any peer that already holds it, the sender last, so a weak uploader
+   sends it about once), check its digest against the accepted set, and apply in sender order: identical inputs
+   give bit-identical parameters on every peer.
+5. Verify: publish a checksum of every shard. A peer whose checksum differs from the majority, or that could not
+   fetch an accepted payload, is out of sync: it reloads the state from peers that agree, and contributes with
+   weight 0 (not at all) until it has.
+
+The decisions (ranking, windows, which set wins, majorities) are pure functions at the top of this module.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import random
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+from hlbp.peer.checkpoint import load_checkpoint, save_checkpoint
+from hlbp.peer.metrics import MetricsLog
+from hlbp.peer.outer import Contribution, OuterConfig, make_outer
+from hlbp.peer.trainer import InnerTrainer
+from hlbp.peer.transport import BlobTransport, TransportError
+from hlbp.peer.wire import contribution_from_bytes, contribution_to_bytes
+from hlbp.protocol import ProtocolError
+from hlbp.protocol.records import Identity
+from hlbp.protocol.roundrecords import (
+    KIND_ACCEPTED,
+    KIND_CHECKS,
+    KIND_CONTRIB,
+    AcceptedSet,
+    ContribNotice,
+    ShardChecks,
+    checks_key,
+    parse_accepted,
+    parse_checks,
+    parse_contrib,
+    round_key,
+    sign,
+)
+
+logger = logging.getLogger(__name__)
+
+# ---------------------------------------------------------------------------------------------------------------
+# Pure decisions
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def coordinator_order(round_: int, peers: Sequence[str]) -> list[str]:
+    """Rendezvous ranking of ``peers`` for a round: every peer computes the same order from the same set."""
+    return sorted(set(peers), key=lambda p: hashlib.sha256(f"{round_}|{p}".encode()).digest())
+
+
+def adapt_window(offsets: Sequence[float], lo: float, hi: float, current: float) -> float:
+    """Next round's collection window from this round's arrival offsets (seconds after the first arrival).
+
+    1.5x the latest on-time arrival plus one second, within the manifest's bounds; with no spread observed the
+    window keeps its current value, so a single peer does not shrink it to the floor.
+    """
+    if len(offsets) < 2:
+        return min(max(current, lo), hi)
+    return min(max(1.5 * max(offsets) + 1.0, lo), hi)
+
+
+def pick_accepted(sets: Sequence[AcceptedSet], order: Sequence[str]) -> AcceptedSet | None:
+    """The accepted set of the best-ranked coordinator among those that published one."""
+    rank = {p: i for i, p in enumerate(order)}
+    ranked = [s for s in sets if s.coordinator in rank]
+    if not ranked:
+        # a coordinator outside the contributors we saw (we saw few): fall back to a deterministic choice
+        return min(sets, key=lambda s: s.coordinator) if sets else None
+    return min(ranked, key=lambda s: rank[s.coordinator])
+
+
+def majority_checksums(checks: Sequence[ShardChecks], round_: int) -> dict[int, str]:
+    """Per shard, the checksum most peers published for ``round_`` (ties: the smallest string)."""
+    votes: dict[int, dict[str, int]] = {}
+    for c in checks:
+        if c.round != round_:
+            continue
+        for shard, digest in c.checksums.items():
+            votes.setdefault(shard, {}).setdefault(digest, 0)
+            votes[shard][digest] += 1
+    return {s: min(v, key=lambda d: (-v[d], d)) for s, v in votes.items()}
+
+
+def shard_checksum(params: dict[str, torch.Tensor], names: Sequence[str]) -> str:
+    """sha256 over the names, shapes and float32 bytes of a shard's tensors, in name order."""
+    h = hashlib.sha256()
+    for name in sorted(names):
+        t = params[name].detach().to("cpu", torch.float32).contiguous()
+        h.update(f"{name}|{tuple(t.shape)}|".encode())
+        h.update(t.numpy().tobytes())
+    return h.hexdigest()
+
+
+def sha256_hex(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The runner
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class RoundConfig:
+    """Round protocol settings; the run manifest supplies the first five."""
+
+    run_id: str
+    inner_steps: int  # H
+    deadline_s: float = 30.0  # first collection window after the first contribution arrives
+    min_deadline_s: float = 2.0  # bounds of the adapted window
+    max_deadline_s: float = 600.0
+    takeover_s: float = 3.0  # a k-th ranked coordinator waits k times this past the window before it takes over
+    poll_s: float = 0.1  # DHT polling interval while waiting
+    fetch_timeout_s: float = 30.0  # per payload from its sender; other holders get a fifth of it
+    checks_wait_s: float = 10.0  # how long to wait for the other members' checksums
+    record_ttl_s: float = 900.0  # lifetime of round records in the DHT
+    max_payload_bytes: int = 1 << 31  # largest contribution or state blob fetched
+    fetch_workers: int = 4  # parallel payload fetches
+
+
+@dataclass
+class RoundStats:
+    """What one round cost this peer; the simulate summary aggregates these."""
+
+    round: int
+    contributed: bool = False
+    accepted: bool = False
+    members: int = 0
+    compute_s: float = 0.0
+    comm_s: float = 0.0
+    wait_s: float = 0.0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    in_sync: bool = True
+    synced: bool = False
+    checksums: dict[int, str] = field(default_factory=dict)
+
+
+class RoundRunner:
+    """A full replica's loop of outer rounds over a DHT and a blob transport.
+
+    ``shards`` lists the parameter names of each shard (the manifest's stage partition). ``expected`` returns how
+    many contributors to wait for before closing early (the live replicas the control plane knows of).
+    """
+
+    def __init__(
+        self,
+        dht: Any,
+        identity: Identity,
+        transport: BlobTransport,
+        trainer: InnerTrainer,
+        outer: OuterConfig,
+        shards: Sequence[Sequence[str]],
+        cfg: RoundConfig,
+        stop: threading.Event,
+        checkpoint: Path | None = None,
+        metrics: MetricsLog | None = None,
+        expected: Callable[[], int] | None = None,
+        on_round: Callable[[RoundStats, float | None], None] | None = None,
+        evaluate: Callable[[], float] | None = None,
+        delay_s: float = 0.0,
+    ) -> None:
+        self.dht, self.identity, self.transport, self.trainer = dht, identity, transport, trainer
+        self.me = identity.peer_id
+        self.outer_cfg, self.cfg, self.stop = outer, cfg, stop
+        self.shards = [list(s) for s in shards]
+        self.outers = [make_outer(outer) for _ in self.shards]
+        self.shapes = [{n: tuple(self._param(n).shape) for n in s} for s in self.shards]
+        self.anchor = {n: p.detach().float().cpu().clone() for n, p in trainer.model.named_parameters()}
+        self.checkpoint, self.metrics = checkpoint, metrics or MetricsLog(None)
+        self.expected = expected
+        self.on_round, self.evaluate = on_round, evaluate
+        self.delay_s = delay_s  # artificial slowness per inner step: the straggler fault test uses it
+        self.round = 0  # the next round to run; the anchor is the result of round - 1
+        self.in_sync = True
+        self.window = cfg.deadline_s
+        self.last_members = 0
+        self.history: list[RoundStats] = []
+        self._bytes_in = 0
+        self._logged: set[tuple[str, str]] = set()
+
+    # -- DHT helpers ---------------------------------------------------------------------------------------------
+
+    def _param(self, name: str) -> torch.nn.Parameter:
+        return dict(self.trainer.model.named_parameters())[name]
+
+    def _store(self, key: str, body: dict[str, Any], kind: str) -> None:
+        from hivemind.utils import get_dht_time
+
+        value = sign(kind, body, self.identity)
+        self.dht.store(key, value, get_dht_time() + self.cfg.record_ttl_s, subkey=self.me)
+
+    def _read(self, key: str) -> dict[str, Any]:
+        found = self.dht.get(key, latest=True)
+        if found is None or not isinstance(found.value, dict):
+            return {}
+        return {k: getattr(v, "value", v) for k, v in found.value.items()}
+
+    def _records(self, key: str, parse: Callable[..., Any], **kw: Any) -> list[Any]:
+        out = []
+        for subkey, value in self._read(key).items():
+            try:
+                out.append(parse(value, str(subkey), self.cfg.run_id, **kw))
+            except ProtocolError as exc:
+                tag = (key, str(subkey))
+                if tag not in self._logged:  # log each bad record once, not at every poll
+                    self._logged.add(tag)
+                    logger.warning("ignoring a bad round record under %s from %s: %s", key, str(subkey)[:16], exc)
+        return out
+
+    def _notices(self, r: int) -> dict[str, ContribNotice]:
+        return {n.sender: n for n in self._records(round_key(self.cfg.run_id, r, KIND_CONTRIB), parse_contrib,
+                                                   round_=r)}
+
+    def _accepted(self, r: int, order: Sequence[str] = ()) -> AcceptedSet | None:
+        sets = self._records(round_key(self.cfg.run_id, r, KIND_ACCEPTED), parse_accepted, round_=r)
+        return pick_accepted(sets, order or coordinator_order(r, [s.coordinator for s in sets]))
+
+    def latest_checks(self) -> list[ShardChecks]:
+        return self._records(checks_key(self.cfg.run_id), parse_checks)
+
+    # -- state -----------------------------------------------------------------------------------------------
+
+    def _load_anchor_into_model(self) -> None:
+        with torch.no_grad():
+            for n, p in self.trainer.model.named_parameters():
+                p.copy_(self.anchor[n])
+
+    def _state_blob(self, shard: int) -> bytes:
+        tensors = {f"p.{n}": self.anchor[n] for n in self.shards[shard]}
+        tensors.update({f"o.{k}": v for k, v in self.outers[shard].state_tensors().items()
+                        if not k.startswith("ef.")})  # EF buffers are private; outer momentum is global state
+        return st_save({k: v.contiguous() for k, v in tensors.items()})
+
+    def _publish_state(self, r: int, checks: dict[int, str]) -> None:
+        for s in range(len(self.shards)):
+            self.transport.put(f"s/{r}/{s}", self._state_blob(s))
+        self.transport.drop([f"s/{r - 2}/{s}" for s in range(len(self.shards))])
+        self._store(checks_key(self.cfg.run_id), ShardChecks(self.me, r, checks).to_body(self.cfg.run_id), KIND_CHECKS)
+
+    def sync(self, attempts: int = 3) -> bool:
+        """Load the newest agreed state from peers: shards in parallel from different donors, verified by checksum.
+
+        Returns False if no agreed state exists yet (a fresh run) or every bounded attempt failed.
+        """
+        for _attempt in range(attempts):
+            checks = [c for c in self.latest_checks() if c.peer != self.me]
+            if not checks:
+                # nobody holds an agreed state (every peer failed the same round): ours is as good as any
+                self.in_sync = True
+                return False
+            latest = max(c.round for c in checks)
+            want = majority_checksums(checks, latest)
+            if len(want) != len(self.shards):
+                return False
+            donors = [c.peer for c in checks if c.round == latest and c.checksums == want]
+            random.Random(f"{self.me}|{latest}").shuffle(donors)
+
+            def fetch_shard(
+                s: int, donors: list[str] = donors, latest: int = latest, want: dict[int, str] = want
+            ) -> dict[str, torch.Tensor]:
+                errors = []
+                for donor in donors[s % len(donors):] + donors[: s % len(donors)]:
+                    try:
+                        blob = self.transport.fetch(donor, f"s/{latest}/{s}", self.cfg.max_payload_bytes,
+                                                    self.cfg.fetch_timeout_s)
+                        self._bytes_in += len(blob)
+                        tensors = _parse_state(blob, self.shapes[s])
+                        params = {k[2:]: v for k, v in tensors.items() if k.startswith("p.")}
+                        if shard_checksum(params, self.shards[s]) != want[s]:
+                            raise ProtocolError("state does not match the published checksum")
+                        return tensors
+                    except (TransportError, ProtocolError) as exc:
+                        errors.append(f"{donor[:12]}…: {exc}")
+                raise TransportError(f"shard {s}: " + "; ".join(errors[:3]))
+
+            try:
+                with ThreadPoolExecutor(max(1, min(len(self.shards), self.cfg.fetch_workers))) as pool:
+                    blobs = list(pool.map(fetch_shard, range(len(self.shards))))
+            except TransportError as exc:
+                logger.warning("state sync for round %d failed (%s); retrying", latest, exc)
+                continue
+            for s, tensors in enumerate(blobs):
+                for k, v in tensors.items():
+                    if k.startswith("p."):
+                        self.anchor[k[2:]] = v.float().clone()
+                fresh = make_outer(self.outer_cfg)
+                fresh.load_state({k[2:]: v for k, v in tensors.items() if k.startswith("o.")})
+                self.outers[s] = fresh  # a synced peer starts with an empty error-feedback buffer
+            self._load_anchor_into_model()
+            self.round, self.in_sync = latest + 1, True
+            logger.info("synced state of round %d from %d donors", latest, len(donors))
+            return True
+        return False
+
+    def save(self) -> None:
+        if self.checkpoint is None:
+            return
+        tensors, header = self.trainer.state_tensors()
+        tensors.update({f"anchor.{n}": t for n, t in self.anchor.items()})
+        for s, o in enumerate(self.outers):
+            tensors.update({f"outer{s}.{k}": v for k, v in o.state_tensors().items()})
+        save_checkpoint(self.checkpoint, tensors, {**header, "round": self.round, "in_sync": self.in_sync,
+                                                   "run": self.cfg.run_id})
+
+    def resume(self) -> bool:
+        """Restore this peer's checkpoint if it has one for this run; the caller then checks it is current."""
+        if self.checkpoint is None or not self.checkpoint.exists():
+            return False
+        tensors, header = load_checkpoint(self.checkpoint)
+        if header.get("run") != self.cfg.run_id:
+            return False
+        self.trainer.load_state(tensors, header)
+        self.anchor = {n[7:]: t.float() for n, t in tensors.items() if n.startswith("anchor.")}
+        for s, o in enumerate(self.outers):
+            prefix = f"outer{s}."
+            o.load_state({k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)})
+        self.round = int(header["round"])
+        return True
+
+    def start(self) -> str:
+        """Resume, sync or start fresh; returns which, for the log."""
+        resumed = self.resume()
+        checks = [c for c in self.latest_checks() if c.peer != self.me]
+        if not checks:
+            return "resumed from checkpoint" if resumed else "fresh start"
+        latest = max(c.round for c in checks)
+        want = majority_checksums(checks, latest)
+        if resumed and self.round == latest + 1:
+            mine = {s: shard_checksum(self.anchor, names) for s, names in enumerate(self.shards)}
+            if mine == want:
+                self._load_anchor_into_model()
+                return "resumed from checkpoint (current)"
+        if self.sync():
+            return f"synced round {self.round - 1} from peers"
+        return "fresh start (no agreed state to sync)"
+
+    # -- one round ---------------------------------------------------------------------------------------------
+
+    def run(self, max_rounds: int | None = None) -> list[RoundStats]:
+        done = 0
+        while not self.stop.is_set() and (max_rounds is None or done < max_rounds):
+            self.history.append(self.run_round())
+            done += 1
+        self.save()
+        return self.history
+
+    def run_round(self) -> RoundStats:
+        r = self.round
+        stats = RoundStats(round=r)
+        served_before = self._bytes_served()
+        self._bytes_in = 0
+        t0 = time.perf_counter()
+        tokens0 = self.trainer.tokens
+        steps, last_check = 0, 0.0
+        for _ in range(self.cfg.inner_steps):
+            if self.stop.is_set():
+                break
+            if time.perf_counter() - last_check > 0.5:
+                last_check = time.perf_counter()
+                if self._accepted(r) is not None:
+                    break  # the round closed without us: stop computing and take its result
+            self.trainer.train_step()
+            steps += 1
+            if self.delay_s:
+                time.sleep(self.delay_s)  # the artificial straggler of the fault tests, not synchronisation
+        stats.compute_s = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        local = {n: p.detach() for n, p in self.trainer.model.named_parameters()}
+        mine: list[Contribution] = []
+        if steps and self.in_sync:
+            tokens = self.trainer.tokens - tokens0
+            digests, sizes = {}, {}
+            for s, names in enumerate(self.shards):
+                c = self.outers[s].contribute({n: self.anchor[n] for n in names}, {n: local[n] for n in names},
+                                              self.me, tokens)
+                blob = contribution_to_bytes(c, self.outer_cfg, self.cfg.run_id, r, s)
+                self.transport.put(f"c/{r}/{s}/{self.me}", blob)
+                digests[s], sizes[s] = sha256_hex(blob), len(blob)
+                mine.append(c)
+            if self._accepted(r) is None and not self.stop.is_set():
+                notice = ContribNotice(self.me, r, tokens, digests, sizes)
+                self._store(round_key(self.cfg.run_id, r, KIND_CONTRIB), notice.to_body(self.cfg.run_id), KIND_CONTRIB)
+                stats.contributed = True
+        t2 = time.perf_counter()
+        accepted = self._close(r)
+        stats.wait_s = time.perf_counter() - t2
+        t3 = time.perf_counter()
+        if mine and (accepted is None or self.me not in accepted.senders()):
+            for s, c in enumerate(mine):
+                self.outers[s].withdraw(c)  # left out: the pseudo-gradient stays in the error-feedback buffer
+        if accepted is not None:
+            stats.members = len(accepted.members)
+            stats.accepted = self.me in accepted.senders()
+            ok = self._apply(r, accepted)
+            if not ok:
+                self.in_sync = False
+        self._load_anchor_into_model()
+        checks = {s: shard_checksum(self.anchor, names) for s, names in enumerate(self.shards)}
+        stats.checksums = checks
+        if accepted is not None and self.in_sync:
+            self._publish_state(r, checks)
+            self.in_sync = self._verify(r, accepted, checks)
+        self.transport.drop_prefix(f"c/{r - 2}/")
+        self.round = r + 1
+        if not self.in_sync:
+            logger.warning("round %d: this peer is out of sync; reloading state from peers", r)
+            stats.synced = self.sync()
+        stats.in_sync = self.in_sync
+        stats.comm_s = (time.perf_counter() - t3) + (t2 - t1)
+        stats.bytes_sent = self._bytes_served() - served_before
+        stats.bytes_received = self._bytes_in
+        self.save()
+        val = self.evaluate() if self.evaluate else None
+        self.metrics.write(event="round", **{k: v for k, v in vars(stats).items() if k != "checksums"},
+                           checksums={str(k): v for k, v in checks.items()}, val_loss=val, steps=steps)
+        if self.on_round:
+            self.on_round(stats, val)
+        return stats
+
+    def _bytes_served(self) -> int:
+        return self.transport.bytes_served
+
+    def _close(self, r: int) -> AcceptedSet | None:
+        """Wait for round r's accepted set, publishing it ourselves when we are the coordinator in charge."""
+        first_seen: float | None = None
+        arrivals: dict[str, float] = {}
+        give_up = time.monotonic() + self.cfg.max_deadline_s + 30 * self.cfg.takeover_s
+        expected = max(1, self.expected() if self.expected else self.last_members)
+        while not self.stop.is_set():
+            now = time.monotonic()
+            notices = self._notices(r)
+            for sender in notices:
+                arrivals.setdefault(sender, now)
+            order = coordinator_order(r, list(notices))
+            accepted = self._accepted(r, order)
+            if accepted is not None:
+                on_time = [arrivals[s] for s in accepted.senders() if s in arrivals]
+                if on_time:
+                    self.window = adapt_window([t - min(on_time) for t in on_time], self.cfg.min_deadline_s,
+                                               self.cfg.max_deadline_s, self.window)
+                self.last_members = len(accepted.members)
+                return accepted
+            if notices:
+                first_seen = first_seen if first_seen is not None else now
+                if self.me in order:
+                    rank = order.index(self.me)
+                    due = first_seen + self.window + rank * self.cfg.takeover_s
+                    if (rank == 0 and len(notices) >= expected) or now >= due:
+                        members = tuple((s, n.tokens, n.digests) for s, n in sorted(notices.items()))
+                        body = AcceptedSet(self.me, r, members).to_body(self.cfg.run_id)
+                        self._store(round_key(self.cfg.run_id, r, KIND_ACCEPTED), body, KIND_ACCEPTED)
+                        continue
+            if now > give_up:
+                logger.warning("round %d: nobody closed the round within %.0f s; moving on", r,
+                               give_up - (first_seen or give_up))
+                return None
+            self.stop.wait(self.cfg.poll_s)
+        return None
+
+    def _fetch(self, r: int, shard: int, sender: str, digest: str, holders: list[str]) -> bytes:
+        name = f"c/{r}/{shard}/{sender}"
+        others = [h for h in holders if h not in (sender, self.me)]
+        random.Random(f"{self.me}|{r}|{shard}|{sender}").shuffle(others)
+        errors = []
+        for i, peer in enumerate([*others[:3], sender]):
+            timeout = self.cfg.fetch_timeout_s if peer == sender else self.cfg.fetch_timeout_s / 5
+            try:
+                blob = self.transport.fetch(peer, name, self.cfg.max_payload_bytes, timeout)
+            except TransportError as exc:
+                errors.append(str(exc)[:100])
+                continue
+            if sha256_hex(blob) != digest:
+                errors.append(f"{peer[:12]}… served bytes that do not match the accepted digest")
+                continue
+            self._bytes_in += len(blob)
+            self.transport.put(name, blob)  # gossip: serve it onwards, so the sender uploads it about once
+            return blob
+        raise TransportError(f"contribution of {sender[:12]}… for round {r} shard {shard}: " + "; ".join(errors))
+
+    def _apply(self, r: int, accepted: AcceptedSet) -> bool:
+        """Fetch, verify and apply the accepted set; False if any accepted payload could not be had."""
+        jobs = []
+        for sender, _tokens, digests in accepted.members:
+            for s in range(len(self.shards)):
+                if s not in digests:
+                    logger.warning("round %d: accepted member %s lacks shard %d", r, sender[:12], s)
+                    return False
+                jobs.append((sender, s, digests[s]))
+        holders = accepted.senders()
+
+        def get(job: tuple[str, int, str]) -> tuple[str, int, Contribution]:
+            sender, s, digest = job
+            if sender == self.me:
+                blob = self._own_blob(r, s)
+                if blob is None or sha256_hex(blob) != digest:
+                    raise TransportError("our own contribution is gone or differs from the accepted digest")
+            else:
+                blob = self._fetch(r, s, sender, digest, holders)
+            c = contribution_from_bytes(blob, self.outer_cfg, self.shapes[s], run=self.cfg.run_id, round=r, shard=s)
+            if c.sender != sender:
+                raise ProtocolError(f"payload claims sender {c.sender[:12]}…, accepted for {sender[:12]}…")
+            return sender, s, c
+
+        try:
+            with ThreadPoolExecutor(self.cfg.fetch_workers) as pool:
+                got = list(pool.map(get, jobs))
+        except (TransportError, ProtocolError) as exc:
+            logger.warning("round %d: could not obtain an accepted contribution (%s)", r, exc)
+            return False
+        per_shard: dict[int, list[Contribution]] = {s: [] for s in range(len(self.shards))}
+        for sender, s, c in sorted(got, key=lambda g: (g[1], g[0])):
+            per_shard[s].append(c)
+        for s, names in enumerate(self.shards):
+            new = self.outers[s].apply({n: self.anchor[n] for n in names}, per_shard[s])
+            self.anchor.update(new)
+        return True
+
+    def _own_blob(self, r: int, s: int) -> bytes | None:
+        return self.transport.get(f"c/{r}/{s}/{self.me}")
+
+    def _verify(self, r: int, accepted: AcceptedSet, mine: dict[int, str]) -> bool:
+        """Compare our checksums with the other members' for round r (waiting a bounded time for them)."""
+        members = set(accepted.senders()) - {self.me}
+        deadline = time.monotonic() + self.cfg.checks_wait_s
+        checks: list[ShardChecks] = []
+        while time.monotonic() < deadline and not self.stop.is_set():
+            checks = [c for c in self.latest_checks() if c.round == r]
+            if members <= {c.peer for c in checks}:
+                break
+            self.stop.wait(self.cfg.poll_s)
+        want = majority_checksums([*checks, ShardChecks(self.me, r, mine)], r)
+        if want != mine:
+            bad = [s for s in mine if want.get(s) != mine[s]]
+            logger.warning("round %d: shard checksums %s differ from the majority of %d peers", r, bad,
+                           len(checks) + 1)
+            return False
+        return True
+
+
+def _parse_state(blob: bytes, shapes: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
+    """A donor's state blob, checked against the shard's names and shapes."""
+    try:
+        tensors = st_load(blob)
+    except Exception as exc:  # noqa: BLE001 - safetensors raises its own error type and ValueError
+        raise ProtocolError(f"state blob is not safetensors: {exc}") from None
+    params = {k[2:]: v for k, v in tensors.items() if k.startswith("p.")}
+    if set(params) != set(shapes):
+        raise ProtocolError("state blob does not hold exactly the shard's parameters")
+    for name, t in params.items():
+        if tuple(t.shape) != tuple(shapes[name]) or not bool(torch.isfinite(t.float()).all()):
+            raise ProtocolError(f"state tensor {name} has the wrong shape or non-finite values")
+    return tensors

@@ -1,0 +1,194 @@
+"""The data plane for rounds and state sync: named blobs served and fetched over libp2p streams.
+
+One small interface, :class:`BlobTransport`: ``put`` a blob under a name, ``drop`` names, ``fetch`` a name from a
+peer. :class:`P2PBlobTransport` implements it on a replica of the DHT's hivemind P2P, running its own event loop
+in a background thread of this process: serving reads the in-memory blobs directly, so a donor's training thread
+never waits for it, and nothing crosses the DHT process's pipe.
+
+Frames: request = u32 length + msgpack {"name": str}; response = u32 length + msgpack {"size": int} or
+{"error": str}, then ``size`` body bytes. Everything read from a stream is bounded before it is allocated.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import struct
+import threading
+from collections.abc import Iterable
+from typing import Any, Protocol
+
+import msgpack
+
+from hlbp.protocol import ProtocolError
+
+logger = logging.getLogger(__name__)
+
+HANDLER = "/hlbp/blob/1"
+MAX_HEADER = 4096
+MAX_NAME = 256
+_LEN = struct.Struct(">I")
+
+
+class TransportError(ConnectionError):
+    """A fetch failed: the peer is unreachable, timed out, does not have the blob, or sent something malformed."""
+
+
+class BlobTransport(Protocol):
+    """What rounds and state sync need of the network's data plane."""
+
+    peer_id: str
+    bytes_served: int  # body bytes this peer has uploaded to others
+
+    def put(self, name: str, data: bytes) -> None: ...
+
+    def get(self, name: str) -> bytes | None: ...
+
+    def drop(self, names: Iterable[str]) -> None: ...
+
+    def drop_prefix(self, prefix: str) -> None: ...
+
+    def fetch(self, peer_id: str, name: str, max_size: int, timeout: float) -> bytes: ...
+
+    def close(self) -> None: ...
+
+
+def _frame(obj: dict[str, Any]) -> bytes:
+    head = msgpack.packb(obj, use_bin_type=True)
+    return _LEN.pack(len(head)) + head
+
+
+async def _read_frame(reader: asyncio.StreamReader, timeout: float) -> dict[str, Any]:
+    (n,) = _LEN.unpack(await asyncio.wait_for(reader.readexactly(_LEN.size), timeout))
+    if n > MAX_HEADER:
+        raise ProtocolError(f"frame header of {n} bytes exceeds {MAX_HEADER}")
+    try:
+        obj = msgpack.unpackb(await asyncio.wait_for(reader.readexactly(n), timeout), raw=False)
+    except (ValueError, TypeError) as exc:
+        raise ProtocolError(f"frame header is not msgpack: {exc}") from None
+    if not isinstance(obj, dict):
+        raise ProtocolError("frame header must be a map")
+    return obj
+
+
+class P2PBlobTransport:
+    """:class:`BlobTransport` on hivemind's P2P (p2pd); construct with a started ``hivemind.DHT``."""
+
+    def __init__(self, dht: Any, request_timeout: float = 10.0) -> None:
+        self.request_timeout = request_timeout
+        self.bytes_served = 0
+        self.bytes_fetched = 0
+        self._blobs: dict[str, bytes] = {}
+        self._lock = threading.Lock()
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="hlbp-transport", daemon=True)
+        self._thread.start()
+        self._p2p = self._run(self._start(dht), timeout=30)
+        self.peer_id = str(self._p2p.peer_id)
+
+    def _run(self, coro: Any, timeout: float) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    async def _start(self, dht: Any) -> Any:
+        p2p = await dht.replicate_p2p()
+        await p2p.add_binary_stream_handler(HANDLER, self._handle)
+        return p2p
+
+    async def _handle(self, info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            request = await _read_frame(reader, self.request_timeout)
+            name = request.get("name")
+            if not isinstance(name, str) or len(name) > MAX_NAME:
+                raise ProtocolError("request name must be a short string")
+            with self._lock:
+                data = self._blobs.get(name)
+            if data is None:
+                writer.write(_frame({"error": "not here"}))
+            else:
+                writer.write(_frame({"size": len(data)}))
+                writer.write(data)
+            await writer.drain()
+            if data is not None:
+                self.bytes_served += len(data)
+        except (ProtocolError, asyncio.IncompleteReadError, asyncio.TimeoutError, ConnectionError, struct.error) as e:
+            logger.debug("blob request from %s failed: %s", getattr(info, "peer_id", "?"), e)
+        finally:
+            writer.close()
+
+    def put(self, name: str, data: bytes) -> None:
+        if len(name) > MAX_NAME:
+            raise ValueError(f"blob name longer than {MAX_NAME}")
+        with self._lock:
+            self._blobs[name] = bytes(data)
+
+    def get(self, name: str) -> bytes | None:
+        with self._lock:
+            return self._blobs.get(name)
+
+    def drop(self, names: Iterable[str]) -> None:
+        with self._lock:
+            for name in list(names):
+                self._blobs.pop(name, None)
+
+    def drop_prefix(self, prefix: str) -> None:
+        with self._lock:
+            for name in [n for n in self._blobs if n.startswith(prefix)]:
+                del self._blobs[name]
+
+    def names(self) -> list[str]:
+        with self._lock:
+            return list(self._blobs)
+
+    async def _fetch(self, peer_id: str, name: str, max_size: int, timeout: float) -> bytes:
+        from hivemind.p2p import PeerID
+
+        _, reader, writer = await asyncio.wait_for(
+            self._p2p.call_binary_stream_handler(PeerID.from_base58(peer_id), HANDLER), timeout
+        )
+        try:
+            writer.write(_frame({"name": name}))
+            await writer.drain()
+            response = await _read_frame(reader, timeout)
+            if "error" in response:
+                raise TransportError(f"{peer_id[:12]}… has no {name}: {str(response['error'])[:80]}")
+            size = response.get("size")
+            if not isinstance(size, int) or not 0 <= size <= max_size:
+                raise ProtocolError(f"peer announced a body of {size!r} bytes; the limit is {max_size}")
+            body = await asyncio.wait_for(reader.readexactly(size), timeout)
+            self.bytes_fetched += size
+            return body
+        finally:
+            writer.close()
+
+    def fetch(self, peer_id: str, name: str, max_size: int, timeout: float) -> bytes:
+        """The blob ``name`` from ``peer_id``; raises :class:`TransportError` for any failure of the peer."""
+        try:
+            return self._run(self._fetch(peer_id, name, max_size, timeout), timeout + 5)
+        except TransportError:
+            raise
+        except Exception as exc:  # p2pd, asyncio and the peer's bytes all fail in their own types
+            raise TransportError(f"fetching {name} from {peer_id[:12]}… failed: {type(exc).__name__}: {exc}") from exc
+
+    def close(self) -> None:
+        """Stop serving and end the transport's loop; the DHT and its daemon stay up for the caller to stop."""
+
+        async def stop() -> None:
+            try:
+                await self._p2p.remove_binary_stream_handler(HANDLER)
+                await self._p2p.shutdown()  # a replica owns no daemon: this closes only our client connections
+            except Exception as exc:  # noqa: BLE001 - the daemon may already be gone when a peer shuts down
+                logger.debug("closing the blob handler failed: %s", exc)
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        if self._loop.is_running():
+            try:
+                self._run(stop(), timeout=10)
+            except Exception as exc:  # noqa: BLE001 - closing must not raise: the peer is leaving anyway
+                logger.debug("closing the transport: %s", exc)
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=5)
+        if not self._loop.is_running() and not self._loop.is_closed():
+            self._loop.close()

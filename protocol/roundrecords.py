@@ -1,0 +1,178 @@
+"""Signed DHT records of the round protocol: contribution notices, accepted sets and shard checksums.
+
+Each record is a :func:`hlbp.protocol.records.seal` envelope, so it is bound to its signer's peer id; the body
+names the run and round, so a record cannot be replayed into another round. Parsing enforces types, ranges and
+sizes and raises :class:`ProtocolError` for anything else. Unknown body fields are ignored (forward compatible).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from hlbp.protocol.errors import ProtocolError
+from hlbp.protocol.records import Identity, open_envelope, seal
+
+KIND_CONTRIB = "contrib"
+KIND_ACCEPTED = "accepted"
+KIND_CHECKS = "checks"
+MAX_RECORD_BYTES = 64 * 1024  # an accepted set of ~500 members; bounds what a forger makes us parse
+MAX_MEMBERS = 512
+MAX_SHARDS = 256
+MAX_PAYLOAD_BYTES = 1 << 34  # a contribution's announced size; the fetcher applies its own, tighter limit
+_HEX64 = re.compile(r"^[0-9a-f]{64}$")
+_PEER = re.compile(r"^[1-9A-HJ-NP-Za-km-z]{20,128}$")
+
+
+def round_key(run_id: str, round_: int, what: str) -> str:
+    """DHT key of one round's records of one kind (``contrib``, ``accepted``)."""
+    return f"hlbp:{run_id}:round:{round_}:{what}"
+
+
+def checks_key(run_id: str) -> str:
+    """DHT key of the latest shard checksums of every peer of a run (subkey: peer id)."""
+    return f"hlbp:{run_id}:checks"
+
+
+def _get(body: dict[str, Any], name: str, kind: type | tuple[type, ...]) -> Any:
+    if name not in body:
+        raise ProtocolError(f"record lacks field {name!r}")
+    value = body[name]
+    if not isinstance(value, kind) or isinstance(value, bool) and kind is not bool:
+        raise ProtocolError(f"record field {name!r} has the wrong type")
+    return value
+
+
+def _round(body: dict[str, Any], expect: int | None) -> int:
+    r = _get(body, "round", int)
+    if not 0 <= r < 1 << 40:
+        raise ProtocolError(f"round {r} out of range")
+    if expect is not None and r != expect:
+        raise ProtocolError(f"record is for round {r}, expected {expect}")
+    return r
+
+
+def _shard(key: Any, what: str) -> int:
+    # msgpack maps are read with string keys only, so shard indices travel as decimal strings
+    if not isinstance(key, str) or not key.isdigit() or len(key) > 3 or not 0 <= int(key) < MAX_SHARDS:
+        raise ProtocolError(f"{what}: bad shard index {str(key)[:8]!r}")
+    return int(key)
+
+
+def _keys(shards: dict[int, Any]) -> dict[str, Any]:
+    return {str(k): v for k, v in shards.items()}
+
+
+def _digests(value: Any, what: str) -> dict[int, str]:
+    if not isinstance(value, dict) or len(value) > MAX_SHARDS:
+        raise ProtocolError(f"{what} must map at most {MAX_SHARDS} shards")
+    out = {}
+    for key, digest in value.items():
+        shard = _shard(key, what)
+        if not isinstance(digest, str) or not _HEX64.match(digest):
+            raise ProtocolError(f"{what}: shard {shard} digest is not 64 hex digits")
+        out[shard] = digest
+    return out
+
+
+@dataclass(frozen=True)
+class ContribNotice:
+    """A replica's notice that its contribution for a round is ready to fetch: digest and size per shard."""
+
+    sender: str
+    round: int
+    tokens: int
+    digests: dict[int, str]  # shard -> sha256 hex of the framed contribution
+    sizes: dict[int, int]  # shard -> bytes of the framed contribution
+
+    def to_body(self, run_id: str) -> dict[str, Any]:
+        return {"run": run_id, "round": self.round, "tokens": self.tokens, "digests": _keys(self.digests),
+                "sizes": _keys(self.sizes)}
+
+
+@dataclass(frozen=True)
+class AcceptedSet:
+    """The coordinator's list of contributions every in-sync peer applies for a round, in canonical order."""
+
+    coordinator: str
+    round: int
+    members: tuple[tuple[str, int, dict[int, str]], ...]  # (sender, tokens, shard -> digest), sorted by sender
+
+    def to_body(self, run_id: str) -> dict[str, Any]:
+        return {"run": run_id, "round": self.round, "members": [[s, t, _keys(d)] for s, t, d in self.members]}
+
+    def senders(self) -> list[str]:
+        return [s for s, _, _ in self.members]
+
+
+@dataclass(frozen=True)
+class ShardChecks:
+    """A peer's checksums of the shards it holds after applying a round."""
+
+    peer: str
+    round: int
+    checksums: dict[int, str]
+
+    def to_body(self, run_id: str) -> dict[str, Any]:
+        return {"run": run_id, "round": self.round, "checksums": _keys(self.checksums)}
+
+
+def sign(kind: str, body: dict[str, Any], identity: Identity) -> bytes:
+    """Seal a round record body with this peer's key."""
+    return seal(kind, body, identity)
+
+
+def _open(data: Any, kind: str, signer: str, run_id: str) -> dict[str, Any]:
+    env = open_envelope(data, kind, max_bytes=MAX_RECORD_BYTES, signer=signer)
+    if env.body.get("run") != run_id:
+        raise ProtocolError(f"{kind} record belongs to another run")
+    return env.body
+
+
+def parse_contrib(data: Any, signer: str, run_id: str, round_: int | None = None) -> ContribNotice:
+    body = _open(data, KIND_CONTRIB, signer, run_id)
+    r = _round(body, round_)
+    tokens = _get(body, "tokens", int)
+    if not 0 <= tokens < 1 << 48:
+        raise ProtocolError("contribution tokens out of range")
+    digests = _digests(body.get("digests"), "contribution digests")
+    sizes_raw = body.get("sizes")
+    if not isinstance(sizes_raw, dict) or len(sizes_raw) != len(digests):
+        raise ProtocolError("contribution sizes must name the same shards as its digests")
+    sizes = {}
+    for key, size in sizes_raw.items():
+        shard = _shard(key, "contribution sizes")
+        if shard not in digests:
+            raise ProtocolError("contribution sizes must name the same shards as its digests")
+        if not isinstance(size, int) or isinstance(size, bool) or not 0 < size <= MAX_PAYLOAD_BYTES:
+            raise ProtocolError(f"contribution size of shard {shard} out of range")
+        sizes[shard] = size
+    return ContribNotice(signer, r, tokens, digests, sizes)
+
+
+def parse_accepted(data: Any, signer: str, run_id: str, round_: int | None = None) -> AcceptedSet:
+    body = _open(data, KIND_ACCEPTED, signer, run_id)
+    r = _round(body, round_)
+    raw = _get(body, "members", list)
+    if len(raw) > MAX_MEMBERS:
+        raise ProtocolError(f"accepted set has more than {MAX_MEMBERS} members")
+    members = []
+    for item in raw:
+        if not isinstance(item, list) or len(item) != 3:
+            raise ProtocolError("accepted member must be [sender, tokens, digests]")
+        sender, tokens, digests = item
+        if not isinstance(sender, str) or not _PEER.match(sender):
+            raise ProtocolError("accepted member sender is not a peer id")
+        if not isinstance(tokens, int) or isinstance(tokens, bool) or not 0 <= tokens < 1 << 48:
+            raise ProtocolError("accepted member tokens out of range")
+        members.append((sender, tokens, _digests(digests, "accepted member digests")))
+    senders = [m[0] for m in members]
+    if senders != sorted(set(senders)):
+        raise ProtocolError("accepted members must be unique and sorted by sender")
+    return AcceptedSet(signer, r, tuple(members))
+
+
+def parse_checks(data: Any, signer: str, run_id: str) -> ShardChecks:
+    body = _open(data, KIND_CHECKS, signer, run_id)
+    return ShardChecks(signer, _round(body, None), _digests(body.get("checksums"), "checksums"))
