@@ -146,6 +146,8 @@ def join(
     threads: int = opt(None, "--threads", env="THREADS", help="torch CPU threads."),
     inject_delay: float = opt(0.0, "--inject-delay", env="INJECT_DELAY",
                               help="Fault injection: seconds of extra delay per inner step (a straggler)."),
+    inject_corrupt: bool = opt(False, "--inject-corrupt/--no-inject-corrupt", env="INJECT_CORRUPT",
+                               help="Fault injection: serve corrupted contributions (a lying peer)."),
 ) -> None:
     """Join a run: read its manifest, measure this machine, take a role, announce it, and train until stopped.
 
@@ -186,7 +188,8 @@ def join(
 
             if rounds is not None and rounds < 0 or inject_delay < 0:
                 raise UserInputError("--rounds and --inject-delay must be >= 0")
-            replica_train_hook(ctx, ReplicaOptions(rounds=rounds, inject_delay_s=inject_delay, threads=threads), _echo)
+            replica_train_hook(ctx, ReplicaOptions(rounds=rounds, inject_delay_s=inject_delay, inject_corrupt=inject_corrupt,
+                                                    threads=threads), _echo)
         elif not stop.is_set():
             training.set()  # from here a signal also interrupts the training loop, which does not poll `stop`
             try:

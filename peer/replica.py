@@ -36,6 +36,7 @@ class ReplicaOptions:
     rounds: int | None = None  # leave after this many outer rounds; None: until stopped
     eval_batches: int = 4  # validation batches scored after every round (0: none)
     inject_delay_s: float = 0.0  # fault injection: sleep this long after every inner step (a straggler)
+    inject_corrupt: bool = False  # fault injection: serve garbage payloads (a lying peer)
     threads: int | None = None  # torch CPU threads
     device: str = "auto"
 
@@ -87,6 +88,7 @@ def replica_train_hook(ctx: TrainContext, options: ReplicaOptions, echo: Any = p
         peer.plane.dht, peer.plane.identity, transport, trainer, outer, shards, rcfg, ctx.stop,
         checkpoint=ctx.out_dir / "checkpoint.safetensors", metrics=metrics, expected=expected, on_round=on_round,
         evaluate=(lambda: evaluate(trainer.model, val, device)) if val else None, delay_s=options.inject_delay_s,
+        corrupt=options.inject_corrupt,
     )
     start = time.perf_counter()
     echo(f"replica: {runner.start()}; starting at round {runner.round}")

@@ -183,6 +183,7 @@ class RoundRunner:
         on_round: Callable[[RoundStats, float | None], None] | None = None,
         evaluate: Callable[[], float] | None = None,
         delay_s: float = 0.0,
+        corrupt: bool = False,
     ) -> None:
         self.dht, self.identity, self.transport, self.trainer = dht, identity, transport, trainer
         self.me = identity.peer_id
@@ -195,6 +196,9 @@ class RoundRunner:
         self.expected = expected
         self.on_round, self.evaluate = on_round, evaluate
         self.delay_s = delay_s  # artificial slowness per inner step: the straggler fault test uses it
+        self.corrupt = corrupt  # fault injection: serve payloads whose body is garbage (a lying peer)
+        self.bans: dict[str, tuple[int, int]] = {}  # sender -> (banned until round, strikes so far)
+        self._verified: dict[tuple[int, str, int], Contribution] = {}  # (round, sender, shard) -> checked payload
         self.round = 0  # the next round to run; the anchor is the result of round - 1
         self.in_sync = True
         self.window = cfg.deadline_s
@@ -399,6 +403,8 @@ class RoundRunner:
                 c = self.outers[s].contribute({n: self.anchor[n] for n in names}, {n: local[n] for n in names},
                                               self.me, tokens)
                 blob = contribution_to_bytes(c, self.outer_cfg, self.cfg.run_id, r, s)
+                if self.corrupt:
+                    blob = blob[:64] + bytes(b ^ 0x5A for b in blob[64:])
                 self.transport.put(f"c/{r}/{s}/{self.me}", blob)
                 digests[s], sizes[s] = sha256_hex(blob), len(blob)
                 mine.append(c)
@@ -426,6 +432,7 @@ class RoundRunner:
             self._publish_state(r, checks)
             self.in_sync = self._verify(r, accepted, checks)
         self.transport.drop_prefix(f"c/{r - 2}/")
+        self._verified = {k: v for k, v in self._verified.items() if k[0] > r}
         self.round = r + 1
         if not self.in_sync:
             logger.warning("round %d: this peer is out of sync; reloading state from peers", r)
@@ -471,7 +478,7 @@ class RoundRunner:
                     rank = order.index(self.me)
                     due = first_seen + self.window + rank * self.cfg.takeover_s
                     if (rank == 0 and len(notices) >= expected) or now >= due:
-                        members = tuple((s, n.tokens, n.digests) for s, n in sorted(notices.items()))
+                        members = tuple((s, n.tokens, n.digests) for s, n in sorted(self._admit(r, notices).items()))
                         body = AcceptedSet(self.me, r, members).to_body(self.cfg.run_id)
                         self._store(round_key(self.cfg.run_id, r, KIND_ACCEPTED), body, KIND_ACCEPTED)
                         continue
@@ -481,6 +488,41 @@ class RoundRunner:
                 return None
             self.stop.wait(self.cfg.poll_s)
         return None
+
+    def _banned(self, sender: str, r: int) -> bool:
+        return sender in self.bans and r < self.bans[sender][0]
+
+    def _admit(self, r: int, notices: dict[str, ContribNotice]) -> dict[str, ContribNotice]:
+        """The coordinator fetches and decodes every contribution before accepting it, so one peer's garbage
+        cannot make the others fail the round. A sender of garbage is banned for 2, 4, 8, ... rounds."""
+        admitted = {}
+        for sender, notice in notices.items():
+            if self._banned(sender, r) or set(notice.digests) != set(range(len(self.shards))):
+                continue
+            try:
+                for s, digest in notice.digests.items():
+                    if (r, sender, s) not in self._verified:
+                        self._verified[(r, sender, s)] = self._decode(r, s, sender, digest, [])
+                admitted[sender] = notice
+            except (TransportError, ProtocolError) as exc:
+                strikes = self.bans.get(sender, (0, 0))[1] + 1
+                self.bans[sender] = (r + 1 + 2**strikes, strikes)
+                logger.warning("round %d: rejected the contribution of %s (%s); banned until round %d", r,
+                               sender[:16], str(exc)[:160], self.bans[sender][0])
+        return admitted
+
+    def _decode(self, r: int, s: int, sender: str, digest: str, holders: list[str]) -> Contribution:
+        """One accepted shard payload, fetched (or our own), digest-checked and decoded."""
+        if sender == self.me:
+            blob = self._own_blob(r, s)
+            if blob is None or sha256_hex(blob) != digest:
+                raise TransportError("our own contribution is gone or differs from the accepted digest")
+        else:
+            blob = self._fetch(r, s, sender, digest, holders)
+        c = contribution_from_bytes(blob, self.outer_cfg, self.shapes[s], run=self.cfg.run_id, round=r, shard=s)
+        if c.sender != sender:
+            raise ProtocolError(f"payload claims sender {c.sender[:12]}…, accepted for {sender[:12]}…")
+        return c
 
     def _fetch(self, r: int, shard: int, sender: str, digest: str, holders: list[str]) -> bytes:
         name = f"c/{r}/{shard}/{sender}"
@@ -515,16 +557,8 @@ class RoundRunner:
 
         def get(job: tuple[str, int, str]) -> tuple[str, int, Contribution]:
             sender, s, digest = job
-            if sender == self.me:
-                blob = self._own_blob(r, s)
-                if blob is None or sha256_hex(blob) != digest:
-                    raise TransportError("our own contribution is gone or differs from the accepted digest")
-            else:
-                blob = self._fetch(r, s, sender, digest, holders)
-            c = contribution_from_bytes(blob, self.outer_cfg, self.shapes[s], run=self.cfg.run_id, round=r, shard=s)
-            if c.sender != sender:
-                raise ProtocolError(f"payload claims sender {c.sender[:12]}…, accepted for {sender[:12]}…")
-            return sender, s, c
+            cached = self._verified.pop((r, sender, s), None)
+            return sender, s, cached if cached is not None else self._decode(r, s, sender, digest, holders)
 
         try:
             with ThreadPoolExecutor(self.cfg.fetch_workers) as pool:
