@@ -1,0 +1,54 @@
+"""The round protocol's pure decisions: ranking, windows, which accepted set wins, majorities, checksums."""
+
+import torch
+
+from hlbp.peer.rounds import (
+    adapt_window,
+    coordinator_order,
+    majority_checksums,
+    pick_accepted,
+    shard_checksum,
+)
+from hlbp.protocol.roundrecords import AcceptedSet, ShardChecks
+
+PEERS = [f"12D3KooWpeer{i:02d}xxxxxxxxxxxxxxxx" for i in range(6)]
+
+
+def test_coordinator_order_is_the_same_from_any_view_and_changes_by_round():
+    a = coordinator_order(7, PEERS)
+    assert a == coordinator_order(7, list(reversed(PEERS))) == coordinator_order(7, PEERS + PEERS[:2])
+    assert sorted(a) == sorted(PEERS)
+    firsts = {coordinator_order(r, PEERS)[0] for r in range(40)}
+    assert len(firsts) >= 4  # the duty rotates; no peer is a fixed server
+
+
+def test_adapt_window_follows_arrivals_within_bounds():
+    assert adapt_window([0.0, 2.0], lo=1.0, hi=10.0, current=5.0) == 4.0
+    assert adapt_window([0.0, 100.0], lo=1.0, hi=10.0, current=5.0) == 10.0
+    assert adapt_window([0.0, 0.0], lo=2.0, hi=10.0, current=5.0) == 2.0
+    assert adapt_window([0.0], lo=1.0, hi=10.0, current=5.0) == 5.0  # one arrival says nothing about spread
+
+
+def test_pick_accepted_prefers_the_best_ranked_coordinator():
+    order = coordinator_order(3, PEERS)
+    sets = [AcceptedSet(order[2], 3, ()), AcceptedSet(order[1], 3, ())]
+    assert pick_accepted(sets, order).coordinator == order[1]
+    assert pick_accepted([], order) is None
+
+
+def test_majority_checksums_per_shard_and_round():
+    checks = [
+        ShardChecks(PEERS[0], 4, {0: "a" * 64, 1: "b" * 64}),
+        ShardChecks(PEERS[1], 4, {0: "a" * 64, 1: "c" * 64}),
+        ShardChecks(PEERS[2], 4, {0: "d" * 64, 1: "c" * 64}),
+        ShardChecks(PEERS[3], 3, {0: "e" * 64, 1: "e" * 64}),  # an older round does not vote
+    ]
+    assert majority_checksums(checks, 4) == {0: "a" * 64, 1: "c" * 64}
+
+
+def test_shard_checksum_sees_every_bit():
+    params = {"a": torch.zeros(3, 4), "b": torch.ones(5)}
+    ref = shard_checksum(params, ["a", "b"])
+    assert ref == shard_checksum({"b": torch.ones(5), "a": torch.zeros(3, 4)}, ["b", "a"])
+    params["a"][1, 2] = 1e-30
+    assert shard_checksum(params, ["a", "b"]) != ref

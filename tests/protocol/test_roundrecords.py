@@ -1,0 +1,86 @@
+"""Round records: signed, bound to run and round, and any bytes either parse or raise ProtocolError."""
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hlbp.protocol import ProtocolError
+from hlbp.protocol.records import Identity
+from hlbp.protocol.roundrecords import (
+    KIND_ACCEPTED,
+    KIND_CHECKS,
+    KIND_CONTRIB,
+    AcceptedSet,
+    ContribNotice,
+    ShardChecks,
+    parse_accepted,
+    parse_checks,
+    parse_contrib,
+    sign,
+)
+
+ME, OTHER = Identity.generate(), Identity.generate()
+D = "ab" * 32
+
+
+def test_round_trips():
+    n = ContribNotice(ME.peer_id, 5, 1234, {0: D, 1: D}, {0: 10, 1: 20})
+    assert parse_contrib(sign(KIND_CONTRIB, n.to_body("run"), ME), ME.peer_id, "run", 5) == n
+    a = AcceptedSet(ME.peer_id, 5, tuple(sorted([(ME.peer_id, 1, {0: D}), (OTHER.peer_id, 2, {0: D})])))
+    assert parse_accepted(sign(KIND_ACCEPTED, a.to_body("run"), ME), ME.peer_id, "run", 5) == a
+    c = ShardChecks(ME.peer_id, 5, {0: D})
+    assert parse_checks(sign(KIND_CHECKS, c.to_body("run"), ME), ME.peer_id, "run") == c
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        # stored under another peer's id: a forgery
+        lambda data: parse_contrib(data, OTHER.peer_id, "run", 5),
+        # replayed into another round or run
+        lambda data: parse_contrib(data, ME.peer_id, "run", 6),
+        lambda data: parse_contrib(data, ME.peer_id, "other-run", 5),
+        # a contribution notice is not an accepted set
+        lambda data: parse_accepted(data, ME.peer_id, "run", 5),
+    ],
+)
+def test_forged_replayed_or_mistyped_records_are_refused(call):
+    data = sign(KIND_CONTRIB, ContribNotice(ME.peer_id, 5, 1, {0: D}, {0: 1}).to_body("run"), ME)
+    with pytest.raises(ProtocolError):
+        call(data)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"run": "run", "round": 1, "tokens": -1, "digests": {"0": D}, "sizes": {"0": 1}},
+        {"run": "run", "round": 1, "tokens": 1, "digests": {"0": "zz"}, "sizes": {"0": 1}},
+        {"run": "run", "round": 1, "tokens": 1, "digests": {"999": D}, "sizes": {"999": 1}},
+        {"run": "run", "round": 1, "tokens": 1, "digests": {"0": D}, "sizes": {"1": 1}},
+        {"run": "run", "round": 1, "tokens": 1, "digests": {"0": D}, "sizes": {"0": 0}},
+        {"run": "run", "round": "1", "tokens": 1, "digests": {"0": D}, "sizes": {"0": 1}},
+    ],
+)
+def test_malformed_contrib_bodies(body):
+    with pytest.raises(ProtocolError):
+        parse_contrib(sign(KIND_CONTRIB, body, ME), ME.peer_id, "run")
+
+
+def test_unsorted_or_duplicate_accepted_members_are_refused():
+    members = [[ME.peer_id, 1, {"0": D}], [ME.peer_id, 1, {"0": D}]]
+    with pytest.raises(ProtocolError):
+        parse_accepted(sign(KIND_ACCEPTED, {"run": "run", "round": 1, "members": members}, ME), ME.peer_id, "run")
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=600))
+def test_any_bytes_parse_or_raise_protocol_error(data):
+    for parse in (parse_contrib, parse_accepted):
+        try:
+            parse(data, ME.peer_id, "run")
+        except ProtocolError:
+            pass
+    try:
+        parse_checks(data, ME.peer_id, "run")
+    except ProtocolError:
+        pass
