@@ -8,6 +8,7 @@ import typer
 from rich.console import Console
 
 from hlbp.cli.options import opt
+from hlbp.peer.errors import UserInputError
 
 bench_app = typer.Typer(help="Benchmarks: each prints a short table and writes JSON with --out.", no_args_is_help=True)
 console = Console(stderr=True)
@@ -25,6 +26,9 @@ def convergence(
     inner_steps: int | None = opt(None, "--inner-steps", env="BENCH_INNER_STEPS", help="H (default 15; quick 5)."),
     seed: int = opt(0, "--seed", env="SEED", help="Seed for init and data."),
     threads: int | None = opt(None, "--threads", env="THREADS", help="torch CPU threads."),
+    alpha: float = opt(1.0, "--alpha", env="BENCH_ALPHA", help="SparseLoCo outer learning rate."),
+    only: str = opt("", "--only", env="BENCH_ONLY",
+                    help="Comma-separated substrings: run only SparseLoCo variants whose label matches."),
 ) -> None:
     """SparseLoCo (k = 32/64/128, both aggregation modes) vs DiLoCo vs one AdamW run, at equal tokens."""
     import dataclasses
@@ -36,7 +40,10 @@ def convergence(
     if threads:
         torch.set_num_threads(threads)
     cfg = ConvergenceBenchConfig.quick() if quick else ConvergenceBenchConfig()
-    changes = {"replicas": replicas, "seed": seed}
+    if replicas < 1 or alpha <= 0:
+        raise UserInputError("--replicas must be >= 1 and --alpha > 0")
+    changes = {"replicas": replicas, "seed": seed, "alpha": alpha,
+               "only": tuple(x.strip() for x in only.split(",") if x.strip())}
     if rounds is not None:
         changes["rounds"] = rounds
     if inner_steps is not None:

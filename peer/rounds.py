@@ -433,7 +433,8 @@ class RoundRunner:
             self.in_sync = self._verify(r, accepted, checks)
         self.transport.drop_prefix(f"c/{r - 2}/")
         self._verified = {k: v for k, v in self._verified.items() if k[0] > r}
-        self.round = r + 1
+        if accepted is not None or not self.stop.is_set():
+            self.round = r + 1  # a round abandoned on SIGTERM is not ours to count: a restart syncs past it
         if not self.in_sync:
             logger.warning("round %d: this peer is out of sync; reloading state from peers", r)
             stats.synced = self.sync()

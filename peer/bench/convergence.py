@@ -38,6 +38,9 @@ class ConvergenceBenchConfig:
     seed: int = 0
     ks: tuple[int, ...] = (32, 64, 128)
     aggregations: tuple[str, ...] = ("mean", "selectors")
+    alpha: float = 1.0  # SparseLoCo outer learning rate
+    beta: float = 0.95  # SparseLoCo error-feedback decay
+    only: tuple[str, ...] = ()  # run only methods whose label contains one of these substrings (baselines stay)
     diloco_lr: float = 0.7
     diloco_momentum: float = 0.9
     data: str = "builtin"
@@ -58,7 +61,10 @@ def methods(cfg: ConvergenceBenchConfig) -> list[tuple[str, OuterConfig | None]]
     out.append(("diloco fp32", OuterConfig(kind="diloco", outer_lr=cfg.diloco_lr, momentum=cfg.diloco_momentum)))
     for k in cfg.ks:
         for agg in cfg.aggregations:
-            out.append((f"sparseloco k={k} {agg}", OuterConfig(kind="sparseloco", k=k, aggregation=agg)))
+            label = f"sparseloco k={k} {agg}" + (f" a={cfg.alpha:g}" if cfg.alpha != 1.0 else "")
+            out.append((label, OuterConfig(kind="sparseloco", k=k, aggregation=agg, alpha=cfg.alpha, beta=cfg.beta)))
+    if cfg.only:
+        out = out[:2] + [m for m in out[2:] if any(o in m[0] for o in cfg.only)]
     return out
 
 
