@@ -166,3 +166,54 @@ def codec(
         if value is not None:
             changes[name] = value
     run_codec_bench(dataclasses.replace(cfg, **changes), out, console)
+
+
+@bench_app.command("network")
+def network(
+    quick: bool = opt(False, "--quick", env="BENCH_QUICK", help=QUICK_HELP),
+    out: Path | None = opt(None, "--out", env="BENCH_OUT", help=OUT_HELP),
+    models: str | None = opt(
+        None, "--models", env="BENCH_MODELS", help="Comma-separated presets (default tiny,small; quick tiny)."
+    ),
+    peers: str | None = opt(
+        None, "--peers", env="BENCH_PEERS", help="Comma-separated swarm sizes N (default 2,4; quick 2)."
+    ),
+    rounds: int | None = opt(
+        None, "--rounds", env="BENCH_ROUNDS", help="Timed rounds of each method after one warm-up (default 4; quick 2)."
+    ),
+    k: int = opt(64, "--k", env="BENCH_K", help="SparseLoCo values kept per 4096."),
+    link_mbps: float | None = opt(
+        None, "--link-mbps", env="BENCH_LINK_MBPS",
+        help="Link rate in Mbit/s for the physical floor; default: measure loopback through P2PBlobTransport.",
+    ),
+    link_probe_mib: int = opt(
+        64, "--link-probe-mib", env="BENCH_LINK_PROBE_MIB", help="Size of the blob the link measurement fetches."
+    ),
+    matchmaking_s: float = opt(
+        2.0, "--matchmaking-s", env="BENCH_MATCHMAKING_S", help="hivemind min_matchmaking_time of the dense side."
+    ),
+    seed: int = opt(0, "--seed", env="SEED", help="Seed for init and data."),
+    threads: int | None = opt(None, "--threads", env="THREADS", help="torch CPU threads."),
+) -> None:
+    """SparseLoCo rounds on real p2pd peers vs hivemind's dense all-reduce: bytes, comm time, ratio to the floor."""
+    import dataclasses
+
+    import torch
+
+    from hlbp.peer.bench.network import NetworkBenchConfig, run_network_bench
+
+    if threads:
+        torch.set_num_threads(threads)
+    cfg = NetworkBenchConfig.quick() if quick else NetworkBenchConfig()
+    changes: dict = {"k": k, "link_mbps": link_mbps, "link_probe_mib": link_probe_mib,
+                     "matchmaking_s": matchmaking_s, "seed": seed}
+    if models is not None:
+        changes["models"] = tuple(m.strip() for m in models.split(",") if m.strip())
+    if peers is not None:
+        try:
+            changes["peers"] = tuple(int(p) for p in peers.split(",") if p.strip())
+        except ValueError:
+            raise UserInputError(f"--peers takes comma-separated integers, not {peers!r}") from None
+    if rounds is not None:
+        changes["rounds"] = rounds
+    run_network_bench(dataclasses.replace(cfg, **changes), out, console)
