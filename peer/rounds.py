@@ -443,6 +443,8 @@ class RoundRunner:
         stats.bytes_sent = self._bytes_served() - served_before
         stats.bytes_received = self._bytes_in
         self.save()
+        if accepted is None and self.stop.is_set():
+            return stats  # abandoned on SIGTERM: not a round to report
         val = self.evaluate() if self.evaluate else None
         self.metrics.write(event="round", **{k: v for k, v in vars(stats).items() if k != "checksums"},
                            checksums={str(k): v for k, v in checks.items()}, val_loss=val, steps=steps)
@@ -467,6 +469,9 @@ class RoundRunner:
             order = coordinator_order(r, list(notices))
             accepted = self._accepted(r, order)
             if accepted is not None:
+                for peer, until in accepted.banned:  # bans travel with the accepted set: every coordinator honours them
+                    if until > self.bans.get(peer, (0, 0))[0]:
+                        self.bans[peer] = (until, self.bans.get(peer, (0, 0))[1] + 1)
                 on_time = [arrivals[s] for s in accepted.senders() if s in arrivals]
                 if on_time:
                     self.window = adapt_window([t - min(on_time) for t in on_time], self.cfg.min_deadline_s,
@@ -480,7 +485,8 @@ class RoundRunner:
                     due = first_seen + self.window + rank * self.cfg.takeover_s
                     if (rank == 0 and len(notices) >= expected) or now >= due:
                         members = tuple((s, n.tokens, n.digests) for s, n in sorted(self._admit(r, notices).items()))
-                        body = AcceptedSet(self.me, r, members).to_body(self.cfg.run_id)
+                        banned = tuple(sorted((p, u) for p, (u, _) in self.bans.items() if u > r))
+                        body = AcceptedSet(self.me, r, members, banned).to_body(self.cfg.run_id)
                         self._store(round_key(self.cfg.run_id, r, KIND_ACCEPTED), body, KIND_ACCEPTED)
                         continue
             if now > give_up:
@@ -505,7 +511,12 @@ class RoundRunner:
                     if (r, sender, s) not in self._verified:
                         self._verified[(r, sender, s)] = self._decode(r, s, sender, digest, [])
                 admitted[sender] = notice
-            except (TransportError, ProtocolError) as exc:
+            except TransportError as exc:
+                # unreachable, slow or a broken transfer: left out of this round, not punished
+                logger.warning("round %d: could not fetch the contribution of %s (%s); leaving it out", r,
+                               sender[:16], str(exc)[:160])
+            except ProtocolError as exc:
+                # bytes that match the sender's signed digest yet do not decode: the sender sent garbage
                 strikes = self.bans.get(sender, (0, 0))[1] + 1
                 self.bans[sender] = (r + 1 + 2**strikes, strikes)
                 logger.warning("round %d: rejected the contribution of %s (%s); banned until round %d", r,
@@ -530,7 +541,7 @@ class RoundRunner:
         others = [h for h in holders if h not in (sender, self.me)]
         random.Random(f"{self.me}|{r}|{shard}|{sender}").shuffle(others)
         errors = []
-        for i, peer in enumerate([*others[:3], sender]):
+        for peer in [*others[:3], sender, sender]:  # the sender twice: one broken transfer is not a verdict
             timeout = self.cfg.fetch_timeout_s if peer == sender else self.cfg.fetch_timeout_s / 5
             try:
                 blob = self.transport.fetch(peer, name, self.cfg.max_payload_bytes, timeout)

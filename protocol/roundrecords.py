@@ -98,9 +98,11 @@ class AcceptedSet:
     coordinator: str
     round: int
     members: tuple[tuple[str, int, dict[int, str]], ...]  # (sender, tokens, shard -> digest), sorted by sender
+    banned: tuple[tuple[str, int], ...] = ()  # (sender, until round): garbage senders, so later coordinators skip them
 
     def to_body(self, run_id: str) -> dict[str, Any]:
-        return {"run": run_id, "round": self.round, "members": [[s, t, _keys(d)] for s, t, d in self.members]}
+        return {"run": run_id, "round": self.round, "members": [[s, t, _keys(d)] for s, t, d in self.members],
+                "banned": [[p, u] for p, u in self.banned]}
 
     def senders(self) -> list[str]:
         return [s for s, _, _ in self.members]
@@ -170,7 +172,16 @@ def parse_accepted(data: Any, signer: str, run_id: str, round_: int | None = Non
     senders = [m[0] for m in members]
     if senders != sorted(set(senders)):
         raise ProtocolError("accepted members must be unique and sorted by sender")
-    return AcceptedSet(signer, r, tuple(members))
+    banned_raw = body.get("banned", [])  # absent in records of older peers
+    if not isinstance(banned_raw, list) or len(banned_raw) > MAX_MEMBERS:
+        raise ProtocolError("accepted set's ban list is malformed")
+    banned = []
+    for item in banned_raw:
+        if (not isinstance(item, list) or len(item) != 2 or not isinstance(item[0], str) or not _PEER.match(item[0])
+                or not isinstance(item[1], int) or isinstance(item[1], bool) or not r < item[1] <= r + 1024):
+            raise ProtocolError("accepted set's ban entry must be [peer id, until round] within 1024 rounds")
+        banned.append((item[0], item[1]))
+    return AcceptedSet(signer, r, tuple(members), tuple(banned))
 
 
 def parse_checks(data: Any, signer: str, run_id: str) -> ShardChecks:

@@ -84,3 +84,11 @@ def test_any_bytes_parse_or_raise_protocol_error(data):
         parse_checks(data, ME.peer_id, "run")
     except ProtocolError:
         pass
+
+
+def test_ban_list_travels_with_the_accepted_set_and_is_bounded():
+    a = AcceptedSet(ME.peer_id, 5, (), ((OTHER.peer_id, 9),))
+    assert parse_accepted(sign(KIND_ACCEPTED, a.to_body("run"), ME), ME.peer_id, "run").banned == ((OTHER.peer_id, 9),)
+    forever = {"run": "run", "round": 5, "members": [], "banned": [[OTHER.peer_id, 10**9]]}
+    with pytest.raises(ProtocolError):
+        parse_accepted(sign(KIND_ACCEPTED, forever, ME), ME.peer_id, "run")
