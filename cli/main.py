@@ -12,6 +12,7 @@ from rich.console import Console
 from hlbp.cli.bench import bench_app
 from hlbp.cli.control_cmds import register as register_control_commands
 from hlbp.cli.options import opt
+from hlbp.cli.simulate import register as register_simulate
 from hlbp.peer.errors import UserInputError
 from hlbp.protocol import ProtocolError
 
@@ -25,6 +26,7 @@ app = typer.Typer(
 console = Console(stderr=True)
 app.add_typer(bench_app, name="bench")
 register_control_commands(app)
+register_simulate(app)
 
 
 def _version() -> str:

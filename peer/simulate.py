@@ -1,0 +1,394 @@
+"""A whole swarm on loopback: one bootstrap and N ``hlbp join`` processes, watched through their metrics files.
+
+``hlbp simulate`` and the round fault tests both use this module. Every process runs in its own session, so a
+peer can be killed whole (main process, its DHT process and p2pd) the way a spot instance dies, and
+:meth:`Swarm.close` can always reap everything that was started, on success, on error and on Ctrl-C alike.
+The summary is a pure function of the peers' ``metrics.jsonl`` records, so it is tested without processes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from typing_extensions import Self
+
+from hlbp.peer.metrics import read_metrics
+
+LOOPBACK = "/ip4/127.0.0.1/tcp/0"
+
+
+@dataclass
+class SimConfig:
+    """A simulated run: the manifest's hyperparameters plus how the local processes are started."""
+
+    n_full: int = 4  # full replicas to start
+    rounds: int = 5  # outer rounds every replica runs before it leaves
+    model: str = "tiny"  # model preset of the run
+    n_stages: int = 2  # shards of the parameters (the manifest's stage partition)
+    inner_steps: int = 10  # H: inner steps per round
+    batch_size: int = 4  # sequences per inner step
+    seq_len: int = 64  # tokens per sequence
+    round_deadline_s: float = 5.0  # first collection window; later ones adapt within the bounds below
+    min_deadline_s: float = 1.0
+    max_deadline_s: float = 30.0
+    seed: int = 0  # the run's seed: initial weights and data order
+    threads: int = 1  # torch threads per peer, so N peers share a small machine fairly
+    run_id: str = "simulate"
+    ttl_s: float = 30.0  # lifetime of control-plane records without a refresh
+    cache_dir: Path | None = None  # corpus and tokenizer cache; None: the user cache
+    startup_timeout_s: float = 120.0  # bootstrap and each joiner must be up within this
+    stop_timeout_s: float = 20.0  # SIGTERM, then SIGKILL after this long
+
+    def run_toml(self) -> str:
+        """The run config the bootstrap signs into the manifest."""
+        return (f'run_id = "{self.run_id}"\nmodel = "{self.model}"\nn_stages = {self.n_stages}\nseed = {self.seed}\n'
+                f"[hparams]\ninner_steps = {self.inner_steps}\nbatch_size = {self.batch_size}\n"
+                f"seq_len = {self.seq_len}\nround_deadline_s = {self.round_deadline_s}\n"
+                f"min_deadline_s = {self.min_deadline_s}\nmax_deadline_s = {self.max_deadline_s}\n")
+
+
+class PeerProcess:
+    """One ``hlbp`` process in its own session, whose combined output is collected line by line."""
+
+    def __init__(self, name: str, args: list[str], env: dict[str, str], log: Path | None = None) -> None:
+        self.name, self.args = name, args
+        self.popen = subprocess.Popen(
+            [sys.executable, "-m", "hlbp.cli.control_cmds", *args], stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, text=True, start_new_session=True, env=env,
+        )
+        self.lines: list[str] = []
+        self.eof = False  # the process closed its output: no more lines will come
+        self._log = open(log, "a", encoding="utf-8") if log is not None else None  # noqa: SIM115 - closed by pump
+        self._cond = threading.Condition()
+        threading.Thread(target=self._pump, name=f"pump-{name}", daemon=True).start()
+
+    def _pump(self) -> None:
+        assert self.popen.stdout is not None
+        for line in self.popen.stdout:
+            if self._log is not None:
+                self._log.write(line)
+                self._log.flush()
+            with self._cond:
+                self.lines.append(line.rstrip("\n"))
+                self._cond.notify_all()
+        if self._log is not None:
+            self._log.close()
+        with self._cond:
+            self.eof = True
+            self._cond.notify_all()
+
+    @property
+    def output(self) -> str:
+        with self._cond:
+            return "\n".join(self.lines)
+
+    @property
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def find(self, pattern: str) -> list[re.Match[str]]:
+        """Every output line so far that matches ``pattern``."""
+        regex = re.compile(pattern)
+        with self._cond:
+            return [m for m in (regex.search(line) for line in self.lines) if m]
+
+    def wait_for(self, pattern: str, timeout: float) -> re.Match[str]:
+        """The first output line matching ``pattern``; raises TimeoutError with the output if none comes in time."""
+        regex = re.compile(pattern)
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while True:
+                for line in self.lines:
+                    match = regex.search(line)
+                    if match:
+                        return match
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or self.eof:
+                    raise TimeoutError(f"{self.name}: no line matching {pattern!r} (exit {self.popen.poll()}):\n"
+                                       + "\n".join(self.lines[-40:]))
+                self._cond.wait(min(remaining, 0.5))
+
+    def kill(self) -> None:
+        """SIGKILL the whole session: the main process, its DHT process and p2pd."""
+        try:
+            os.killpg(self.popen.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        try:
+            self.popen.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass  # a zombie the kernel reaps with us; nothing is left running
+
+    def stop(self, timeout: float = 20.0) -> int | None:
+        """SIGTERM to the main process (it saves and marks itself offline), SIGKILL after ``timeout``.
+
+        The session is killed in either case afterwards, so helpers a clean exit left behind do not linger.
+        Returns the main process's exit status (None if it had to be killed).
+        """
+        rc: int | None = None
+        if self.popen.poll() is None:
+            try:
+                self.popen.send_signal(signal.SIGTERM)
+                rc = self.popen.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                rc = None
+        else:
+            rc = self.popen.returncode
+        self.kill()
+        return rc
+
+
+@dataclass
+class Replica:
+    """A replica's process, its identity file and its metrics directory (known once it has connected)."""
+
+    name: str
+    identity: Path
+    out_dir: Path
+    proc: PeerProcess
+    peer_id: str = ""
+
+    def metrics_path(self) -> Path | None:
+        """``OUT/<run>/<last 12 chars of the peer id>/metrics.jsonl``, once the peer id is known."""
+        if not self.peer_id:
+            match = self.proc.find(r"^connected as (\S+)")
+            if not match:
+                return None
+            self.peer_id = match[0].group(1)
+        found = list(self.out_dir.glob(f"*/{self.peer_id[-12:]}/metrics.jsonl"))
+        return found[0] if found else None
+
+    def rounds(self) -> list[dict[str, Any]]:
+        """This peer's round records so far (empty before the first round)."""
+        path = self.metrics_path()
+        if path is None or not path.exists():
+            return []
+        return [r for r in read_metrics(path) if r.get("event") == "round"]
+
+
+@dataclass
+class Swarm:
+    """A bootstrap plus replicas under ``workdir``; use as a context manager so every process is reaped."""
+
+    cfg: SimConfig
+    workdir: Path
+    env: dict[str, str] = field(default_factory=dict)
+    bootstrap: PeerProcess | None = None
+    maddr: str = ""
+    replicas: dict[str, Replica] = field(default_factory=dict)
+    _all: list[PeerProcess] = field(default_factory=list)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def start(self) -> str:
+        """Start the bootstrap; returns the multiaddr joiners dial."""
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
+        if self.cfg.cache_dir is not None:
+            self.env["HLBP_CACHE"] = str(self.cfg.cache_dir)
+        run = self.workdir / "run.toml"
+        run.write_text(self.cfg.run_toml(), encoding="utf-8")
+        self.bootstrap = self._spawn("bootstrap", [
+            "bootstrap", "--host-maddrs", LOOPBACK, "--identity", str(self.workdir / "bootstrap.key"),
+            "--run-config", str(run), "--ttl", str(self.cfg.ttl_s)])
+        self.maddr = self.bootstrap.wait_for(r"hlbp join --initial-peers (\S+)", self.cfg.startup_timeout_s).group(1)
+        return self.maddr
+
+    def _spawn(self, name: str, args: list[str]) -> PeerProcess:
+        proc = PeerProcess(name, args, self.env, log=self.workdir / f"{name}.log")
+        self._all.append(proc)
+        return proc
+
+    def add(self, name: str, *extra: str, rounds: int | None = None) -> Replica:
+        """Start (or restart, reusing its identity and out-dir) replica ``name`` with extra ``hlbp join`` flags."""
+        old = self.replicas.get(name)
+        identity = old.identity if old else self.workdir / f"{name}.key"
+        out_dir = old.out_dir if old else self.workdir / name
+        args = ["join", "--initial-peers", self.maddr, "--host-maddrs", LOOPBACK, "--identity", str(identity),
+                "--role", "replica", "--throughput", "5000", "--bandwidth", "1e8", "--reachability", "public",
+                "--threads", str(self.cfg.threads), "--out-dir", str(out_dir), "--ttl", str(self.cfg.ttl_s),
+                "--rounds", str(self.cfg.rounds if rounds is None else rounds), *extra]
+        replica = Replica(name, identity, out_dir, self._spawn(name, args), old.peer_id if old else "")
+        self.replicas[name] = replica
+        return replica
+
+    def records(self) -> dict[str, list[dict[str, Any]]]:
+        """Every replica's round records so far, by replica name."""
+        return {name: r.rounds() for name, r in self.replicas.items()}
+
+    def close(self) -> None:
+        """Stop every process this swarm started: replicas first (SIGTERM, then SIGKILL), the bootstrap last."""
+        procs = [p for p in self._all if p is not self.bootstrap]
+        for proc in procs:
+            if proc.alive:
+                try:
+                    proc.popen.send_signal(signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+        deadline = time.monotonic() + self.cfg.stop_timeout_s
+        for proc in procs:
+            try:
+                proc.popen.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+            proc.kill()
+        if self.bootstrap is not None:
+            self.bootstrap.stop(self.cfg.stop_timeout_s)
+
+
+def poll(fn: Callable[[], Any], timeout: float, what: str, interval: float = 0.25) -> Any:
+    """Call ``fn`` until it returns something truthy; raises TimeoutError naming ``what`` after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = fn()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}; last value: {value!r}")
+        time.sleep(interval)  # the polling interval, bounded by the deadline above
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The summary: a pure function of the metrics records
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def checksums_agree(records: Iterable[dict[str, Any]]) -> bool:
+    """True when every in-sync record of one round carries the same shard checksums (and there is at least one)."""
+    seen = {json.dumps(r.get("checksums", {}), sort_keys=True) for r in records if r.get("in_sync", True)}
+    return len(seen) == 1
+
+
+def summarize(records: dict[str, Sequence[dict[str, Any]]], n_params: int | None = None,
+              target_rounds: int | None = None) -> dict[str, Any]:
+    """The run's report from each peer's round records (``metrics.jsonl``, event ``round``).
+
+    Per round: validation loss (mean over peers), whether the checksums of all in-sync peers are equal, bytes sent
+    and received per peer, and the time split into compute, communication and waiting. ``utilization`` is
+    compute / (compute + communication): waiting for the deadline is the protocol's slack, not a transfer cost.
+    With ``n_params`` the dense fp32 equivalent (every peer shipping all parameters as float32) is compared with
+    the measured bytes.
+    """
+    by_round: dict[int, dict[str, dict[str, Any]]] = {}
+    for peer, recs in records.items():
+        for rec in recs:
+            by_round.setdefault(int(rec["round"]), {})[peer] = rec
+    rounds = []
+    for r in sorted(by_round):
+        peers = by_round[r]
+        vals = [p["val_loss"] for p in peers.values() if p.get("val_loss") is not None]
+        compute = sum(p["compute_s"] for p in peers.values())
+        comm = sum(p["comm_s"] for p in peers.values())
+        wait = sum(p["wait_s"] for p in peers.values())
+        n = len(peers)
+        rounds.append({
+            "round": r,
+            "peers": n,
+            "members": max(p.get("members", 0) for p in peers.values()),
+            "accepted": sorted(name for name, p in peers.items() if p.get("accepted")),
+            "val_loss": sum(vals) / len(vals) if vals else None,
+            "checksums_equal": checksums_agree(peers.values()),
+            "in_sync": all(p.get("in_sync", True) for p in peers.values()),
+            "bytes_sent": {name: p["bytes_sent"] for name, p in sorted(peers.items())},
+            "bytes_received": {name: p["bytes_received"] for name, p in sorted(peers.items())},
+            "compute_s": compute / n,
+            "comm_s": comm / n,
+            "wait_s": wait / n,
+            "utilization": compute / (compute + comm) if compute + comm > 0 else None,
+        })
+    complete = [r for r in rounds if target_rounds is None or r["peers"] == len(records)]
+    out: dict[str, Any] = {
+        "peers": sorted(records),
+        "rounds_completed": len(complete),
+        "rounds": rounds,
+        "val_loss": [r["val_loss"] for r in rounds],
+        "checksums_equal": [r["checksums_equal"] for r in rounds],
+    }
+    total_compute = sum(r["compute_s"] for r in rounds)
+    total_comm = sum(r["comm_s"] for r in rounds)
+    out["time_s"] = {"compute": total_compute, "comm": total_comm, "wait": sum(r["wait_s"] for r in rounds)}
+    out["utilization"] = total_compute / (total_compute + total_comm) if total_compute + total_comm > 0 else None
+    sent = [b for r in rounds for b in r["bytes_sent"].values()]
+    recv = [b for r in rounds for b in r["bytes_received"].values()]
+    out["bytes_per_peer_round"] = {"sent": sum(sent) / len(sent) if sent else 0.0,
+                                   "received": sum(recv) / len(recv) if recv else 0.0}
+    if n_params is not None:
+        dense = 4 * n_params  # one fp32 pseudo-gradient over all shards, sent by every peer every round
+        measured = out["bytes_per_peer_round"]["sent"]
+        out["n_params"] = n_params
+        out["dense_fp32_bytes_per_peer_round"] = dense
+        out["compression_ratio"] = dense / measured if measured else None
+    return out
+
+
+def count_params(checkpoint: Path) -> int:
+    """Parameters in a replica checkpoint (its ``anchor.*`` tensors: the model as the rounds agree on it)."""
+    from safetensors import safe_open
+
+    total = 0
+    with safe_open(str(checkpoint), framework="pt") as f:
+        for key in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+            if key.startswith("anchor."):
+                shape = f.get_slice(key).get_shape()
+                n = 1
+                for d in shape:
+                    n *= int(d)
+                total += n
+    return total
+
+
+def run_simulation(cfg: SimConfig, workdir: Path, timeout_s: float,
+                   on_progress: Callable[[dict[str, list[dict[str, Any]]]], None] | None = None) -> dict[str, Any]:
+    """Start a bootstrap and ``cfg.n_full`` replicas, wait until each has run ``cfg.rounds`` rounds or left (or
+    ``timeout_s`` passes), stop everything, and return :func:`summarize`'s report plus where the logs are."""
+    started = time.monotonic()
+    with Swarm(cfg, workdir) as swarm:
+        swarm.start()
+        for i in range(cfg.n_full):
+            swarm.add(f"peer{i}")
+        deadline = started + timeout_s
+        timed_out = False
+        while True:
+            records = swarm.records()
+            if on_progress is not None:
+                on_progress(records)
+            finished = [len(recs) >= cfg.rounds or not swarm.replicas[n].proc.alive for n, recs in records.items()]
+            if all(finished):
+                break
+            if time.monotonic() > deadline:
+                timed_out = True
+                break
+            time.sleep(0.5)  # the polling interval of the progress display, bounded by the deadline above
+        for replica in swarm.replicas.values():  # let finished peers save and leave on their own
+            try:
+                replica.proc.popen.wait(timeout=max(0.1, min(cfg.stop_timeout_s, deadline - time.monotonic())))
+            except subprocess.TimeoutExpired:
+                pass
+        exits = {n: r.proc.popen.poll() for n, r in swarm.replicas.items()}
+        paths = {n: r.metrics_path() for n, r in swarm.replicas.items()}
+    records = swarm.records()
+    n_params = None
+    for path in paths.values():
+        if path is not None and (path.parent / "checkpoint.safetensors").exists():
+            n_params = count_params(path.parent / "checkpoint.safetensors")
+            break
+    report = summarize(records, n_params, cfg.rounds)
+    report.update(config={k: (str(v) if isinstance(v, Path) else v) for k, v in vars(cfg).items()},
+                  seconds=round(time.monotonic() - started, 1), timed_out=timed_out, exit_codes=exits,
+                  workdir=str(workdir))
+    return report

@@ -1,0 +1,147 @@
+"""The round protocol's rules, checked on one swarm of real ``hlbp join`` processes on 127.0.0.1.
+
+One swarm serves every test, to fit a small machine: three honest replicas (a, b, c), a lying one (liar, serving
+corrupt payloads) and a straggler (slow, sleeping after every inner step) start together; a joiner arrives
+mid-run; then c is SIGKILLed mid-round, b is stopped with SIGTERM, and both come back with their identity and
+out-dir. The tests run in file order and each waits, with a deadline, for the rounds it inspects.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from hlbp.peer.simulate import Replica, SimConfig, Swarm, checksums_agree, poll
+
+pytestmark = pytest.mark.slow
+
+INNER_STEPS = 6
+DELAY_S = 2.0  # the straggler's sleep per inner step: 12 s of inner phase against the honest peers' few seconds
+ROUND_TIMEOUT_S = 120.0  # a bound on waiting for a few rounds on 2 busy cores, not an expected duration
+
+
+@pytest.fixture(scope="module")
+def swarm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Swarm]:
+    cfg = SimConfig(n_full=0, rounds=40, inner_steps=INNER_STEPS, batch_size=4, seq_len=64, round_deadline_s=4.0,
+                    min_deadline_s=1.0, max_deadline_s=10.0, seed=7, threads=1, run_id="rounds-test", ttl_s=10.0)
+    with Swarm(cfg, tmp_path_factory.mktemp("swarm")) as sw:
+        sw.start()
+        for name in ("a", "b", "c"):
+            sw.add(name)
+        sw.add("liar", "--inject-corrupt")
+        sw.add("slow", "--inject-delay", str(DELAY_S))
+        yield sw
+
+
+def _by_round(swarm: Swarm) -> dict[int, dict[str, dict[str, Any]]]:
+    out: dict[int, dict[str, dict[str, Any]]] = {}
+    for name, recs in swarm.records().items():
+        for rec in recs:
+            out.setdefault(rec["round"], {})[name] = rec  # a restarted peer's later record of a round wins
+    return out
+
+
+def _wait_rounds(swarm: Swarm, names: list[str], n: int) -> dict[int, dict[str, dict[str, Any]]]:
+    """Wait until each named replica has written at least ``n`` round records; returns all records by round."""
+    poll(lambda: all(len(swarm.replicas[x].rounds()) >= n for x in names), ROUND_TIMEOUT_S,
+         f"{names} to finish {n} rounds\n" + "\n".join(f"--- {x}\n{swarm.replicas[x].proc.output[-3000:]}"
+                                                      for x in names))
+    return _by_round(swarm)
+
+
+def _peer_id(r: Replica) -> str:
+    return r.proc.wait_for(r"^connected as (\S+)", 60).group(1)
+
+
+def test_checksums_agree_every_round_and_loss_falls(swarm: Swarm) -> None:
+    rounds = _wait_rounds(swarm, ["a", "b", "c"], 3)
+    for r in range(3):
+        in_sync = [rec for rec in rounds[r].values() if rec["in_sync"]]
+        assert len(in_sync) >= 3 and checksums_agree(in_sync), (r, rounds[r])
+        assert {"a", "b", "c"} <= {n for n, rec in rounds[r].items() if rec["accepted"]}, (r, rounds[r])
+    losses = [rounds[r]["a"]["val_loss"] for r in range(3)]
+    assert losses[2] < losses[0], losses
+    swarm.add("late")  # the mid-run joiner of test_joiner_syncs_and_contributes: it syncs while the others go on
+
+
+def test_corrupt_payload_is_rejected_and_banned(swarm: Swarm) -> None:
+    liar = _peer_id(swarm.replicas["liar"])
+    honest = [swarm.replicas[n].proc for n in ("a", "b", "c")]
+    line = poll(lambda: next((m for p in honest for m in p.find(rf"rejected the contribution of {liar[:16]}"
+                                                                   r".*banned until round (\d+)")), None),
+                ROUND_TIMEOUT_S, "a coordinator to reject the liar")
+    assert int(line.group(1)) >= 2
+    rounds = _by_round(swarm)
+    liar_recs = swarm.replicas["liar"].rounds()
+    assert liar_recs and not any(rec["accepted"] for rec in liar_recs)
+    for rec in liar_recs:  # rejected, yet it applies every round's result like everyone else
+        if rec["in_sync"]:
+            assert rec["checksums"] == rounds[rec["round"]]["a"]["checksums"], rec["round"]
+    assert all(rounds[r]["a"]["accepted"] for r in range(3))
+
+
+def test_straggler_is_left_out_stays_in_sync_and_is_not_waited_for(swarm: Swarm) -> None:
+    rounds = _wait_rounds(swarm, ["slow"], 2)
+    slow = swarm.replicas["slow"].rounds()
+    for rec in slow:
+        assert not rec["accepted"], rec
+        assert rec["steps"] < INNER_STEPS, rec  # its inner phase was cut short when the round closed without it
+        assert rec["in_sync"] and rec["checksums"] == rounds[rec["round"]]["a"]["checksums"], rec["round"]
+    honest = [rec for name in ("a", "b", "c") for rec in swarm.replicas[name].rounds()]
+    assert max(rec["wait_s"] for rec in honest) < DELAY_S * INNER_STEPS / 2, [rec["wait_s"] for rec in honest]
+
+
+def test_sigkill_mid_round_survivors_complete_and_agree(swarm: Swarm) -> None:
+    c = swarm.replicas["c"]
+    done = len(c.rounds())
+    poll(lambda: len(c.rounds()) > done, ROUND_TIMEOUT_S, "c to finish one more round")
+    killed_in = c.rounds()[-1]["round"] + 1  # c is now in this round's inner phase
+    c.proc.kill()
+    rounds = {}
+
+    def survivors_done() -> bool:
+        nonlocal rounds
+        rounds = _by_round(swarm)
+        return all(n in rounds.get(killed_in + 1, {}) for n in ("a", "b"))
+
+    poll(survivors_done, ROUND_TIMEOUT_S, f"a and b to finish rounds {killed_in} and {killed_in + 1} without c")
+    for r in (killed_in, killed_in + 1):
+        a, b = rounds[r]["a"], rounds[r]["b"]
+        assert a["in_sync"] and b["in_sync"] and a["checksums"] == b["checksums"], (r, a, b)
+        assert a["accepted"] and b["accepted"], (r, a, b)
+    assert not c.proc.alive
+
+
+def test_joiner_syncs_and_contributes(swarm: Swarm) -> None:
+    late = swarm.replicas["late"]
+    line = late.proc.wait_for(r"^replica: (.*); starting at round (\d+)", ROUND_TIMEOUT_S)
+    assert line.group(1).startswith("synced round"), line.group(0)
+    _wait_rounds(swarm, ["late"], 2)
+    first = swarm.replicas["late"].rounds()[:2]
+    assert any(rec["accepted"] for rec in first), first
+    a = swarm.replicas["a"]
+    poll(lambda: len(a.rounds()) and a.rounds()[-1]["round"] >= first[-1]["round"], ROUND_TIMEOUT_S,
+         "a to finish the joiner's first rounds")
+    recs = _by_round(swarm)
+    for rec in first:
+        assert rec["in_sync"] and rec["checksums"] == recs[rec["round"]]["a"]["checksums"], rec
+
+
+def test_restarted_peers_resume_or_sync_and_are_accepted_again(swarm: Swarm) -> None:
+    b = swarm.replicas["b"]
+    assert b.proc.stop(timeout=30) == 0, b.proc.output[-2000:]
+    assert b.proc.find("leaving: marking this peer offline")
+    before = {name: len(swarm.replicas[name].rounds()) for name in ("b", "c")}
+    for name in ("b", "c"):  # b stopped cleanly, c was SIGKILLed by the test above; both come back at once
+        swarm.add(name)
+    for name in ("b", "c"):
+        again = swarm.replicas[name]
+        line = again.proc.wait_for(r"^replica: (.*); starting at round (\d+)", ROUND_TIMEOUT_S)
+        assert line.group(1).startswith(("resumed", "synced")), line.group(0)
+        poll(lambda r=again, n=before[name]: any(rec["accepted"] for rec in r.rounds()[n:n + 2]), ROUND_TIMEOUT_S,
+             f"{name} to be accepted within 2 rounds of its restart")
+    rounds = _by_round(swarm)
+    last = max(r for r, recs in rounds.items() if {"a", "b", "c"} <= set(recs))
+    assert checksums_agree([rounds[last][n] for n in ("a", "b", "c")]), rounds[last]

@@ -1,0 +1,34 @@
+"""The simulate report as a pure function of metrics records: no processes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hlbp.peer.simulate import checksums_agree, summarize
+
+
+def _rec(r: int, sums: dict[str, str], val: float, sent: int, in_sync: bool = True) -> dict[str, Any]:
+    return {"event": "round", "round": r, "contributed": True, "accepted": True, "members": 2, "compute_s": 3.0,
+            "comm_s": 1.0, "wait_s": 0.5, "bytes_sent": sent, "bytes_received": 2 * sent, "in_sync": in_sync,
+            "checksums": sums, "val_loss": val, "steps": 10}
+
+
+def test_summary_per_round_and_dense_ratio() -> None:
+    records = {
+        "p0": [_rec(0, {"0": "x", "1": "y"}, 9.0, 100), _rec(1, {"0": "z", "1": "w"}, 8.0, 300)],
+        "p1": [_rec(0, {"0": "x", "1": "y"}, 9.2, 100), _rec(1, {"0": "DIFF", "1": "w"}, 8.2, 300)],
+    }
+    report = summarize(records, n_params=1000, target_rounds=2)
+    assert report["rounds_completed"] == 2
+    assert report["checksums_equal"] == [True, False]
+    assert report["val_loss"] == [9.1, 8.1]
+    assert report["rounds"][1]["bytes_sent"] == {"p0": 300, "p1": 300}
+    assert report["utilization"] == 0.75
+    assert report["bytes_per_peer_round"]["sent"] == 200
+    assert report["dense_fp32_bytes_per_peer_round"] == 4000 and report["compression_ratio"] == 20
+
+
+def test_out_of_sync_records_do_not_count_against_agreement() -> None:
+    recs = [_rec(0, {"0": "a"}, 1.0, 1), _rec(0, {"0": "a"}, 1.0, 1), _rec(0, {"0": "b"}, 1.0, 1, in_sync=False)]
+    assert checksums_agree(recs)
+    assert not checksums_agree([])
