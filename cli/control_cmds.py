@@ -20,9 +20,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from hlbp.cli.options import opt
+from hlbp.cli.options import opt, run_app
 from hlbp.peer.errors import UserInputError
-from hlbp.protocol import ProtocolError
 
 err_console = Console(stderr=True)
 
@@ -297,14 +296,7 @@ def _main() -> None:
     """Stand-alone entry (``python -m hlbp.cli.control_cmds``), with the same error handling as ``hlbp``."""
     app = typer.Typer(name="hlbp", no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
     register(app)
-    try:
-        app()
-    except (UserInputError, ProtocolError) as exc:
-        err_console.print(f"[bold red]error:[/] {exc}")
-        sys.exit(2)
-    except KeyboardInterrupt:
-        err_console.print("interrupted")
-        sys.exit(130)
+    run_app(app, err_console)
 
 
 if __name__ == "__main__":

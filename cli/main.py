@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
@@ -11,10 +10,8 @@ from rich.console import Console
 
 from hlbp.cli.bench import bench_app
 from hlbp.cli.control_cmds import register as register_control_commands
-from hlbp.cli.options import opt
+from hlbp.cli.options import opt, run_app
 from hlbp.cli.simulate import register as register_simulate
-from hlbp.peer.errors import UserInputError
-from hlbp.protocol import ProtocolError
 
 app = typer.Typer(
     name="hlbp",
@@ -92,14 +89,7 @@ def train(
 
 def main() -> None:
     """Console entry point: user and protocol errors become one line on stderr and exit status 2."""
-    try:
-        app()
-    except (UserInputError, ProtocolError) as exc:
-        console.print(f"[bold red]error:[/] {exc}")
-        sys.exit(2)
-    except KeyboardInterrupt:
-        console.print("interrupted")
-        sys.exit(130)
+    run_app(app, console)
 
 
 if __name__ == "__main__":

@@ -2,11 +2,28 @@
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import typer
+from rich.console import Console
 
 
 def opt(default: Any, *flags: str, env: str, help: str, **kwargs: Any) -> Any:
     """A typer option that also reads ``HLBP_<env>`` and shows that variable in ``--help``."""
     return typer.Option(default, *flags, envvar=f"HLBP_{env}", show_envvar=True, help=help, **kwargs)
+
+
+def run_app(app: typer.Typer, console: Console) -> None:
+    """Run a typer app; user and protocol errors become one line on stderr and exit status 2, never a traceback."""
+    from hlbp.peer.errors import UserInputError
+    from hlbp.protocol import ProtocolError
+
+    try:
+        app()
+    except (UserInputError, ProtocolError) as exc:
+        console.print(f"[bold red]error:[/] {exc}")
+        sys.exit(2)
+    except KeyboardInterrupt:
+        console.print("interrupted")
+        sys.exit(130)
