@@ -89,6 +89,7 @@ def replica_train_hook(ctx: TrainContext, options: ReplicaOptions, echo: Any = p
         checkpoint=ctx.out_dir / "checkpoint.safetensors", metrics=metrics, expected=expected, on_round=on_round,
         evaluate=(lambda: evaluate(trainer.model, val, device)) if val else None, delay_s=options.inject_delay_s,
         corrupt=options.inject_corrupt,
+        protect=peer.plane.protect,
     )
     start = time.perf_counter()
     echo(f"replica: {runner.start()}; starting at round {runner.round}")

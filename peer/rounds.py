@@ -49,6 +49,7 @@ from hlbp.protocol.roundrecords import (
     KIND_ACCEPTED,
     KIND_CHECKS,
     KIND_CONTRIB,
+    MAX_RECORD_BYTES,
     AcceptedSet,
     ContribNotice,
     ShardChecks,
@@ -184,6 +185,7 @@ class RoundRunner:
         evaluate: Callable[[], float] | None = None,
         delay_s: float = 0.0,
         corrupt: bool = False,
+        protect: Callable[[dict[str, tuple[str, int]]], None] | None = None,
     ) -> None:
         self.dht, self.identity, self.transport, self.trainer = dht, identity, transport, trainer
         self.me = identity.peer_id
@@ -196,6 +198,7 @@ class RoundRunner:
         self.expected = expected
         self.on_round, self.evaluate = on_round, evaluate
         self.delay_s = delay_s  # artificial slowness per inner step: the straggler fault test uses it
+        self.protect = protect  # registers round keys with our DHT node's record validator
         self.corrupt = corrupt  # fault injection: serve payloads whose body is garbage (a lying peer)
         self.bans: dict[str, tuple[int, int]] = {}  # sender -> (banned until round, strikes so far)
         self._verified: dict[tuple[int, str, int], Contribution] = {}  # (round, sender, shard) -> checked payload
@@ -243,6 +246,20 @@ class RoundRunner:
     def _accepted(self, r: int, order: Sequence[str] = ()) -> AcceptedSet | None:
         sets = self._records(round_key(self.cfg.run_id, r, KIND_ACCEPTED), parse_accepted, round_=r)
         return pick_accepted(sets, order or coordinator_order(r, [s.coordinator for s in sets]))
+
+    def _protect(self, r: int) -> None:
+        """Have our DHT node refuse unsigned or mis-signed records under this round's keys, so a forgery with a
+        later expiration cannot shadow a real record (hivemind keeps the latest-expiring value per subkey)."""
+        if self.protect is None:
+            return
+        run = self.cfg.run_id
+        keys = {round_key(run, r, KIND_CONTRIB): (KIND_CONTRIB, MAX_RECORD_BYTES),
+                round_key(run, r, KIND_ACCEPTED): (KIND_ACCEPTED, MAX_RECORD_BYTES),
+                checks_key(run): (KIND_CHECKS, MAX_RECORD_BYTES)}
+        try:
+            self.protect(keys)
+        except Exception as exc:  # noqa: BLE001 - readers still verify every record; this is defence in depth
+            logger.warning("could not register round %d keys with the DHT validator: %s", r, exc)
 
     def latest_checks(self) -> list[ShardChecks]:
         return self._records(checks_key(self.cfg.run_id), parse_checks)
@@ -349,6 +366,7 @@ class RoundRunner:
     def start(self) -> str:
         """Resume, sync or start fresh; returns which, for the log."""
         resumed = self.resume()
+        self._protect(self.round)
         checks = [c for c in self.latest_checks() if c.peer != self.me]
         if not checks:
             return "resumed from checkpoint" if resumed else "fresh start"
@@ -375,6 +393,7 @@ class RoundRunner:
 
     def run_round(self) -> RoundStats:
         r = self.round
+        self._protect(r)
         stats = RoundStats(round=r)
         served_before = self._bytes_served()
         self._bytes_in = 0
