@@ -5,13 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import typer
-from rich.console import Console
 
-from hlbp.cli.options import opt
+from hlbp.cli.options import make_console, opt
 from hlbp.peer.errors import UserInputError
 
 bench_app = typer.Typer(help="Benchmarks: each prints a short table and writes JSON with --out.", no_args_is_help=True)
-console = Console(stderr=True)
+console = make_console()
 
 QUICK_HELP = "CI-sized smoke run (well under 2 minutes)."
 OUT_HELP = "Write the full result as JSON here."

@@ -20,10 +20,10 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from hlbp.cli.options import opt, run_app
+from hlbp.cli.options import make_console, opt, run_app
 from hlbp.peer.errors import UserInputError
 
-err_console = Console(stderr=True)
+err_console = make_console()
 
 _INITIAL_PEERS_HELP = "Multiaddrs of running peers, with /p2p/<peer id> (the line `hlbp bootstrap` printed)."
 _ANNOUNCE_HELP = "Public multiaddrs others should dial (e.g. /ip4/<public IP>/tcp/PORT), when NAT hides ours."

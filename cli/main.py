@@ -6,11 +6,10 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 import typer
-from rich.console import Console
 
 from hlbp.cli.bench import bench_app
 from hlbp.cli.control_cmds import register as register_control_commands
-from hlbp.cli.options import opt, run_app
+from hlbp.cli.options import make_console, opt, run_app
 from hlbp.cli.simulate import register as register_simulate
 
 app = typer.Typer(
@@ -20,7 +19,7 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-console = Console(stderr=True)
+console = make_console()
 app.add_typer(bench_app, name="bench")
 register_control_commands(app)
 register_simulate(app)

@@ -9,6 +9,13 @@ import typer
 from rich.console import Console
 
 
+def make_console(stderr: bool = True) -> Console:
+    """A console for tables: the terminal's width, or 160 columns when output goes to a file or a pipe (rich would
+    otherwise cut every table to 80 columns and truncate the numbers)."""
+    stream = sys.stderr if stderr else sys.stdout
+    return Console(stderr=stderr, width=None if stream.isatty() else 160)
+
+
 def opt(default: Any, *flags: str, env: str, help: str, **kwargs: Any) -> Any:
     """A typer option that also reads ``HLBP_<env>`` and shows that variable in ``--help``."""
     return typer.Option(default, *flags, envvar=f"HLBP_{env}", show_envvar=True, help=help, **kwargs)

@@ -12,14 +12,13 @@ from pathlib import Path
 from typing import Any
 
 import typer
-from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from hlbp.cli.options import opt
+from hlbp.cli.options import make_console, opt
 from hlbp.peer.errors import UserInputError
 
-console = Console(stderr=True)
+console = make_console()
 
 
 def progress_table(records: dict[str, list[dict[str, Any]]], rounds: int) -> Table:
@@ -97,7 +96,7 @@ def simulate(
     with Live(progress_table({}, rounds), console=console, refresh_per_second=2) as live:
         report = run_simulation(cfg, work, timeout,
                                 on_progress=lambda recs: live.update(progress_table(recs, rounds)))
-    out_console = Console()
+    out_console = make_console(stderr=False)
     out_console.print(summary_table(report))
     t = report["time_s"]
     util = report["utilization"]
