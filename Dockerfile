@@ -6,7 +6,8 @@ FROM python:3.11-slim
 ENV PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
     HLBP_CACHE=/data/cache \
-    HLBP_OUT_DIR=/data/run
+    HLBP_OUT_DIR=/data/run \
+    HLBP_IDENTITY=/data/identity.key
 
 WORKDIR /opt/hlbp
 # CPU torch first, from PyTorch's CPU index, so the image does not carry the multi-GB CUDA build.
