@@ -34,17 +34,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load as st_load
-from safetensors.torch import save as st_save
 
 from hlbp.peer.checkpoint import load_checkpoint, save_checkpoint
 from hlbp.peer.metrics import MetricsLog
 from hlbp.peer.outer import Contribution, OuterConfig, make_outer
+from hlbp.peer.statesync import encode_state, fetch_state, shard_checksum, state_name
 from hlbp.peer.trainer import InnerTrainer
 from hlbp.peer.transport import BlobTransport, TransportError
 from hlbp.peer.wire import contribution_from_bytes, contribution_to_bytes
 from hlbp.protocol import ProtocolError
-from hlbp.protocol.records import Identity
+from hlbp.protocol.records import Identity, sha256_hex
 from hlbp.protocol.roundrecords import (
     KIND_ACCEPTED,
     KIND_CHECKS,
@@ -104,20 +103,6 @@ def majority_checksums(checks: Sequence[ShardChecks], round_: int) -> dict[int, 
             votes.setdefault(shard, {}).setdefault(digest, 0)
             votes[shard][digest] += 1
     return {s: min(v, key=lambda d: (-v[d], d)) for s, v in votes.items()}
-
-
-def shard_checksum(params: dict[str, torch.Tensor], names: Sequence[str]) -> str:
-    """sha256 over the names, shapes and float32 bytes of a shard's tensors, in name order."""
-    h = hashlib.sha256()
-    for name in sorted(names):
-        t = params[name].detach().to("cpu", torch.float32).contiguous()
-        h.update(f"{name}|{tuple(t.shape)}|".encode())
-        h.update(t.numpy().tobytes())
-    return h.hexdigest()
-
-
-def sha256_hex(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -271,16 +256,10 @@ class RoundRunner:
             for n, p in self.trainer.model.named_parameters():
                 p.copy_(self.anchor[n])
 
-    def _state_blob(self, shard: int) -> bytes:
-        tensors = {f"p.{n}": self.anchor[n] for n in self.shards[shard]}
-        tensors.update({f"o.{k}": v for k, v in self.outers[shard].state_tensors().items()
-                        if not k.startswith("ef.")})  # EF buffers are private; outer momentum is global state
-        return st_save({k: v.contiguous() for k, v in tensors.items()})
-
     def _publish_state(self, r: int, checks: dict[int, str]) -> None:
         for s in range(len(self.shards)):
-            self.transport.put(f"s/{r}/{s}", self._state_blob(s))
-        self.transport.drop([f"s/{r - 2}/{s}" for s in range(len(self.shards))])
+            self.transport.put(state_name(r, s), encode_state(self.anchor, self.shards[s], self.outers[s].state_tensors()))
+        self.transport.drop([state_name(r - 2, s) for s in range(len(self.shards))])
         self._store(checks_key(self.cfg.run_id), ShardChecks(self.me, r, checks).to_body(self.cfg.run_id), KIND_CHECKS)
 
     def sync(self, attempts: int = 3) -> bool:
@@ -301,36 +280,18 @@ class RoundRunner:
             donors = [c.peer for c in checks if c.round == latest and c.checksums == want]
             random.Random(f"{self.me}|{latest}").shuffle(donors)
 
-            def fetch_shard(
-                s: int, donors: list[str] = donors, latest: int = latest, want: dict[int, str] = want
-            ) -> dict[str, torch.Tensor]:
-                errors = []
-                for donor in donors[s % len(donors):] + donors[: s % len(donors)]:
-                    try:
-                        blob = self.transport.fetch(donor, f"s/{latest}/{s}", self.cfg.max_payload_bytes,
-                                                    self.cfg.fetch_timeout_s)
-                        self._bytes_in += len(blob)
-                        tensors = _parse_state(blob, self.shapes[s])
-                        params = {k[2:]: v for k, v in tensors.items() if k.startswith("p.")}
-                        if shard_checksum(params, self.shards[s]) != want[s]:
-                            raise ProtocolError("state does not match the published checksum")
-                        return tensors
-                    except (TransportError, ProtocolError) as exc:
-                        errors.append(f"{donor[:12]}…: {exc}")
-                raise TransportError(f"shard {s}: " + "; ".join(errors[:3]))
-
             try:
-                with ThreadPoolExecutor(max(1, min(len(self.shards), self.cfg.fetch_workers))) as pool:
-                    blobs = list(pool.map(fetch_shard, range(len(self.shards))))
+                states, n_bytes = fetch_state(self.transport, donors, latest, self.shapes, want,
+                                              self.cfg.max_payload_bytes, self.cfg.fetch_timeout_s,
+                                              self.cfg.fetch_workers)
             except TransportError as exc:
                 logger.warning("state sync for round %d failed (%s); retrying", latest, exc)
                 continue
-            for s, tensors in enumerate(blobs):
-                for k, v in tensors.items():
-                    if k.startswith("p."):
-                        self.anchor[k[2:]] = v.float().clone()
+            self._bytes_in += n_bytes
+            for s, state in enumerate(states):
+                self.anchor.update({n: t.clone() for n, t in state.params.items()})
                 fresh = make_outer(self.outer_cfg)
-                fresh.load_state({k[2:]: v for k, v in tensors.items() if k.startswith("o.")})
+                fresh.load_state(state.outer)
                 self.outers[s] = fresh  # a synced peer starts with an empty error-feedback buffer
             self._load_anchor_into_model()
             self.round, self.in_sync = latest + 1, True
@@ -625,18 +586,3 @@ class RoundRunner:
                            len(checks) + 1)
             return False
         return True
-
-
-def _parse_state(blob: bytes, shapes: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
-    """A donor's state blob, checked against the shard's names and shapes."""
-    try:
-        tensors = st_load(blob)
-    except Exception as exc:  # noqa: BLE001 - safetensors raises its own error type and ValueError
-        raise ProtocolError(f"state blob is not safetensors: {exc}") from None
-    params = {k[2:]: v for k, v in tensors.items() if k.startswith("p.")}
-    if set(params) != set(shapes):
-        raise ProtocolError("state blob does not hold exactly the shard's parameters")
-    for name, t in params.items():
-        if tuple(t.shape) != tuple(shapes[name]) or not bool(torch.isfinite(t.float()).all()):
-            raise ProtocolError(f"state tensor {name} has the wrong shape or non-finite values")
-    return tensors

@@ -1,0 +1,103 @@
+"""State sync: how a peer's agreed shard state is served, and fetched from several donors in parallel.
+
+A donor serves each shard as a safetensors blob: ``p.<name>`` for parameters, ``o.<key>`` for the outer optimizer's
+global state (DiLoCo momentum; error-feedback buffers are private and never leave a peer). A joiner or an out-of-sync
+peer fetches the shards from different donors at once and checks every one against the checksum the majority
+published, so a lying donor costs one retry, not a wrong model. Serving is a dictionary lookup in the transport's
+own thread: it never blocks a donor's training.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+from hlbp.peer.transport import BlobTransport, TransportError
+from hlbp.protocol import ProtocolError
+
+
+def shard_checksum(params: dict[str, torch.Tensor], names: Sequence[str]) -> str:
+    """sha256 over the names, shapes and float32 bytes of a shard's tensors, in name order."""
+    h = hashlib.sha256()
+    for name in sorted(names):
+        t = params[name].detach().to("cpu", torch.float32).contiguous()
+        h.update(f"{name}|{tuple(t.shape)}|".encode())
+        h.update(t.numpy().tobytes())
+    return h.hexdigest()
+
+
+def state_name(round_: int, shard: int) -> str:
+    """Transport name of a shard's state after ``round_``."""
+    return f"s/{round_}/{shard}"
+
+
+def encode_state(params: dict[str, torch.Tensor], names: Sequence[str], outer_state: dict[str, torch.Tensor]) -> bytes:
+    """One shard's state blob: its parameters and the outer optimizer's global (non-EF) state."""
+    tensors = {f"p.{n}": params[n] for n in names}
+    tensors.update({f"o.{k}": v for k, v in outer_state.items() if not k.startswith("ef.")})
+    return st_save({k: v.contiguous() for k, v in tensors.items()})
+
+
+@dataclass
+class ShardState:
+    """A verified shard state: parameters by name and the outer optimizer's global state."""
+
+    params: dict[str, torch.Tensor]
+    outer: dict[str, torch.Tensor]
+
+
+def parse_state(blob: bytes, shapes: dict[str, tuple[int, ...]]) -> ShardState:
+    """A donor's untrusted state blob, checked against the shard's names, shapes and finiteness."""
+    try:
+        tensors = st_load(blob)
+    except Exception as exc:  # noqa: BLE001 - safetensors raises its own error type and ValueError
+        raise ProtocolError(f"state blob is not safetensors: {exc}") from None
+    params = {k[2:]: v.float() for k, v in tensors.items() if k.startswith("p.")}
+    if set(params) != set(shapes):
+        raise ProtocolError("state blob does not hold exactly the shard's parameters")
+    for name, t in params.items():
+        if tuple(t.shape) != tuple(shapes[name]) or not bool(torch.isfinite(t).all()):
+            raise ProtocolError(f"state tensor {name} has the wrong shape or non-finite values")
+    return ShardState(params, {k[2:]: v for k, v in tensors.items() if k.startswith("o.")})
+
+
+def fetch_state(
+    transport: BlobTransport,
+    donors: Sequence[str],
+    round_: int,
+    shapes: Sequence[dict[str, tuple[int, ...]]],
+    checksums: dict[int, str],
+    max_bytes: int,
+    timeout: float,
+    workers: int,
+) -> tuple[list[ShardState], int]:
+    """Every shard's state after ``round_``, each from a different donor first, verified against ``checksums``.
+
+    Returns the states and the bytes fetched; raises :class:`TransportError` if some shard could be had from no
+    donor (each donor is tried once per shard, so the work is bounded).
+    """
+    fetched = [0] * len(shapes)
+
+    def one(s: int) -> ShardState:
+        errors = []
+        for donor in [*donors[s % len(donors):], *donors[: s % len(donors)]]:
+            try:
+                blob = transport.fetch(donor, state_name(round_, s), max_bytes, timeout)
+                fetched[s] += len(blob)
+                state = parse_state(blob, shapes[s])
+                if shard_checksum(state.params, list(shapes[s])) != checksums[s]:
+                    raise ProtocolError("state does not match the published checksum")
+                return state
+            except (TransportError, ProtocolError) as exc:
+                errors.append(f"{donor[:12]}…: {exc}")
+        raise TransportError(f"shard {s}: " + "; ".join(errors[:3]))
+
+    with ThreadPoolExecutor(max(1, min(len(shapes), workers))) as pool:
+        states = list(pool.map(one, range(len(shapes))))
+    return states, sum(fetched)
