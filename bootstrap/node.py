@@ -23,7 +23,14 @@ from hlbp.peer.control import (
     software_version,
 )
 from hlbp.peer.errors import UserInputError
-from hlbp.protocol.records import Announcement, Manifest, SignedManifest, decode_manifest, encode_manifest
+from hlbp.protocol.records import (
+    Announcement,
+    Hyperparameters,
+    Manifest,
+    SignedManifest,
+    decode_manifest,
+    encode_manifest,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +56,7 @@ class BootstrapConfig:
     tokenizer: Path | None = None  # tokenizer.json to publish; None: prepare it from the data recipe
     cache_dir: Path | None = None  # hlbp.peer.data's cache for corpus and tokenizer
     ttl: float = 60.0  # seconds the manifest and the bootstrap's record live without a refresh
+    outer: str | None = None  # overrides the run config's hparams.outer (sparseloco or diloco)
 
 
 def resolve_tokenizer(path: Path | None, recipe: str, cache_dir: Path | None, vocab_size: int) -> tuple[Path, bytes]:
@@ -87,6 +95,10 @@ def start_bootstrap(cfg: BootstrapConfig) -> BootstrapNode:
     if cfg.ttl < 1:
         raise UserInputError(f"--ttl must be at least 1 second, got {cfg.ttl}")
     run = load_run_config(cfg.run_config)
+    if cfg.outer is not None:
+        if cfg.outer not in Hyperparameters.OUTERS:
+            raise UserInputError(f"--outer must be one of {', '.join(Hyperparameters.OUTERS)}, got {cfg.outer!r}")
+        run.hparams = {**run.hparams, "outer": cfg.outer}
     tokenizer_path, tokenizer = resolve_tokenizer(cfg.tokenizer, run.data_recipe, cfg.cache_dir, run.vocab_size)
     manifest: Manifest = build_manifest(run, tokenizer, issued_at=dht_time())
     identity = load_or_create_identity(cfg.identity)

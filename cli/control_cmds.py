@@ -84,6 +84,9 @@ def bootstrap(
     ttl: float = opt(60.0, "--ttl", env="TTL", help="Seconds the manifest and records live without a refresh."),
     nat_port_map: bool = opt(False, "--nat-port-map/--no-nat-port-map", env="NAT_PORT_MAP",
                              help="Ask the router for a port mapping (UPnP / NAT-PMP)."),
+    outer: str = opt(None, "--outer", env="OUTER",
+                     help="Outer step of the run, overriding the run config: sparseloco (default), or diloco "
+                          "(dense rounds through hivemind's stock all-reduce: the baseline)."),
 ) -> None:
     """Run a long-lived DHT entry point that publishes the signed run manifest and serves the tokenizer.
 
@@ -98,7 +101,7 @@ def bootstrap(
         net=NetworkConfig(initial_peers=_split(initial_peers), host_maddrs=_split(host_maddrs),
                           announce_maddrs=_split(announce_maddrs), nat_port_map=nat_port_map),
         identity=identity or default_identity_path(), run_config=run_config, tokenizer=tokenizer,
-        cache_dir=cache_dir, ttl=ttl,
+        cache_dir=cache_dir, ttl=ttl, outer=outer,
     )
     stop = threading.Event()
     _stop_on_signals(stop)
@@ -147,6 +150,8 @@ def join(
                               help="Fault injection: seconds of extra delay per inner step (a straggler)."),
     inject_corrupt: bool = opt(False, "--inject-corrupt/--no-inject-corrupt", env="INJECT_CORRUPT",
                                help="Fault injection: serve corrupted contributions (a lying peer)."),
+    inject_oversize: bool = opt(False, "--inject-oversize/--no-inject-oversize", env="INJECT_OVERSIZE",
+                                help="Fault injection: announce and serve contributions above the size limit."),
 ) -> None:
     """Join a run: read its manifest, measure this machine, take a role, announce it, and train until stopped.
 
@@ -187,8 +192,9 @@ def join(
 
             if rounds is not None and rounds < 0 or inject_delay < 0:
                 raise UserInputError("--rounds and --inject-delay must be >= 0")
-            replica_train_hook(ctx, ReplicaOptions(rounds=rounds, inject_delay_s=inject_delay, inject_corrupt=inject_corrupt,
-                                                    threads=threads), _echo)
+            options = ReplicaOptions(rounds=rounds, inject_delay_s=inject_delay, inject_corrupt=inject_corrupt,
+                                     inject_oversize=inject_oversize, threads=threads)
+            replica_train_hook(ctx, options, _echo)
         elif not stop.is_set():
             training.set()  # from here a signal also interrupts the training loop, which does not poll `stop`
             try:

@@ -42,7 +42,9 @@ def progress_table(records: dict[str, list[dict[str, Any]]], rounds: int) -> Tab
 def summary_table(report: dict[str, Any]) -> Table:
     """Per round: members, validation loss, checksum agreement, bytes and the time split."""
     table = Table(title=f"{report['rounds_completed']} rounds completed", title_justify="left")
-    for col in ("round", "members", "val loss", "checksums equal", "sent B/peer", "recv B/peer", "compute s",
+    dense = report.get("config", {}).get("outer") == "diloco"
+    agree_col = "states agree" if dense else "checksums equal"
+    for col in ("round", "members", "val loss", agree_col, "sent B/peer", "recv B/peer", "compute s",
                 "comm s", "wait s", "utilization"):
         table.add_column(col, justify="right")
     for r in report["rounds"]:
@@ -50,7 +52,7 @@ def summary_table(report: dict[str, Any]) -> Table:
         util = r["utilization"]
         table.add_row(
             str(r["round"]), str(r["members"]), f"{r['val_loss']:.4f}" if r["val_loss"] is not None else "-",
-            "yes" if r["checksums_equal"] else "[red]NO[/]", f"{sum(sent) / len(sent):,.0f}",
+            ("yes" if r["checksums_equal"] else "to fp rounding" if r["states_agree"] else "[red]NO[/]"), f"{sum(sent) / len(sent):,.0f}",
             f"{sum(recv) / len(recv):,.0f}", f"{r['compute_s']:.2f}", f"{r['comm_s']:.2f}", f"{r['wait_s']:.2f}",
             f"{util:.1%}" if util is not None else "-",
         )
@@ -67,6 +69,9 @@ def simulate(
     deadline: float = opt(5.0, "--deadline", env="SIM_DEADLINE", help="First round's collection window (s)."),
     threads: int = opt(1, "--threads", env="SIM_THREADS", help="torch CPU threads per peer."),
     seed: int = opt(0, "--seed", env="SIM_SEED", help="Seed of the run: initial weights and data order."),
+    outer: str = opt("sparseloco", "--outer", env="SIM_OUTER",
+                     help="Outer step: sparseloco (sparse rounds), or diloco (dense rounds through hivemind's stock "
+                          "DecentralizedAverager, the baseline)."),
     timeout: float = opt(600.0, "--timeout", env="SIM_TIMEOUT", help="Stop everything after this many seconds."),
     workdir: Path = opt(None, "--workdir", env="SIM_WORKDIR",
                         help="Logs, keys, checkpoints and metrics of the peers (default: a new temporary directory)."),
@@ -86,23 +91,28 @@ def simulate(
 
     if quick:
         full, rounds, inner_steps = 2, 2, 5
+    if outer not in ("sparseloco", "diloco"):
+        raise UserInputError(f"--outer must be sparseloco or diloco, got {outer!r}")
     if full < 1 or rounds < 1 or inner_steps < 1 or batch_size < 1 or seq_len < 2 or threads < 1:
         raise UserInputError("--full, --rounds, --inner-steps, --batch-size and --threads must be >= 1")
     cfg = SimConfig(n_full=full, rounds=rounds, model=model, inner_steps=inner_steps, batch_size=batch_size,
                     seq_len=seq_len, round_deadline_s=deadline, min_deadline_s=min(1.0, deadline),
-                    max_deadline_s=max(30.0, deadline), seed=seed, threads=threads, cache_dir=cache_dir)
+                    max_deadline_s=max(30.0, deadline), seed=seed, outer=outer, threads=threads, cache_dir=cache_dir)
     work = workdir or Path(tempfile.mkdtemp(prefix="hlbp-simulate-"))
-    console.print(f"simulating {full} full replicas x {rounds} rounds of {model} on 127.0.0.1; logs in {work}")
+    console.print(f"simulating {full} full replicas x {rounds} {outer} rounds of {model} on 127.0.0.1; "
+                  f"logs in {work}")
     with Live(progress_table({}, rounds), console=console, refresh_per_second=2) as live:
         report = run_simulation(cfg, work, timeout,
                                 on_progress=lambda recs: live.update(progress_table(recs, rounds)))
     out_console = make_console(stderr=False)
+    dense = outer == "diloco"
     out_console.print(summary_table(report))
     t = report["time_s"]
     util = report["utilization"]
     out_console.print(f"rounds completed: {report['rounds_completed']}/{rounds}"
                       + ("  [red](timed out)[/]" if report["timed_out"] else "")
-                      + f"; checksums equal after every round: {all(report['checksums_equal'])}")
+                      + f"; checksums equal after every round: {all(report['checksums_equal'])}"
+                      + (f"; states agree to float rounding: {all(report['states_agree'])}" if dense else ""))
     out_console.print(f"time per round and peer: compute {t['compute'] / max(1, len(report['rounds'])):.2f} s, "
                       f"comm {t['comm'] / max(1, len(report['rounds'])):.2f} s, "
                       f"wait {t['wait'] / max(1, len(report['rounds'])):.2f} s; "
@@ -113,12 +123,14 @@ def simulate(
         out_console.print(f"bytes per peer and round: sent {bpr['sent']:,.0f}, received {bpr['received']:,.0f}; "
                           f"dense fp32 equivalent {report['dense_fp32_bytes_per_peer_round']:,} "
                           f"({report['n_params']:,} params x 4 B) = "
-                          + (f"{ratio:,.0f}x the measured SparseLoCo bytes" if ratio else "n/a"))
+                          + ("n/a" if not ratio else f"{ratio:,.2f}x the all-reduce's bytes (analytic: "
+                             "2(N-1)/N x 4 B x params per member)" if dense else
+                             f"{ratio:,.0f}x the measured SparseLoCo bytes"))
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(report, indent=1), encoding="utf-8")
         out_console.print(f"report written to {out}")
-    if report["rounds_completed"] < rounds or not all(report["checksums_equal"]):
+    if report["rounds_completed"] < rounds or not all(report["states_agree"]):
         raise typer.Exit(1)
 
 

@@ -18,6 +18,7 @@ import torch
 
 from hlbp.peer.checkpoint import atomic_write_bytes
 from hlbp.peer.data import TokenStream, prepare_data, val_batches
+from hlbp.peer.denserounds import DenseRoundRunner
 from hlbp.peer.join import TrainContext, data_rank
 from hlbp.peer.metrics import MetricsLog
 from hlbp.peer.model import build_model, preset, split
@@ -37,6 +38,7 @@ class ReplicaOptions:
     eval_batches: int = 4  # validation batches scored after every round (0: none)
     inject_delay_s: float = 0.0  # fault injection: sleep this long after every inner step (a straggler)
     inject_corrupt: bool = False  # fault injection: serve garbage payloads (a lying peer)
+    inject_oversize: bool = False  # fault injection: announce and serve payloads above the size limit
     threads: int | None = None  # torch CPU threads
     device: str = "auto"
 
@@ -63,7 +65,8 @@ def replica_train_hook(ctx: TrainContext, options: ReplicaOptions, echo: Any = p
     optim = OptimConfig(lr=hp.lr, warmup_steps=min(30, max(1, total // 10)), total_steps=total)
     trainer = InnerTrainer(model, optim, micro_batches(stream, 1), device)
     val = val_batches(data.val, hp.seq_len, hp.batch_size, options.eval_batches) if options.eval_batches else []
-    outer = OuterConfig(kind="sparseloco", k=hp.k, beta=hp.beta, alpha=hp.alpha)
+    outer = OuterConfig(kind=hp.outer, k=hp.k, beta=hp.beta, alpha=hp.alpha,  # type: ignore[arg-type]
+                        outer_lr=hp.outer_lr, momentum=hp.momentum)
     rcfg = RoundConfig(run_id=m.run_id, inner_steps=hp.inner_steps, deadline_s=hp.round_deadline_s,
                        min_deadline_s=hp.min_deadline_s, max_deadline_s=hp.max_deadline_s)
     transport = P2PBlobTransport(peer.plane.dht)
@@ -84,11 +87,12 @@ def replica_train_hook(ctx: TrainContext, options: ReplicaOptions, echo: Any = p
              f"compute {stats.compute_s:.1f}s comm {stats.comm_s:.1f}s wait {stats.wait_s:.1f}s, "
              f"sent {stats.bytes_sent:,} B recv {stats.bytes_received:,} B, shard 0 {stats.checksums.get(0, '')[:10]}")
 
-    runner = RoundRunner(
+    runner_cls = DenseRoundRunner if outer.kind == "diloco" else RoundRunner
+    runner = runner_cls(
         peer.plane.dht, peer.plane.identity, transport, trainer, outer, shards, rcfg, ctx.stop,
         checkpoint=ctx.out_dir / "checkpoint.safetensors", metrics=metrics, expected=expected, on_round=on_round,
         evaluate=(lambda: evaluate(trainer.model, val, device)) if val else None, delay_s=options.inject_delay_s,
-        corrupt=options.inject_corrupt,
+        corrupt=options.inject_corrupt, oversize=options.inject_oversize,
         protect=peer.plane.protect,
     )
     start = time.perf_counter()
@@ -96,6 +100,7 @@ def replica_train_hook(ctx: TrainContext, options: ReplicaOptions, echo: Any = p
     try:
         history = runner.run(options.rounds)
     finally:
+        runner.close()
         transport.close()
         metrics.close()
     summary = {
@@ -105,6 +110,7 @@ def replica_train_hook(ctx: TrainContext, options: ReplicaOptions, echo: Any = p
         "rounds": [dataclasses.asdict(s) for s in history],
         "final_round": runner.round - 1,
         "in_sync": runner.in_sync,
+        "outer": outer.kind,
     }
     atomic_write_bytes(ctx.out_dir / "summary.json", json.dumps(summary, indent=1).encode())
     return summary

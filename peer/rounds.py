@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import random
 import threading
 import time
@@ -38,7 +39,7 @@ import torch
 from hlbp.peer.checkpoint import load_checkpoint, save_checkpoint
 from hlbp.peer.metrics import MetricsLog
 from hlbp.peer.outer import Contribution, OuterConfig, make_outer
-from hlbp.peer.statesync import encode_state, fetch_state, shard_checksum, state_name
+from hlbp.peer.statesync import encode_state, fetch_state, fingerprints_agree, shard_checksum, state_name
 from hlbp.peer.trainer import InnerTrainer
 from hlbp.peer.transport import BlobTransport, TransportError
 from hlbp.peer.wire import contribution_from_bytes, contribution_to_bytes
@@ -93,6 +94,27 @@ def pick_accepted(sets: Sequence[AcceptedSet], order: Sequence[str]) -> Accepted
     return min(ranked, key=lambda s: rank[s.coordinator])
 
 
+def fingerprint_cluster(checks: Sequence[ShardChecks], round_: int, rtol: float = 1e-5) -> list[ShardChecks]:
+    """The largest set of ``round_`` records whose fingerprints all agree with one member's, shard by shard.
+
+    A dense run's notion of a majority (its replicas agree only up to float rounding); ties go to the set around
+    the smallest peer id, so every peer picks the same set from the same records.
+    """
+    cands = sorted((c for c in checks if c.round == round_ and c.fingerprints), key=lambda c: c.peer)
+    best: list[ShardChecks] = []
+    for c in cands:
+        group = [d for d in cands if d.fingerprints.keys() == c.fingerprints.keys()
+                 and all(fingerprints_agree(c.fingerprints[s], d.fingerprints[s], rtol) for s in c.fingerprints)]
+        if len(group) > len(best):
+            best = group
+    return best
+
+
+def payload_limit(n_params: int) -> int:
+    """The most bytes a shard's contribution of ``n_params`` values may take: 6 bytes per value plus 1 MiB."""
+    return 6 * n_params + (1 << 20)
+
+
 def majority_checksums(checks: Sequence[ShardChecks], round_: int) -> dict[int, str]:
     """Per shard, the checksum most peers published for ``round_`` (ties: the smallest string)."""
     votes: dict[int, dict[str, int]] = {}
@@ -141,6 +163,7 @@ class RoundStats:
     wait_s: float = 0.0
     bytes_sent: int = 0
     bytes_received: int = 0
+    bytes_analytic: bool = False  # dense all-reduce: bytes computed from the group size, not counted
     in_sync: bool = True
     synced: bool = False
     checksums: dict[int, str] = field(default_factory=dict)
@@ -170,6 +193,7 @@ class RoundRunner:
         evaluate: Callable[[], float] | None = None,
         delay_s: float = 0.0,
         corrupt: bool = False,
+        oversize: bool = False,
         protect: Callable[[dict[str, tuple[str, int]]], None] | None = None,
     ) -> None:
         self.dht, self.identity, self.transport, self.trainer = dht, identity, transport, trainer
@@ -185,6 +209,11 @@ class RoundRunner:
         self.delay_s = delay_s  # artificial slowness per inner step: the straggler fault test uses it
         self.protect = protect  # registers round keys with our DHT node's record validator
         self.corrupt = corrupt  # fault injection: serve payloads whose body is garbage (a lying peer)
+        self.oversize = oversize  # fault injection: announce and serve payloads above the size limit
+        # the largest contribution a shard can honestly need: fp32 values and 16-bit indices for every parameter,
+        # plus headers; real SparseLoCo payloads are about 1/150 of this, so it only stops floods
+        self.limits = [min(cfg.max_payload_bytes, payload_limit(sum(math.prod(v) for v in shape.values())))
+                       for shape in self.shapes]
         self.bans: dict[str, tuple[int, int]] = {}  # sender -> (banned until round, strikes so far)
         self._verified: dict[tuple[int, str, int], Contribution] = {}  # (round, sender, shard) -> checked payload
         self.round = 0  # the next round to run; the anchor is the result of round - 1
@@ -256,11 +285,41 @@ class RoundRunner:
             for n, p in self.trainer.model.named_parameters():
                 p.copy_(self.anchor[n])
 
-    def _publish_state(self, r: int, checks: dict[int, str]) -> None:
+    def _publish_state(self, mine: ShardChecks) -> None:
+        """Serve our state after round ``mine.round`` and publish its checksums (and fingerprints)."""
+        r = mine.round
         for s in range(len(self.shards)):
             self.transport.put(state_name(r, s), encode_state(self.anchor, self.shards[s], self.outers[s].state_tensors()))
         self.transport.drop([state_name(r - 2, s) for s in range(len(self.shards))])
-        self._store(checks_key(self.cfg.run_id), ShardChecks(self.me, r, checks).to_body(self.cfg.run_id), KIND_CHECKS)
+        self._store(checks_key(self.cfg.run_id), mine.to_body(self.cfg.run_id), KIND_CHECKS)
+
+    # -- agreement: exact checksums here; the dense runner compares fingerprints ------------------------------
+
+    def _fingerprints(self) -> dict[int, tuple[float, float]]:
+        """Fingerprints to publish beside the checksums (none: a sparse run agrees bit for bit)."""
+        return {}
+
+    def _agreed(self, checks: Sequence[ShardChecks], r: int) -> tuple[list[str], dict[str, dict[int, str]]] | None:
+        """The peers holding the agreed state after round r and the checksum to expect from each, or None."""
+        want = majority_checksums(checks, r)
+        if len(want) != len(self.shards):
+            return None
+        donors = [c.peer for c in checks if c.round == r and c.checksums == want]
+        return donors, {d: want for d in donors}
+
+    def _agrees(self, checks: Sequence[ShardChecks], mine: ShardChecks) -> bool:
+        """Whether our state after ``mine.round`` is the one most peers hold."""
+        want = majority_checksums([*checks, mine], mine.round)
+        if want != mine.checksums:
+            bad = [s for s in mine.checksums if want.get(s) != mine.checksums[s]]
+            logger.warning("round %d: shard checksums %s differ from the majority of %d peers", mine.round, bad,
+                           len([c for c in checks if c.round == mine.round]) + 1)
+            return False
+        return True
+
+    def _my_checks(self, r: int) -> ShardChecks:
+        checks = {s: shard_checksum(self.anchor, names) for s, names in enumerate(self.shards)}
+        return ShardChecks(self.me, r, checks, self._fingerprints())
 
     def sync(self, attempts: int = 3) -> bool:
         """Load the newest agreed state from peers: shards in parallel from different donors, verified by checksum.
@@ -274,14 +333,14 @@ class RoundRunner:
                 self.in_sync = True
                 return False
             latest = max(c.round for c in checks)
-            want = majority_checksums(checks, latest)
-            if len(want) != len(self.shards):
+            agreed = self._agreed(checks, latest)
+            if agreed is None or not agreed[0]:
                 return False
-            donors = [c.peer for c in checks if c.round == latest and c.checksums == want]
+            donors, expect = agreed
             random.Random(f"{self.me}|{latest}").shuffle(donors)
 
             try:
-                states, n_bytes = fetch_state(self.transport, donors, latest, self.shapes, want,
+                states, n_bytes = fetch_state(self.transport, donors, latest, self.shapes, expect,
                                               self.cfg.max_payload_bytes, self.cfg.fetch_timeout_s,
                                               self.cfg.fetch_workers)
             except TransportError as exc:
@@ -332,12 +391,9 @@ class RoundRunner:
         if not checks:
             return "resumed from checkpoint" if resumed else "fresh start"
         latest = max(c.round for c in checks)
-        want = majority_checksums(checks, latest)
-        if resumed and self.round == latest + 1:
-            mine = {s: shard_checksum(self.anchor, names) for s, names in enumerate(self.shards)}
-            if mine == want:
-                self._load_anchor_into_model()
-                return "resumed from checkpoint (current)"
+        if resumed and self.round == latest + 1 and self._agrees(checks, self._my_checks(latest)):
+            self._load_anchor_into_model()
+            return "resumed from checkpoint (current)"
         if self.sync():
             return f"synced round {self.round - 1} from peers"
         return "fresh start (no agreed state to sync)"
@@ -359,25 +415,12 @@ class RoundRunner:
         served_before = self._bytes_served()
         self._bytes_in = 0
         t0 = time.perf_counter()
-        tokens0 = self.trainer.tokens
-        steps, last_check = 0, 0.0
-        for _ in range(self.cfg.inner_steps):
-            if self.stop.is_set():
-                break
-            if time.perf_counter() - last_check > 0.5:
-                last_check = time.perf_counter()
-                if self._accepted(r) is not None:
-                    break  # the round closed without us: stop computing and take its result
-            self.trainer.train_step()
-            steps += 1
-            if self.delay_s:
-                time.sleep(self.delay_s)  # the artificial straggler of the fault tests, not synchronisation
+        steps, tokens = self._inner_phase(r)
         stats.compute_s = time.perf_counter() - t0
         t1 = time.perf_counter()
         local = {n: p.detach() for n, p in self.trainer.model.named_parameters()}
         mine: list[Contribution] = []
         if steps and self.in_sync:
-            tokens = self.trainer.tokens - tokens0
             digests, sizes = {}, {}
             for s, names in enumerate(self.shards):
                 c = self.outers[s].contribute({n: self.anchor[n] for n in names}, {n: local[n] for n in names},
@@ -385,6 +428,8 @@ class RoundRunner:
                 blob = contribution_to_bytes(c, self.outer_cfg, self.cfg.run_id, r, s)
                 if self.corrupt:
                     blob = blob[:64] + bytes(b ^ 0x5A for b in blob[64:])
+                if self.oversize:
+                    blob = blob + bytes(self.limits[s] + 1 - len(blob))
                 self.transport.put(f"c/{r}/{s}/{self.me}", blob)
                 digests[s], sizes[s] = sha256_hex(blob), len(blob)
                 mine.append(c)
@@ -406,11 +451,11 @@ class RoundRunner:
             if not ok:
                 self.in_sync = False
         self._load_anchor_into_model()
-        checks = {s: shard_checksum(self.anchor, names) for s, names in enumerate(self.shards)}
-        stats.checksums = checks
+        mine = self._my_checks(r)
+        stats.checksums = mine.checksums
         if accepted is not None and self.in_sync:
-            self._publish_state(r, checks)
-            self.in_sync = self._verify(r, accepted, checks)
+            self._publish_state(mine)
+            self.in_sync = self._verify(r, set(accepted.senders()), mine)
         self.transport.drop_prefix(f"c/{r - 2}/")
         self._verified = {k: v for k, v in self._verified.items() if k[0] > r}
         if accepted is not None or not self.stop.is_set():
@@ -418,6 +463,9 @@ class RoundRunner:
         if not self.in_sync:
             logger.warning("round %d: this peer is out of sync; reloading state from peers", r)
             stats.synced = self.sync()
+            if stats.synced:  # report the state we now hold, not the one we discarded
+                mine = self._my_checks(self.round - 1)
+                stats.checksums = mine.checksums
         stats.in_sync = self.in_sync
         stats.comm_s = (time.perf_counter() - t3) + (t2 - t1)
         stats.bytes_sent = self._bytes_served() - served_before
@@ -425,12 +473,41 @@ class RoundRunner:
         self.save()
         if accepted is None and self.stop.is_set():
             return stats  # abandoned on SIGTERM: not a round to report
+        return self._report(stats, mine, steps)
+
+    def _report(self, stats: RoundStats, mine: ShardChecks, steps: int) -> RoundStats:
+        """Score the new parameters, write the round's metrics record and tell the caller."""
         val = self.evaluate() if self.evaluate else None
+        extra = {"fingerprints": {str(k): list(v) for k, v in mine.fingerprints.items()}} if mine.fingerprints else {}
         self.metrics.write(event="round", **{k: v for k, v in vars(stats).items() if k != "checksums"},
-                           checksums={str(k): v for k, v in checks.items()}, val_loss=val, steps=steps)
+                           checksums={str(k): v for k, v in mine.checksums.items()}, val_loss=val, steps=steps,
+                           **extra)
         if self.on_round:
             self.on_round(stats, val)
         return stats
+
+    def close(self) -> None:
+        """Release what the runner started (the dense runner's averager); the transport is the caller's."""
+
+    def _inner_phase(self, r: int) -> tuple[int, int]:
+        """Up to H inner steps from the anchor, cut short when round r closes without us; (steps, tokens)."""
+        tokens0 = self.trainer.tokens
+        steps, last_check = 0, 0.0
+        for _ in range(self.cfg.inner_steps):
+            if self.stop.is_set():
+                break
+            if time.perf_counter() - last_check > 0.5:
+                last_check = time.perf_counter()
+                if self._round_closed(r):
+                    break  # the round closed without us: stop computing and take its result
+            self.trainer.train_step()
+            steps += 1
+            if self.delay_s:
+                time.sleep(self.delay_s)  # the artificial straggler of the fault tests, not synchronisation
+        return steps, self.trainer.tokens - tokens0
+
+    def _round_closed(self, r: int) -> bool:
+        return self._accepted(r) is not None
 
     def _bytes_served(self) -> int:
         return self.transport.bytes_served
@@ -486,6 +563,11 @@ class RoundRunner:
         for sender, notice in notices.items():
             if self._banned(sender, r) or set(notice.digests) != set(range(len(self.shards))):
                 continue
+            over = [s for s, size in notice.sizes.items() if size > self.limits[s]]
+            if over:  # its own signed notice claims more bytes than any honest payload: refuse without fetching
+                self._ban(r, sender, f"announced {notice.sizes[over[0]]:,} bytes for shard {over[0]}, above the "
+                                     f"limit of {self.limits[over[0]]:,}")
+                continue
             try:
                 for s, digest in notice.digests.items():
                     if (r, sender, s) not in self._verified:
@@ -496,12 +578,17 @@ class RoundRunner:
                 logger.warning("round %d: could not fetch the contribution of %s (%s); leaving it out", r,
                                sender[:16], str(exc)[:160])
             except ProtocolError as exc:
-                # bytes that match the sender's signed digest yet do not decode: the sender sent garbage
-                strikes = self.bans.get(sender, (0, 0))[1] + 1
-                self.bans[sender] = (r + 1 + 2**strikes, strikes)
-                logger.warning("round %d: rejected the contribution of %s (%s); banned until round %d", r,
-                               sender[:16], str(exc)[:160], self.bans[sender][0])
+                # bytes that match the sender's signed digest yet do not decode, or a response that breaks the
+                # transfer protocol (a body above the limit): the sender sent garbage
+                self._ban(r, sender, str(exc)[:160])
         return admitted
+
+    def _ban(self, r: int, sender: str, reason: str) -> None:
+        """Reject a sender's contribution and ban it for 2, 4, 8, ... rounds; the ban travels in the accepted set."""
+        strikes = self.bans.get(sender, (0, 0))[1] + 1
+        self.bans[sender] = (r + 1 + 2**strikes, strikes)
+        logger.warning("round %d: rejected the contribution of %s (%s); banned until round %d", r, sender[:16],
+                       reason, self.bans[sender][0])
 
     def _decode(self, r: int, s: int, sender: str, digest: str, holders: list[str]) -> Contribution:
         """One accepted shard payload, fetched (or our own), digest-checked and decoded."""
@@ -524,9 +611,14 @@ class RoundRunner:
         for peer in [*others[:3], sender, sender]:  # the sender twice: one broken transfer is not a verdict
             timeout = self.cfg.fetch_timeout_s if peer == sender else self.cfg.fetch_timeout_s / 5
             try:
-                blob = self.transport.fetch(peer, name, self.cfg.max_payload_bytes, timeout)
+                blob = self.transport.fetch(peer, name, self.limits[shard], timeout)
             except TransportError as exc:
                 errors.append(str(exc)[:100])
+                continue
+            except ProtocolError as exc:  # the response itself broke the protocol (a body above the limit)
+                if peer == sender:
+                    raise ProtocolError(f"{sender[:12]}… served its contribution out of protocol: {exc}") from None
+                errors.append(f"{peer[:12]}…: {str(exc)[:100]}")
                 continue
             if sha256_hex(blob) != digest:
                 errors.append(f"{peer[:12]}… served bytes that do not match the accepted digest")
@@ -569,9 +661,9 @@ class RoundRunner:
     def _own_blob(self, r: int, s: int) -> bytes | None:
         return self.transport.get(f"c/{r}/{s}/{self.me}")
 
-    def _verify(self, r: int, accepted: AcceptedSet, mine: dict[int, str]) -> bool:
-        """Compare our checksums with the other members' for round r (waiting a bounded time for them)."""
-        members = set(accepted.senders()) - {self.me}
+    def _verify(self, r: int, members: set[str], mine: ShardChecks) -> bool:
+        """Compare our state after round r with the other members' (waiting a bounded time for their records)."""
+        members = members - {self.me}
         deadline = time.monotonic() + self.cfg.checks_wait_s
         checks: list[ShardChecks] = []
         while time.monotonic() < deadline and not self.stop.is_set():
@@ -579,10 +671,4 @@ class RoundRunner:
             if members <= {c.peer for c in checks}:
                 break
             self.stop.wait(self.cfg.poll_s)
-        want = majority_checksums([*checks, ShardChecks(self.me, r, mine)], r)
-        if want != mine:
-            bad = [s for s in mine if want.get(s) != mine[s]]
-            logger.warning("round %d: shard checksums %s differ from the majority of %d peers", r, bad,
-                           len(checks) + 1)
-            return False
-        return True
+        return self._agrees([c for c in checks if c.peer != self.me], mine)

@@ -42,6 +42,7 @@ class SimConfig:
     round_deadline_s: float = 5.0  # first collection window; later ones adapt within the bounds below
     min_deadline_s: float = 1.0
     max_deadline_s: float = 30.0
+    outer: str = "sparseloco"  # sparseloco, or diloco: dense rounds through hivemind's stock all-reduce
     seed: int = 0  # the run's seed: initial weights and data order
     threads: int = 1  # torch threads per peer, so N peers share a small machine fairly
     run_id: str = "simulate"
@@ -55,7 +56,8 @@ class SimConfig:
         return (f'run_id = "{self.run_id}"\nmodel = "{self.model}"\nn_stages = {self.n_stages}\nseed = {self.seed}\n'
                 f"[hparams]\ninner_steps = {self.inner_steps}\nbatch_size = {self.batch_size}\n"
                 f"seq_len = {self.seq_len}\nround_deadline_s = {self.round_deadline_s}\n"
-                f"min_deadline_s = {self.min_deadline_s}\nmax_deadline_s = {self.max_deadline_s}\n")
+                f"min_deadline_s = {self.min_deadline_s}\nmax_deadline_s = {self.max_deadline_s}\n"
+                f'outer = "{self.outer}"\n')
 
 
 class PeerProcess:
@@ -274,6 +276,20 @@ def checksums_agree(records: Iterable[dict[str, Any]]) -> bool:
     return len(seen) == 1
 
 
+def states_agree(records: Iterable[dict[str, Any]]) -> bool:
+    """True when the in-sync records of one round describe the same parameters: equal checksums, or (a dense
+    run, whose all-reduce leaves ulp-level differences) fingerprints that agree within float rounding."""
+    from hlbp.peer.statesync import fingerprints_agree
+
+    recs = [r for r in records if r.get("in_sync", True)]
+    if checksums_agree(recs):
+        return True
+    prints = [r.get("fingerprints") or {} for r in recs]
+    if not recs or not all(prints) or any(p.keys() != prints[0].keys() for p in prints):
+        return False
+    return all(fingerprints_agree(tuple(p[k]), tuple(prints[0][k])) for p in prints for k in p)
+
+
 def summarize(records: dict[str, Sequence[dict[str, Any]]], n_params: int | None = None,
               target_rounds: int | None = None) -> dict[str, Any]:
     """The run's report from each peer's round records (``metrics.jsonl``, event ``round``).
@@ -303,6 +319,7 @@ def summarize(records: dict[str, Sequence[dict[str, Any]]], n_params: int | None
             "accepted": sorted(name for name, p in peers.items() if p.get("accepted")),
             "val_loss": sum(vals) / len(vals) if vals else None,
             "checksums_equal": checksums_agree(peers.values()),
+            "states_agree": states_agree(peers.values()),
             "in_sync": all(p.get("in_sync", True) for p in peers.values()),
             "bytes_sent": {name: p["bytes_sent"] for name, p in sorted(peers.items())},
             "bytes_received": {name: p["bytes_received"] for name, p in sorted(peers.items())},
@@ -318,6 +335,7 @@ def summarize(records: dict[str, Sequence[dict[str, Any]]], n_params: int | None
         "rounds": rounds,
         "val_loss": [r["val_loss"] for r in rounds],
         "checksums_equal": [r["checksums_equal"] for r in rounds],
+        "states_agree": [r["states_agree"] for r in rounds],
     }
     total_compute = sum(r["compute_s"] for r in rounds)
     total_comm = sum(r["comm_s"] for r in rounds)

@@ -10,7 +10,7 @@ own thread: it never blocks a donor's training.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -30,6 +30,36 @@ def shard_checksum(params: dict[str, torch.Tensor], names: Sequence[str]) -> str
         h.update(f"{name}|{tuple(t.shape)}|".encode())
         h.update(t.numpy().tobytes())
     return h.hexdigest()
+
+
+_SIGNS: dict[tuple[str, int], torch.Tensor] = {}
+
+
+def shard_fingerprint(params: dict[str, torch.Tensor], names: Sequence[str]) -> tuple[float, float]:
+    """(dot with a fixed pseudo-random sign pattern, L2 norm) of a shard, in float64.
+
+    Why: hivemind's all-reduce hands each peer ``local + (average - local)``, which differs from the average by an
+    ulp in about a third of the values, so dense replicas never agree bit for bit. Replicas that applied the same
+    rounds agree on these two numbers to about 1e-7 relative; one that missed a round is off by the size of an
+    outer step (1e-4 and up), since a random sign pattern is not orthogonal to the update.
+    """
+    dot, sq = 0.0, 0.0
+    for name in sorted(names):
+        t = params[name].detach().to("cpu", torch.float64).reshape(-1)
+        key = (name, t.numel())
+        signs = _SIGNS.get(key)
+        if signs is None:
+            g = torch.Generator().manual_seed(int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "little"))
+            signs = _SIGNS[key] = torch.randint(0, 2, (t.numel(),), generator=g, dtype=torch.int8) * 2 - 1
+        dot += float(t @ signs.to(torch.float64))
+        sq += float(t @ t)
+    return dot, sq**0.5
+
+
+def fingerprints_agree(a: tuple[float, float], b: tuple[float, float], rtol: float = 1e-5) -> bool:
+    """Whether two shard fingerprints describe the same parameters up to float rounding."""
+    scale = max(a[1], b[1], 1e-30)
+    return abs(a[0] - b[0]) <= rtol * scale and abs(a[1] - b[1]) <= rtol * scale
 
 
 def state_name(round_: int, shard: int) -> str:
@@ -72,12 +102,14 @@ def fetch_state(
     donors: Sequence[str],
     round_: int,
     shapes: Sequence[dict[str, tuple[int, ...]]],
-    checksums: dict[int, str],
+    checksums: Mapping[str, Mapping[int, str]],
     max_bytes: int,
     timeout: float,
     workers: int,
 ) -> tuple[list[ShardState], int]:
-    """Every shard's state after ``round_``, each from a different donor first, verified against ``checksums``.
+    """Every shard's state after ``round_``, each from a different donor first, verified against the checksum
+    the donor is expected to hold (``checksums[donor][shard]``: the majority's in a sparse run, the donor's own in
+    a dense run, whose donors were chosen by fingerprint).
 
     Returns the states and the bytes fetched; raises :class:`TransportError` if some shard could be had from no
     donor (each donor is tried once per shard, so the work is bounded).
@@ -91,7 +123,7 @@ def fetch_state(
                 blob = transport.fetch(donor, state_name(round_, s), max_bytes, timeout)
                 fetched[s] += len(blob)
                 state = parse_state(blob, shapes[s])
-                if shard_checksum(state.params, list(shapes[s])) != checksums[s]:
+                if shard_checksum(state.params, list(shapes[s])) != checksums[donor][s]:
                     raise ProtocolError("state does not match the published checksum")
                 return state
             except (TransportError, ProtocolError) as exc:

@@ -161,10 +161,14 @@ class P2PBlobTransport:
             writer.close()
 
     def fetch(self, peer_id: str, name: str, max_size: int, timeout: float) -> bytes:
-        """The blob ``name`` from ``peer_id``; raises :class:`TransportError` for any failure of the peer."""
+        """The blob ``name`` from ``peer_id``.
+
+        Raises :class:`ProtocolError` when the peer's response breaks the protocol (a malformed frame, or a body
+        above ``max_size``: provably the peer's fault), and :class:`TransportError` for any other failure.
+        """
         try:
             return self._run(self._fetch(peer_id, name, max_size, timeout), timeout + 5)
-        except TransportError:
+        except (TransportError, ProtocolError):
             raise
         except Exception as exc:  # p2pd, asyncio and the peer's bytes all fail in their own types
             raise TransportError(f"fetching {name} from {peer_id[:12]}… failed: {type(exc).__name__}: {exc}") from exc

@@ -315,6 +315,11 @@ class Hyperparameters:
     round_deadline_s: float = 30.0  # first outer round's deadline; later ones adapt within the bounds below
     min_deadline_s: float = 5.0  # lower bound of an adapted round deadline
     max_deadline_s: float = 600.0  # upper bound of an adapted round deadline
+    outer: str = "sparseloco"  # sparseloco (our sparse rounds) or diloco (dense, hivemind's stock all-reduce)
+    outer_lr: float = 0.7  # DiLoCo: Nesterov outer learning rate
+    momentum: float = 0.9  # DiLoCo: Nesterov momentum
+
+    OUTERS = ("sparseloco", "diloco")
 
     @classmethod
     def from_body(cls, body: dict[str, Any]) -> Hyperparameters:
@@ -330,6 +335,9 @@ class Hyperparameters:
             round_deadline_s=_float(body, "round_deadline_s", 0.1, 86400.0, d.round_deadline_s),
             min_deadline_s=_float(body, "min_deadline_s", 0.1, 86400.0, d.min_deadline_s),
             max_deadline_s=_float(body, "max_deadline_s", 0.1, 86400.0, d.max_deadline_s),
+            outer=_str(body, "outer", 16, d.outer, choices=cls.OUTERS),
+            outer_lr=_float(body, "outer_lr", 1e-6, 10.0, d.outer_lr),
+            momentum=_float(body, "momentum", 0.0, 0.999, d.momentum),
         )
         if not hp.min_deadline_s <= hp.round_deadline_s <= hp.max_deadline_s:
             raise ProtocolError("deadlines must satisfy min_deadline_s <= round_deadline_s <= max_deadline_s")

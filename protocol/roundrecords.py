@@ -7,8 +7,9 @@ sizes and raises :class:`ProtocolError` for anything else. Unknown body fields a
 
 from __future__ import annotations
 
+import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from hlbp.protocol.errors import ProtocolError
@@ -116,9 +117,15 @@ class ShardChecks:
     peer: str
     round: int
     checksums: dict[int, str]
+    # shard -> (dot with a fixed sign pattern, L2 norm) in float64: dense all-reduce leaves replicas equal only up to
+    # float rounding, so a dense run compares these with a tolerance where a sparse run compares exact checksums
+    fingerprints: dict[int, tuple[float, float]] = field(default_factory=dict)
 
     def to_body(self, run_id: str) -> dict[str, Any]:
-        return {"run": run_id, "round": self.round, "checksums": _keys(self.checksums)}
+        body = {"run": run_id, "round": self.round, "checksums": _keys(self.checksums)}
+        if self.fingerprints:
+            body["fingerprints"] = {str(k): [float(a), float(b)] for k, (a, b) in self.fingerprints.items()}
+        return body
 
 
 def sign(kind: str, body: dict[str, Any], identity: Identity) -> bytes:
@@ -187,4 +194,15 @@ def parse_accepted(data: Any, signer: str, run_id: str, round_: int | None = Non
 
 def parse_checks(data: Any, signer: str, run_id: str) -> ShardChecks:
     body = _open(data, KIND_CHECKS, signer, run_id)
-    return ShardChecks(signer, _round(body, None), _digests(body.get("checksums"), "checksums"))
+    checksums = _digests(body.get("checksums"), "checksums")
+    raw = body.get("fingerprints", {})  # absent in sparse runs and in records of older peers
+    if not isinstance(raw, dict) or len(raw) > MAX_SHARDS:
+        raise ProtocolError("checks fingerprints must map at most 256 shards")
+    fingerprints = {}
+    for key, value in raw.items():
+        shard = _shard(key, "checks fingerprints")
+        if (shard not in checksums or not isinstance(value, list) or len(value) != 2
+                or not all(isinstance(v, float) and math.isfinite(v) for v in value) or value[1] < 0):
+            raise ProtocolError(f"checks fingerprint of shard {shard} must be [dot, norm >= 0], finite floats")
+        fingerprints[shard] = (value[0], value[1])
+    return ShardChecks(signer, _round(body, None), checksums, fingerprints)

@@ -75,3 +75,11 @@ def test_bad_flags_give_one_line_errors(args, message, small_text, tmp_path, cac
 def test_unparseable_flag_is_rejected_by_the_parser():
     out = run("train", "--steps", "many")
     assert out.returncode == 2 and "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize("command", [["simulate", "--outer", "adam"], ["bootstrap", "--outer", "adam",
+                                                                      "--host-maddrs", "/ip4/127.0.0.1/tcp/0"]])
+def test_unknown_outer_optimizer_is_one_line(command, tmp_path):
+    out = run(*command, env={"HLBP_IDENTITY": str(tmp_path / "k"), "HLBP_CACHE": str(tmp_path)})
+    assert out.returncode == 2, out.stderr
+    assert "--outer must be" in out.stderr and "Traceback" not in out.stderr

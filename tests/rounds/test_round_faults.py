@@ -1,8 +1,8 @@
 """The round protocol's rules, checked on one swarm of real ``hlbp join`` processes on 127.0.0.1.
 
-One swarm serves every test, to fit a small machine: three honest replicas (a, b, c), a lying one (liar, serving
-corrupt payloads) and a straggler (slow, sleeping after every inner step) start together; a joiner arrives
-mid-run; then c is SIGKILLed mid-round, b is stopped with SIGTERM, and both come back with their identity and
+One swarm serves every test, to fit a small machine: three honest replicas (a, b, c), two lying ones (liar, serving
+corrupt payloads, and fat, announcing payloads above the size limit) and a straggler (slow, sleeping after every
+inner step) start together; a joiner arrives mid-run; then c is SIGKILLed mid-round, b is stopped with SIGTERM, and both come back with their identity and
 out-dir. The tests run in file order and each waits, with a deadline, for the rounds it inspects.
 """
 
@@ -31,6 +31,7 @@ def swarm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Swarm]:
         for name in ("a", "b", "c"):
             sw.add(name)
         sw.add("liar", "--inject-corrupt")
+        sw.add("fat", "--inject-oversize")
         sw.add("slow", "--inject-delay", str(DELAY_S))
         yield sw
 
@@ -80,6 +81,25 @@ def test_corrupt_payload_is_rejected_and_banned(swarm: Swarm) -> None:
         if rec["in_sync"]:
             assert rec["checksums"] == rounds[rec["round"]]["a"]["checksums"], rec["round"]
     assert all(rounds[r]["a"]["accepted"] for r in range(3))
+
+
+def test_oversized_payload_is_refused_unfetched_and_banned(swarm: Swarm) -> None:
+    fat = _peer_id(swarm.replicas["fat"])
+    honest = [swarm.replicas[n].proc for n in ("a", "b", "c")]
+    line = poll(lambda: next((m for p in honest for m in p.find(rf"rejected the contribution of {fat[:16]} "
+                                                                   r"\(announced ([\d,]+) bytes for shard \d+, above "
+                                                                   r"the limit of ([\d,]+)\).*banned until round"))
+                              , None), ROUND_TIMEOUT_S, "a coordinator to refuse the oversized payload")
+    announced, limit = (int(g.replace(",", "")) for g in line.groups())
+    assert announced > limit > 1 << 20
+    rounds = _wait_rounds(swarm, ["a"], 3)
+    fat_recs = swarm.replicas["fat"].rounds()
+    assert fat_recs and not any(rec["accepted"] for rec in fat_recs)
+    for rec in fat_recs:  # refused, yet it applies every round's result like everyone else
+        if rec["in_sync"] and rec["round"] in rounds:
+            assert rec["checksums"] == rounds[rec["round"]]["a"]["checksums"], rec["round"]
+    # nobody downloaded it: an honest peer's received bytes stay far below one oversized payload
+    assert max(rec["bytes_received"] for rec in swarm.replicas["a"].rounds()[:3]) < limit
 
 
 def test_straggler_is_left_out_stays_in_sync_and_is_not_waited_for(swarm: Swarm) -> None:

@@ -1,0 +1,256 @@
+"""DiLoCo rounds through hivemind's stock ``DecentralizedAverager``: the dense baseline, inside a real run.
+
+Why: SparseLoCo's claim is that it needs about 1/100 of the bytes of a dense exchange at little cost in loss. The
+honest comparison is the dense exchange the field already uses (hivemind, OpenDiLoCo), run the same way: the same
+``hlbp join``, manifest, inner trainer, checkpoints and state sync, with only the outer step swapped. A run whose
+manifest says ``outer = "diloco"`` gets this runner.
+
+One round r:
+
+1. Inner phase: H inner steps from the anchor θ(r), cut short when other replicas have already finished round r.
+2. Exchange: Δ = θ(r) − θ_local in fp32 goes into the averager's buffers. Matchmaking uses a group key that names
+   the round, so replicas of different rounds never average together; it waits at most the round window for the
+   live replicas, then hivemind's butterfly all-reduce averages Δ across the group.
+3. Apply: DiLoCo's Nesterov outer step on the averaged Δ.
+4. Verify: hivemind hands each member ``local + (average − local)``, which differs from the average by an ulp in
+   about a third of the values, so dense replicas never agree bit for bit. They publish float64 fingerprints
+   beside the checksums and compare those with a tolerance; a replica outside the agreeing majority reloads state.
+
+What the dense baseline cannot do, by construction: DiLoCo has no error-feedback buffer, so a replica left out of a
+round (late, or its group failed) drops its local progress and loads the round's result from the others, as
+hivemind's own optimizer does; and the stock all-reduce does not let anyone check another peer's contribution
+before it is averaged in (non-finite results are refused; garbage within range is not detectable).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from concurrent.futures import CancelledError
+from typing import Any
+
+import torch
+
+from hlbp.peer.errors import UserInputError
+from hlbp.peer.outer import Contribution
+from hlbp.peer.rounds import RoundRunner, RoundStats, adapt_window, fingerprint_cluster
+from hlbp.peer.statesync import shard_fingerprint
+from hlbp.protocol.roundrecords import ShardChecks
+
+logger = logging.getLogger(__name__)
+
+GROUP_BITS = 16  # the round number modulo 2**16 names the matchmaking group key
+
+
+def round_group_bits(round_: int) -> str:
+    """Matchmaking group bits for a round: replicas only average with replicas of the same round."""
+    return format(round_ % (1 << GROUP_BITS), f"0{GROUP_BITS}b")
+
+
+def dense_allreduce_bytes(params: int, members: int) -> int:
+    """Bytes each member sends (and receives) in hivemind's butterfly all-reduce of ``params`` fp32 values."""
+    return 0 if members < 2 else round(2 * (members - 1) / members * 4 * params)
+
+
+def parse_gathered(gathered: Any, round_: int) -> dict[str, dict[str, float]]:
+    """The group members' gathered metadata, checked: every member must be in ``round_``; raises ValueError."""
+    if not isinstance(gathered, dict) or not gathered:
+        raise ValueError("the averager returned no group")
+    out = {}
+    for peer, data in gathered.items():
+        if (not isinstance(data, dict) or data.get("round") != round_ or not isinstance(data.get("ready"), float)
+                or not math.isfinite(data["ready"])):
+            raise ValueError(f"group member {str(peer)[:16]} is not in round {round_} or sent malformed metadata")
+        out[str(peer)] = data
+    return out
+
+
+def _averager_class() -> type:
+    from hivemind.averaging import DecentralizedAverager
+
+    class RoundAverager(DecentralizedAverager):  # type: ignore[misc, valid-type]
+        """The stock averager, plus a way to tell its process how many replicas a full group has this round."""
+
+        def set_target_group_size(self, size: int) -> None:
+            from hivemind.utils import MPFuture
+
+            future = MPFuture()
+            self._outer_pipe.send(("_set_target_group_size", [], {"size": size, "future": future}))
+            future.result()
+
+        async def _set_target_group_size(self, size: int, future: Any) -> None:
+            self._matchmaking.target_group_size = size
+            self._matchmaking.potential_leaders.target_group_size = size
+            future.set_result(None)
+
+    return RoundAverager
+
+
+class DenseRoundRunner(RoundRunner):
+    """A full replica's outer rounds with DiLoCo over hivemind's all-reduce (see the module docstring)."""
+
+    def __init__(self, *args: Any, matchmaking_s: float = 2.0, request_timeout_s: float = 1.0, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if self.outer_cfg.kind != "diloco":
+            raise UserInputError("the dense round runner needs the diloco outer optimizer")
+        if self.corrupt or self.oversize:
+            raise UserInputError("--inject-corrupt and --inject-oversize are SparseLoCo faults; the dense all-reduce "
+                                 "has no payloads to corrupt")
+        self.names = [n for s in self.shards for n in s]
+        self.n_params = sum(math.prod(self.shapes[i][n]) for i, s in enumerate(self.shards) for n in s)
+        self.buffers = [torch.zeros(self.shapes[i][n]) for i, s in enumerate(self.shards) for n in s]
+        chunk_timeout = max(5.0, self.cfg.fetch_timeout_s / 6)
+        self.averager = _averager_class()(
+            self.buffers, self.dht, start=True, prefix=f"hlbp_{self.cfg.run_id}_diloco",
+            target_group_size=None, min_group_size=2, min_matchmaking_time=matchmaking_s,
+            request_timeout=request_timeout_s, allreduce_timeout=2 * self.cfg.fetch_timeout_s,
+            next_chunk_timeout=chunk_timeout, allow_state_sharing=False,  # state sync is ours, verified
+        )
+        self._last_group: list[str] = []
+
+    def close(self) -> None:
+        self.averager.shutdown()
+
+    # -- agreement by fingerprint --------------------------------------------------------------------------
+
+    def _fingerprints(self) -> dict[int, tuple[float, float]]:
+        return {s: shard_fingerprint(self.anchor, names) for s, names in enumerate(self.shards)}
+
+    def _agreed(self, checks: Any, r: int) -> tuple[list[str], dict[str, dict[int, str]]] | None:
+        cluster = [c for c in fingerprint_cluster(checks, r) if len(c.checksums) == len(self.shards)]
+        if not cluster:
+            return None
+        return [c.peer for c in cluster], {c.peer: c.checksums for c in cluster}
+
+    def _agrees(self, checks: Any, mine: ShardChecks) -> bool:
+        cluster = fingerprint_cluster([*checks, mine], mine.round)
+        if self.me not in {c.peer for c in cluster}:
+            logger.warning("round %d: our parameters differ from the %d replicas that agree; reloading state",
+                           mine.round, len(cluster))
+            return False
+        return True
+
+    def _round_closed(self, r: int) -> bool:
+        """Other replicas already published their state after round r: we are too late for it."""
+        return any(c.round >= r for c in self.latest_checks() if c.peer != self.me)
+
+    # -- one round -----------------------------------------------------------------------------------------
+
+    def run_round(self) -> RoundStats:
+        r = self.round
+        self._protect(r)
+        stats = RoundStats(round=r)
+        served_before = self._bytes_served()
+        self._bytes_in = 0
+        t0 = time.perf_counter()
+        steps, tokens = self._inner_phase(r)
+        stats.compute_s = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        averaged, members, waited = None, 0, 0.0
+        if steps and self.in_sync and not self.stop.is_set():
+            stats.contributed = True
+            averaged, members, waited = self._exchange(r, tokens)
+        stats.wait_s = waited
+        stats.members = members
+        if averaged is not None:
+            stats.accepted = True
+            stats.bytes_analytic = True
+            sent = dense_allreduce_bytes(self.n_params, members)
+            for s, names in enumerate(self.shards):
+                c = Contribution("group", tokens, {n: averaged[n] for n in names})
+                self.anchor.update(self.outers[s].apply({n: self.anchor[n] for n in names}, [c]))
+        else:
+            sent = 0
+            # left out (late, alone, or the group failed): DiLoCo keeps no error feedback, so this replica's
+            # progress is dropped and it takes the round's result from the others, if there is one
+            self._await_result(r)
+        self._load_anchor_into_model()
+        mine = self._my_checks(r)
+        stats.checksums = mine.checksums
+        if averaged is not None:
+            self._publish_state(mine)
+            self.in_sync = self._verify(r, set(self._last_group), mine)
+        elif any(c.round >= r for c in self.latest_checks() if c.peer != self.me):
+            self.in_sync = False  # the others moved on without us: reload their state
+        if not self.stop.is_set() or averaged is not None:
+            self.round = r + 1
+        if not self.in_sync:
+            stats.synced = self.sync()
+            if stats.synced:  # report the state we now hold, not the one we discarded
+                mine = self._my_checks(self.round - 1)
+                stats.checksums = mine.checksums
+        stats.in_sync = self.in_sync
+        stats.comm_s = time.perf_counter() - t1 - stats.wait_s
+        stats.bytes_sent = self._bytes_served() - served_before + sent
+        stats.bytes_received = self._bytes_in + sent
+        self.save()
+        if averaged is None and self.stop.is_set():
+            return stats
+        return self._report(stats, mine, steps)
+
+    def _exchange(self, r: int, tokens: int) -> tuple[dict[str, torch.Tensor] | None, int, float]:
+        """Average Δ with this round's group; (averaged Δ by name or None, members, seconds spent matchmaking)."""
+        from hivemind.averaging.control import AveragingStage
+        from hivemind.utils import get_dht_time
+
+        expected = self.expected() if self.expected else self.last_members
+        delta = {n: self.anchor[n] - self._param(n).detach().float().cpu() for n in self.names}
+        if expected == 1:  # the control plane knows of no other live replica (0: unknown, try the averager)
+            self._last_group = [self.me]
+            return delta, 1, 0.0  # the only replica of the run: its own Δ is the round's average
+        with torch.no_grad(), self.averager.get_tensors() as bufs:
+            for buf, name in zip(bufs, self.names):
+                buf.copy_(delta[name])
+        self.averager.set_group_bits(round_group_bits(r))
+        self.averager.set_target_group_size(max(2, expected))
+        ready = get_dht_time()
+        window = max(self.window, 1.0)
+        self._last_group = []
+        t0 = time.perf_counter()
+        control = self.averager.step(
+            gather={"round": r, "ready": float(ready), "tokens": int(tokens)}, weight=1.0,
+            scheduled_time=ready + window, timeout=window + 2 * self.cfg.fetch_timeout_s, allow_retries=False,
+            wait=False,
+        )
+        matched = None
+        last_check = 0.0
+        while not control.done():
+            now = time.perf_counter()
+            if control.stage in (AveragingStage.AWAITING_TRIGGER, AveragingStage.RUNNING_ALLREDUCE):
+                matched = matched or now  # in a group: the all-reduce is under way, and others depend on us
+            elif self.stop.is_set():
+                control.cancel()
+                break
+            elif now - last_check > 0.5:
+                last_check = now
+                if self._round_closed(r):
+                    control.cancel()  # still without a group when the others finished: out of this round
+                    break
+            time.sleep(0.02)  # polling a future that lives in the averager's process
+        waited = (matched or time.perf_counter()) - t0
+        try:
+            group = parse_gathered(control.result(timeout=0), r)
+        except (Exception, CancelledError) as exc:  # noqa: BLE001 - failed, cancelled or mixed: out of the round
+            logger.warning("round %d: dense all-reduce did not include this replica (%s); loading the round's "
+                           "result from the others", r, str(exc)[:160] or type(exc).__name__)
+            return None, 0, waited
+        with self.averager.get_tensors() as bufs:
+            averaged = {name: buf.clone() for name, buf in zip(self.names, bufs)}
+        if not all(bool(torch.isfinite(t).all()) for t in averaged.values()):
+            logger.warning("round %d: the all-reduce returned non-finite values; refusing them", r)
+            return None, 0, waited
+        self._last_group = list(group)
+        offsets = sorted(d["ready"] for d in group.values())
+        self.window = adapt_window([t - offsets[0] for t in offsets], self.cfg.min_deadline_s,
+                                   self.cfg.max_deadline_s, self.window)
+        self.last_members = len(group)
+        return averaged, len(group), waited
+
+    def _await_result(self, r: int) -> None:
+        """A replica left out of round r waits (bounded) for the others to publish its result, then syncs."""
+        deadline = time.monotonic() + self.cfg.checks_wait_s + 2 * self.cfg.fetch_timeout_s
+        while time.monotonic() < deadline and not self.stop.is_set():
+            if self._round_closed(r):
+                return
+            self.stop.wait(self.cfg.poll_s * 5)
