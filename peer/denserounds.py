@@ -34,7 +34,8 @@ import torch
 
 from hlbp.peer.errors import UserInputError
 from hlbp.peer.outer import Contribution
-from hlbp.peer.rounds import RoundRunner, RoundStats, adapt_window, fingerprint_cluster
+from hlbp.peer.roundrules import adapt_window, fingerprint_cluster
+from hlbp.peer.rounds import RoundRunner, RoundStats
 from hlbp.peer.statesync import shard_fingerprint
 from hlbp.protocol.roundrecords import ShardChecks
 
@@ -139,13 +140,7 @@ class DenseRoundRunner(RoundRunner):
 
     def run_round(self) -> RoundStats:
         r = self.round
-        self._protect(r)
-        stats = RoundStats(round=r)
-        served_before = self._bytes_served()
-        self._bytes_in = 0
-        t0 = time.perf_counter()
-        steps, tokens = self._inner_phase(r)
-        stats.compute_s = time.perf_counter() - t0
+        stats, steps, tokens, served_before = self._begin_round(r)
         t1 = time.perf_counter()
         averaged, members, waited = None, 0, 0.0
         if steps and self.in_sync and not self.stop.is_set():

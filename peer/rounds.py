@@ -17,12 +17,11 @@ One round r, as every replica runs it:
    fetch an accepted payload, is out of sync: it reloads the state from peers that agree, and contributes with
    weight 0 (not at all) until it has.
 
-The decisions (ranking, windows, which set wins, majorities) are pure functions at the top of this module.
+The decisions (ranking, windows, which set wins, majorities) are pure functions in :mod:`hlbp.peer.roundrules`.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import math
 import random
@@ -39,7 +38,14 @@ import torch
 from hlbp.peer.checkpoint import load_checkpoint, save_checkpoint
 from hlbp.peer.metrics import MetricsLog
 from hlbp.peer.outer import Contribution, OuterConfig, make_outer
-from hlbp.peer.statesync import encode_state, fetch_state, fingerprints_agree, shard_checksum, state_name
+from hlbp.peer.roundrules import (
+    adapt_window,
+    coordinator_order,
+    majority_checksums,
+    payload_limit,
+    pick_accepted,
+)
+from hlbp.peer.statesync import encode_state, fetch_state, shard_checksum, state_name
 from hlbp.peer.trainer import InnerTrainer
 from hlbp.peer.transport import BlobTransport, TransportError
 from hlbp.peer.wire import contribution_from_bytes, contribution_to_bytes
@@ -63,69 +69,7 @@ from hlbp.protocol.roundrecords import (
 
 logger = logging.getLogger(__name__)
 
-# ---------------------------------------------------------------------------------------------------------------
-# Pure decisions
-# ---------------------------------------------------------------------------------------------------------------
-
-
-def coordinator_order(round_: int, peers: Sequence[str]) -> list[str]:
-    """Rendezvous ranking of ``peers`` for a round: every peer computes the same order from the same set."""
-    return sorted(set(peers), key=lambda p: hashlib.sha256(f"{round_}|{p}".encode()).digest())
-
-
-def adapt_window(offsets: Sequence[float], lo: float, hi: float, current: float) -> float:
-    """Next round's collection window from this round's arrival offsets (seconds after the first arrival).
-
-    1.5x the latest on-time arrival plus one second, within the manifest's bounds; with no spread observed the
-    window keeps its current value, so a single peer does not shrink it to the floor.
-    """
-    if len(offsets) < 2:
-        return min(max(current, lo), hi)
-    return min(max(1.5 * max(offsets) + 1.0, lo), hi)
-
-
-def pick_accepted(sets: Sequence[AcceptedSet], order: Sequence[str]) -> AcceptedSet | None:
-    """The accepted set of the best-ranked coordinator among those that published one."""
-    rank = {p: i for i, p in enumerate(order)}
-    ranked = [s for s in sets if s.coordinator in rank]
-    if not ranked:
-        # a coordinator outside the contributors we saw (we saw few): fall back to a deterministic choice
-        return min(sets, key=lambda s: s.coordinator) if sets else None
-    return min(ranked, key=lambda s: rank[s.coordinator])
-
-
-def fingerprint_cluster(checks: Sequence[ShardChecks], round_: int, rtol: float = 1e-5) -> list[ShardChecks]:
-    """The largest set of ``round_`` records whose fingerprints all agree with one member's, shard by shard.
-
-    A dense run's notion of a majority (its replicas agree only up to float rounding); ties go to the set around
-    the smallest peer id, so every peer picks the same set from the same records.
-    """
-    cands = sorted((c for c in checks if c.round == round_ and c.fingerprints), key=lambda c: c.peer)
-    best: list[ShardChecks] = []
-    for c in cands:
-        group = [d for d in cands if d.fingerprints.keys() == c.fingerprints.keys()
-                 and all(fingerprints_agree(c.fingerprints[s], d.fingerprints[s], rtol) for s in c.fingerprints)]
-        if len(group) > len(best):
-            best = group
-    return best
-
-
-def payload_limit(n_params: int) -> int:
-    """The most bytes a shard's contribution of ``n_params`` values may take: 6 bytes per value plus 1 MiB."""
-    return 6 * n_params + (1 << 20)
-
-
-def majority_checksums(checks: Sequence[ShardChecks], round_: int) -> dict[int, str]:
-    """Per shard, the checksum most peers published for ``round_`` (ties: the smallest string)."""
-    votes: dict[int, dict[str, int]] = {}
-    for c in checks:
-        if c.round != round_:
-            continue
-        for shard, digest in c.checksums.items():
-            votes.setdefault(shard, {}).setdefault(digest, 0)
-            votes[shard][digest] += 1
-    return {s: min(v, key=lambda d: (-v[d], d)) for s, v in votes.items()}
-
+# The decisions (ranking, windows, which set wins, majorities) live in hlbp.peer.roundrules as pure functions.
 
 # ---------------------------------------------------------------------------------------------------------------
 # The runner
@@ -410,13 +354,7 @@ class RoundRunner:
 
     def run_round(self) -> RoundStats:
         r = self.round
-        self._protect(r)
-        stats = RoundStats(round=r)
-        served_before = self._bytes_served()
-        self._bytes_in = 0
-        t0 = time.perf_counter()
-        steps, tokens = self._inner_phase(r)
-        stats.compute_s = time.perf_counter() - t0
+        stats, steps, tokens, served_before = self._begin_round(r)
         t1 = time.perf_counter()
         local = {n: p.detach() for n, p in self.trainer.model.named_parameters()}
         mine: list[Contribution] = []
@@ -488,6 +426,18 @@ class RoundRunner:
 
     def close(self) -> None:
         """Release what the runner started (the dense runner's averager); the transport is the caller's."""
+
+    def _begin_round(self, r: int) -> tuple[RoundStats, int, int, int]:
+        """Protect round r's keys, reset the byte counters and run the inner phase: (stats, steps, tokens, bytes
+        served so far)."""
+        self._protect(r)
+        stats = RoundStats(round=r)
+        served_before = self._bytes_served()
+        self._bytes_in = 0
+        t0 = time.perf_counter()
+        steps, tokens = self._inner_phase(r)
+        stats.compute_s = time.perf_counter() - t0
+        return stats, steps, tokens, served_before
 
     def _inner_phase(self, r: int) -> tuple[int, int]:
         """Up to H inner steps from the anchor, cut short when round r closes without us; (steps, tokens)."""

@@ -7,91 +7,35 @@ deadline, never by sleeping for a fixed time.
 
 from __future__ import annotations
 
-import os
 import re
 import signal
 import socket
-import subprocess
-import sys
-import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
-LOOPBACK = "/ip4/127.0.0.1/tcp/0"
+from hlbp.peer.simulate import LOOPBACK, PeerProcess, poll
+
+__all__ = ["LOOPBACK", "Proc", "free_tcp_port", "joiner_peer_id", "poll", "start_bootstrap", "start_joiner", "write_run"]
 
 
-class Proc:
-    """One `python -m hlbp.cli.control_cmds ...` process whose combined output is collected line by line."""
+class Proc(PeerProcess):
+    """One `python -m hlbp.cli.control_cmds ...` process (the simulate module's watcher), with test-side names."""
 
     def __init__(self, args: list[str], env: dict[str, str]) -> None:
-        self.args = args
-        self.popen = subprocess.Popen(
-            [sys.executable, "-m", "hlbp.cli.control_cmds", *args], stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT, text=True, start_new_session=True, env=env,
-        )
-        self.lines: list[str] = []
-        self.eof = False  # the process closed its output: no more lines will come
-        self._cond = threading.Condition()
-        threading.Thread(target=self._pump, daemon=True).start()
-
-    def _pump(self) -> None:
-        assert self.popen.stdout is not None
-        for line in self.popen.stdout:
-            with self._cond:
-                self.lines.append(line.rstrip("\n"))
-                self._cond.notify_all()
-        with self._cond:
-            self.eof = True
-            self._cond.notify_all()
-
-    @property
-    def output(self) -> str:
-        with self._cond:
-            return "\n".join(self.lines)
+        super().__init__(args[0] if args else "hlbp", args, env)
 
     def wait_for(self, pattern: str, timeout: float = 60.0) -> re.Match[str]:
-        """The first output line matching ``pattern``; fails with the whole output if it does not come in time."""
-        regex = re.compile(pattern)
-        deadline = time.monotonic() + timeout
-        with self._cond:
-            while True:
-                for line in self.lines:
-                    match = regex.search(line)
-                    if match:
-                        return match
-                remaining = deadline - time.monotonic()
-                if remaining <= 0 or self.eof:
-                    raise AssertionError(f"no line matching {pattern!r} (exit {self.popen.poll()}):\n"
-                                         + "\n".join(self.lines))
-                self._cond.wait(min(remaining, 0.5))
+        return super().wait_for(pattern, timeout)
 
     def kill_all(self) -> None:
         """SIGKILL the whole session: the main process, its DHT process and p2pd."""
-        try:
-            os.killpg(self.popen.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.popen.wait(timeout=10)
+        self.kill()
 
     def terminate(self, timeout: float = 20.0) -> int:
         """SIGTERM to the main process only, as `docker stop` does; returns its exit status."""
         if self.popen.poll() is None:
             self.popen.send_signal(signal.SIGTERM)
         return self.popen.wait(timeout=timeout)
-
-
-def poll(fn: Callable[[], Any], timeout: float, what: str, interval: float = 0.25) -> Any:
-    """Call ``fn`` until it returns something truthy or ``timeout`` passes (then fail, showing the last value)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = fn()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}; last value: {value!r}")
-        time.sleep(interval)  # poll interval, bounded by the deadline above
 
 
 def free_tcp_port() -> int:

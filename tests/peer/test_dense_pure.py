@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from hlbp.peer.denserounds import dense_allreduce_bytes, parse_gathered, round_group_bits
-from hlbp.peer.rounds import fingerprint_cluster
+from hlbp.peer.roundrules import fingerprint_cluster
 from hlbp.peer.simulate import states_agree
 from hlbp.peer.statesync import fingerprints_agree, shard_fingerprint
 from hlbp.protocol import ProtocolError

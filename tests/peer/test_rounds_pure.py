@@ -2,13 +2,13 @@
 
 import torch
 
-from hlbp.peer.rounds import (
+from hlbp.peer.roundrules import (
     adapt_window,
     coordinator_order,
     majority_checksums,
     pick_accepted,
-    shard_checksum,
 )
+from hlbp.peer.statesync import shard_checksum
 from hlbp.protocol.roundrecords import AcceptedSet, ShardChecks
 
 PEERS = [f"12D3KooWpeer{i:02d}xxxxxxxxxxxxxxxx" for i in range(6)]

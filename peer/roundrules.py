@@ -1,0 +1,73 @@
+"""The round protocol's decisions as pure functions: who coordinates, how long a window is, which accepted set
+wins, what the majority holds, and how big a payload may be.
+
+Every peer computes them from the same DHT records, so they must be deterministic; they touch no network and no
+clock, which is also what lets ``tests/peer/test_rounds_pure.py`` pin them down exactly.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+
+from hlbp.peer.statesync import fingerprints_agree
+from hlbp.protocol.roundrecords import AcceptedSet, ShardChecks
+
+
+def coordinator_order(round_: int, peers: Sequence[str]) -> list[str]:
+    """Rendezvous ranking of ``peers`` for a round: every peer computes the same order from the same set."""
+    return sorted(set(peers), key=lambda p: hashlib.sha256(f"{round_}|{p}".encode()).digest())
+
+
+def adapt_window(offsets: Sequence[float], lo: float, hi: float, current: float) -> float:
+    """Next round's collection window from this round's arrival offsets (seconds after the first arrival).
+
+    1.5x the latest on-time arrival plus one second, within the manifest's bounds; with no spread observed the
+    window keeps its current value, so a single peer does not shrink it to the floor.
+    """
+    if len(offsets) < 2:
+        return min(max(current, lo), hi)
+    return min(max(1.5 * max(offsets) + 1.0, lo), hi)
+
+
+def pick_accepted(sets: Sequence[AcceptedSet], order: Sequence[str]) -> AcceptedSet | None:
+    """The accepted set of the best-ranked coordinator among those that published one."""
+    rank = {p: i for i, p in enumerate(order)}
+    ranked = [s for s in sets if s.coordinator in rank]
+    if not ranked:
+        # a coordinator outside the contributors we saw (we saw few): fall back to a deterministic choice
+        return min(sets, key=lambda s: s.coordinator) if sets else None
+    return min(ranked, key=lambda s: rank[s.coordinator])
+
+
+def fingerprint_cluster(checks: Sequence[ShardChecks], round_: int, rtol: float = 1e-5) -> list[ShardChecks]:
+    """The largest set of ``round_`` records whose fingerprints all agree with one member's, shard by shard.
+
+    A dense run's notion of a majority (its replicas agree only up to float rounding); ties go to the set around
+    the smallest peer id, so every peer picks the same set from the same records.
+    """
+    cands = sorted((c for c in checks if c.round == round_ and c.fingerprints), key=lambda c: c.peer)
+    best: list[ShardChecks] = []
+    for c in cands:
+        group = [d for d in cands if d.fingerprints.keys() == c.fingerprints.keys()
+                 and all(fingerprints_agree(c.fingerprints[s], d.fingerprints[s], rtol) for s in c.fingerprints)]
+        if len(group) > len(best):
+            best = group
+    return best
+
+
+def payload_limit(n_params: int) -> int:
+    """The most bytes a shard's contribution of ``n_params`` values may take: 6 bytes per value plus 1 MiB."""
+    return 6 * n_params + (1 << 20)
+
+
+def majority_checksums(checks: Sequence[ShardChecks], round_: int) -> dict[int, str]:
+    """Per shard, the checksum most peers published for ``round_`` (ties: the smallest string)."""
+    votes: dict[int, dict[str, int]] = {}
+    for c in checks:
+        if c.round != round_:
+            continue
+        for shard, digest in c.checksums.items():
+            votes.setdefault(shard, {}).setdefault(digest, 0)
+            votes[shard][digest] += 1
+    return {s: min(v, key=lambda d: (-v[d], d)) for s, v in votes.items()}
