@@ -146,6 +146,9 @@ def join(
     local_only: bool = opt(False, "--local-only/--no-local-only", env="LOCAL_ONLY",
                            help="Full replica trains alone with the inner trainer, without outer rounds."),
     threads: int = opt(None, "--threads", env="THREADS", help="torch CPU threads."),
+    checkpoint_every: float = opt(300.0, "--checkpoint-every", env="CHECKPOINT_EVERY",
+                                  help="Full replica: save the checkpoint at most every this many seconds (0: every "
+                                       "round); it is always saved on SIGTERM and at the end."),
     inject_delay: float = opt(0.0, "--inject-delay", env="INJECT_DELAY",
                               help="Fault injection: seconds of extra delay per inner step (a straggler)."),
     inject_corrupt: bool = opt(False, "--inject-corrupt/--no-inject-corrupt", env="INJECT_CORRUPT",
@@ -190,10 +193,11 @@ def join(
         elif not local_only and not stop.is_set():
             from hlbp.peer.replica import ReplicaOptions, replica_train_hook
 
-            if rounds is not None and rounds < 0 or inject_delay < 0:
-                raise UserInputError("--rounds and --inject-delay must be >= 0")
+            if rounds is not None and rounds < 0 or inject_delay < 0 or checkpoint_every < 0:
+                raise UserInputError("--rounds, --checkpoint-every and --inject-delay must be >= 0")
             options = ReplicaOptions(rounds=rounds, inject_delay_s=inject_delay, inject_corrupt=inject_corrupt,
-                                     inject_oversize=inject_oversize, threads=threads)
+                                     inject_oversize=inject_oversize, threads=threads,
+                                     checkpoint_every_s=checkpoint_every)
             replica_train_hook(ctx, options, _echo)
         elif not stop.is_set():
             training.set()  # from here a signal also interrupts the training loop, which does not poll `stop`

@@ -34,8 +34,8 @@ import torch
 
 from hlbp.peer.errors import UserInputError
 from hlbp.peer.outer import Contribution
+from hlbp.peer.replicabase import ReplicaBase, RoundStats
 from hlbp.peer.roundrules import adapt_window, fingerprint_cluster
-from hlbp.peer.rounds import RoundRunner, RoundStats
 from hlbp.peer.statesync import shard_fingerprint
 from hlbp.protocol.roundrecords import ShardChecks
 
@@ -88,7 +88,7 @@ def _averager_class() -> type:
     return RoundAverager
 
 
-class DenseRoundRunner(RoundRunner):
+class DenseRoundRunner(ReplicaBase):
     """A full replica's outer rounds with DiLoCo over hivemind's all-reduce (see the module docstring)."""
 
     def __init__(self, *args: Any, matchmaking_s: float = 2.0, request_timeout_s: float = 1.0, **kwargs: Any) -> None:
@@ -179,7 +179,7 @@ class DenseRoundRunner(RoundRunner):
         stats.comm_s = time.perf_counter() - t1 - stats.wait_s
         stats.bytes_sent = self._bytes_served() - served_before + sent
         stats.bytes_received = self._bytes_in + sent
-        self.save()
+        self.save_if_due()
         if averaged is None and self.stop.is_set():
             return stats
         return self._report(stats, mine, steps)

@@ -40,6 +40,7 @@ class ReplicaOptions:
     inject_corrupt: bool = False  # fault injection: serve garbage payloads (a lying peer)
     inject_oversize: bool = False  # fault injection: announce and serve payloads above the size limit
     threads: int | None = None  # torch CPU threads
+    checkpoint_every_s: float = 300.0  # save at most this often (0: every round); always on SIGTERM and at the end
     device: str = "auto"
 
 
@@ -68,7 +69,8 @@ def replica_train_hook(ctx: TrainContext, options: ReplicaOptions, echo: Any = p
     outer = OuterConfig(kind=hp.outer, k=hp.k, beta=hp.beta, alpha=hp.alpha,  # type: ignore[arg-type]
                         outer_lr=hp.outer_lr, momentum=hp.momentum)
     rcfg = RoundConfig(run_id=m.run_id, inner_steps=hp.inner_steps, deadline_s=hp.round_deadline_s,
-                       min_deadline_s=hp.min_deadline_s, max_deadline_s=hp.max_deadline_s)
+                       min_deadline_s=hp.min_deadline_s, max_deadline_s=hp.max_deadline_s,
+                       checkpoint_every_s=options.checkpoint_every_s)
     transport = P2PBlobTransport(peer.plane.dht)
     ctx.out_dir.mkdir(parents=True, exist_ok=True)
     metrics = MetricsLog(ctx.out_dir / "metrics.jsonl")

@@ -1,0 +1,388 @@
+"""The part of a full replica's round loop that does not depend on how pseudo-gradients are exchanged.
+
+:class:`hlbp.peer.rounds.RoundRunner` (SparseLoCo payloads with an accepted set) and
+:class:`hlbp.peer.denserounds.DenseRoundRunner` (hivemind's all-reduce) both build on :class:`ReplicaBase`:
+
+- the anchor θ(r) (the parameters every in-sync replica agrees on) and one outer optimizer per shard;
+- the inner phase (H steps, cut short when the round closes without us);
+- signed DHT records, registered with our own DHT node's validator;
+- the published state after every round (checksums, served shard blobs) and the agreement check against it;
+- state sync from agreeing donors, checkpoints (atomic, resumed if current) and the per-round report.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hlbp.peer.checkpoint import load_checkpoint, save_checkpoint
+from hlbp.peer.metrics import MetricsLog
+from hlbp.peer.outer import OuterConfig, make_outer
+from hlbp.peer.roundrules import majority_checksums
+from hlbp.peer.statesync import encode_state, fetch_state, shard_checksum, state_name
+from hlbp.peer.trainer import InnerTrainer
+from hlbp.peer.transport import BlobTransport, TransportError
+from hlbp.protocol import ProtocolError
+from hlbp.protocol.records import Identity
+from hlbp.protocol.roundrecords import (
+    KIND_ACCEPTED,
+    KIND_CHECKS,
+    KIND_CONTRIB,
+    MAX_RECORD_BYTES,
+    ShardChecks,
+    checks_key,
+    parse_checks,
+    round_key,
+    sign,
+)
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RoundConfig:
+    """Round protocol settings; the run manifest supplies the first five."""
+
+    run_id: str
+    inner_steps: int  # H
+    deadline_s: float = 30.0  # first collection window after the first contribution arrives
+    min_deadline_s: float = 2.0  # bounds of the adapted window
+    max_deadline_s: float = 600.0
+    takeover_s: float = 3.0  # a k-th ranked coordinator waits k times this past the window before it takes over
+    poll_s: float = 0.1  # DHT polling interval while waiting
+    fetch_timeout_s: float = 30.0  # per payload from its sender; other holders get a fifth of it
+    checks_wait_s: float = 10.0  # how long to wait for the other members' checksums
+    record_ttl_s: float = 900.0  # lifetime of round records in the DHT
+    max_payload_bytes: int = 1 << 31  # largest contribution or state blob fetched
+    fetch_workers: int = 4  # parallel payload fetches
+    checkpoint_every_s: float = 300.0  # save at most this often during the run (0: every round); always on exit
+
+
+@dataclass
+class RoundStats:
+    """What one round cost this peer; the simulate summary aggregates these."""
+
+    round: int
+    contributed: bool = False
+    accepted: bool = False
+    members: int = 0
+    compute_s: float = 0.0
+    comm_s: float = 0.0
+    wait_s: float = 0.0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    bytes_analytic: bool = False  # dense all-reduce: bytes computed from the group size, not counted
+    in_sync: bool = True
+    synced: bool = False
+    checksums: dict[int, str] = field(default_factory=dict)
+    phases: dict[str, float] = field(default_factory=dict)  # seconds per protocol step, to see where comm goes
+
+
+class ReplicaBase(ABC):
+    """What every full replica's round loop shares, whatever its exchange: the anchor, the outer optimizers, the
+    inner phase, DHT records, checkpoints, agreement checks and state sync. Subclasses implement ``run_round``.
+
+    ``shards`` lists the parameter names of each shard (the manifest's stage partition). ``expected`` returns how
+    many contributors to wait for before closing early (the live replicas the control plane knows of).
+    """
+
+    def __init__(
+        self,
+        dht: Any,
+        identity: Identity,
+        transport: BlobTransport,
+        trainer: InnerTrainer,
+        outer: OuterConfig,
+        shards: Sequence[Sequence[str]],
+        cfg: RoundConfig,
+        stop: threading.Event,
+        checkpoint: Path | None = None,
+        metrics: MetricsLog | None = None,
+        expected: Callable[[], int] | None = None,
+        on_round: Callable[[RoundStats, float | None], None] | None = None,
+        evaluate: Callable[[], float] | None = None,
+        delay_s: float = 0.0,
+        corrupt: bool = False,
+        oversize: bool = False,
+        protect: Callable[[dict[str, tuple[str, int]]], None] | None = None,
+    ) -> None:
+        self.dht, self.identity, self.transport, self.trainer = dht, identity, transport, trainer
+        self.me = identity.peer_id
+        self.outer_cfg, self.cfg, self.stop = outer, cfg, stop
+        self.shards = [list(s) for s in shards]
+        self.outers = [make_outer(outer) for _ in self.shards]
+        self.shapes = [{n: tuple(self._param(n).shape) for n in s} for s in self.shards]
+        self.anchor = {n: p.detach().float().cpu().clone() for n, p in trainer.model.named_parameters()}
+        self.checkpoint, self.metrics = checkpoint, metrics or MetricsLog(None)
+        self.expected = expected
+        self.on_round, self.evaluate = on_round, evaluate
+        self.delay_s = delay_s  # artificial slowness per inner step: the straggler fault test uses it
+        self.protect = protect  # registers round keys with our DHT node's record validator
+        self.corrupt = corrupt  # fault injection: serve payloads whose body is garbage (a lying peer)
+        self.oversize = oversize  # fault injection: announce and serve payloads above the size limit
+        self.round = 0  # the next round to run; the anchor is the result of round - 1
+        self.in_sync = True
+        self.window = cfg.deadline_s
+        self.last_members = 0
+        self.history: list[RoundStats] = []
+        self._bytes_in = 0
+        self._logged: set[tuple[str, str]] = set()
+        self._saved_at = time.monotonic()
+
+    # -- DHT helpers ---------------------------------------------------------------------------------------------
+
+    def _param(self, name: str) -> torch.nn.Parameter:
+        return dict(self.trainer.model.named_parameters())[name]
+
+    def _store(self, key: str, body: dict[str, Any], kind: str) -> None:
+        from hivemind.utils import get_dht_time
+
+        value = sign(kind, body, self.identity)
+        self.dht.store(key, value, get_dht_time() + self.cfg.record_ttl_s, subkey=self.me)
+
+    def _read(self, key: str) -> dict[str, Any]:
+        found = self.dht.get(key, latest=True)
+        if found is None or not isinstance(found.value, dict):
+            return {}
+        return {k: getattr(v, "value", v) for k, v in found.value.items()}
+
+    def _records(self, key: str, parse: Callable[..., Any], **kw: Any) -> list[Any]:
+        out = []
+        for subkey, value in self._read(key).items():
+            try:
+                out.append(parse(value, str(subkey), self.cfg.run_id, **kw))
+            except ProtocolError as exc:
+                tag = (key, str(subkey))
+                if tag not in self._logged:  # log each bad record once, not at every poll
+                    self._logged.add(tag)
+                    logger.warning("ignoring a bad round record under %s from %s: %s", key, str(subkey)[:16], exc)
+        return out
+
+    def _protect(self, r: int) -> None:
+        """Have our DHT node refuse unsigned or mis-signed records under this round's keys, so a forgery with a
+        later expiration cannot shadow a real record (hivemind keeps the latest-expiring value per subkey)."""
+        if self.protect is None:
+            return
+        run = self.cfg.run_id
+        keys = {round_key(run, r, KIND_CONTRIB): (KIND_CONTRIB, MAX_RECORD_BYTES),
+                round_key(run, r, KIND_ACCEPTED): (KIND_ACCEPTED, MAX_RECORD_BYTES),
+                checks_key(run): (KIND_CHECKS, MAX_RECORD_BYTES)}
+        try:
+            self.protect(keys)
+        except Exception as exc:  # noqa: BLE001 - readers still verify every record; this is defence in depth
+            logger.warning("could not register round %d keys with the DHT validator: %s", r, exc)
+
+    def latest_checks(self) -> list[ShardChecks]:
+        return self._records(checks_key(self.cfg.run_id), parse_checks)
+
+    # -- state -----------------------------------------------------------------------------------------------
+
+    def _load_anchor_into_model(self) -> None:
+        with torch.no_grad():
+            for n, p in self.trainer.model.named_parameters():
+                p.copy_(self.anchor[n])
+
+    def _publish_state(self, mine: ShardChecks) -> None:
+        """Serve our state after round ``mine.round`` and publish its checksums (and fingerprints)."""
+        r = mine.round
+        for s in range(len(self.shards)):
+            self.transport.put(state_name(r, s), encode_state(self.anchor, self.shards[s], self.outers[s].state_tensors()))
+        self.transport.drop([state_name(r - 2, s) for s in range(len(self.shards))])
+        self._store(checks_key(self.cfg.run_id), mine.to_body(self.cfg.run_id), KIND_CHECKS)
+
+    # -- agreement: exact checksums here; the dense runner compares fingerprints ------------------------------
+
+    def _fingerprints(self) -> dict[int, tuple[float, float]]:
+        """Fingerprints to publish beside the checksums (none: a sparse run agrees bit for bit)."""
+        return {}
+
+    def _agreed(self, checks: Sequence[ShardChecks], r: int) -> tuple[list[str], dict[str, dict[int, str]]] | None:
+        """The peers holding the agreed state after round r and the checksum to expect from each, or None."""
+        want = majority_checksums(checks, r)
+        if len(want) != len(self.shards):
+            return None
+        donors = [c.peer for c in checks if c.round == r and c.checksums == want]
+        return donors, {d: want for d in donors}
+
+    def _agrees(self, checks: Sequence[ShardChecks], mine: ShardChecks) -> bool:
+        """Whether our state after ``mine.round`` is the one most peers hold."""
+        want = majority_checksums([*checks, mine], mine.round)
+        if want != mine.checksums:
+            bad = [s for s in mine.checksums if want.get(s) != mine.checksums[s]]
+            logger.warning("round %d: shard checksums %s differ from the majority of %d peers", mine.round, bad,
+                           len([c for c in checks if c.round == mine.round]) + 1)
+            return False
+        return True
+
+    def _my_checks(self, r: int) -> ShardChecks:
+        checks = {s: shard_checksum(self.anchor, names) for s, names in enumerate(self.shards)}
+        return ShardChecks(self.me, r, checks, self._fingerprints())
+
+    def sync(self, attempts: int = 3) -> bool:
+        """Load the newest agreed state from peers: shards in parallel from different donors, verified by checksum.
+
+        Returns False if no agreed state exists yet (a fresh run) or every bounded attempt failed.
+        """
+        for _attempt in range(attempts):
+            checks = [c for c in self.latest_checks() if c.peer != self.me]
+            if not checks:
+                # nobody holds an agreed state (every peer failed the same round): ours is as good as any
+                self.in_sync = True
+                return False
+            latest = max(c.round for c in checks)
+            agreed = self._agreed(checks, latest)
+            if agreed is None or not agreed[0]:
+                return False
+            donors, expect = agreed
+            random.Random(f"{self.me}|{latest}").shuffle(donors)
+
+            try:
+                states, n_bytes = fetch_state(self.transport, donors, latest, self.shapes, expect,
+                                              self.cfg.max_payload_bytes, self.cfg.fetch_timeout_s,
+                                              self.cfg.fetch_workers)
+            except TransportError as exc:
+                logger.warning("state sync for round %d failed (%s); retrying", latest, exc)
+                continue
+            self._bytes_in += n_bytes
+            for s, state in enumerate(states):
+                self.anchor.update({n: t.clone() for n, t in state.params.items()})
+                fresh = make_outer(self.outer_cfg)
+                fresh.load_state(state.outer)
+                self.outers[s] = fresh  # a synced peer starts with an empty error-feedback buffer
+            self._load_anchor_into_model()
+            self.round, self.in_sync = latest + 1, True
+            logger.info("synced state of round %d from %d donors", latest, len(donors))
+            return True
+        return False
+
+    def save_if_due(self) -> None:
+        """Save when ``checkpoint_every_s`` has passed since the last save: a 1B-parameter replica's checkpoint is
+        over 20 GB, too much to write every round; SIGTERM and the end of the run always save."""
+        if time.monotonic() - self._saved_at >= self.cfg.checkpoint_every_s:
+            self.save()
+
+    def save(self) -> None:
+        self._saved_at = time.monotonic()
+        if self.checkpoint is None:
+            return
+        tensors, header = self.trainer.state_tensors()
+        tensors.update({f"anchor.{n}": t for n, t in self.anchor.items()})
+        for s, o in enumerate(self.outers):
+            tensors.update({f"outer{s}.{k}": v for k, v in o.state_tensors().items()})
+        save_checkpoint(self.checkpoint, tensors, {**header, "round": self.round, "in_sync": self.in_sync,
+                                                   "run": self.cfg.run_id})
+
+    def resume(self) -> bool:
+        """Restore this peer's checkpoint if it has one for this run; the caller then checks it is current."""
+        if self.checkpoint is None or not self.checkpoint.exists():
+            return False
+        tensors, header = load_checkpoint(self.checkpoint)
+        if header.get("run") != self.cfg.run_id:
+            return False
+        self.trainer.load_state(tensors, header)
+        self.anchor = {n[7:]: t.float() for n, t in tensors.items() if n.startswith("anchor.")}
+        for s, o in enumerate(self.outers):
+            prefix = f"outer{s}."
+            o.load_state({k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)})
+        self.round = int(header["round"])
+        return True
+
+    def start(self) -> str:
+        """Resume, sync or start fresh; returns which, for the log."""
+        resumed = self.resume()
+        self._protect(self.round)
+        checks = [c for c in self.latest_checks() if c.peer != self.me]
+        if not checks:
+            return "resumed from checkpoint" if resumed else "fresh start"
+        latest = max(c.round for c in checks)
+        if resumed and self.round == latest + 1 and self._agrees(checks, self._my_checks(latest)):
+            self._load_anchor_into_model()
+            return "resumed from checkpoint (current)"
+        if self.sync():
+            return f"synced round {self.round - 1} from peers"
+        return "fresh start (no agreed state to sync)"
+
+    # -- one round ---------------------------------------------------------------------------------------------
+
+    def run(self, max_rounds: int | None = None) -> list[RoundStats]:
+        done = 0
+        while not self.stop.is_set() and (max_rounds is None or done < max_rounds):
+            self.history.append(self.run_round())
+            done += 1
+        self.save()
+        return self.history
+
+    @abstractmethod
+    def run_round(self) -> RoundStats:
+        """Run round ``self.round`` to its end (or abandon it on stop) and return what it cost."""
+
+    def _report(self, stats: RoundStats, mine: ShardChecks, steps: int) -> RoundStats:
+        """Score the new parameters, write the round's metrics record and tell the caller."""
+        val = self.evaluate() if self.evaluate else None
+        extra = {"fingerprints": {str(k): list(v) for k, v in mine.fingerprints.items()}} if mine.fingerprints else {}
+        self.metrics.write(event="round", **{k: v for k, v in vars(stats).items() if k != "checksums"},
+                           checksums={str(k): v for k, v in mine.checksums.items()}, val_loss=val, steps=steps,
+                           **extra)
+        if self.on_round:
+            self.on_round(stats, val)
+        return stats
+
+    def close(self) -> None:
+        """Release what the runner started (the dense runner's averager); the transport is the caller's."""
+
+    def _begin_round(self, r: int) -> tuple[RoundStats, int, int, int]:
+        """Protect round r's keys, reset the byte counters and run the inner phase: (stats, steps, tokens, bytes
+        served so far)."""
+        self._protect(r)
+        stats = RoundStats(round=r)
+        served_before = self._bytes_served()
+        self._bytes_in = 0
+        t0 = time.perf_counter()
+        steps, tokens = self._inner_phase(r)
+        stats.compute_s = time.perf_counter() - t0
+        return stats, steps, tokens, served_before
+
+    def _inner_phase(self, r: int) -> tuple[int, int]:
+        """Up to H inner steps from the anchor, cut short when round r closes without us; (steps, tokens)."""
+        tokens0 = self.trainer.tokens
+        steps, last_check = 0, 0.0
+        for _ in range(self.cfg.inner_steps):
+            if self.stop.is_set():
+                break
+            if time.perf_counter() - last_check > 0.5:
+                last_check = time.perf_counter()
+                if self._round_closed(r):
+                    break  # the round closed without us: stop computing and take its result
+            self.trainer.train_step()
+            steps += 1
+            if self.delay_s:
+                time.sleep(self.delay_s)  # the artificial straggler of the fault tests, not synchronisation
+        return steps, self.trainer.tokens - tokens0
+
+    @abstractmethod
+    def _round_closed(self, r: int) -> bool:
+        """Whether round r has already closed without us (the inner phase then stops early)."""
+
+    def _bytes_served(self) -> int:
+        return self.transport.bytes_served
+
+    def _verify(self, r: int, members: set[str], mine: ShardChecks) -> bool:
+        """Compare our state after round r with the other members' (waiting a bounded time for their records)."""
+        members = members - {self.me}
+        deadline = time.monotonic() + self.cfg.checks_wait_s
+        checks: list[ShardChecks] = []
+        while time.monotonic() < deadline and not self.stop.is_set():
+            checks = [c for c in self.latest_checks() if c.round == r]
+            if members <= {c.peer for c in checks}:
+                break
+            self.stop.wait(self.cfg.poll_s)
+        return self._agrees([c for c in checks if c.peer != self.me], mine)
