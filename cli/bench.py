@@ -191,21 +191,39 @@ def network(
     matchmaking_s: float = opt(
         2.0, "--matchmaking-s", env="BENCH_MATCHMAKING_S", help="hivemind min_matchmaking_time of the dense side."
     ),
+    step_timeout_s: float = opt(
+        120.0, "--step-timeout-s", env="BENCH_STEP_TIMEOUT_S",
+        help="Give up on one dense step or SparseLoCo round after this long (raise it for slow --shape-mbps).",
+    ),
+    shape_mbps: float | None = opt(
+        None, "--shape-mbps", env="BENCH_SHAPE_MBPS",
+        help="Root only: run in a fresh network namespace whose loopback is limited to this many Mbit/s (tc tbf), "
+        "shared by all N peers; no latency emulation.",
+    ),
+    inside_netns: str | None = opt(
+        None, "--inside-netns", env="BENCH_INSIDE_NETNS", hidden=True,
+        help="Internal: set by --shape-mbps on the run it starts inside the shaped namespace.",
+    ),
     seed: int = opt(0, "--seed", env="SEED", help="Seed for init and data."),
     threads: int | None = opt(None, "--threads", env="THREADS", help="torch CPU threads."),
 ) -> None:
     """SparseLoCo rounds on real p2pd peers vs hivemind's dense all-reduce: bytes, comm time, ratio to the floor."""
+    if shape_mbps is not None and link_mbps is not None:
+        raise UserInputError("give --shape-mbps or --link-mbps, not both (a shaped run's link rate is its shape)")
     import dataclasses
 
     import torch
 
-    from hlbp.peer.bench.network import NetworkBenchConfig, run_network_bench
+    from hlbp.peer.bench.network import NetworkBenchConfig, current_netns, run_network_bench, run_shaped
 
+    if inside_netns is not None and (shape_mbps is None or current_netns() != inside_netns):
+        raise UserInputError("--inside-netns is internal to --shape-mbps; leave it out")
     if threads:
         torch.set_num_threads(threads)
     cfg = NetworkBenchConfig.quick() if quick else NetworkBenchConfig()
     changes: dict = {"k": k, "link_mbps": link_mbps, "link_probe_mib": link_probe_mib,
-                     "matchmaking_s": matchmaking_s, "seed": seed}
+                     "matchmaking_s": matchmaking_s, "step_timeout_s": step_timeout_s, "seed": seed,
+                     "shaped_mbps": shape_mbps}
     if models is not None:
         changes["models"] = tuple(m.strip() for m in models.split(",") if m.strip())
     if peers is not None:
@@ -215,4 +233,10 @@ def network(
             raise UserInputError(f"--peers takes comma-separated integers, not {peers!r}") from None
     if rounds is not None:
         changes["rounds"] = rounds
-    run_network_bench(dataclasses.replace(cfg, **changes), out, console)
+    cfg = dataclasses.replace(cfg, **changes)
+    if shape_mbps is not None and inside_netns is None:  # re-run this command inside a shaped namespace
+        status = run_shaped(cfg, out, console, threads)
+        if status:
+            raise typer.Exit(status)
+        return
+    run_network_bench(cfg, out, console)
