@@ -34,7 +34,8 @@ from hlbp.peer.control import (
 from hlbp.peer.errors import UserInputError
 from hlbp.peer.roles import Capacity, PeerView, Role, Thresholds, choose_role
 from hlbp.protocol import ProtocolError
-from hlbp.protocol.records import Announcement, SignedManifest, public_key_from_peer_id, sha256_hex
+from hlbp.protocol.identity import public_key_from_peer_id, sha256_hex
+from hlbp.protocol.records import Announcement, SignedManifest
 
 logger = logging.getLogger(__name__)
 

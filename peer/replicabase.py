@@ -32,7 +32,7 @@ from hlbp.peer.statesync import encode_state, fetch_state, shard_checksum, state
 from hlbp.peer.trainer import InnerTrainer
 from hlbp.peer.transport import BlobTransport, TransportError
 from hlbp.protocol import ProtocolError
-from hlbp.protocol.records import Identity
+from hlbp.protocol.identity import Identity
 from hlbp.protocol.roundrecords import (
     KIND_ACCEPTED,
     KIND_CHECKS,

@@ -41,7 +41,7 @@ from hlbp.peer.roundrules import (
 from hlbp.peer.transport import TransportError
 from hlbp.peer.wire import contribution_from_bytes, contribution_to_bytes
 from hlbp.protocol import ProtocolError
-from hlbp.protocol.records import sha256_hex
+from hlbp.protocol.identity import sha256_hex
 from hlbp.protocol.roundrecords import (
     KIND_ACCEPTED,
     KIND_CONTRIB,

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hlbp.protocol.errors import ProtocolError
-from hlbp.protocol.records import Identity, open_envelope, seal
+from hlbp.protocol.identity import Identity, open_envelope, seal
 
 KIND_CONTRIB = "contrib"
 KIND_ACCEPTED = "accepted"

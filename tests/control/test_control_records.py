@@ -8,17 +8,23 @@ import msgpack
 import pytest
 
 from hlbp.protocol import ProtocolError
+from hlbp.protocol.identity import (
+    Identity,
+    b58decode,
+    b58encode,
+    open_envelope,
+    peer_id_from_public_key,
+    public_key_from_peer_id,
+    seal,
+)
 from hlbp.protocol.records import (
     KIND_ANNOUNCEMENT,
     KIND_MANIFEST,
     MAX_ANNOUNCEMENT_BYTES,
     Announcement,
     Artifact,
-    Identity,
     Manifest,
     ProtocolVersionMismatch,
-    b58decode,
-    b58encode,
     decode_announcement,
     decode_header,
     decode_manifest,
@@ -26,12 +32,8 @@ from hlbp.protocol.records import (
     encode_header,
     encode_manifest,
     header_length,
-    open_envelope,
     parse_body_size,
     parse_request,
-    peer_id_from_public_key,
-    public_key_from_peer_id,
-    seal,
 )
 
 SHA = "ab" * 32

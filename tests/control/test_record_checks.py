@@ -19,17 +19,16 @@ from hlbp.peer.control import (
     record_validator,
 )
 from hlbp.peer.errors import UserInputError
+from hlbp.protocol.identity import Identity, seal
 from hlbp.protocol.records import (
     KIND_MANIFEST,
     MANIFEST_KEY,
     Announcement,
-    Identity,
     Manifest,
     decode_manifest,
     encode_announcement,
     encode_manifest,
     peers_key,
-    seal,
 )
 
 SHA = "cd" * 32

@@ -14,14 +14,13 @@ from control_helpers import LOOPBACK, Proc, free_tcp_port, joiner_peer_id, poll,
 
 from hlbp.peer.join import thresholds_for
 from hlbp.peer.roles import Capacity, PeerView, choose_role
+from hlbp.protocol.identity import Identity, seal
 from hlbp.protocol.records import (
     KIND_ANNOUNCEMENT,
     KIND_MANIFEST,
     Announcement,
-    Identity,
     encode_announcement,
     peers_key,
-    seal,
 )
 
 pytestmark = pytest.mark.slow

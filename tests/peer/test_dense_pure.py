@@ -11,7 +11,8 @@ from hlbp.peer.roundrules import fingerprint_cluster
 from hlbp.peer.simulate import states_agree
 from hlbp.peer.statesync import fingerprints_agree, shard_fingerprint
 from hlbp.protocol import ProtocolError
-from hlbp.protocol.records import Hyperparameters, Identity
+from hlbp.protocol.identity import Identity
+from hlbp.protocol.records import Hyperparameters
 from hlbp.protocol.roundrecords import KIND_CHECKS, ShardChecks, parse_checks, sign
 
 D = "ab" * 32

@@ -5,7 +5,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hlbp.protocol import ProtocolError
-from hlbp.protocol.records import Identity
+from hlbp.protocol.identity import Identity
 from hlbp.protocol.roundrecords import (
     KIND_ACCEPTED,
     KIND_CHECKS,

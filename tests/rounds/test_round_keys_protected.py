@@ -5,7 +5,7 @@ import pytest
 from hivemind.utils import get_dht_time
 
 from hlbp.peer.control import record_validator
-from hlbp.protocol.records import Identity
+from hlbp.protocol.identity import Identity
 from hlbp.protocol.roundrecords import KIND_CONTRIB, MAX_RECORD_BYTES, ContribNotice, round_key, sign
 
 
