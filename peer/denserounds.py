@@ -26,8 +26,12 @@ from __future__ import annotations
 
 import logging
 import math
+import signal
+import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import CancelledError
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -67,6 +71,18 @@ def parse_gathered(gathered: Any, round_: int) -> dict[str, dict[str, float]]:
     return out
 
 
+@contextmanager
+def sigint_preserved() -> Iterator[None]:
+    """Keep our Ctrl-C handler across hivemind's averager start, which sets SIGINT to "ignore" in the *calling*
+    process (``DecentralizedAverager.run_in_background``) and never restores it."""
+    previous = signal.getsignal(signal.SIGINT)
+    try:
+        yield
+    finally:
+        if previous is not None and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGINT, previous)
+
+
 def _averager_class() -> type:
     from hivemind.averaging import DecentralizedAverager
 
@@ -102,13 +118,17 @@ class DenseRoundRunner(ReplicaBase):
         self.n_params = sum(math.prod(self.shapes[i][n]) for i, s in enumerate(self.shards) for n in s)
         self.buffers = [torch.zeros(self.shapes[i][n]) for i, s in enumerate(self.shards) for n in s]
         chunk_timeout = max(5.0, self.cfg.fetch_timeout_s / 6)
-        self.averager = _averager_class()(
+        with sigint_preserved():
+            self.averager = self._start_averager(matchmaking_s, request_timeout_s, chunk_timeout)
+        self._last_group: list[str] = []
+
+    def _start_averager(self, matchmaking_s: float, request_timeout_s: float, chunk_timeout: float) -> Any:
+        return _averager_class()(
             self.buffers, self.dht, start=True, prefix=f"hlbp_{self.cfg.run_id}_diloco",
             target_group_size=None, min_group_size=2, min_matchmaking_time=matchmaking_s,
             request_timeout=request_timeout_s, allreduce_timeout=2 * self.cfg.fetch_timeout_s,
             next_chunk_timeout=chunk_timeout, allow_state_sharing=False,  # state sync is ours, verified
         )
-        self._last_group: list[str] = []
 
     def close(self) -> None:
         self.averager.shutdown()

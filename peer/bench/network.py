@@ -204,6 +204,7 @@ def swarm(cfg: NetworkBenchConfig, model: str, n: int, data: Any) -> Iterator[Sw
 
     from hlbp.peer.control import load_or_create_identity
     from hlbp.peer.data import TokenStream
+    from hlbp.peer.denserounds import sigint_preserved
     from hlbp.peer.model import build_model, preset, split
     from hlbp.peer.outer import OuterConfig
     from hlbp.peer.rounds import RoundConfig, RoundRunner
@@ -240,11 +241,12 @@ def swarm(cfg: NetworkBenchConfig, model: str, n: int, data: Any) -> Iterator[Sw
             runner = RoundRunner(dht, identity, transport, trainer, OuterConfig(k=cfg.k), shards, round_cfg, stop,
                                  expected=lambda: n)
             tensors = [torch.randn(p.shape) for p in net.parameters()]
-            averager = DecentralizedAverager(
-                tensors, dht, start=True, prefix=f"bench_dense_{model}_{n}_{os.getpid()}", target_group_size=n,
-                min_group_size=n, min_matchmaking_time=cfg.matchmaking_s, request_timeout=1.0,
-                allow_state_sharing=False,  # its periodic DHT declarations race the shutdown and log errors
-            )
+            with sigint_preserved():  # hivemind would leave Ctrl-C ignored in this process
+                averager = DecentralizedAverager(
+                    tensors, dht, start=True, prefix=f"bench_dense_{model}_{n}_{os.getpid()}", target_group_size=n,
+                    min_group_size=n, min_matchmaking_time=cfg.matchmaking_s, request_timeout=1.0,
+                    allow_state_sharing=False,  # its periodic DHT declarations race the shutdown and log errors
+                )
             stack.callback(averager.shutdown)
             sw.dhts.append(dht)
             sw.transports.append(transport)

@@ -6,6 +6,8 @@ is not bit-exact), the loss must fall, and when one replica is SIGKILLed the oth
 
 from __future__ import annotations
 
+import os
+import signal
 from collections.abc import Iterator
 from typing import Any
 
@@ -63,3 +65,11 @@ def test_survivors_go_on_after_a_sigkill(swarm: Swarm) -> None:
     pair = list(rounds[last].values())
     assert all(rec["in_sync"] and rec["members"] == 2 for rec in pair), pair
     assert states_agree(pair)
+
+
+def test_ctrl_c_still_stops_a_dense_replica(swarm: Swarm) -> None:
+    """hivemind's averager leaves SIGINT ignored in the process that starts it; ours must still leave on Ctrl-C."""
+    a = swarm.replicas["a"].proc
+    os.kill(a.popen.pid, signal.SIGINT)
+    assert a.popen.wait(timeout=60) == 0, a.output[-3000:]
+    assert a.find("leaving: marking this peer offline")

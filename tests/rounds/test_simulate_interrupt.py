@@ -20,6 +20,12 @@ from hlbp.peer.simulate import poll
 pytestmark = pytest.mark.slow
 
 
+# `hlbp` with Python's Ctrl-C handler installed: a shell runs background jobs with SIGINT ignored, and a child
+# inherits that, so a test run from a backgrounded shell would otherwise send a SIGINT nobody hears
+WITH_CTRL_C = ("import signal; signal.signal(signal.SIGINT, signal.default_int_handler); "
+               "from hlbp.cli.main import main; main()")
+
+
 def _processes_naming(text: str) -> list[str]:
     found = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
@@ -35,10 +41,8 @@ def _processes_naming(text: str) -> list[str]:
 def test_ctrl_c_reaps_the_whole_swarm(tmp_path: Path) -> None:
     work = tmp_path / "sim"
     sim = subprocess.Popen(
-        [sys.executable, "-m", "hlbp.cli.main", "simulate", "--full", "2", "--rounds", "1000", "--inner-steps", "3",
+        [sys.executable, "-c", WITH_CTRL_C, "simulate", "--full", "2", "--rounds", "1000", "--inner-steps", "3",
          "--workdir", str(work)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-        # a shell runs background jobs with SIGINT ignored, and the child would inherit that: give it a terminal's
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     try:
         # both replicas have joined the run: their DHT processes and daemons are up
