@@ -126,6 +126,10 @@ def simulate(
                           + ("n/a" if not ratio else f"{ratio:,.2f}x the all-reduce's bytes (analytic: "
                              "2(N-1)/N x 4 B x params per member)" if dense else
                              f"{ratio:,.0f}x the measured SparseLoCo bytes"))
+        if not dense and report.get("allreduce_ratio"):
+            out_console.print(f"a dense fp32 all-reduce among {max(r['members'] for r in report['rounds'])} replicas "
+                              f"(hlbp simulate --outer diloco) moves {report['dense_allreduce_bytes_per_peer_round']:,}"
+                              f" B per peer each way: {report['allreduce_ratio']:,.0f}x the SparseLoCo traffic")
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(report, indent=1), encoding="utf-8")

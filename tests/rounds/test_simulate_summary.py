@@ -32,3 +32,11 @@ def test_out_of_sync_records_do_not_count_against_agreement() -> None:
     recs = [_rec(0, {"0": "a"}, 1.0, 1), _rec(0, {"0": "a"}, 1.0, 1), _rec(0, {"0": "b"}, 1.0, 1, in_sync=False)]
     assert checksums_agree(recs)
     assert not checksums_agree([])
+
+
+def test_dense_allreduce_baseline_counts_both_ways() -> None:
+    records = {f"p{i}": [{**_rec(0, {"0": "x"}, 9.0, 100), "members": 4}] for i in range(4)}
+    report = summarize(records, n_params=1000)
+    # 2 (N-1)/N x 4 B x params with N = 4 members, against the larger of sent and received (200 B)
+    assert report["dense_allreduce_bytes_per_peer_round"] == 6000
+    assert report["allreduce_ratio"] == 30
