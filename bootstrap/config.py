@@ -11,7 +11,7 @@ train a different run than the operator meant. Example::
     data_recipe = "builtin"
     vocab_size = 8192          # when the bootstrap trains the tokenizer
     [model_overrides]          # preset fields to change, e.g. n_layers = 8
-    [hparams]                  # inner_steps, lr, batch_size, seq_len, k, beta, alpha, *_deadline_s,
+    [hparams]                  # inner_steps, lr, batch_size, seq_len, k, beta, alpha, *_deadline_s, min_contributors,
                                # outer = "sparseloco" | "diloco", outer_lr, momentum (DiLoCo)
     [codec]                    # name = "dense" | "subspace-a" | "subspace-b", k = 32
     [placement]                # replica_min_throughput = 2000.0, max_peers_per_stage = 1

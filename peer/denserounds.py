@@ -125,7 +125,7 @@ class DenseRoundRunner(ReplicaBase):
     def _start_averager(self, matchmaking_s: float, request_timeout_s: float, chunk_timeout: float) -> Any:
         return _averager_class()(
             self.buffers, self.dht, start=True, prefix=f"hlbp_{self.cfg.run_id}_diloco",
-            target_group_size=None, min_group_size=2, min_matchmaking_time=matchmaking_s,
+            target_group_size=None, min_group_size=max(2, self.cfg.min_contributors), min_matchmaking_time=matchmaking_s,
             request_timeout=request_timeout_s, allreduce_timeout=2 * self.cfg.fetch_timeout_s,
             next_chunk_timeout=chunk_timeout, allow_state_sharing=False,  # state sync is ours, verified
         )

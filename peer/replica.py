@@ -70,7 +70,7 @@ def replica_train_hook(ctx: TrainContext, options: ReplicaOptions, echo: Any = p
                         outer_lr=hp.outer_lr, momentum=hp.momentum)
     rcfg = RoundConfig(run_id=m.run_id, inner_steps=hp.inner_steps, deadline_s=hp.round_deadline_s,
                        min_deadline_s=hp.min_deadline_s, max_deadline_s=hp.max_deadline_s,
-                       checkpoint_every_s=options.checkpoint_every_s)
+                       min_contributors=hp.min_contributors, checkpoint_every_s=options.checkpoint_every_s)
     transport = P2PBlobTransport(peer.plane.dht)
     ctx.out_dir.mkdir(parents=True, exist_ok=True)
     metrics = MetricsLog(ctx.out_dir / "metrics.jsonl")

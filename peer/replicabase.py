@@ -64,6 +64,7 @@ class RoundConfig:
     record_ttl_s: float = 900.0  # lifetime of round records in the DHT
     max_payload_bytes: int = 1 << 31  # largest contribution or state blob fetched
     fetch_workers: int = 4  # parallel payload fetches
+    min_contributors: int = 1  # a round applies nothing unless at least this many contributions were accepted
     checkpoint_every_s: float = 300.0  # save at most this often during the run (0: every round); always on exit
 
 

@@ -71,3 +71,20 @@ def majority_checksums(checks: Sequence[ShardChecks], round_: int) -> dict[int, 
             votes.setdefault(shard, {}).setdefault(digest, 0)
             votes[shard][digest] += 1
     return {s: min(v, key=lambda d: (-v[d], d)) for s, v in votes.items()}
+
+
+def close_verdict(admitted: int, min_contributors: int, now: float, first_seen: float, max_window: float,
+                  rank: int, takeover_s: float) -> str:
+    """What a coordinator whose turn has come publishes.
+
+    ``"members"`` once at least ``min_contributors`` contributions passed verification; ``"empty"`` (an accepted
+    set without members: nobody's parameters move, every contribution stays in its sender's error feedback) when
+    the manifest's longest window has passed after the first arrival without that many, so that no peer waits
+    forever; otherwise ``"wait"`` for more.
+    """
+    if admitted >= min_contributors:
+        return "members"
+    if now >= first_seen + max_window + rank * takeover_s:
+        return "empty"
+    return "wait"
+

@@ -34,6 +34,7 @@ from hlbp.peer.outer import Contribution
 from hlbp.peer.replicabase import ReplicaBase, RoundConfig, RoundStats
 from hlbp.peer.roundrules import (
     adapt_window,
+    close_verdict,
     coordinator_order,
     payload_limit,
     pick_accepted,
@@ -179,11 +180,20 @@ class RoundRunner(ReplicaBase):
                     rank = order.index(self.me)
                     due = first_seen + self.window + rank * self.cfg.takeover_s
                     if (rank == 0 and len(notices) >= expected) or now >= due:
-                        members = tuple((s, n.tokens, n.digests) for s, n in sorted(self._admit(r, notices).items()))
-                        banned = tuple(sorted((p, u) for p, (u, _) in self.bans.items() if u > r))
-                        body = AcceptedSet(self.me, r, members, banned).to_body(self.cfg.run_id)
-                        self._store(round_key(self.cfg.run_id, r, KIND_ACCEPTED), body, KIND_ACCEPTED)
-                        continue
+                        admitted = self._admit(r, notices)
+                        verdict = close_verdict(len(admitted), self.cfg.min_contributors, now, first_seen,
+                                                self.cfg.max_deadline_s, rank, self.cfg.takeover_s)
+                        if verdict != "wait":
+                            if verdict == "empty":
+                                logger.warning("round %d: %d of the %d contributions the run requires arrived within "
+                                               "%.0f s; closing it empty (nobody's parameters move)", r,
+                                               len(admitted), self.cfg.min_contributors, self.cfg.max_deadline_s)
+                                admitted = {}
+                            members = tuple((s, n.tokens, n.digests) for s, n in sorted(admitted.items()))
+                            banned = tuple(sorted((p, u) for p, (u, _) in self.bans.items() if u > r))
+                            body = AcceptedSet(self.me, r, members, banned).to_body(self.cfg.run_id)
+                            self._store(round_key(self.cfg.run_id, r, KIND_ACCEPTED), body, KIND_ACCEPTED)
+                            continue
             if now > give_up:
                 logger.warning("round %d: nobody closed the round within %.0f s; moving on", r,
                                give_up - (first_seen or give_up))

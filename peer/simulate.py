@@ -43,6 +43,7 @@ class SimConfig:
     min_deadline_s: float = 1.0
     max_deadline_s: float = 30.0
     outer: str = "sparseloco"  # sparseloco, or diloco: dense rounds through hivemind's stock all-reduce
+    min_contributors: int = 1  # a round with fewer accepted contributions by max_deadline_s closes empty
     seed: int = 0  # the run's seed: initial weights and data order
     threads: int = 1  # torch threads per peer, so N peers share a small machine fairly
     run_id: str = "simulate"
@@ -57,7 +58,7 @@ class SimConfig:
                 f"[hparams]\ninner_steps = {self.inner_steps}\nbatch_size = {self.batch_size}\n"
                 f"seq_len = {self.seq_len}\nround_deadline_s = {self.round_deadline_s}\n"
                 f"min_deadline_s = {self.min_deadline_s}\nmax_deadline_s = {self.max_deadline_s}\n"
-                f'outer = "{self.outer}"\n')
+                f'outer = "{self.outer}"\nmin_contributors = {self.min_contributors}\n')
 
 
 class PeerProcess:

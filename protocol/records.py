@@ -135,6 +135,7 @@ class Hyperparameters:
     round_deadline_s: float = 30.0  # first outer round's deadline; later ones adapt within the bounds below
     min_deadline_s: float = 5.0  # lower bound of an adapted round deadline
     max_deadline_s: float = 600.0  # upper bound of an adapted round deadline
+    min_contributors: int = 1  # a round with fewer accepted contributions by max_deadline_s closes empty
     outer: str = "sparseloco"  # sparseloco (our sparse rounds) or diloco (dense, hivemind's stock all-reduce)
     outer_lr: float = 0.7  # DiLoCo: Nesterov outer learning rate
     momentum: float = 0.9  # DiLoCo: Nesterov momentum
@@ -155,6 +156,7 @@ class Hyperparameters:
             round_deadline_s=_float(body, "round_deadline_s", 0.1, 86400.0, d.round_deadline_s),
             min_deadline_s=_float(body, "min_deadline_s", 0.1, 86400.0, d.min_deadline_s),
             max_deadline_s=_float(body, "max_deadline_s", 0.1, 86400.0, d.max_deadline_s),
+            min_contributors=_int(body, "min_contributors", 1, 256, d.min_contributors),
             outer=_str(body, "outer", 16, d.outer, choices=cls.OUTERS),
             outer_lr=_float(body, "outer_lr", 1e-6, 10.0, d.outer_lr),
             momentum=_float(body, "momentum", 0.0, 0.999, d.momentum),

@@ -52,3 +52,14 @@ def test_shard_checksum_sees_every_bit():
     assert ref == shard_checksum({"b": torch.ones(5), "a": torch.zeros(3, 4)}, ["b", "a"])
     params["a"][1, 2] = 1e-30
     assert shard_checksum(params, ["a", "b"]) != ref
+
+
+def test_close_verdict_waits_for_the_minimum_then_closes_empty() -> None:
+    from hlbp.peer.roundrules import close_verdict
+
+    assert close_verdict(3, 3, now=5.0, first_seen=0.0, max_window=60.0, rank=0, takeover_s=3.0) == "members"
+    assert close_verdict(2, 3, now=5.0, first_seen=0.0, max_window=60.0, rank=0, takeover_s=3.0) == "wait"
+    assert close_verdict(2, 3, now=60.0, first_seen=0.0, max_window=60.0, rank=0, takeover_s=3.0) == "empty"
+    # a lower-ranked coordinator gives the better-ranked ones their takeover time first
+    assert close_verdict(2, 3, now=62.0, first_seen=0.0, max_window=60.0, rank=1, takeover_s=3.0) == "wait"
+    assert close_verdict(0, 1, now=0.0, first_seen=0.0, max_window=60.0, rank=0, takeover_s=3.0) == "wait"
