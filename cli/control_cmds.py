@@ -244,10 +244,11 @@ def status(
         try:
             signed = plane.find_manifest(anchors, explicit, manifest_timeout)
             records = plane.read_peers(signed.manifest.run_id)
+            checks = read_round_checks(plane.dht, signed.manifest.run_id)
             now = dht_time()
         finally:
             plane.shutdown()
-    report = status_report(signed, records, now, show_offline)
+    report = status_report(signed, records, now, show_offline, checks)
     if as_json:
         print(json.dumps(report, indent=1), flush=True)
         return
@@ -255,9 +256,31 @@ def status(
     Console(width=None if sys.stdout.isatty() else 160).print(status_table(report))
 
 
-def status_report(signed: Any, records: dict[str, Any], now: float, show_offline: bool) -> dict[str, Any]:
-    """The JSON shape of ``hlbp status --json``: the run, then one entry per peer sorted by role, swarm, stage."""
+def read_round_checks(dht: Any, run_id: str) -> list[Any]:
+    """Every replica's last published round state (signed ``checks`` records); unverifiable ones are skipped."""
+    from hlbp.protocol import ProtocolError
+    from hlbp.protocol.roundrecords import checks_key, parse_checks
+
+    found = dht.get(checks_key(run_id), latest=True)
+    if found is None or not isinstance(found.value, dict):
+        return []
+    out = []
+    for subkey, item in found.value.items():
+        try:
+            out.append(parse_checks(getattr(item, "value", item), str(subkey), run_id))
+        except ProtocolError:
+            continue  # a forged or stale-format record says nothing about the run
+    return out
+
+
+def status_report(signed: Any, records: dict[str, Any], now: float, show_offline: bool,
+                  checks: list[Any] = ()) -> dict[str, Any]:
+    """The JSON shape of ``hlbp status --json``: the run, its newest round, then one entry per peer sorted by role,
+    swarm, stage (replicas with the last round they finished and whether their state is the agreed one)."""
+    from hlbp.peer.roundrules import round_standing
+
     m = signed.manifest
+    standing = round_standing(checks)
     peers = []
     for peer_id, rec in records.items():
         a = rec.announcement
@@ -270,25 +293,33 @@ def status_report(signed: Any, records: dict[str, Any], now: float, show_offline
             "last_seen_s": round(max(0.0, now - a.issued_at), 1), "expires_in_s": round(a.expires_at - now, 1),
             "record_bytes": rec.size, "maddrs": list(a.maddrs),
             "manifest_current": a.manifest_signer == signed.signer and a.manifest_digest == signed.digest,
+            "round": standing.get(peer_id, {}).get("round"), "agrees": standing.get(peer_id, {}).get("agrees"),
         })
     order = {"bootstrap": 0, "replica": 1, "stage": 2}
     peers.sort(key=lambda p: (order.get(p["role"], 9), p["swarm"] or 0, p["stage"] or 0, p["peer_id"]))
     return {
         "run_id": m.run_id, "model": m.model, "stages": [list(s) for s in m.stages], "signer": signed.signer,
-        "manifest_digest": signed.digest, "protocol": m.protocol_version, "peers": peers,
+        "manifest_digest": signed.digest, "protocol": m.protocol_version, "outer": m.hparams.outer,
+        "round": max((c.round for c in checks), default=None),
+        "replicas_agreeing": sum(1 for v in standing.values() if v["agrees"]), "peers": peers,
     }
 
 
 def status_table(report: dict[str, Any]) -> Table:
     """The human view of :func:`status_report`: one row per peer, narrow enough for an 80-column terminal."""
+    rounds = ("no round finished yet" if report.get("round") is None else
+              f"round {report['round']}: {report['replicas_agreeing']} replicas agree")
     table = Table(title=f"run {report['run_id']}: {report['model']}, {len(report['stages'])} stages, "
-                        f"{len(report['peers'])} peers", box=None, pad_edge=False)
-    for column in ("peer", "role", "where", "state", "tok/s", "MB/s", "GB", "version", "reach", "seen"):
+                        f"{len(report['peers'])} peers, {report.get('outer', 'sparseloco')}; {rounds}",
+                  box=None, pad_edge=False)
+    for column in ("peer", "role", "where", "state", "round", "tok/s", "MB/s", "GB", "version", "reach", "seen"):
         table.add_column(column, justify="right" if column in ("tok/s", "MB/s", "GB", "seen") else "left")
     for p in report["peers"]:
         where = f"m{p['swarm']} s{p['stage']}" if p["role"] == "stage" else ""
+        rnd = "" if p.get("round") is None else f"{p['round']}" + ("" if p["agrees"] else " (out)")
         table.add_row(
-            p["peer_id"][-8:], p["role"], where, "online" if p["online"] else "offline", f"{p['throughput']:,.0f}",
+            p["peer_id"][-8:], p["role"], where, "online" if p["online"] else "offline", rnd,
+            f"{p['throughput']:,.0f}",
             f"{p['bandwidth'] / 1e6:,.0f}", f"{p['memory_gb']:.0f}", f"{p['software']}/p{p['protocol']}",
             p["reachability"], f"{p['last_seen_s']:.0f}s",
         )

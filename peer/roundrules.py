@@ -88,3 +88,19 @@ def close_verdict(admitted: int, min_contributors: int, now: float, first_seen: 
         return "empty"
     return "wait"
 
+
+def round_standing(checks: Sequence[ShardChecks]) -> dict[str, dict[str, int | bool]]:
+    """Per peer, the last round it published a state for and whether that state is the agreed one of the newest
+    round: equal checksums with the majority (sparse runs), or inside the fingerprint cluster (dense runs).
+    A peer whose last record is older than the newest round is behind, not in agreement."""
+    if not checks:
+        return {}
+    latest = max(c.round for c in checks)
+    newest = [c for c in checks if c.round == latest]
+    if any(c.fingerprints for c in newest):
+        agreeing = {c.peer for c in fingerprint_cluster(newest, latest)}
+    else:
+        want = majority_checksums(newest, latest)
+        agreeing = {c.peer for c in newest if c.checksums == want}
+    return {c.peer: {"round": c.round, "agrees": c.peer in agreeing} for c in checks}
+

@@ -63,3 +63,18 @@ def test_close_verdict_waits_for_the_minimum_then_closes_empty() -> None:
     # a lower-ranked coordinator gives the better-ranked ones their takeover time first
     assert close_verdict(2, 3, now=62.0, first_seen=0.0, max_window=60.0, rank=1, takeover_s=3.0) == "wait"
     assert close_verdict(0, 1, now=0.0, first_seen=0.0, max_window=60.0, rank=0, takeover_s=3.0) == "wait"
+
+
+def test_round_standing_for_status() -> None:
+    from hlbp.peer.roundrules import round_standing
+
+    a, b = "a" * 64, "b" * 64
+    sparse = [ShardChecks("p1", 5, {0: a}), ShardChecks("p2", 5, {0: a}), ShardChecks("p3", 5, {0: b}),
+              ShardChecks("p4", 4, {0: a})]
+    got = round_standing(sparse)
+    assert got["p1"] == {"round": 5, "agrees": True} and got["p2"]["agrees"]
+    assert not got["p3"]["agrees"] and got["p4"] == {"round": 4, "agrees": False}  # out of sync / behind
+    dense = [ShardChecks("p1", 2, {0: a}, {0: (1.0, 5.0)}), ShardChecks("p2", 2, {0: b}, {0: (1.0 + 1e-9, 5.0)}),
+             ShardChecks("p3", 2, {0: b}, {0: (2.0, 5.0)})]
+    assert [round_standing(dense)[p]["agrees"] for p in ("p1", "p2", "p3")] == [True, True, False]
+    assert round_standing([]) == {}

@@ -6,8 +6,11 @@ is not bit-exact), the loss must fall, and when one replica is SIGKILLed the oth
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import subprocess
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -55,6 +58,17 @@ def test_dense_replicas_agree_and_loss_falls(swarm: Swarm) -> None:
     # dense bytes: 2(N-1)/N x 4 B x 2.9M params per member and round, i.e. about 15.5 MB with 3 members
     full = [rec for recs in rounds.values() for rec in recs.values() if rec["members"] == 3]
     assert all(15_000_000 < rec["bytes_sent"] for rec in full)
+
+
+def test_status_shows_the_round_and_agreement(swarm: Swarm) -> None:
+    out = subprocess.run([sys.executable, "-m", "hlbp.cli.control_cmds", "status", "--initial-peers", swarm.maddr,
+                          "--json"], capture_output=True, text=True, timeout=120, check=False)
+    assert out.returncode == 0, out.stderr[-2000:]
+    report = json.loads(out.stdout)
+    assert report["outer"] == "diloco" and report["round"] >= 2
+    replicas = [p for p in report["peers"] if p["role"] == "replica"]
+    assert len(replicas) == 3 and all(p["round"] is not None for p in replicas), replicas
+    assert report["replicas_agreeing"] >= 2
 
 
 def test_survivors_go_on_after_a_sigkill(swarm: Swarm) -> None:
