@@ -149,6 +149,11 @@ def join(
     checkpoint_every: float = opt(300.0, "--checkpoint-every", env="CHECKPOINT_EVERY",
                                   help="Full replica: save the checkpoint at most every this many seconds (0: every "
                                        "round); it is always saved on SIGTERM and at the end."),
+    metrics_port: int = opt(None, "--metrics-port", env="METRICS_PORT",
+                            help="Full replica: serve Prometheus metrics at http://HOST:PORT/metrics (0: any free "
+                                 "port) [default: off]."),
+    metrics_host: str = opt("127.0.0.1", "--metrics-host", env="METRICS_HOST",
+                            help="Address the metrics endpoint listens on (0.0.0.0 for a scraper elsewhere)."),
     inject_delay: float = opt(0.0, "--inject-delay", env="INJECT_DELAY",
                               help="Fault injection: seconds of extra delay per inner step (a straggler)."),
     inject_corrupt: bool = opt(False, "--inject-corrupt/--no-inject-corrupt", env="INJECT_CORRUPT",
@@ -169,6 +174,8 @@ def join(
     _setup_logging()
     if probe_mb <= 0 or max_steps is not None and max_steps < 0:
         raise UserInputError("--probe-mb must be > 0 and --max-steps >= 0")
+    if metrics_port is not None and not 0 <= metrics_port <= 65535:
+        raise UserInputError(f"--metrics-port must be 0..65535, got {metrics_port}")
     cfg = JoinConfig(
         net=NetworkConfig(initial_peers=_split(initial_peers), host_maddrs=_split(host_maddrs),
                           announce_maddrs=_split(announce_maddrs), connect_timeout_s=connect_timeout,
@@ -197,7 +204,8 @@ def join(
                 raise UserInputError("--rounds, --checkpoint-every and --inject-delay must be >= 0")
             options = ReplicaOptions(rounds=rounds, inject_delay_s=inject_delay, inject_corrupt=inject_corrupt,
                                      inject_oversize=inject_oversize, threads=threads,
-                                     checkpoint_every_s=checkpoint_every)
+                                     checkpoint_every_s=checkpoint_every, metrics_port=metrics_port,
+                                     metrics_host=metrics_host)
             replica_train_hook(ctx, options, _echo)
         elif not stop.is_set():
             training.set()  # from here a signal also interrupts the training loop, which does not poll `stop`

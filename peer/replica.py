@@ -23,6 +23,7 @@ from hlbp.peer.join import TrainContext, data_rank
 from hlbp.peer.metrics import MetricsLog
 from hlbp.peer.model import build_model, preset, split
 from hlbp.peer.outer import OuterConfig
+from hlbp.peer.promexport import MetricsServer, PeerMetrics
 from hlbp.peer.rounds import RoundConfig, RoundRunner, RoundStats
 from hlbp.peer.trainer import InnerTrainer, OptimConfig, evaluate, micro_batches, pick_device
 from hlbp.peer.transport import P2PBlobTransport
@@ -41,6 +42,8 @@ class ReplicaOptions:
     inject_oversize: bool = False  # fault injection: announce and serve payloads above the size limit
     threads: int | None = None  # torch CPU threads
     checkpoint_every_s: float = 300.0  # save at most this often (0: every round); always on SIGTERM and at the end
+    metrics_port: int | None = None  # serve Prometheus metrics on this port (0: any free port); None: off
+    metrics_host: str = "127.0.0.1"
     device: str = "auto"
 
 
@@ -83,7 +86,15 @@ def replica_train_hook(ctx: TrainContext, options: ReplicaOptions, echo: Any = p
             return 0
         return sum(1 for a in peers.values() if a.announcement.role == "replica" and a.announcement.online)
 
+    exporter = None
+    if options.metrics_port is not None:
+        exporter = MetricsServer(options.metrics_host, options.metrics_port,
+                                 PeerMetrics(peer=peer.plane.peer_id, run=m.run_id))
+        echo(f"metrics: {exporter.url}")
+
     def on_round(stats: RoundStats, val_loss: float | None) -> None:
+        if exporter is not None:
+            exporter.update(stats, val_loss)
         share = "accepted" if stats.accepted else ("left out" if stats.contributed else "weight 0")
         echo(f"round {stats.round}: {stats.members} contributions, ours {share}, val {val_loss or float('nan'):.4f}, "
              f"compute {stats.compute_s:.1f}s comm {stats.comm_s:.1f}s wait {stats.wait_s:.1f}s, "
@@ -103,6 +114,8 @@ def replica_train_hook(ctx: TrainContext, options: ReplicaOptions, echo: Any = p
         history = runner.run(options.rounds)
     finally:
         runner.close()
+        if exporter is not None:
+            exporter.close()
         transport.close()
         metrics.close()
     summary = {

@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
@@ -30,8 +31,9 @@ def swarm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Swarm]:
                     outer="diloco")
     with Swarm(cfg, tmp_path_factory.mktemp("dense")) as sw:
         sw.start()
-        for name in ("a", "b", "c"):
-            sw.add(name)
+        sw.add("a")
+        sw.add("b", "--metrics-port", "0")
+        sw.add("c")
         yield sw
 
 
@@ -69,6 +71,18 @@ def test_status_shows_the_round_and_agreement(swarm: Swarm) -> None:
     replicas = [p for p in report["peers"] if p["role"] == "replica"]
     assert len(replicas) == 3 and all(p["round"] is not None for p in replicas), replicas
     assert report["replicas_agreeing"] >= 2
+
+
+def test_prometheus_endpoint_reports_rounds(swarm: Swarm) -> None:
+    b = swarm.replicas["b"]
+    url = b.proc.wait_for(r"^metrics: (http://\S+)", 60).group(1)
+    with urllib.request.urlopen(url, timeout=10) as resp:
+        text = resp.read().decode()
+    values = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+              if line.startswith("hlbp_") and "part=" not in line}
+    assert values["hlbp_rounds_total"] >= 2 and values["hlbp_in_sync"] == 1
+    assert values["hlbp_bytes_sent_total"] > 15_000_000  # two dense rounds' all-reduce at least
+    assert "hlbp_val_loss" in values
 
 
 def test_survivors_go_on_after_a_sigkill(swarm: Swarm) -> None:
