@@ -211,7 +211,7 @@ class DenseRoundRunner(ReplicaBase):
 
         expected = self.expected() if self.expected else self.last_members
         delta = {n: self.anchor[n] - self._param(n).detach().float().cpu() for n in self.names}
-        if expected == 1:  # the control plane knows of no other live replica (0: unknown, try the averager)
+        if expected == 1 and self.cfg.min_contributors <= 1:  # the only live replica the control plane knows of
             self._last_group = [self.me]
             return delta, 1, 0.0  # the only replica of the run: its own Δ is the round's average
         with torch.no_grad(), self.averager.get_tensors() as bufs:

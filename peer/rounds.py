@@ -73,6 +73,7 @@ class RoundRunner(ReplicaBase):
                        for shape in self.shapes]
         self.bans: dict[str, tuple[int, int]] = {}  # sender -> (banned until round, strikes so far)
         self._verified: dict[tuple[int, str, int], Contribution] = {}  # (round, sender, shard) -> checked payload
+        self._unreachable: set[tuple[int, str]] = set()  # (round, sender) whose payload could not be fetched
 
     def _notices(self, r: int) -> dict[str, ContribNotice]:
         return {n.sender: n for n in self._records(round_key(self.cfg.run_id, r, KIND_CONTRIB), parse_contrib,
@@ -131,6 +132,7 @@ class RoundRunner(ReplicaBase):
             stats.phases.update(publish=t5 - t4, verify=time.perf_counter() - t5)
         self.transport.drop_prefix(f"c/{r - 2}/")
         self._verified = {k: v for k, v in self._verified.items() if k[0] > r}
+        self._unreachable = {k for k in self._unreachable if k[0] > r}
         if accepted is not None or not self.stop.is_set():
             self.round = r + 1  # a round abandoned on SIGTERM is not ours to count: a restart syncs past it
         if not self.in_sync:
@@ -209,7 +211,8 @@ class RoundRunner(ReplicaBase):
         cannot make the others fail the round. A sender of garbage is banned for 2, 4, 8, ... rounds."""
         admitted = {}
         for sender, notice in notices.items():
-            if self._banned(sender, r) or set(notice.digests) != set(range(len(self.shards))):
+            if (self._banned(sender, r) or set(notice.digests) != set(range(len(self.shards)))
+                    or (r, sender) in self._unreachable):
                 continue
             over = [s for s, size in notice.sizes.items() if size > self.limits[s]]
             if over:  # its own signed notice claims more bytes than any honest payload: refuse without fetching
@@ -222,7 +225,9 @@ class RoundRunner(ReplicaBase):
                         self._verified[(r, sender, s)] = self._decode(r, s, sender, digest, [])
                 admitted[sender] = notice
             except TransportError as exc:
-                # unreachable, slow or a broken transfer: left out of this round, not punished
+                # unreachable, slow or a broken transfer: left out of this round (not retried while we wait for
+                # more contributors, each try costs a fetch timeout), not punished
+                self._unreachable.add((r, sender))
                 logger.warning("round %d: could not fetch the contribution of %s (%s); leaving it out", r,
                                sender[:16], str(exc)[:160])
             except ProtocolError as exc:
