@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import math
 import random
+import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -74,6 +75,7 @@ class RoundRunner(ReplicaBase):
         self.bans: dict[str, tuple[int, int]] = {}  # sender -> (banned until round, strikes so far)
         self._verified: dict[tuple[int, str, int], Contribution] = {}  # (round, sender, shard) -> checked payload
         self._unreachable: set[tuple[int, str]] = set()  # (round, sender) whose payload could not be fetched
+        self._count_lock = threading.Lock()
 
     def _notices(self, r: int) -> dict[str, ContribNotice]:
         return {n.sender: n for n in self._records(round_key(self.cfg.run_id, r, KIND_CONTRIB), parse_contrib,
@@ -208,8 +210,9 @@ class RoundRunner(ReplicaBase):
 
     def _admit(self, r: int, notices: dict[str, ContribNotice]) -> dict[str, ContribNotice]:
         """The coordinator fetches and decodes every contribution before accepting it, so one peer's garbage
-        cannot make the others fail the round. A sender of garbage is banned for 2, 4, 8, ... rounds."""
-        admitted = {}
+        cannot make the others fail the round. A sender of garbage is banned for 2, 4, 8, ... rounds. Senders are
+        checked in parallel: the round closes for everybody only when the coordinator is done."""
+        candidates = {}
         for sender, notice in notices.items():
             if (self._banned(sender, r) or set(notice.digests) != set(range(len(self.shards)))
                     or (r, sender) in self._unreachable):
@@ -219,18 +222,30 @@ class RoundRunner(ReplicaBase):
                 self._ban(r, sender, f"announced {notice.sizes[over[0]]:,} bytes for shard {over[0]}, above the "
                                      f"limit of {self.limits[over[0]]:,}")
                 continue
+            candidates[sender] = notice
+
+        def check(sender: str) -> Exception | None:
             try:
-                for s, digest in notice.digests.items():
+                for s, digest in candidates[sender].digests.items():
                     if (r, sender, s) not in self._verified:
                         self._verified[(r, sender, s)] = self._decode(r, s, sender, digest, [])
-                admitted[sender] = notice
-            except TransportError as exc:
+            except (TransportError, ProtocolError) as exc:
+                return exc
+            return None
+
+        with ThreadPoolExecutor(max(1, min(len(candidates), self.cfg.fetch_workers))) as pool:
+            outcomes = dict(zip(candidates, pool.map(check, list(candidates))))
+        admitted = {}
+        for sender, exc in outcomes.items():
+            if exc is None:
+                admitted[sender] = candidates[sender]
+            elif isinstance(exc, TransportError):
                 # unreachable, slow or a broken transfer: left out of this round (not retried while we wait for
                 # more contributors, each try costs a fetch timeout), not punished
                 self._unreachable.add((r, sender))
                 logger.warning("round %d: could not fetch the contribution of %s (%s); leaving it out", r,
                                sender[:16], str(exc)[:160])
-            except ProtocolError as exc:
+            else:
                 # bytes that match the sender's signed digest yet do not decode, or a response that breaks the
                 # transfer protocol (a body above the limit): the sender sent garbage
                 self._ban(r, sender, str(exc)[:160])
@@ -276,7 +291,8 @@ class RoundRunner(ReplicaBase):
             if sha256_hex(blob) != digest:
                 errors.append(f"{peer[:12]}… served bytes that do not match the accepted digest")
                 continue
-            self._bytes_in += len(blob)
+            with self._count_lock:  # fetches run in parallel threads
+                self._bytes_in += len(blob)
             self.transport.put(name, blob)  # gossip: serve it onwards, so the sender uploads it about once
             return blob
         raise TransportError(f"contribution of {sender[:12]}… for round {r} shard {shard}: " + "; ".join(errors))
