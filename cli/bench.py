@@ -240,3 +240,28 @@ def network(
             raise typer.Exit(status)
         return
     run_network_bench(cfg, out, console)
+
+
+@bench_app.command("swarm")
+def swarm(
+    quick: bool = opt(False, "--quick", env="BENCH_QUICK", help=QUICK_HELP),
+    out: Path | None = opt(None, "--out", env="BENCH_OUT", help=OUT_HELP),
+    full: int | None = opt(None, "--full", env="BENCH_FULL", help="Replicas (default 4; quick 2)."),
+    rounds: int | None = opt(None, "--rounds", env="BENCH_ROUNDS", help="Outer rounds (default 5; quick 2)."),
+    inner_steps: int | None = opt(None, "--inner-steps", env="BENCH_INNER_STEPS", help="H (default 10; quick 5)."),
+    model: str = opt("tiny", "--model", env="BENCH_MODEL", help="Model preset."),
+    seed: int = opt(0, "--seed", env="SEED", help="Seed of both runs: initial weights and data order."),
+    threads: int = opt(1, "--threads", env="THREADS", help="torch CPU threads per replica process."),
+    cache_dir: Path | None = opt(None, "--cache-dir", env="CACHE", help="Cache for corpus and tokenizer."),
+) -> None:
+    """The same loopback swarm twice (hlbp simulate): SparseLoCo rounds, then hivemind's dense DiLoCo rounds."""
+    import dataclasses
+
+    from hlbp.peer.bench.swarm import SwarmBenchConfig, run_swarm_bench
+
+    cfg = SwarmBenchConfig.quick() if quick else SwarmBenchConfig()
+    changes: dict = {"model": model, "seed": seed, "threads": threads, "cache_dir": cache_dir}
+    for name, value in (("full", full), ("rounds", rounds), ("inner_steps", inner_steps)):
+        if value is not None:
+            changes[name] = value
+    run_swarm_bench(dataclasses.replace(cfg, **changes), out, console)

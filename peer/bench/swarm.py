@@ -1,0 +1,115 @@
+"""``hlbp bench swarm``: the same loopback swarm twice, SparseLoCo rounds and hivemind's dense DiLoCo rounds.
+
+Why: ``hlbp bench network`` isolates the exchange (one process, synthetic compute); this benchmark runs what a
+user runs. Each method gets a bootstrap and N ``hlbp join`` processes with their own p2pd (:mod:`hlbp.peer.simulate`),
+the same model, data, seed and hyperparameters, one after the other, and the table compares what each round cost:
+bytes per peer (measured for SparseLoCo; hivemind's all-reduce bytes are analytic, ``2(N-1)/N x 4 B x params``,
+since its transport counts none), communication and waiting seconds, utilization and validation loss, with
+SparseLoCo / DiLoCo ratios. Run back to back on a shared machine, seconds are noisy; bytes and losses are not.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from hlbp.peer.bench.report import print_table, write_result
+from hlbp.peer.errors import UserInputError
+
+METHODS = ("sparseloco", "diloco")
+
+
+@dataclass
+class SwarmBenchConfig:
+    """The simulated run both methods get; ``quick`` shrinks it to a CI-sized smoke run."""
+
+    full: int = 4  # replicas
+    rounds: int = 5
+    inner_steps: int = 10
+    model: str = "tiny"
+    batch_size: int = 4
+    seq_len: int = 64
+    seed: int = 0
+    threads: int = 1  # torch threads per replica process
+    timeout_s: float = 900.0  # per method
+    cache_dir: Path | None = None
+
+    @classmethod
+    def quick(cls, **overrides: Any) -> SwarmBenchConfig:
+        """2 replicas, 2 rounds of 5 inner steps."""
+        return dataclasses.replace(cls(full=2, rounds=2, inner_steps=5), **overrides)
+
+    def check(self) -> None:
+        if self.full < 2 or self.rounds < 1 or self.inner_steps < 1 or self.threads < 1:
+            raise UserInputError("--full must be >= 2 (an exchange needs two), --rounds and --inner-steps >= 1")
+
+
+def method_summary(report: dict[str, Any]) -> dict[str, Any]:
+    """The numbers the comparison needs from one :func:`hlbp.peer.simulate.run_simulation` report."""
+    rounds = report["rounds"]
+    n = max(1, len(rounds))
+    vals = [v for v in report["val_loss"] if v is not None]
+    return {
+        "rounds_completed": report["rounds_completed"],
+        "final_val_loss": vals[-1] if vals else None,
+        "val_loss": report["val_loss"],
+        "states_agree": all(report["states_agree"]),
+        "bit_identical": all(report["checksums_equal"]),
+        "bytes_sent_per_peer_round": report["bytes_per_peer_round"]["sent"],
+        "bytes_received_per_peer_round": report["bytes_per_peer_round"]["received"],
+        "comm_s_per_round": report["time_s"]["comm"] / n,
+        "wait_s_per_round": report["time_s"]["wait"] / n,
+        "compute_s_per_round": report["time_s"]["compute"] / n,
+        "utilization": report["utilization"],
+        "seconds": report["seconds"],
+    }
+
+
+def compare(sparse: dict[str, Any], dense: dict[str, Any]) -> dict[str, float | None]:
+    """SparseLoCo / DiLoCo ratios of bytes and communication seconds (None where a side has no value)."""
+
+    def ratio(key: str) -> float | None:
+        a, b = sparse.get(key), dense.get(key)
+        return a / b if a is not None and b else None
+
+    return {"bytes_sent": ratio("bytes_sent_per_peer_round"), "bytes_received": ratio("bytes_received_per_peer_round"),
+            "comm_s": ratio("comm_s_per_round"), "val_loss": ratio("final_val_loss")}
+
+
+def run_swarm_bench(cfg: SwarmBenchConfig, out: Path | None, console: Console) -> dict[str, Any]:
+    """Run the swarm with each method, print the side-by-side table, and write JSON when ``out`` is set."""
+    from hlbp.peer.simulate import SimConfig, run_simulation
+
+    cfg.check()
+    results: dict[str, Any] = {}
+    for method in METHODS:
+        sim = SimConfig(n_full=cfg.full, rounds=cfg.rounds, model=cfg.model, inner_steps=cfg.inner_steps,
+                        batch_size=cfg.batch_size, seq_len=cfg.seq_len, seed=cfg.seed, threads=cfg.threads,
+                        outer=method, run_id=f"bench-swarm-{method}", cache_dir=cfg.cache_dir)
+        with tempfile.TemporaryDirectory(prefix=f"hlbp-bench-swarm-{method}-") as work:
+            console.print(f"[bold]{method}[/]: {cfg.full} replicas x {cfg.rounds} rounds of {cfg.model}")
+            report = run_simulation(sim, Path(work), cfg.timeout_s)
+        if report["rounds_completed"] < cfg.rounds:
+            raise RuntimeError(f"{method}: only {report['rounds_completed']} of {cfg.rounds} rounds completed "
+                               f"(exit codes {report['exit_codes']})")
+        results[method] = method_summary(report)
+    ratios = compare(results["sparseloco"], results["diloco"])
+    rows = []
+    for method, r in results.items():
+        rows.append([method, r["final_val_loss"], r["bytes_sent_per_peer_round"] / 1e3,
+                     r["bytes_received_per_peer_round"] / 1e3, r["comm_s_per_round"], r["wait_s_per_round"],
+                     r["utilization"], "bit-exact" if r["bit_identical"] else ("fp rounding" if r["states_agree"]
+                                                                              else "NO")])
+    rows.append(["sparse / dense", ratios["val_loss"], ratios["bytes_sent"], ratios["bytes_received"],
+                 ratios["comm_s"], "", "", ""])
+    print_table(Console(file=console.file, width=max(console.width, 120)),
+                f"swarm on loopback: {cfg.full} x {cfg.model}, {cfg.rounds} rounds, H={cfg.inner_steps}",
+                ["method", "val loss", "kB sent/peer/round", "kB recv/peer/round", "comm s/round", "wait s/round",
+                 "utilization", "replicas agree"], rows)
+    console.print("DiLoCo bytes are analytic (2(N-1)/N x 4 B x params per member); SparseLoCo bytes are counted.")
+    return write_result(out, "swarm", dataclasses.asdict(cfg), {"methods": results, "sparse_over_dense": ratios})
