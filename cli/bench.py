@@ -253,6 +253,10 @@ def swarm(
     seed: int = opt(0, "--seed", env="SEED", help="Seed of both runs: initial weights and data order."),
     threads: int = opt(1, "--threads", env="THREADS", help="torch CPU threads per replica process."),
     cache_dir: Path | None = opt(None, "--cache-dir", env="CACHE", help="Cache for corpus and tokenizer."),
+    wan_delay_ms: float = opt(0.0, "--wan-delay-ms", env="BENCH_WAN_DELAY_MS",
+                              help="Emulated one-way delay in front of every peer (round trip: twice this)."),
+    wan_mbps: float | None = opt(None, "--wan-mbps", env="BENCH_WAN_MBPS",
+                                 help="Emulated link rate of every peer, Mbit/s each way."),
 ) -> None:
     """The same loopback swarm twice (hlbp simulate): SparseLoCo rounds, then hivemind's dense DiLoCo rounds."""
     import dataclasses
@@ -260,7 +264,8 @@ def swarm(
     from hlbp.peer.bench.swarm import SwarmBenchConfig, run_swarm_bench
 
     cfg = SwarmBenchConfig.quick() if quick else SwarmBenchConfig()
-    changes: dict = {"model": model, "seed": seed, "threads": threads, "cache_dir": cache_dir}
+    changes: dict = {"model": model, "seed": seed, "threads": threads, "cache_dir": cache_dir,
+                     "wan_delay_ms": wan_delay_ms, "wan_mbps": wan_mbps}
     for name, value in (("full", full), ("rounds", rounds), ("inner_steps", inner_steps)):
         if value is not None:
             changes[name] = value

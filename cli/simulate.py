@@ -72,6 +72,11 @@ def simulate(
     outer: str = opt("sparseloco", "--outer", env="SIM_OUTER",
                      help="Outer step: sparseloco (sparse rounds), or diloco (dense rounds through hivemind's stock "
                           "DecentralizedAverager, the baseline)."),
+    wan_delay_ms: float = opt(0.0, "--wan-delay-ms", env="SIM_WAN_DELAY_MS",
+                              help="Emulate a WAN: every peer sits behind a proxy that delays each direction by "
+                                   "this many ms (round trip: twice this)."),
+    wan_mbps: float = opt(None, "--wan-mbps", env="SIM_WAN_MBPS",
+                          help="Emulate a WAN: each peer's link carries at most this many Mbit/s each way."),
     timeout: float = opt(600.0, "--timeout", env="SIM_TIMEOUT", help="Stop everything after this many seconds."),
     workdir: Path = opt(None, "--workdir", env="SIM_WORKDIR",
                         help="Logs, keys, checkpoints and metrics of the peers (default: a new temporary directory)."),
@@ -91,13 +96,16 @@ def simulate(
 
     if quick:
         full, rounds, inner_steps = 2, 2, 5
+    if wan_delay_ms < 0 or wan_mbps is not None and wan_mbps <= 0:
+        raise UserInputError("--wan-delay-ms must be >= 0 and --wan-mbps > 0")
     if outer not in ("sparseloco", "diloco"):
         raise UserInputError(f"--outer must be sparseloco or diloco, got {outer!r}")
     if full < 1 or rounds < 1 or inner_steps < 1 or batch_size < 1 or seq_len < 2 or threads < 1:
         raise UserInputError("--full, --rounds, --inner-steps, --batch-size and --threads must be >= 1")
     cfg = SimConfig(n_full=full, rounds=rounds, model=model, inner_steps=inner_steps, batch_size=batch_size,
                     seq_len=seq_len, round_deadline_s=deadline, min_deadline_s=min(1.0, deadline),
-                    max_deadline_s=max(30.0, deadline), seed=seed, outer=outer, threads=threads, cache_dir=cache_dir)
+                    max_deadline_s=max(30.0, deadline), seed=seed, outer=outer, threads=threads, cache_dir=cache_dir,
+                    wan_delay_ms=wan_delay_ms, wan_mbps=wan_mbps)
     work = workdir or Path(tempfile.mkdtemp(prefix="hlbp-simulate-"))
     console.print(f"simulating {full} full replicas x {rounds} {outer} rounds of {model} on 127.0.0.1; "
                   f"logs in {work}")

@@ -24,6 +24,7 @@ from typing import Any
 from typing_extensions import Self
 
 from hlbp.peer.metrics import read_metrics
+from hlbp.peer.wanlink import WanEmulator, free_port
 
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 
@@ -44,6 +45,8 @@ class SimConfig:
     max_deadline_s: float = 30.0
     outer: str = "sparseloco"  # sparseloco, or diloco: dense rounds through hivemind's stock all-reduce
     min_contributors: int = 1  # a round with fewer accepted contributions by max_deadline_s closes empty
+    wan_delay_ms: float = 0.0  # emulated one-way delay in front of every peer (hlbp.peer.wanlink); 0: none
+    wan_mbps: float | None = None  # emulated link rate of every peer, each direction; None: unlimited
     seed: int = 0  # the run's seed: initial weights and data order
     threads: int = 1  # torch threads per peer, so N peers share a small machine fairly
     run_id: str = "simulate"
@@ -190,6 +193,7 @@ class Swarm:
     bootstrap: PeerProcess | None = None
     maddr: str = ""
     replicas: dict[str, Replica] = field(default_factory=dict)
+    wan: WanEmulator | None = None
     _all: list[PeerProcess] = field(default_factory=list)
 
     def __enter__(self) -> Self:
@@ -206,11 +210,21 @@ class Swarm:
             self.env["HLBP_CACHE"] = str(self.cfg.cache_dir)
         run = self.workdir / "run.toml"
         run.write_text(self.cfg.run_toml(), encoding="utf-8")
+        if self.cfg.wan_delay_ms > 0 or self.cfg.wan_mbps is not None:
+            self.wan = WanEmulator(self.cfg.wan_delay_ms / 1000, self.cfg.wan_mbps)
         self.bootstrap = self._spawn("bootstrap", [
-            "bootstrap", "--host-maddrs", LOOPBACK, "--identity", str(self.workdir / "bootstrap.key"),
+            "bootstrap", *self._listen(), "--identity", str(self.workdir / "bootstrap.key"),
             "--run-config", str(run), "--ttl", str(self.cfg.ttl_s)])
         self.maddr = self.bootstrap.wait_for(r"hlbp join --initial-peers (\S+)", self.cfg.startup_timeout_s).group(1)
         return self.maddr
+
+    def _listen(self) -> list[str]:
+        """Listen flags of a new process: any loopback port, or a private port behind a WAN-emulating proxy."""
+        if self.wan is None:
+            return ["--host-maddrs", LOOPBACK]
+        port = free_port()
+        return ["--host-maddrs", f"/ip4/127.0.0.1/tcp/{port}",
+                "--announce-maddrs", f"/ip4/127.0.0.1/tcp/{self.wan.add(port)}"]
 
     def _spawn(self, name: str, args: list[str]) -> PeerProcess:
         proc = PeerProcess(name, args, self.env, log=self.workdir / f"{name}.log")
@@ -222,7 +236,7 @@ class Swarm:
         old = self.replicas.get(name)
         identity = old.identity if old else self.workdir / f"{name}.key"
         out_dir = old.out_dir if old else self.workdir / name
-        args = ["join", "--initial-peers", self.maddr, "--host-maddrs", LOOPBACK, "--identity", str(identity),
+        args = ["join", "--initial-peers", self.maddr, *self._listen(), "--identity", str(identity),
                 "--role", "replica", "--throughput", "5000", "--bandwidth", "1e8", "--reachability", "public",
                 "--threads", str(self.cfg.threads), "--out-dir", str(out_dir), "--ttl", str(self.cfg.ttl_s),
                 "--rounds", str(self.cfg.rounds if rounds is None else rounds), *extra]
@@ -252,6 +266,8 @@ class Swarm:
             proc.kill()
         if self.bootstrap is not None:
             self.bootstrap.stop(self.cfg.stop_timeout_s)
+        if self.wan is not None:
+            self.wan.close()
 
 
 def poll(fn: Callable[[], Any], timeout: float, what: str, interval: float = 0.25) -> Any:
@@ -405,6 +421,12 @@ def run_simulation(cfg: SimConfig, workdir: Path, timeout_s: float,
             except subprocess.TimeoutExpired:
                 pass
         exits = {n: r.proc.popen.poll() for n, r in swarm.replicas.items()}
+        wan = None
+        if swarm.wan is not None:
+            carried = swarm.wan.stats().values()
+            wan = {"delay_ms": cfg.wan_delay_ms, "mbps": cfg.wan_mbps,
+                   "proxied_bytes": sum(p.inbound + p.outbound for p in carried),
+                   "connections": sum(p.connections for p in carried)}
         paths = {n: r.metrics_path() for n, r in swarm.replicas.items()}
     records = swarm.records()
     n_params = None
@@ -414,6 +436,6 @@ def run_simulation(cfg: SimConfig, workdir: Path, timeout_s: float,
             break
     report = summarize(records, n_params, cfg.rounds)
     report.update(config={k: (str(v) if isinstance(v, Path) else v) for k, v in vars(cfg).items()},
-                  seconds=round(time.monotonic() - started, 1), timed_out=timed_out, exit_codes=exits,
+                  seconds=round(time.monotonic() - started, 1), timed_out=timed_out, exit_codes=exits, wan=wan,
                   workdir=str(workdir))
     return report

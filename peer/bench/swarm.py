@@ -6,6 +6,8 @@ the same model, data, seed and hyperparameters, one after the other, and the tab
 bytes per peer (measured for SparseLoCo; hivemind's all-reduce bytes are analytic, ``2(N-1)/N x 4 B x params``,
 since its transport counts none), communication and waiting seconds, utilization and validation loss, with
 SparseLoCo / DiLoCo ratios. Run back to back on a shared machine, seconds are noisy; bytes and losses are not.
+With ``wan_delay_ms`` / ``wan_mbps`` every peer sits behind :mod:`hlbp.peer.wanlink`'s delaying, rate-limiting
+proxy, so both methods run over the same emulated internet links.
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ class SwarmBenchConfig:
     seed: int = 0
     threads: int = 1  # torch threads per replica process
     timeout_s: float = 900.0  # per method
+    wan_delay_ms: float = 0.0  # emulated one-way delay in front of every peer (hlbp.peer.wanlink)
+    wan_mbps: float | None = None  # emulated per-peer link rate, each direction
     cache_dir: Path | None = None
 
     @classmethod
@@ -45,6 +49,8 @@ class SwarmBenchConfig:
         return dataclasses.replace(cls(full=2, rounds=2, inner_steps=5), **overrides)
 
     def check(self) -> None:
+        if self.wan_delay_ms < 0 or self.wan_mbps is not None and self.wan_mbps <= 0:
+            raise UserInputError("--wan-delay-ms must be >= 0 and --wan-mbps > 0")
         if self.full < 2 or self.rounds < 1 or self.inner_steps < 1 or self.threads < 1:
             raise UserInputError("--full must be >= 2 (an exchange needs two), --rounds and --inner-steps >= 1")
 
@@ -90,14 +96,15 @@ def run_swarm_bench(cfg: SwarmBenchConfig, out: Path | None, console: Console) -
     for method in METHODS:
         sim = SimConfig(n_full=cfg.full, rounds=cfg.rounds, model=cfg.model, inner_steps=cfg.inner_steps,
                         batch_size=cfg.batch_size, seq_len=cfg.seq_len, seed=cfg.seed, threads=cfg.threads,
-                        outer=method, run_id=f"bench-swarm-{method}", cache_dir=cfg.cache_dir)
+                        outer=method, run_id=f"bench-swarm-{method}", cache_dir=cfg.cache_dir,
+                        wan_delay_ms=cfg.wan_delay_ms, wan_mbps=cfg.wan_mbps)
         with tempfile.TemporaryDirectory(prefix=f"hlbp-bench-swarm-{method}-") as work:
             console.print(f"[bold]{method}[/]: {cfg.full} replicas x {cfg.rounds} rounds of {cfg.model}")
             report = run_simulation(sim, Path(work), cfg.timeout_s)
         if report["rounds_completed"] < cfg.rounds:
             raise RuntimeError(f"{method}: only {report['rounds_completed']} of {cfg.rounds} rounds completed "
                                f"(exit codes {report['exit_codes']})")
-        results[method] = method_summary(report)
+        results[method] = {**method_summary(report), "wan": report.get("wan")}
     ratios = compare(results["sparseloco"], results["diloco"])
     rows = []
     for method, r in results.items():
@@ -108,7 +115,10 @@ def run_swarm_bench(cfg: SwarmBenchConfig, out: Path | None, console: Console) -
     rows.append(["sparse / dense", ratios["val_loss"], ratios["bytes_sent"], ratios["bytes_received"],
                  ratios["comm_s"], "", "", ""])
     print_table(Console(file=console.file, width=max(console.width, 120)),
-                f"swarm on loopback: {cfg.full} x {cfg.model}, {cfg.rounds} rounds, H={cfg.inner_steps}",
+                f"swarm on loopback: {cfg.full} x {cfg.model}, {cfg.rounds} rounds, H={cfg.inner_steps}"
+                + ("" if not (cfg.wan_delay_ms or cfg.wan_mbps) else
+                   f"; emulated WAN: RTT {2 * cfg.wan_delay_ms:.0f} ms, "
+                   + (f"{cfg.wan_mbps:g} Mbit/s per peer" if cfg.wan_mbps else "unlimited rate")),
                 ["method", "val loss", "kB sent/peer/round", "kB recv/peer/round", "comm s/round", "wait s/round",
                  "utilization", "replicas agree"], rows)
     console.print("DiLoCo bytes are analytic (2(N-1)/N x 4 B x params per member); SparseLoCo bytes are counted.")
