@@ -34,3 +34,6 @@ def run_app(app: typer.Typer, console: Console) -> None:
     except KeyboardInterrupt:
         console.print("interrupted")
         sys.exit(130)
+    except ConnectionError as exc:  # the node lost a part it cannot run without (its DHT process): say so, exit 1
+        console.print(f"[bold red]error:[/] {exc}")
+        sys.exit(1)

@@ -2,6 +2,7 @@
 
 - :func:`connect_dht` starts a hivemind DHT whose p2pd uses this peer's Ed25519 identity, retrying the initial
   peers with exponential backoff and failing with every address tried and what to check.
+- :class:`SafeDHT` is hivemind's DHT made safe for large records and for calls from several threads.
 - :class:`RecordValidator` runs inside the DHT process: honest nodes refuse to store an hlbp record that is not
   signed by the peer id it is stored under, so nobody can overwrite another peer's announcement or the manifest.
 - :class:`RecordReader` turns raw DHT entries into verified records and logs each bad entry once.
@@ -296,6 +297,62 @@ def check_initial_peers(maddrs: list[str]) -> list[str]:
     return good
 
 
+class _SerialPipe:
+    """The caller's end of a DHT's command pipe, whose ``send`` holds a lock; everything else is the pipe's own."""
+
+    def __init__(self, conn: Any) -> None:
+        self._conn = conn
+        self._lock = threading.Lock()
+
+    def send(self, obj: Any) -> None:
+        with self._lock:
+            self._conn.send(obj)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._conn, name)
+
+
+class _WholeMessagePipe:
+    """The DHT process's end of the command pipe, reading every message whole."""
+
+    def __init__(self, conn: Any) -> None:
+        self._conn = conn
+
+    def recv(self) -> Any:
+        # uvloop's add_reader made the fd non-blocking; poll() said a message has begun, and its writer is
+        # finishing it: wait for the rest instead of failing with EAGAIN halfway through
+        fd = self._conn.fileno()
+        os.set_blocking(fd, True)
+        try:
+            return self._conn.recv()
+        finally:
+            os.set_blocking(fd, False)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._conn, name)
+
+
+class SafeDHT(hivemind.DHT):
+    """hivemind's ``DHT``, safe for records above 4 KiB and for several calling threads.
+
+    Why: every call crosses one OS pipe into the DHT process. A message above PIPE_BUF (4 KiB: a round record of
+    many members, a large value) is written in pieces; hivemind reads it from a non-blocking fd, so a reader that
+    wakes between two pieces fails with EAGAIN, loses its place in the stream and the DHT process dies. Two threads
+    writing at once (our round runner, heartbeat, hivemind's averager) interleave their pieces with the same end.
+    Here writes are serialised and the DHT process waits for the rest of a message it has begun to read.
+    """
+
+    def __init__(self, *args: Any, start: bool, await_ready: bool = True, **kwargs: Any) -> None:
+        super().__init__(*args, start=False, **kwargs)
+        self._outer_pipe = _SerialPipe(self._outer_pipe)
+        if start:
+            self.run_in_background(await_ready=await_ready)
+
+    def run(self) -> None:  # runs in the DHT process
+        self._inner_pipe = _WholeMessagePipe(self._inner_pipe)
+        super().run()
+
+
 def connect_dht(net: NetworkConfig, identity_path: Path, validator: Any,
                 sleep: Callable[[float], None] = time.sleep) -> Any:
     """Start a hivemind DHT and join through ``net.initial_peers``, retrying with exponential backoff.
@@ -318,7 +375,7 @@ def connect_dht(net: NetworkConfig, identity_path: Path, validator: Any,
     while True:
         attempts += 1
         try:
-            return hivemind.DHT(initial_peers=peers or None, start=True, **kwargs)
+            return SafeDHT(initial_peers=peers or None, start=True, **kwargs)
         except Exception as exc:  # noqa: BLE001 - hivemind raises P2PDaemonError, RuntimeError, ValueError, ...
             last_error = (str(exc).strip().splitlines() or [type(exc).__name__])[-1][:300]
             if not peers:
@@ -352,7 +409,6 @@ class ControlPlane:
         self.identity = identity
         self.peer_id = identity.peer_id
         self.reader = RecordReader()
-        self._lock = threading.Lock()  # the DHT's command pipe must not interleave sends from two threads
         self._watched: set[str] = set()
 
     @classmethod
@@ -362,8 +418,7 @@ class ControlPlane:
         dht = connect_dht(net, identity_path, record_validator(run_ids))
         plane = cls(dht, identity)
         plane._watched.update(run_ids)
-        with plane._lock:
-            dht.run_coroutine(partial(watch_parent, parent_pid=os.getpid()), return_future=True)
+        dht.run_coroutine(partial(watch_parent, parent_pid=os.getpid()), return_future=True)
         if str(dht.peer_id) != identity.peer_id:
             plane.shutdown()
             raise UserInputError(f"p2pd runs as {dht.peer_id}, not {identity.peer_id} from {identity_path}")
@@ -374,8 +429,7 @@ class ControlPlane:
     def _call(self, method: str, *args: Any, timeout: float = 30.0, **kwargs: Any) -> Any:
         if not self.dht.is_alive():
             raise ConnectionError("the DHT process is not running (killed, or shut down)")
-        with self._lock:
-            future = getattr(self.dht, method)(*args, return_future=True, **kwargs)
+        future = getattr(self.dht, method)(*args, return_future=True, **kwargs)
         return future.result(timeout=timeout)
 
     def run_coroutine(self, coro: Callable[..., Any], timeout: float = 60.0) -> Any:
@@ -386,14 +440,12 @@ class ControlPlane:
 
     def watch_run(self, run_id: str) -> None:
         """Validate the run's peers key in our DHT node: refuse forged records, and drop forged answers."""
-        with self._lock:
-            self.dht.add_validators([record_validator((run_id,))])
+        self.dht.add_validators([record_validator((run_id,))])
         self._watched.add(run_id)
 
     def protect(self, keys: dict[str, tuple[str, int]]) -> None:
         """Validate more keys (DHT key -> (record kind, max envelope bytes)) the same way, e.g. a round's."""
-        with self._lock:
-            self.dht.add_validators([record_validator(extra=keys)])
+        self.dht.add_validators([record_validator(extra=keys)])
 
     def shutdown(self) -> None:
         self.dht.shutdown()

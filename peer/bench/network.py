@@ -202,7 +202,7 @@ def swarm(cfg: NetworkBenchConfig, model: str, n: int, data: Any) -> Iterator[Sw
     import hivemind
     from hivemind.averaging import DecentralizedAverager
 
-    from hlbp.peer.control import load_or_create_identity
+    from hlbp.peer.control import SafeDHT, load_or_create_identity
     from hlbp.peer.data import TokenStream
     from hlbp.peer.denserounds import sigint_preserved
     from hlbp.peer.model import build_model, preset, split
@@ -226,8 +226,8 @@ def swarm(cfg: NetworkBenchConfig, model: str, n: int, data: Any) -> Iterator[Sw
         for i in range(n):
             path = Path(tmp) / f"peer{i}.key"
             identity = load_or_create_identity(path)
-            dht = hivemind.DHT(start=True, host_maddrs=LOCAL, initial_peers=initial, identity_path=str(path),
-                               check_if_identity_free=False)
+            dht = SafeDHT(start=True, host_maddrs=LOCAL, initial_peers=initial, identity_path=str(path),
+                          check_if_identity_free=False)
             stack.callback(dht.shutdown)
             transport = P2PBlobTransport(dht)
             stack.callback(transport.close)
