@@ -154,6 +154,11 @@ def join(
                                  "port) [default: off]."),
     metrics_host: str = opt("127.0.0.1", "--metrics-host", env="METRICS_HOST",
                             help="Address the metrics endpoint listens on (0.0.0.0 for a scraper elsewhere)."),
+    wait_replicas: int = opt(0, "--wait-replicas", env="WAIT_REPLICAS",
+                             help="Full replica, fresh run: before round 0, wait until this many replicas (this one "
+                                  "included) are announced, so a swarm started together trains round 0 together."),
+    wait_replicas_timeout: float = opt(120.0, "--wait-replicas-timeout", env="WAIT_REPLICAS_TIMEOUT",
+                                       help="Start round 0 anyway after waiting this many seconds."),
     inject_delay: float = opt(0.0, "--inject-delay", env="INJECT_DELAY",
                               help="Fault injection: seconds of extra delay per inner step (a straggler)."),
     inject_corrupt: bool = opt(False, "--inject-corrupt/--no-inject-corrupt", env="INJECT_CORRUPT",
@@ -200,12 +205,15 @@ def join(
         elif not local_only and not stop.is_set():
             from hlbp.peer.replica import ReplicaOptions, replica_train_hook
 
-            if rounds is not None and rounds < 0 or inject_delay < 0 or checkpoint_every < 0:
-                raise UserInputError("--rounds, --checkpoint-every and --inject-delay must be >= 0")
+            if (rounds is not None and rounds < 0 or inject_delay < 0 or checkpoint_every < 0 or wait_replicas < 0
+                    or wait_replicas_timeout < 0):
+                raise UserInputError("--rounds, --checkpoint-every, --inject-delay, --wait-replicas and "
+                                     "--wait-replicas-timeout must be >= 0")
             options = ReplicaOptions(rounds=rounds, inject_delay_s=inject_delay, inject_corrupt=inject_corrupt,
                                      inject_oversize=inject_oversize, threads=threads,
                                      checkpoint_every_s=checkpoint_every, metrics_port=metrics_port,
-                                     metrics_host=metrics_host)
+                                     metrics_host=metrics_host, wait_replicas=wait_replicas,
+                                     wait_replicas_timeout_s=wait_replicas_timeout)
             replica_train_hook(ctx, options, _echo)
         elif not stop.is_set():
             training.set()  # from here a signal also interrupts the training loop, which does not poll `stop`

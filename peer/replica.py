@@ -10,7 +10,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,6 +47,29 @@ class ReplicaOptions:
     metrics_port: int | None = None  # serve Prometheus metrics on this port (0: any free port); None: off
     metrics_host: str = "127.0.0.1"
     device: str = "auto"
+    wait_replicas: int = 0  # fresh run: before round 0, wait until this many replicas (us included) are announced
+    wait_replicas_timeout_s: float = 120.0  # ... but start anyway after this long
+
+
+def wait_for_replicas(count: Callable[[], int], want: int, timeout_s: float, stop: threading.Event,
+                      echo: Any = print) -> bool:
+    """Wait until ``count()`` (announced replicas, us included) reaches ``want``, at most ``timeout_s``.
+
+    Why: replicas started together would otherwise begin round 0 as each finishes joining, and the first one,
+    seeing nobody else announced, closes round 0 alone; the others then sync and sit it out. Returns whether
+    they all came; after the timeout the run starts with whoever is there.
+    """
+    deadline = time.monotonic() + timeout_s
+    have = count()
+    if have < want:
+        echo(f"waiting for {want} replicas before round 0 ({have} announced, at most {timeout_s:g} s)")
+    while have < want and not stop.is_set():
+        if time.monotonic() >= deadline:
+            echo(f"starting with {have} of {want} replicas: the others did not announce within {timeout_s:g} s")
+            return False
+        stop.wait(0.5)
+        have = count()
+    return have >= want
 
 
 def replica_train_hook(ctx: TrainContext, options: ReplicaOptions, echo: Any = print) -> dict[str, Any]:
@@ -109,7 +134,10 @@ def replica_train_hook(ctx: TrainContext, options: ReplicaOptions, echo: Any = p
         protect=peer.plane.protect,
     )
     start = time.perf_counter()
-    echo(f"replica: {runner.start()}; starting at round {runner.round}")
+    how = runner.start()
+    echo(f"replica: {how}; starting at round {runner.round}")
+    if how.startswith("fresh start") and options.wait_replicas > 1:
+        wait_for_replicas(expected, options.wait_replicas, options.wait_replicas_timeout_s, ctx.stop, echo)
     try:
         history = runner.run(options.rounds)
     finally:

@@ -66,6 +66,7 @@ class RoundConfig:
     fetch_workers: int = 4  # parallel payload fetches
     min_contributors: int = 1  # a round applies nothing unless at least this many contributions were accepted
     checkpoint_every_s: float = 300.0  # save at most this often during the run (0: every round); always on exit
+    dht_timeout_s: float = 60.0  # a DHT lookup or store that takes longer is given up (a lookup reads as empty)
 
 
 @dataclass
@@ -138,6 +139,7 @@ class ReplicaBase(ABC):
         self._bytes_in = 0
         self._logged: set[tuple[str, str]] = set()
         self._saved_at = time.monotonic()
+        self._just_synced = False  # set by sync(): we arrive mid-run, and the next round may be under way
 
     # -- DHT helpers ---------------------------------------------------------------------------------------------
 
@@ -148,17 +150,41 @@ class ReplicaBase(ABC):
         from hivemind.utils import get_dht_time
 
         value = sign(kind, body, self.identity)
-        self.dht.store(key, value, get_dht_time() + self.cfg.record_ttl_s, subkey=self.me)
+        self._result(self.dht.store(key, value, get_dht_time() + self.cfg.record_ttl_s, subkey=self.me,
+                                    return_future=True), f"store under {key}")
 
-    def _read(self, key: str) -> dict[str, Any]:
-        found = self.dht.get(key, latest=True)
-        if found is None or not isinstance(found.value, dict):
-            return {}
-        return {k: getattr(v, "value", v) for k, v in found.value.items()}
+    def _result(self, future: Any, what: str) -> Any:
+        """A DHT call's result, or None (logged) if it outlasts ``dht_timeout_s``; a dead DHT process raises."""
+        try:
+            return future.result(timeout=self.cfg.dht_timeout_s)
+        except TimeoutError:
+            if not self.dht.is_alive():
+                raise ConnectionError("the DHT process is not running; restart this peer") from None
+            logger.warning("a DHT %s took over %.0f s; going on without it", what, self.cfg.dht_timeout_s)
+            return None
 
-    def _records(self, key: str, parse: Callable[..., Any], **kw: Any) -> list[Any]:
+    def _read(self, *keys: str) -> list[dict[str, Any]]:
+        """The entries (subkey -> value) under each key, looked up side by side.
+
+        Each lookup costs one or two network round trips, so a poll that needs two keys asks for both at once
+        instead of paying those trips twice. A lookup that outlasts ``dht_timeout_s`` reads as empty, which the
+        round logic treats like a record not there yet; a dead DHT process is an error, not an endless wait.
+        """
+        futures = [self.dht.get(key, latest=True, return_future=True) for key in keys]
         out = []
-        for subkey, value in self._read(key).items():
+        for key, future in zip(keys, futures):
+            found = self._result(future, f"lookup of {key}")
+            if found is None or not isinstance(found.value, dict):
+                out.append({})
+            else:
+                out.append({k: getattr(v, "value", v) for k, v in found.value.items()})
+        return out
+
+    def _records(self, key: str, parse: Callable[..., Any], entries: dict[str, Any] | None = None,
+                 **kw: Any) -> list[Any]:
+        """The valid records under ``key`` (``entries``: already read), each bad one logged once and skipped."""
+        out = []
+        for subkey, value in (self._read(key)[0] if entries is None else entries).items():
             try:
                 out.append(parse(value, str(subkey), self.cfg.run_id, **kw))
             except ProtocolError as exc:
@@ -260,7 +286,7 @@ class ReplicaBase(ABC):
                 fresh.load_state(state.outer)
                 self.outers[s] = fresh  # a synced peer starts with an empty error-feedback buffer
             self._load_anchor_into_model()
-            self.round, self.in_sync = latest + 1, True
+            self.round, self.in_sync, self._just_synced = latest + 1, True, True
             logger.info("synced state of round %d from %d donors", latest, len(donors))
             return True
         return False
@@ -316,10 +342,12 @@ class ReplicaBase(ABC):
 
     def run(self, max_rounds: int | None = None) -> list[RoundStats]:
         done = 0
-        while not self.stop.is_set() and (max_rounds is None or done < max_rounds):
-            self.history.append(self.run_round())
-            done += 1
-        self.save()
+        try:
+            while not self.stop.is_set() and (max_rounds is None or done < max_rounds):
+                self.history.append(self.run_round())
+                done += 1
+        finally:
+            self.save()  # also when the round loop fails (a dead DHT process): the progress so far is kept
         return self.history
 
     @abstractmethod
@@ -353,7 +381,20 @@ class ReplicaBase(ABC):
         return stats, steps, tokens, served_before
 
     def _inner_phase(self, r: int) -> tuple[int, int]:
-        """Up to H inner steps from the anchor, cut short when round r closes without us; (steps, tokens)."""
+        """Up to H inner steps from the anchor, cut short when round r closes without us; (steps, tokens).
+
+        Right after a state sync (a joiner, a restart that found the swarm moved on, a peer that fell out of sync)
+        a round whose contributions others are already announcing is sat out: no steps, weight 0, as a newcomer
+        takes part. Training for it would finish after it closes, and applying its result that late would leave
+        us behind for the next round too; taking the result at once starts the next round with everybody, so the
+        peer contributes from its second round on.
+        """
+        if self._just_synced:
+            self._just_synced = False
+            if self._round_started(r):
+                logger.info("round %d is already being announced by others: taking its result with weight 0 and "
+                            "starting the next round with them", r)
+                return 0, 0
         tokens0 = self.trainer.tokens
         steps, last_check = 0, 0.0
         for _ in range(self.cfg.inner_steps):
@@ -372,6 +413,10 @@ class ReplicaBase(ABC):
     @abstractmethod
     def _round_closed(self, r: int) -> bool:
         """Whether round r has already closed without us (the inner phase then stops early)."""
+
+    def _round_started(self, r: int) -> bool:
+        """Whether other replicas have already finished their inner phase of round r (none can tell: False)."""
+        return False
 
     def _bytes_served(self) -> int:
         return self.transport.bytes_served

@@ -77,12 +77,18 @@ class RoundRunner(ReplicaBase):
         self._unreachable: set[tuple[int, str]] = set()  # (round, sender) whose payload could not be fetched
         self._count_lock = threading.Lock()
 
-    def _notices(self, r: int) -> dict[str, ContribNotice]:
-        return {n.sender: n for n in self._records(round_key(self.cfg.run_id, r, KIND_CONTRIB), parse_contrib,
-                                                   round_=r)}
+    def _round_records(self, r: int) -> tuple[dict[str, ContribNotice], list[AcceptedSet]]:
+        """Round r's contribution notices (by sender) and published accepted sets, read in one concurrent poll."""
+        keys = (round_key(self.cfg.run_id, r, KIND_CONTRIB), round_key(self.cfg.run_id, r, KIND_ACCEPTED))
+        contribs, accepted = self._read(*keys)
+        notices = {n.sender: n for n in self._records(keys[0], parse_contrib, contribs, round_=r)}
+        return notices, self._records(keys[1], parse_accepted, accepted, round_=r)
 
-    def _accepted(self, r: int, order: Sequence[str] = ()) -> AcceptedSet | None:
-        sets = self._records(round_key(self.cfg.run_id, r, KIND_ACCEPTED), parse_accepted, round_=r)
+    def _accepted(self, r: int, sets: list[AcceptedSet] | None = None, order: Sequence[str] = ()) -> AcceptedSet | None:
+        """The accepted set of round r that every peer applies: the best-ranked coordinator's (``sets``: already
+        read; ``order``: the coordinator ranking, from the notices)."""
+        if sets is None:
+            sets = self._records(round_key(self.cfg.run_id, r, KIND_ACCEPTED), parse_accepted, round_=r)
         return pick_accepted(sets, order or coordinator_order(r, [s.coordinator for s in sets]))
 
     def run_round(self) -> RoundStats:
@@ -104,7 +110,9 @@ class RoundRunner(ReplicaBase):
                 self.transport.put(f"c/{r}/{s}/{self.me}", blob)
                 digests[s], sizes[s] = sha256_hex(blob), len(blob)
                 mine.append(c)
-            if self._accepted(r) is None and not self.stop.is_set():
+            if not self.stop.is_set():
+                # no look-up first whether the round already closed (a round trip on every round's critical path):
+                # a late notice is harmless, _close then finds the round closed and withdraws our contribution
                 notice = ContribNotice(self.me, r, tokens, digests, sizes)
                 self._store(round_key(self.cfg.run_id, r, KIND_CONTRIB), notice.to_body(self.cfg.run_id), KIND_CONTRIB)
                 stats.contributed = True
@@ -155,6 +163,10 @@ class RoundRunner(ReplicaBase):
     def _round_closed(self, r: int) -> bool:
         return self._accepted(r) is not None
 
+    def _round_started(self, r: int) -> bool:
+        notices, sets = self._round_records(r)
+        return bool(sets) or any(sender != self.me for sender in notices)
+
     def _close(self, r: int) -> AcceptedSet | None:
         """Wait for round r's accepted set, publishing it ourselves when we are the coordinator in charge."""
         first_seen: float | None = None
@@ -163,11 +175,11 @@ class RoundRunner(ReplicaBase):
         expected = max(1, self.expected() if self.expected else self.last_members)
         while not self.stop.is_set():
             now = time.monotonic()
-            notices = self._notices(r)
+            notices, sets = self._round_records(r)
             for sender in notices:
                 arrivals.setdefault(sender, now)
             order = coordinator_order(r, list(notices))
-            accepted = self._accepted(r, order)
+            accepted = self._accepted(r, sets, order)
             if accepted is not None:
                 for peer, until in accepted.banned:  # bans travel with the accepted set: every coordinator honours them
                     if until > self.bans.get(peer, (0, 0))[0]:

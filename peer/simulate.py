@@ -400,8 +400,8 @@ def run_simulation(cfg: SimConfig, workdir: Path, timeout_s: float,
     started = time.monotonic()
     with Swarm(cfg, workdir) as swarm:
         swarm.start()
-        for i in range(cfg.n_full):
-            swarm.add(f"peer{i}")
+        for i in range(cfg.n_full):  # they start round 0 together, not each as it finishes joining
+            swarm.add(f"peer{i}", "--wait-replicas", str(cfg.n_full))
         deadline = started + timeout_s
         timed_out = False
         while True:
