@@ -297,14 +297,23 @@ def check_initial_peers(maddrs: list[str]) -> list[str]:
     return good
 
 
+DHT_DIED = "the DHT process of this peer died; restart the peer (a replica resumes from its checkpoint)"
+
+
 class _SerialPipe:
     """The caller's end of a DHT's command pipe, whose ``send`` holds a lock; everything else is the pipe's own."""
 
-    def __init__(self, conn: Any) -> None:
+    def __init__(self, conn: Any, alive: Callable[[], bool]) -> None:
         self._conn = conn
+        self._alive = alive
+        self._owner = os.getpid()  # only the DHT's parent may ask whether it lives (hivemind's averager forks)
         self._lock = threading.Lock()
 
     def send(self, obj: Any) -> None:
+        # this process holds both ends of the pipe, so writing to a dead DHT process neither fails nor gets an
+        # answer: it only fills the pipe until a write blocks for ever
+        if os.getpid() == self._owner and not self._alive():
+            raise ConnectionError(DHT_DIED)
         with self._lock:
             self._conn.send(obj)
 
@@ -344,9 +353,10 @@ class SafeDHT(hivemind.DHT):
 
     def __init__(self, *args: Any, start: bool, await_ready: bool = True, **kwargs: Any) -> None:
         super().__init__(*args, start=False, **kwargs)
-        self._outer_pipe = _SerialPipe(self._outer_pipe)
         if start:
             self.run_in_background(await_ready=await_ready)
+        # wrapped once the DHT process runs, so the lock never has to cross into it (spawn pickles the object)
+        self._outer_pipe = _SerialPipe(self._outer_pipe, self.is_alive)
 
     def run(self) -> None:  # runs in the DHT process
         self._inner_pipe = _WholeMessagePipe(self._inner_pipe)
@@ -428,7 +438,7 @@ class ControlPlane:
 
     def _call(self, method: str, *args: Any, timeout: float = 30.0, **kwargs: Any) -> Any:
         if not self.dht.is_alive():
-            raise ConnectionError("the DHT process is not running (killed, or shut down)")
+            raise ConnectionError(DHT_DIED)
         future = getattr(self.dht, method)(*args, return_future=True, **kwargs)
         return future.result(timeout=timeout)
 

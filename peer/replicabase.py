@@ -18,6 +18,7 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ from typing import Any
 import torch
 
 from hlbp.peer.checkpoint import load_checkpoint, save_checkpoint
+from hlbp.peer.control import DHT_DIED
 from hlbp.peer.metrics import MetricsLog
 from hlbp.peer.outer import OuterConfig, make_outer
 from hlbp.peer.roundrules import majority_checksums
@@ -154,21 +156,28 @@ class ReplicaBase(ABC):
                                     return_future=True), f"store under {key}")
 
     def _result(self, future: Any, what: str) -> Any:
-        """A DHT call's result, or None (logged) if it outlasts ``dht_timeout_s``; a dead DHT process raises."""
-        try:
-            return future.result(timeout=self.cfg.dht_timeout_s)
-        except TimeoutError:
-            if not self.dht.is_alive():
-                raise ConnectionError("the DHT process is not running; restart this peer") from None
-            logger.warning("a DHT %s took over %.0f s; going on without it", what, self.cfg.dht_timeout_s)
-            return None
+        """A DHT call's result, or None (logged) if it outlasts ``dht_timeout_s``.
+
+        A dead DHT process never answers, so the wait checks every second that it still runs and raises
+        ConnectionError if not: the peer then saves its checkpoint and exits instead of hanging.
+        """
+        deadline = time.monotonic() + self.cfg.dht_timeout_s
+        while True:
+            try:
+                return future.result(timeout=max(0.0, min(1.0, deadline - time.monotonic())))
+            except FutureTimeout:  # concurrent.futures' own class on Python 3.10, the builtin from 3.11
+                if not self.dht.is_alive():
+                    raise ConnectionError(DHT_DIED) from None
+                if time.monotonic() >= deadline:
+                    logger.warning("a DHT %s took over %.0f s; going on without it", what, self.cfg.dht_timeout_s)
+                    return None
 
     def _read(self, *keys: str) -> list[dict[str, Any]]:
         """The entries (subkey -> value) under each key, looked up side by side.
 
         Each lookup costs one or two network round trips, so a poll that needs two keys asks for both at once
         instead of paying those trips twice. A lookup that outlasts ``dht_timeout_s`` reads as empty, which the
-        round logic treats like a record not there yet; a dead DHT process is an error, not an endless wait.
+        round logic treats like a record not there yet.
         """
         futures = [self.dht.get(key, latest=True, return_future=True) for key in keys]
         out = []
