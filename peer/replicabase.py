@@ -26,10 +26,10 @@ from typing import Any
 import torch
 
 from hlbp.peer.checkpoint import load_checkpoint, save_checkpoint
-from hlbp.peer.control import DHT_DIED
 from hlbp.peer.metrics import MetricsLog
 from hlbp.peer.outer import OuterConfig, make_outer
 from hlbp.peer.roundrules import majority_checksums
+from hlbp.peer.safedht import DHT_DIED
 from hlbp.peer.statesync import encode_state, fetch_state, shard_checksum, state_name
 from hlbp.peer.trainer import InnerTrainer
 from hlbp.peer.transport import BlobTransport, TransportError

@@ -202,12 +202,13 @@ def swarm(cfg: NetworkBenchConfig, model: str, n: int, data: Any) -> Iterator[Sw
     import hivemind
     from hivemind.averaging import DecentralizedAverager
 
-    from hlbp.peer.control import SafeDHT, load_or_create_identity
+    from hlbp.peer.control import load_or_create_identity
     from hlbp.peer.data import TokenStream
     from hlbp.peer.denserounds import sigint_preserved
     from hlbp.peer.model import build_model, preset, split
     from hlbp.peer.outer import OuterConfig
     from hlbp.peer.rounds import RoundConfig, RoundRunner
+    from hlbp.peer.safedht import SafeDHT
     from hlbp.peer.trainer import InnerTrainer, OptimConfig, micro_batches
     from hlbp.peer.transport import P2PBlobTransport
 

@@ -1,0 +1,79 @@
+"""hivemind's ``DHT``, made safe for records above 4 KiB, for calls from several threads, and for its own death.
+
+Why a module of its own: every node (bootstrap, replica, benchmark) starts its DHT through :class:`SafeDHT`, and
+the workaround touches two private attributes of hivemind's class, which belongs in one place.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import hivemind
+
+DHT_DIED = "the DHT process of this peer died; restart the peer (a replica resumes from its checkpoint)"
+
+
+class _SerialPipe:
+    """The caller's end of a DHT's command pipe, whose ``send`` holds a lock; everything else is the pipe's own."""
+
+    def __init__(self, conn: Any, alive: Callable[[], bool]) -> None:
+        self._conn = conn
+        self._alive = alive
+        self._owner = os.getpid()  # only the DHT's parent may ask whether it lives (hivemind's averager forks)
+        self._lock = threading.Lock()
+
+    def send(self, obj: Any) -> None:
+        # this process holds both ends of the pipe, so writing to a dead DHT process neither fails nor gets an
+        # answer: it only fills the pipe until a write blocks for ever
+        if os.getpid() == self._owner and not self._alive():
+            raise ConnectionError(DHT_DIED)
+        with self._lock:
+            self._conn.send(obj)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._conn, name)
+
+
+class _WholeMessagePipe:
+    """The DHT process's end of the command pipe, reading every message whole."""
+
+    def __init__(self, conn: Any) -> None:
+        self._conn = conn
+
+    def recv(self) -> Any:
+        # uvloop's add_reader made the fd non-blocking; poll() said a message has begun, and its writer is
+        # finishing it: wait for the rest instead of failing with EAGAIN halfway through
+        fd = self._conn.fileno()
+        os.set_blocking(fd, True)
+        try:
+            return self._conn.recv()
+        finally:
+            os.set_blocking(fd, False)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._conn, name)
+
+
+class SafeDHT(hivemind.DHT):
+    """hivemind's ``DHT``, safe for records above 4 KiB and for several calling threads.
+
+    Why: every call crosses one OS pipe into the DHT process. A message above PIPE_BUF (4 KiB: a round record of
+    many members, a large value) is written in pieces; hivemind reads it from a non-blocking fd, so a reader that
+    wakes between two pieces fails with EAGAIN, loses its place in the stream and the DHT process dies. Two threads
+    writing at once (our round runner, heartbeat, hivemind's averager) interleave their pieces with the same end.
+    Here writes are serialised and the DHT process waits for the rest of a message it has begun to read.
+    """
+
+    def __init__(self, *args: Any, start: bool, await_ready: bool = True, **kwargs: Any) -> None:
+        super().__init__(*args, start=False, **kwargs)
+        if start:
+            self.run_in_background(await_ready=await_ready)
+        # wrapped once the DHT process runs, so the lock never has to cross into it (spawn pickles the object)
+        self._outer_pipe = _SerialPipe(self._outer_pipe, self.is_alive)
+
+    def run(self) -> None:  # runs in the DHT process
+        self._inner_pipe = _WholeMessagePipe(self._inner_pipe)
+        super().run()
