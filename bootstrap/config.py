@@ -27,7 +27,7 @@ from typing import Any
 import msgpack
 import tomllib
 
-from hlbp.peer.errors import UserInputError
+from hlbp.peer.common.errors import UserInputError
 from hlbp.protocol import ProtocolError
 from hlbp.protocol.records import (
     PROTOCOL_VERSION,
@@ -52,7 +52,7 @@ class RunConfig:
     model: str = "tiny"  # preset name
     n_stages: int = 2  # pipeline stages, split evenly over the layers, unless stages is given
     stages: list[list[int]] | None = None  # explicit [start, end) layer ranges
-    data_recipe: str = "builtin"  # corpus spec for hlbp.peer.data
+    data_recipe: str = "builtin"  # corpus spec for hlbp.peer.data.streams
     vocab_size: int = 8192  # BPE size when the bootstrap trains the tokenizer
     model_overrides: dict[str, Any] = field(default_factory=dict)
     hparams: dict[str, Any] = field(default_factory=dict)  # fields of records.Hyperparameters
@@ -89,7 +89,7 @@ def load_run_config(path: Path | None) -> RunConfig:
 def _partition(cfg: RunConfig) -> list[list[int]]:
     if cfg.stages is not None:
         return cfg.stages
-    from hlbp.peer.model import partition, preset
+    from hlbp.peer.model.decoder import partition, preset
 
     config = preset(cfg.model, **cfg.model_overrides)
     return [list(s) for s in partition(config.n_layers, cfg.n_stages)]

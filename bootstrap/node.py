@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hlbp.bootstrap.config import build_manifest, load_run_config
-from hlbp.peer.control import (
+from hlbp.peer.common.errors import UserInputError
+from hlbp.peer.net.control import (
     ControlPlane,
     Heartbeat,
     NetworkConfig,
@@ -22,7 +23,6 @@ from hlbp.peer.control import (
     load_or_create_identity,
     software_version,
 )
-from hlbp.peer.errors import UserInputError
 from hlbp.protocol.records import (
     Announcement,
     Hyperparameters,
@@ -54,15 +54,15 @@ class BootstrapConfig:
     identity: Path = field(default_factory=default_identity_path)  # persistent key file, created 0400 if absent
     run_config: Path | None = None  # TOML run config; None: defaults
     tokenizer: Path | None = None  # tokenizer.json to publish; None: prepare it from the data recipe
-    cache_dir: Path | None = None  # hlbp.peer.data's cache for corpus and tokenizer
+    cache_dir: Path | None = None  # hlbp.peer.data.streams's cache for corpus and tokenizer
     ttl: float = 60.0  # seconds the manifest and the bootstrap's record live without a refresh
     outer: str | None = None  # overrides the run config's hparams.outer (sparseloco or diloco)
 
 
 def resolve_tokenizer(path: Path | None, recipe: str, cache_dir: Path | None, vocab_size: int) -> tuple[Path, bytes]:
-    """The run's tokenizer.json and its bytes: the given file, or the one hlbp.peer.data trains for the recipe."""
+    """The run's tokenizer.json and its bytes: the given file, or the one hlbp.peer.data.streams trains for the recipe."""
     if path is None:
-        from hlbp.peer.data import prepare_data
+        from hlbp.peer.data.streams import prepare_data
 
         path = prepare_data(recipe, cache_dir, vocab_size=vocab_size).tokenizer_path
     path = Path(path).expanduser()

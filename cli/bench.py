@@ -7,7 +7,7 @@ from pathlib import Path
 import typer
 
 from hlbp.cli.options import make_console, opt
-from hlbp.peer.errors import UserInputError
+from hlbp.peer.common.errors import UserInputError
 
 bench_app = typer.Typer(help="Benchmarks: each prints a short table and writes JSON with --out.", no_args_is_help=True)
 console = make_console()
@@ -104,7 +104,7 @@ def heterogeneous(
     import torch
 
     from hlbp.peer.bench.heterogeneous import HeterogeneousBenchConfig, run_heterogeneous_bench
-    from hlbp.peer.subspace import CodecConfig
+    from hlbp.peer.model.subspace import CodecConfig
 
     if threads:
         torch.set_num_threads(threads)

@@ -21,7 +21,7 @@ from rich.console import Console
 from rich.table import Table
 
 from hlbp.cli.options import make_console, opt, run_app
-from hlbp.peer.errors import UserInputError
+from hlbp.peer.common.errors import UserInputError
 
 err_console = make_console()
 
@@ -94,7 +94,7 @@ def bootstrap(
     Stops cleanly on SIGTERM or Ctrl-C.
     """
     from hlbp.bootstrap.node import BootstrapConfig, default_identity_path, run_bootstrap
-    from hlbp.peer.control import NetworkConfig
+    from hlbp.peer.net.control import NetworkConfig
 
     _setup_logging()
     cfg = BootstrapConfig(
@@ -172,9 +172,9 @@ def join(
     holds its place in its pipeline swarm (pipeline traffic over the network is not wired in yet).
     SIGTERM or Ctrl-C marks the peer offline and leaves within seconds.
     """
-    from hlbp.peer.control import NetworkConfig
-    from hlbp.peer.join import JoinConfig, TrainContext, default_train_hook
-    from hlbp.peer.join import join as do_join
+    from hlbp.peer.net.control import NetworkConfig
+    from hlbp.peer.node.join import JoinConfig, TrainContext, default_train_hook
+    from hlbp.peer.node.join import join as do_join
 
     _setup_logging()
     if probe_mb <= 0 or max_steps is not None and max_steps < 0:
@@ -203,7 +203,7 @@ def join(
             _echo("holding this stage until pipeline rounds are wired in; Ctrl-C or SIGTERM to leave")
             default_train_hook(ctx)
         elif not local_only and not stop.is_set():
-            from hlbp.peer.replica import ReplicaOptions, replica_train_hook
+            from hlbp.peer.node.replica import ReplicaOptions, replica_train_hook
 
             if (rounds is not None and rounds < 0 or inject_delay < 0 or checkpoint_every < 0 or wait_replicas < 0
                     or wait_replicas_timeout < 0):
@@ -244,8 +244,8 @@ def status(
     """Show the run's peers from the DHT: role, swarm, stage, version, throughput, bandwidth, last seen."""
     import tempfile
 
-    from hlbp.peer.control import ControlPlane, NetworkConfig, dht_time
-    from hlbp.peer.join import trusted_signers
+    from hlbp.peer.net.control import ControlPlane, NetworkConfig, dht_time
+    from hlbp.peer.node.join import trusted_signers
 
     _setup_logging()
     peers_list = _split(initial_peers)
@@ -293,7 +293,7 @@ def status_report(signed: Any, records: dict[str, Any], now: float, show_offline
                   checks: list[Any] = ()) -> dict[str, Any]:
     """The JSON shape of ``hlbp status --json``: the run, its newest round, then one entry per peer sorted by role,
     swarm, stage (replicas with the last round they finished and whether their state is the agreed one)."""
-    from hlbp.peer.roundrules import round_standing
+    from hlbp.peer.rounds.rules import round_standing
 
     m = signed.manifest
     standing = round_standing(checks)

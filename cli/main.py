@@ -73,8 +73,8 @@ def train(
     progress: bool = opt(True, "--progress/--no-progress", env="PROGRESS", help="Show a progress bar."),
 ) -> None:
     """Train one model locally on this machine (no peers): the inner trainer on its own."""
-    from hlbp.peer.localrun import LocalRunConfig, run_local_training
-    from hlbp.peer.trainer import OptimConfig
+    from hlbp.peer.train.local import LocalRunConfig, run_local_training
+    from hlbp.peer.train.trainer import OptimConfig
 
     cfg = LocalRunConfig(
         model=model, steps=steps, batch_size=batch_size, seq_len=seq_len, data=data, vocab_size=vocab_size,

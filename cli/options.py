@@ -23,7 +23,7 @@ def opt(default: Any, *flags: str, env: str, help: str, **kwargs: Any) -> Any:
 
 def run_app(app: typer.Typer, console: Console) -> None:
     """Run a typer app; user and protocol errors become one line on stderr and exit status 2, never a traceback."""
-    from hlbp.peer.errors import UserInputError
+    from hlbp.peer.common.errors import UserInputError
     from hlbp.protocol import ProtocolError
 
     try:

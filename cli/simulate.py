@@ -1,6 +1,6 @@
 """``hlbp simulate``: a whole swarm of full replicas on loopback, with a live table and a summary report.
 
-A thin shell over :mod:`hlbp.peer.simulate`: flags (each also an ``HLBP_*`` variable) become a SimConfig, the
+A thin shell over :mod:`hlbp.peer.sim.launcher`: flags (each also an ``HLBP_*`` variable) become a SimConfig, the
 peers' metrics feed a rich live table, and the report is printed and optionally written as JSON.
 """
 
@@ -16,7 +16,7 @@ from rich.live import Live
 from rich.table import Table
 
 from hlbp.cli.options import make_console, opt
-from hlbp.peer.errors import UserInputError
+from hlbp.peer.common.errors import UserInputError
 
 console = make_console()
 
@@ -92,7 +92,7 @@ def simulate(
     waiting, and the dense fp32 bytes the same exchange would have needed. Every process is stopped at the end,
     also on Ctrl-C.
     """
-    from hlbp.peer.simulate import SimConfig, run_simulation
+    from hlbp.peer.sim.launcher import SimConfig, run_simulation
 
     if quick:
         full, rounds, inner_steps = 2, 2, 5

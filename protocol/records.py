@@ -224,11 +224,11 @@ class Manifest:
 
     run_id: str  # names the run's DHT keys
     seed: int  # seeds model init, data order and the subspace bases
-    model: str  # model preset name (hlbp.peer.model.PRESETS)
+    model: str  # model preset name (hlbp.peer.model.decoder.PRESETS)
     tokenizer_hash: str  # sha256 of tokenizer.json
     stages: tuple[tuple[int, int], ...]  # pipeline partition: [start_layer, end_layer) per stage
     model_overrides: dict[str, _OverrideValue] = field(default_factory=dict)  # preset fields changed for this run
-    data_recipe: str = "builtin"  # corpus spec, as hlbp.peer.data understands it
+    data_recipe: str = "builtin"  # corpus spec, as hlbp.peer.data.streams understands it
     hparams: Hyperparameters = field(default_factory=Hyperparameters)
     codec: ActivationCodec = field(default_factory=ActivationCodec)
     placement: Placement = field(default_factory=Placement)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from hlbp.peer.data import PreparedData, builtin_documents, default_cache_dir, prepare_data
+from hlbp.peer.data.streams import PreparedData, builtin_documents, default_cache_dir, prepare_data
 
 
 @pytest.fixture(scope="session")

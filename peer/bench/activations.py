@@ -27,11 +27,16 @@ from rich.console import Console
 from torch import nn
 
 from hlbp.peer.bench.report import print_table, write_result
-from hlbp.peer.data import TokenStream, prepare_data, val_batches
-from hlbp.peer.model import preset
-from hlbp.peer.outer import OuterConfig, SparseLoCo
-from hlbp.peer.pipeline import PipelineModel, PipelineReplica, initial_state, make_replica, run_model_config
-from hlbp.peer.subspace import (
+from hlbp.peer.data.streams import TokenStream, prepare_data, val_batches
+from hlbp.peer.model.decoder import preset
+from hlbp.peer.model.pipeline import (
+    PipelineModel,
+    PipelineReplica,
+    initial_state,
+    make_replica,
+    run_model_config,
+)
+from hlbp.peer.model.subspace import (
     CONSTRAINED,
     SHORT_NAMES,
     VARIANTS,
@@ -40,7 +45,8 @@ from hlbp.peer.subspace import (
     make_codec,
     off_span,
 )
-from hlbp.peer.trainer import OptimConfig, micro_batches, pick_device
+from hlbp.peer.rounds.outer import OuterConfig, SparseLoCo
+from hlbp.peer.train.trainer import OptimConfig, micro_batches, pick_device
 
 LOSSLESS_REL_ERR = 1e-5  # variant A over an fp32 wire must reconstruct this well to count as lossless
 

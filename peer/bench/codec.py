@@ -13,7 +13,7 @@ Rows, all from the same run and the same input: SparseLoCo with the entropy inde
 ``entropy_ks`` and with the reference packed12 format at each k of ``packed12_ks``; dense fp32 and bf16
 (DiLoCo's wire formats); and zstd alone over the fp32 safetensors bytes, to show what a general-purpose
 compressor gets from float noise. Sparse and dense rows go through the real wire path
-(:func:`hlbp.peer.wire.contribution_to_bytes` and back), so their byte counts include the envelope; the zstd
+(:func:`hlbp.peer.rounds.contribution.contribution_to_bytes` and back), so their byte counts include the envelope; the zstd
 row is a bare frame without one.
 
 Columns:
@@ -51,12 +51,12 @@ import zstandard
 from rich.console import Console
 
 from hlbp.peer.bench.report import print_table, write_result
-from hlbp.peer.data import PreparedData, TokenStream, prepare_data
-from hlbp.peer.errors import UserInputError
-from hlbp.peer.model import build_model, preset
-from hlbp.peer.outer import DiLoCo, OuterConfig, SparseLoCo, pseudo_gradient
-from hlbp.peer.trainer import InnerTrainer, OptimConfig, micro_batches, pick_device
-from hlbp.peer.wire import contribution_from_bytes, contribution_to_bytes
+from hlbp.peer.common.errors import UserInputError
+from hlbp.peer.data.streams import PreparedData, TokenStream, prepare_data
+from hlbp.peer.model.decoder import build_model, preset
+from hlbp.peer.rounds.contribution import contribution_from_bytes, contribution_to_bytes
+from hlbp.peer.rounds.outer import DiLoCo, OuterConfig, SparseLoCo, pseudo_gradient
+from hlbp.peer.train.trainer import InnerTrainer, OptimConfig, micro_batches, pick_device
 from hlbp.protocol.dense import decode_dense, encode_dense
 from hlbp.protocol.sparse import decompress
 
@@ -88,9 +88,9 @@ class CodecBenchConfig:
     repeats: int = 3  # warm runs per row, after one cold run that is reported apart; the median is shown
     zstd_level: int = 3  # level of the zstd-only row
     seed: int = 0  # model init, data windows and the synthetic draws
-    data: str = "builtin"  # corpus spec for the real inputs, as hlbp.peer.data reads it
+    data: str = "builtin"  # corpus spec for the real inputs, as hlbp.peer.data.streams reads it
     vocab_size: int = 8192  # tokenizer size, and so the embedding and head sizes
-    cache_dir: Path | None = None  # corpus and tokenizer cache; None: hlbp.peer.data's default
+    cache_dir: Path | None = None  # corpus and tokenizer cache; None: hlbp.peer.data.streams's default
     device: str = "auto"  # where the real inputs are trained; every codec runs on the CPU, as peers run it
 
     def validate(self) -> None:

@@ -16,11 +16,11 @@ import torch
 from rich.console import Console
 
 from hlbp.peer.bench.report import print_table, write_result
-from hlbp.peer.data import prepare_data
-from hlbp.peer.model import preset
-from hlbp.peer.outer import OuterConfig
-from hlbp.peer.simulation import SimConfig, make_full_replicas, run_outer_simulation, run_single_adamw
-from hlbp.peer.trainer import OptimConfig, pick_device
+from hlbp.peer.data.streams import prepare_data
+from hlbp.peer.model.decoder import preset
+from hlbp.peer.rounds.outer import OuterConfig
+from hlbp.peer.sim.engine import SimConfig, make_full_replicas, run_outer_simulation, run_single_adamw
+from hlbp.peer.train.trainer import OptimConfig, pick_device
 
 
 @dataclass

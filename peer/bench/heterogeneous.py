@@ -11,7 +11,7 @@ pipelines, the loss the global model scores when run through the compressed pipe
 
 How the shared outer step stays consistent when only some replicas compress: the global model is one function,
 so in the variants A every replica, full ones included, trains the constrained network
-(:func:`hlbp.peer.pipeline.run_model_config`). That network applies U·Uᵀ to its embedding and writers in the
+(:func:`hlbp.peer.model.pipeline.run_model_config`). That network applies U·Uᵀ to its embedding and writers in the
 forward pass, so the parameters the sparse outer step produces are projected by every replica in the same,
 deterministic way, and each replica re-projects its inner steps' changes (``SubspaceConstraint``), so no
 pseudo-gradient carries anything outside span(U). The variants A therefore cost every replica the constraint,
@@ -30,13 +30,13 @@ import torch
 from rich.console import Console
 
 from hlbp.peer.bench.report import print_table, write_result
-from hlbp.peer.data import TokenStream, prepare_data, val_batches
-from hlbp.peer.model import ModelConfig, preset
-from hlbp.peer.outer import OuterConfig
-from hlbp.peer.pipeline import PipelineReplica, initial_state, make_replica, run_model_config
-from hlbp.peer.simulation import SimConfig, run_outer_simulation
-from hlbp.peer.subspace import SHORT_NAMES, VARIANTS, CodecConfig
-from hlbp.peer.trainer import OptimConfig, evaluate, micro_batches, pick_device
+from hlbp.peer.data.streams import TokenStream, prepare_data, val_batches
+from hlbp.peer.model.decoder import ModelConfig, preset
+from hlbp.peer.model.pipeline import PipelineReplica, initial_state, make_replica, run_model_config
+from hlbp.peer.model.subspace import SHORT_NAMES, VARIANTS, CodecConfig
+from hlbp.peer.rounds.outer import OuterConfig
+from hlbp.peer.sim.engine import SimConfig, run_outer_simulation
+from hlbp.peer.train.trainer import OptimConfig, evaluate, micro_batches, pick_device
 
 SPLITS = ("none", "half", "all")
 

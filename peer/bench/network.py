@@ -5,14 +5,14 @@ p2pd streams, the accepted-set protocol) next to the honest dense baseline, hive
 ``DecentralizedAverager`` averaging fp32 pseudo-gradients of the same size (DiLoCo's exchange).
 
 Setup, per (model preset, peer count N): one bootstrap DHT and N peer DHTs in this process (each peer's identity
-file is its p2pd identity). On the same N DHTs sit N :class:`~hlbp.peer.rounds.RoundRunner` (SparseLoCo, one
+file is its p2pd identity). On the same N DHTs sit N :class:`~hlbp.peer.rounds.sparseloco.RoundRunner` (SparseLoCo, one
 thread each) and N ``DecentralizedAverager`` over random fp32 tensors shaped like every model parameter. After
 one warm-up round of each (connections, first-touch buffers), the two methods alternate round by round, so that
 the load of whatever else shares the machine falls on both alike.
 
 What is timed (the communication part of a round, from "contributions ready" to "new parameters applied"):
 
-- SparseLoCo: ``comm_s + wait_s`` of the runner's :class:`~hlbp.peer.rounds.RoundStats`. It includes encoding
+- SparseLoCo: ``comm_s + wait_s`` of the runner's :class:`~hlbp.peer.rounds.sparseloco.RoundStats`. It includes encoding
   the contribution, the notice and accepted-set DHT records, fetching and decoding the payloads, applying the
   outer step, and the checksum exchange that follows. Inner training is one step on a batch of one short
   sequence, so the compute any peer waits for in ``wait_s`` is negligible next to it.
@@ -32,7 +32,7 @@ Bytes per peer per round:
 
 Physical floor: the bytes one peer receives per round (the analytic figure for dense) over the link rate. The
 link rate is either given (``link_mbps``, Mbit/s) or measured once: the median rate of three fetches of a
-``link_probe_mib`` MiB blob between two peers through :class:`~hlbp.peer.transport.P2PBlobTransport`. On
+``link_probe_mib`` MiB blob between two peers through :class:`~hlbp.peer.net.transport.P2PBlobTransport`. On
 loopback the N peers share the machine's cores, so a ratio well above 1 is expected for both methods.
 
 Shaped link (``shaped_mbps``, ``hlbp bench network --shape-mbps R``, root only): on unshaped loopback bytes are
@@ -67,7 +67,7 @@ import torch
 from rich.console import Console
 
 from hlbp.peer.bench.report import print_table, write_result
-from hlbp.peer.errors import UserInputError
+from hlbp.peer.common.errors import UserInputError
 
 clock = time.perf_counter
 LOCAL = ["/ip4/127.0.0.1/tcp/0"]
@@ -202,15 +202,15 @@ def swarm(cfg: NetworkBenchConfig, model: str, n: int, data: Any) -> Iterator[Sw
     import hivemind
     from hivemind.averaging import DecentralizedAverager
 
-    from hlbp.peer.control import load_or_create_identity
-    from hlbp.peer.data import TokenStream
-    from hlbp.peer.denserounds import sigint_preserved
-    from hlbp.peer.model import build_model, preset, split
-    from hlbp.peer.outer import OuterConfig
-    from hlbp.peer.rounds import RoundConfig, RoundRunner
-    from hlbp.peer.safedht import SafeDHT
-    from hlbp.peer.trainer import InnerTrainer, OptimConfig, micro_batches
-    from hlbp.peer.transport import P2PBlobTransport
+    from hlbp.peer.data.streams import TokenStream
+    from hlbp.peer.model.decoder import build_model, preset, split
+    from hlbp.peer.net.control import load_or_create_identity
+    from hlbp.peer.net.dht import SafeDHT
+    from hlbp.peer.net.transport import P2PBlobTransport
+    from hlbp.peer.rounds.diloco import sigint_preserved
+    from hlbp.peer.rounds.outer import OuterConfig
+    from hlbp.peer.rounds.sparseloco import RoundConfig, RoundRunner
+    from hlbp.peer.train.trainer import InnerTrainer, OptimConfig, micro_batches
 
     model_cfg = preset(model, vocab_size=data.vocab_size, max_seq_len=cfg.seq_len)
     with torch.device("meta"):
@@ -364,7 +364,7 @@ def summarise(rounds: list[dict[str, Any]], n: int, link_bps: float, wire_bytes:
 
 def run_network_bench(cfg: NetworkBenchConfig, out: Path | None, console: Console) -> dict[str, Any]:
     """Run every (model, N) configuration, print the table, and write the JSON document when ``out`` is set."""
-    from hlbp.peer.data import prepare_data
+    from hlbp.peer.data.streams import prepare_data
 
     cfg.check()
     load_before = os.getloadavg()
@@ -529,7 +529,7 @@ def run_shaped(cfg: NetworkBenchConfig, out: Path | None, console: Console, thre
     The namespace is deleted afterwards, also after an error or Ctrl-C. Raises UserInputError when shaping is
     impossible here (not root, no ``ip``/``tc``, no tbf).
     """
-    from hlbp.peer.data import prepare_data
+    from hlbp.peer.data.streams import prepare_data
 
     cfg.check()
     if cfg.shaped_mbps is None:

@@ -1,12 +1,12 @@
 """``hlbp bench swarm``: the same loopback swarm twice, SparseLoCo rounds and hivemind's dense DiLoCo rounds.
 
 Why: ``hlbp bench network`` isolates the exchange (one process, synthetic compute); this benchmark runs what a
-user runs. Each method gets a bootstrap and N ``hlbp join`` processes with their own p2pd (:mod:`hlbp.peer.simulate`),
+user runs. Each method gets a bootstrap and N ``hlbp join`` processes with their own p2pd (:mod:`hlbp.peer.sim.launcher`),
 the same model, data, seed and hyperparameters, one after the other, and the table compares what each round cost:
 bytes per peer (measured for SparseLoCo; hivemind's all-reduce bytes are analytic, ``2(N-1)/N x 4 B x params``,
 since its transport counts none), communication and waiting seconds, utilization and validation loss, with
 SparseLoCo / DiLoCo ratios. Run back to back on a shared machine, seconds are noisy; bytes and losses are not.
-With ``wan_delay_ms`` / ``wan_mbps`` every peer sits behind :mod:`hlbp.peer.wanlink`'s delaying, rate-limiting
+With ``wan_delay_ms`` / ``wan_mbps`` every peer sits behind :mod:`hlbp.peer.net.wanlink`'s delaying, rate-limiting
 proxy, so both methods run over the same emulated internet links.
 """
 
@@ -21,7 +21,7 @@ from typing import Any
 from rich.console import Console
 
 from hlbp.peer.bench.report import print_table, write_result
-from hlbp.peer.errors import UserInputError
+from hlbp.peer.common.errors import UserInputError
 
 METHODS = ("sparseloco", "diloco")
 
@@ -39,7 +39,7 @@ class SwarmBenchConfig:
     seed: int = 0
     threads: int = 1  # torch threads per replica process
     timeout_s: float = 900.0  # per method
-    wan_delay_ms: float = 0.0  # emulated one-way delay in front of every peer (hlbp.peer.wanlink)
+    wan_delay_ms: float = 0.0  # emulated one-way delay in front of every peer (hlbp.peer.net.wanlink)
     wan_mbps: float | None = None  # emulated per-peer link rate, each direction
     cache_dir: Path | None = None
 
@@ -56,7 +56,7 @@ class SwarmBenchConfig:
 
 
 def method_summary(report: dict[str, Any]) -> dict[str, Any]:
-    """The numbers the comparison needs from one :func:`hlbp.peer.simulate.run_simulation` report."""
+    """The numbers the comparison needs from one :func:`hlbp.peer.sim.launcher.run_simulation` report."""
     rounds = report["rounds"]
     n = max(1, len(rounds))
     vals = [v for v in report["val_loss"] if v is not None]
@@ -89,7 +89,7 @@ def compare(sparse: dict[str, Any], dense: dict[str, Any]) -> dict[str, float | 
 
 def run_swarm_bench(cfg: SwarmBenchConfig, out: Path | None, console: Console) -> dict[str, Any]:
     """Run the swarm with each method, print the side-by-side table, and write JSON when ``out`` is set."""
-    from hlbp.peer.simulate import SimConfig, run_simulation
+    from hlbp.peer.sim.launcher import SimConfig, run_simulation
 
     cfg.check()
     results: dict[str, Any] = {}

@@ -36,7 +36,7 @@ def spawn(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., Pr
 @pytest.fixture(scope="module")
 def observer_factory() -> Iterator[Callable[[str], Any]]:
     """In-process DHT clients (hivemind's DHT in a child process), shut down after the test."""
-    from hlbp.peer.control import ControlPlane, NetworkConfig
+    from hlbp.peer.net.control import ControlPlane, NetworkConfig
 
     planes: list[Any] = []
     dirs: list[Any] = []

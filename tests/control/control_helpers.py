@@ -13,7 +13,7 @@ import socket
 from collections.abc import Callable
 from pathlib import Path
 
-from hlbp.peer.simulate import LOOPBACK, PeerProcess, poll
+from hlbp.peer.sim.launcher import LOOPBACK, PeerProcess, poll
 
 __all__ = ["LOOPBACK", "Proc", "free_tcp_port", "joiner_peer_id", "poll", "start_bootstrap", "start_joiner", "write_run"]
 

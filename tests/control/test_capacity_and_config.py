@@ -6,8 +6,14 @@ import pytest
 import torch
 
 from hlbp.bootstrap.config import build_manifest, load_run_config
-from hlbp.peer.capacity import WarmupSpec, available_memory_gb, measure, measure_bandwidth, measure_throughput
-from hlbp.peer.errors import UserInputError
+from hlbp.peer.common.errors import UserInputError
+from hlbp.peer.node.capacity import (
+    WarmupSpec,
+    available_memory_gb,
+    measure,
+    measure_bandwidth,
+    measure_throughput,
+)
 
 
 def test_available_memory_is_positive():

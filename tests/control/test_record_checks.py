@@ -10,7 +10,8 @@ from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord
 from hivemind.utils import MSGPackSerializer
 
-from hlbp.peer.control import (
+from hlbp.peer.common.errors import UserInputError
+from hlbp.peer.net.control import (
     RecordReader,
     check_initial_peers,
     choose_manifest,
@@ -18,7 +19,6 @@ from hlbp.peer.control import (
     load_or_create_identity,
     record_validator,
 )
-from hlbp.peer.errors import UserInputError
 from hlbp.protocol.identity import Identity, seal
 from hlbp.protocol.records import (
     KIND_MANIFEST,
@@ -55,7 +55,7 @@ def test_validator_accepts_owned_records_and_refuses_forgeries_logging_each_once
     garbage = _dht_record(peers_key("r"), "x", b"\xc1garbage", now + 30)
     outliving = _dht_record(peers_key("r"), owner.peer_id, good, now + 3600)  # replayed with a longer life
     not_a_peer_subkey = _dht_record(peers_key("r"), 17, good, now + 30)
-    with caplog.at_level(logging.WARNING, logger="hlbp.peer.control"):
+    with caplog.at_level(logging.WARNING, logger="hlbp.peer.net.control"):
         for _ in range(3):
             for record in (forged, garbage, outliving, not_a_peer_subkey):
                 assert not validator.validate(record)
@@ -93,7 +93,7 @@ def test_reader_skips_bad_entries_logs_once_and_keeps_offline_peers(caplog):
         "other-run": encode_announcement(_ann(now, run_id="q"), c),
     }
     reader = RecordReader()
-    with caplog.at_level(logging.WARNING, logger="hlbp.peer.control"):
+    with caplog.at_level(logging.WARNING, logger="hlbp.peer.net.control"):
         for _ in range(5):
             found = reader.announcements(entries, "r", now)
             assert set(found) == {a.peer_id, b.peer_id}

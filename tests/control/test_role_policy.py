@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from hlbp.peer.roles import Capacity, PeerView, Thresholds, choose_role, estimate_memory_gb
+from hlbp.peer.node.roles import Capacity, PeerView, Thresholds, choose_role, estimate_memory_gb
 
 T = Thresholds(replica_memory_gb=10.0, stage_memory_gb=3.0, replica_min_throughput=1000.0, max_peers_per_stage=1)
 STRONG = Capacity(memory_gb=32.0, throughput=5000.0, bandwidth=1e8)

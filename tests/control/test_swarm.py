@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from control_helpers import LOOPBACK, Proc, free_tcp_port, joiner_peer_id, poll, start_bootstrap, start_joiner
 
-from hlbp.peer.join import thresholds_for
-from hlbp.peer.roles import Capacity, PeerView, choose_role
+from hlbp.peer.node.join import thresholds_for
+from hlbp.peer.node.roles import Capacity, PeerView, choose_role
 from hlbp.protocol.identity import Identity, seal
 from hlbp.protocol.records import (
     KIND_ANNOUNCEMENT,

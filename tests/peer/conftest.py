@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from hlbp.peer.corpus import builtin_documents
+from hlbp.peer.data.corpus import builtin_documents
 
 
 @pytest.fixture(scope="session")

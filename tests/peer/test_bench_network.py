@@ -29,7 +29,7 @@ from hlbp.peer.bench.network import (
     summarise,
     tbf_burst_bytes,
 )
-from hlbp.peer.errors import UserInputError
+from hlbp.peer.common.errors import UserInputError
 
 
 @pytest.mark.slow

@@ -1,4 +1,4 @@
-"""Tests for hlbp.peer.corpus: user files, folders, datasets, bad input and the real built-in corpus."""
+"""Tests for hlbp.peer.data.corpus: user files, folders, datasets, bad input and the real built-in corpus."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from hlbp.peer import corpus as C
-from hlbp.peer.errors import UserInputError
+from hlbp.peer.common.errors import UserInputError
+from hlbp.peer.data import corpus as C
 
 # --- loading ------------------------------------------------------------------------------------------------------
 

@@ -1,4 +1,4 @@
-"""Tests for hlbp.peer.data: tokenizer, validation split, token cache and streams, on real files."""
+"""Tests for hlbp.peer.data.streams: tokenizer, validation split, token cache and streams, on real files."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from hlbp.peer import data as D
-from hlbp.peer.errors import UserInputError
+from hlbp.peer.common.errors import UserInputError
+from hlbp.peer.data import streams as D
 
 WORDS = ("river", "stone", "light", "garden", "winter", "harbor", "engine", "signal", "forest")
 

@@ -3,8 +3,16 @@
 import pytest
 import torch
 
-from hlbp.peer.errors import UserInputError
-from hlbp.peer.model import PRESETS, build_model, count_parameters, load_from_full, partition, preset, split
+from hlbp.peer.common.errors import UserInputError
+from hlbp.peer.model.decoder import (
+    PRESETS,
+    build_model,
+    count_parameters,
+    load_from_full,
+    partition,
+    preset,
+    split,
+)
 
 
 def _chain(stages, x):

@@ -2,7 +2,7 @@
 
 import torch
 
-from hlbp.peer.outer import DiLoCo, OuterConfig, SparseLoCo, make_outer
+from hlbp.peer.rounds.outer import DiLoCo, OuterConfig, SparseLoCo, make_outer
 from hlbp.protocol.sparse import decompress
 
 

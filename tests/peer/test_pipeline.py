@@ -8,12 +8,10 @@ import pytest
 import torch
 
 from hlbp.peer.bench.heterogeneous import HeterogeneousBenchConfig, cells, half_vs_all
-from hlbp.peer.data import TokenStream, val_batches
-from hlbp.peer.model import ModelConfig, build_model
-from hlbp.peer.outer import OuterConfig, SparseLoCo
-from hlbp.peer.pipeline import build_pipeline, initial_state, make_replica, run_model_config
-from hlbp.peer.simulation import FullReplica, SimConfig, run_outer_simulation
-from hlbp.peer.subspace import (
+from hlbp.peer.data.streams import TokenStream, val_batches
+from hlbp.peer.model.decoder import ModelConfig, build_model
+from hlbp.peer.model.pipeline import build_pipeline, initial_state, make_replica, run_model_config
+from hlbp.peer.model.subspace import (
     CodecConfig,
     constrained_names,
     drift_table,
@@ -22,7 +20,9 @@ from hlbp.peer.subspace import (
     project_writer,
     subspace_basis,
 )
-from hlbp.peer.trainer import InnerTrainer, OptimConfig, evaluate, micro_batches
+from hlbp.peer.rounds.outer import OuterConfig, SparseLoCo
+from hlbp.peer.sim.engine import FullReplica, SimConfig, run_outer_simulation
+from hlbp.peer.train.trainer import InnerTrainer, OptimConfig, evaluate, micro_batches
 from hlbp.protocol.activations import frame_size
 
 CPU = torch.device("cpu")

@@ -7,9 +7,9 @@ import urllib.request
 
 import pytest
 
-from hlbp.peer.errors import UserInputError
-from hlbp.peer.promexport import MetricsServer, PeerMetrics, render
-from hlbp.peer.replicabase import RoundStats
+from hlbp.peer.common.errors import UserInputError
+from hlbp.peer.net.prometheus import MetricsServer, PeerMetrics, render
+from hlbp.peer.rounds.loop import RoundStats
 
 
 def _stats(r: int, accepted: bool) -> RoundStats:

@@ -2,13 +2,13 @@
 
 import torch
 
-from hlbp.peer.roundrules import (
+from hlbp.peer.rounds.rules import (
     adapt_window,
     coordinator_order,
     majority_checksums,
     pick_accepted,
 )
-from hlbp.peer.statesync import shard_checksum
+from hlbp.peer.rounds.statesync import shard_checksum
 from hlbp.protocol.roundrecords import AcceptedSet, ShardChecks
 
 PEERS = [f"12D3KooWpeer{i:02d}xxxxxxxxxxxxxxxx" for i in range(6)]
@@ -55,7 +55,7 @@ def test_shard_checksum_sees_every_bit():
 
 
 def test_close_verdict_waits_for_the_minimum_then_closes_empty() -> None:
-    from hlbp.peer.roundrules import close_verdict
+    from hlbp.peer.rounds.rules import close_verdict
 
     assert close_verdict(3, 3, now=5.0, first_seen=0.0, max_window=60.0, rank=0, takeover_s=3.0) == "members"
     assert close_verdict(2, 3, now=5.0, first_seen=0.0, max_window=60.0, rank=0, takeover_s=3.0) == "wait"
@@ -66,7 +66,7 @@ def test_close_verdict_waits_for_the_minimum_then_closes_empty() -> None:
 
 
 def test_round_standing_for_status() -> None:
-    from hlbp.peer.roundrules import round_standing
+    from hlbp.peer.rounds.rules import round_standing
 
     a, b = "a" * 64, "b" * 64
     sparse = [ShardChecks("p1", 5, {0: a}), ShardChecks("p2", 5, {0: a}), ShardChecks("p3", 5, {0: b}),

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hlbp.peer.errors import UserInputError
-from hlbp.peer.model import ModelConfig, build_model
-from hlbp.peer.subspace import (
+from hlbp.peer.common.errors import UserInputError
+from hlbp.peer.model.decoder import ModelConfig, build_model
+from hlbp.peer.model.subspace import (
     CodecConfig,
     DenseCodec,
     SubspaceCodec,

@@ -5,11 +5,11 @@ import dataclasses
 import pytest
 import torch
 
-from hlbp.peer.checkpoint import load_checkpoint, save_checkpoint
-from hlbp.peer.data import TokenStream
-from hlbp.peer.errors import UserInputError
-from hlbp.peer.model import build_model, preset
-from hlbp.peer.trainer import InnerTrainer, OptimConfig, lr_at, micro_batches
+from hlbp.peer.common.errors import UserInputError
+from hlbp.peer.data.streams import TokenStream
+from hlbp.peer.model.decoder import build_model, preset
+from hlbp.peer.train.checkpoint import load_checkpoint, save_checkpoint
+from hlbp.peer.train.trainer import InnerTrainer, OptimConfig, lr_at, micro_batches
 
 
 def _trainer(data, steps=20, init_seed=0):

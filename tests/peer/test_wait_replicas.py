@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 import time
 
-from hlbp.peer.replica import wait_for_replicas
+from hlbp.peer.node.replica import wait_for_replicas
 
 
 def test_returns_once_enough_replicas_are_announced() -> None:

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from hlbp.peer.wanlink import Link, WanEmulator
+from hlbp.peer.net.wanlink import Link, WanEmulator
 
 
 def _echo_server() -> tuple[socket.socket, int]:

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from hlbp.peer.outer import OuterConfig, make_outer
-from hlbp.peer.wire import contribution_from_bytes, contribution_to_bytes
+from hlbp.peer.rounds.contribution import contribution_from_bytes, contribution_to_bytes
+from hlbp.peer.rounds.outer import OuterConfig, make_outer
 from hlbp.protocol import ProtocolError
 from hlbp.protocol.sparse import decompress
 

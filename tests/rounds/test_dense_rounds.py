@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from hlbp.peer.simulate import SimConfig, Swarm, poll, states_agree
+from hlbp.peer.sim.launcher import SimConfig, Swarm, poll, states_agree
 
 pytestmark = pytest.mark.slow
 

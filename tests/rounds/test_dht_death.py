@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from hlbp.peer.simulate import SimConfig, Swarm, poll
+from hlbp.peer.sim.launcher import SimConfig, Swarm, poll
 
 pytestmark = pytest.mark.slow
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from hlbp.peer.simulate import SimConfig, Swarm, checksums_agree, poll
+from hlbp.peer.sim.launcher import SimConfig, Swarm, checksums_agree, poll
 
 pytestmark = pytest.mark.slow
 

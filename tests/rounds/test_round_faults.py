@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from hlbp.peer.simulate import Replica, SimConfig, Swarm, checksums_agree, poll
+from hlbp.peer.sim.launcher import Replica, SimConfig, Swarm, checksums_agree, poll
 
 pytestmark = pytest.mark.slow
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from hlbp.peer.simulate import poll
+from hlbp.peer.sim.launcher import poll
 
 pytestmark = pytest.mark.slow
 

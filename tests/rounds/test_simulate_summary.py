@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from hlbp.peer.simulate import checksums_agree, summarize
+from hlbp.peer.sim.launcher import checksums_agree, summarize
 
 
 def _rec(r: int, sums: dict[str, str], val: float, sent: int, in_sync: bool = True) -> dict[str, Any]:

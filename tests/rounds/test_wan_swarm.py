@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from hlbp.peer.simulate import SimConfig, run_simulation
+from hlbp.peer.sim.launcher import SimConfig, run_simulation
 
 pytestmark = pytest.mark.slow
 

@@ -23,7 +23,7 @@ RUNTIME_BASE_GB = 0.5  # torch, hivemind's p2pd and DHT process before any model
 
 @dataclass(frozen=True)
 class Capacity:
-    """What this machine can give, measured by hlbp.peer.capacity or forced by flags."""
+    """What this machine can give, measured by hlbp.peer.node.capacity or forced by flags."""
 
     memory_gb: float  # memory available for training
     throughput: float  # training speed in full-model tokens/s (scaled from a stage when the model does not fit)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from hlbp.peer.outer import Contribution, OuterConfig
+from hlbp.peer.rounds.outer import Contribution, OuterConfig
 from hlbp.protocol import ProtocolError
 from hlbp.protocol.dense import decode_dense, encode_dense
 from hlbp.protocol.envelope import EnvelopeHeader, pack, unpack

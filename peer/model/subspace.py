@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from hlbp.peer.errors import UserInputError
+from hlbp.peer.common.errors import UserInputError
 from hlbp.protocol import ProtocolError
 from hlbp.protocol.activations import (
     HEADER_SIZE,
@@ -43,7 +43,7 @@ from hlbp.protocol.activations import (
 )
 
 if TYPE_CHECKING:
-    from hlbp.peer.model import ModelConfig
+    from hlbp.peer.model.decoder import ModelConfig
 
 CODEC_KINDS = ("dense", "subspace-a", "subspace-b", "subspace-a-drift")
 """Activation codecs a run can name."""

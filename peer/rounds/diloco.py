@@ -36,11 +36,11 @@ from typing import Any
 
 import torch
 
-from hlbp.peer.errors import UserInputError
-from hlbp.peer.outer import Contribution
-from hlbp.peer.replicabase import ReplicaBase, RoundStats
-from hlbp.peer.roundrules import adapt_window, fingerprint_cluster
-from hlbp.peer.statesync import shard_fingerprint
+from hlbp.peer.common.errors import UserInputError
+from hlbp.peer.rounds.loop import ReplicaBase, RoundStats
+from hlbp.peer.rounds.outer import Contribution
+from hlbp.peer.rounds.rules import adapt_window, fingerprint_cluster
+from hlbp.peer.rounds.statesync import shard_fingerprint
 from hlbp.protocol.roundrecords import ShardChecks
 
 logger = logging.getLogger(__name__)

@@ -1,7 +1,7 @@
 """The part of a full replica's round loop that does not depend on how pseudo-gradients are exchanged.
 
-:class:`hlbp.peer.rounds.RoundRunner` (SparseLoCo payloads with an accepted set) and
-:class:`hlbp.peer.denserounds.DenseRoundRunner` (hivemind's all-reduce) both build on :class:`ReplicaBase`:
+:class:`hlbp.peer.rounds.sparseloco.RoundRunner` (SparseLoCo payloads with an accepted set) and
+:class:`hlbp.peer.rounds.diloco.DenseRoundRunner` (hivemind's all-reduce) both build on :class:`ReplicaBase`:
 
 - the anchor θ(r) (the parameters every in-sync replica agrees on) and one outer optimizer per shard;
 - the inner phase (H steps, cut short when the round closes without us);
@@ -25,14 +25,14 @@ from typing import Any
 
 import torch
 
-from hlbp.peer.checkpoint import load_checkpoint, save_checkpoint
-from hlbp.peer.metrics import MetricsLog
-from hlbp.peer.outer import OuterConfig, make_outer
-from hlbp.peer.roundrules import majority_checksums
-from hlbp.peer.safedht import DHT_DIED
-from hlbp.peer.statesync import encode_state, fetch_state, shard_checksum, state_name
-from hlbp.peer.trainer import InnerTrainer
-from hlbp.peer.transport import BlobTransport, TransportError
+from hlbp.peer.net.dht import DHT_DIED
+from hlbp.peer.net.transport import BlobTransport, TransportError
+from hlbp.peer.rounds.outer import OuterConfig, make_outer
+from hlbp.peer.rounds.rules import majority_checksums
+from hlbp.peer.rounds.statesync import encode_state, fetch_state, shard_checksum, state_name
+from hlbp.peer.train.checkpoint import load_checkpoint, save_checkpoint
+from hlbp.peer.train.metricslog import MetricsLog
+from hlbp.peer.train.trainer import InnerTrainer
 from hlbp.protocol import ProtocolError
 from hlbp.protocol.identity import Identity
 from hlbp.protocol.roundrecords import (

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from hlbp.peer.errors import UserInputError
+from hlbp.peer.common.errors import UserInputError
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -37,7 +37,7 @@ class PeerMetrics:
     seconds: dict[str, float] = field(default_factory=lambda: {"compute": 0.0, "comm": 0.0, "wait": 0.0})
 
     def add(self, stats: Any, val_loss: float | None) -> None:
-        """Fold one finished round (a :class:`hlbp.peer.replicabase.RoundStats`) into the totals."""
+        """Fold one finished round (a :class:`hlbp.peer.rounds.loop.RoundStats`) into the totals."""
         self.rounds += 1
         self.accepted += int(stats.accepted)
         self.synced += int(stats.synced)

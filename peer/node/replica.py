@@ -2,7 +2,7 @@
 
 ``replica_train_hook`` is what ``hlbp join`` runs after the peer has announced itself as a full replica. It builds
 everything from the signed manifest (so every replica starts from identical weights), then hands over to
-:class:`hlbp.peer.rounds.RoundRunner` until stopped or until ``rounds`` rounds are done, and leaves a summary.
+:class:`hlbp.peer.rounds.sparseloco.RoundRunner` until stopped or until ``rounds`` rounds are done, and leaves a summary.
 """
 
 from __future__ import annotations
@@ -18,17 +18,17 @@ from typing import Any
 
 import torch
 
-from hlbp.peer.checkpoint import atomic_write_bytes
-from hlbp.peer.data import TokenStream, prepare_data, val_batches
-from hlbp.peer.denserounds import DenseRoundRunner
-from hlbp.peer.join import TrainContext, data_rank
-from hlbp.peer.metrics import MetricsLog
-from hlbp.peer.model import build_model, preset, split
-from hlbp.peer.outer import OuterConfig
-from hlbp.peer.promexport import MetricsServer, PeerMetrics
-from hlbp.peer.rounds import RoundConfig, RoundRunner, RoundStats
-from hlbp.peer.trainer import InnerTrainer, OptimConfig, evaluate, micro_batches, pick_device
-from hlbp.peer.transport import P2PBlobTransport
+from hlbp.peer.data.streams import TokenStream, prepare_data, val_batches
+from hlbp.peer.model.decoder import build_model, preset, split
+from hlbp.peer.net.prometheus import MetricsServer, PeerMetrics
+from hlbp.peer.net.transport import P2PBlobTransport
+from hlbp.peer.node.join import TrainContext, data_rank
+from hlbp.peer.rounds.diloco import DenseRoundRunner
+from hlbp.peer.rounds.outer import OuterConfig
+from hlbp.peer.rounds.sparseloco import RoundConfig, RoundRunner, RoundStats
+from hlbp.peer.train.checkpoint import atomic_write_bytes
+from hlbp.peer.train.metricslog import MetricsLog
+from hlbp.peer.train.trainer import InnerTrainer, OptimConfig, evaluate, micro_batches, pick_device
 
 logger = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from hlbp.peer.transport import BlobTransport, TransportError
+from hlbp.peer.net.transport import BlobTransport, TransportError
 from hlbp.protocol import ProtocolError
 
 

@@ -32,15 +32,15 @@ from hivemind.utils import MSGPackSerializer, get_dht_time
 from hivemind.utils.multiaddr import Multiaddr
 from hivemind.utils.multiaddr.exceptions import Error as MultiaddrError
 
-from hlbp.peer.dataplane import (
+from hlbp.peer.common.errors import UserInputError
+from hlbp.peer.net.dataplane import (
     DIALBACK_TIMEOUT_S,
     REQUEST_TIMEOUT_S,
     install_handler,
     request_peer,
     watch_parent,
 )
-from hlbp.peer.errors import UserInputError
-from hlbp.peer.safedht import DHT_DIED, SafeDHT
+from hlbp.peer.net.dht import DHT_DIED, SafeDHT
 from hlbp.protocol import ProtocolError
 from hlbp.protocol.identity import Identity, open_envelope, sha256_hex
 from hlbp.protocol.records import (

@@ -16,11 +16,11 @@ from typing import Any, Protocol
 
 import torch
 
-from hlbp.peer.data import PreparedData, TokenStream, val_batches
-from hlbp.peer.model import ModelConfig, Stage, build_model
-from hlbp.peer.outer import Contribution, OuterConfig, make_outer
-from hlbp.peer.trainer import InnerTrainer, OptimConfig, evaluate, micro_batches
-from hlbp.peer.wire import contribution_from_bytes, contribution_to_bytes
+from hlbp.peer.data.streams import PreparedData, TokenStream, val_batches
+from hlbp.peer.model.decoder import ModelConfig, Stage, build_model
+from hlbp.peer.rounds.contribution import contribution_from_bytes, contribution_to_bytes
+from hlbp.peer.rounds.outer import Contribution, OuterConfig, make_outer
+from hlbp.peer.train.trainer import InnerTrainer, OptimConfig, evaluate, micro_batches
 
 
 class Replica(Protocol):

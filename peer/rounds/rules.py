@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 
-from hlbp.peer.statesync import fingerprints_agree
+from hlbp.peer.rounds.statesync import fingerprints_agree
 from hlbp.protocol.roundrecords import AcceptedSet, ShardChecks
 
 

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from hlbp.peer.checkpoint import optimizer_from_tensors, optimizer_to_tensors
-from hlbp.peer.errors import UserInputError
+from hlbp.peer.common.errors import UserInputError
+from hlbp.peer.train.checkpoint import optimizer_from_tensors, optimizer_to_tensors
 
 
 @dataclass
@@ -135,7 +135,7 @@ class InnerTrainer:
         return evaluate(self.model, batches, self.device)
 
     def state_tensors(self) -> tuple[dict[str, torch.Tensor], dict]:
-        """Model and optimizer tensors plus a JSON header, for :func:`hlbp.peer.checkpoint.save_checkpoint`."""
+        """Model and optimizer tensors plus a JSON header, for :func:`hlbp.peer.train.checkpoint.save_checkpoint`."""
         tensors = {f"model.{k}": v for k, v in self.model.state_dict().items()}
         opt_tensors, opt_desc = optimizer_to_tensors(self.optimizer)
         tensors.update(opt_tensors)

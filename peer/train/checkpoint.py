@@ -16,7 +16,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from hlbp.peer.errors import UserInputError
+from hlbp.peer.common.errors import UserInputError
 
 FORMAT = "hlbp-checkpoint"
 FORMAT_VERSION = 1

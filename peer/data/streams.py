@@ -1,6 +1,6 @@
 """Training data: the BPE tokenizer, the fixed validation split, the token cache and token streams.
 
-Documents come from :mod:`hlbp.peer.corpus`; its public names are re-exported here so that callers keep one
+Documents come from :mod:`hlbp.peer.data.corpus`; its public names are re-exported here so that callers keep one
 import for all of data preparation. Everything is keyed by content so that peers agree without talking: the
 corpus by a digest of its documents, the tokenizer by the sha256 of its ``tokenizer.json``, the token arrays
 by both. The validation split is a function of document ids alone (never of seed or rank), and a training
@@ -22,8 +22,8 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from hlbp.peer.checkpoint import atomic_write_bytes
-from hlbp.peer.corpus import (
+from hlbp.peer.common.errors import UserInputError
+from hlbp.peer.data.corpus import (
     BUILTIN_PACKAGES,
     CORPUS_VERSION,
     JSON_SUFFIXES,
@@ -37,9 +37,9 @@ from hlbp.peer.corpus import (
     default_cache_dir,
     load_documents,
 )
-from hlbp.peer.errors import UserInputError
+from hlbp.peer.train.checkpoint import atomic_write_bytes
 
-# The public names of data preparation; Document and the loaders are re-exported from hlbp.peer.corpus.
+# The public names of data preparation; Document and the loaders are re-exported from hlbp.peer.data.corpus.
 __all__ = [
     "BUILTIN_PACKAGES",
     "CORPUS_VERSION",

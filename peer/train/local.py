@@ -14,12 +14,12 @@ import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-from hlbp.peer.checkpoint import atomic_write_bytes, load_checkpoint, save_checkpoint
-from hlbp.peer.data import TokenStream, prepare_data, val_batches
-from hlbp.peer.errors import UserInputError
-from hlbp.peer.metrics import MetricsLog
-from hlbp.peer.model import build_model, count_parameters, preset
-from hlbp.peer.trainer import InnerTrainer, OptimConfig, Throughput, micro_batches, pick_device
+from hlbp.peer.common.errors import UserInputError
+from hlbp.peer.data.streams import TokenStream, prepare_data, val_batches
+from hlbp.peer.model.decoder import build_model, count_parameters, preset
+from hlbp.peer.train.checkpoint import atomic_write_bytes, load_checkpoint, save_checkpoint
+from hlbp.peer.train.metricslog import MetricsLog
+from hlbp.peer.train.trainer import InnerTrainer, OptimConfig, Throughput, micro_batches, pick_device
 
 CHECKPOINT_NAME = "checkpoint.safetensors"
 

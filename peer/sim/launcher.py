@@ -23,8 +23,8 @@ from typing import Any
 
 from typing_extensions import Self
 
-from hlbp.peer.metrics import read_metrics
-from hlbp.peer.wanlink import WanEmulator, free_port
+from hlbp.peer.net.wanlink import WanEmulator, free_port
+from hlbp.peer.train.metricslog import read_metrics
 
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 
@@ -45,7 +45,7 @@ class SimConfig:
     max_deadline_s: float = 30.0
     outer: str = "sparseloco"  # sparseloco, or diloco: dense rounds through hivemind's stock all-reduce
     min_contributors: int = 1  # a round with fewer accepted contributions by max_deadline_s closes empty
-    wan_delay_ms: float = 0.0  # emulated one-way delay in front of every peer (hlbp.peer.wanlink); 0: none
+    wan_delay_ms: float = 0.0  # emulated one-way delay in front of every peer (hlbp.peer.net.wanlink); 0: none
     wan_mbps: float | None = None  # emulated link rate of every peer, each direction; None: unlimited
     seed: int = 0  # the run's seed: initial weights and data order
     threads: int = 1  # torch threads per peer, so N peers share a small machine fairly
@@ -296,7 +296,7 @@ def checksums_agree(records: Iterable[dict[str, Any]]) -> bool:
 def states_agree(records: Iterable[dict[str, Any]]) -> bool:
     """True when the in-sync records of one round describe the same parameters: equal checksums, or (a dense
     run, whose all-reduce leaves ulp-level differences) fingerprints that agree within float rounding."""
-    from hlbp.peer.statesync import fingerprints_agree
+    from hlbp.peer.rounds.statesync import fingerprints_agree
 
     recs = [r for r in records if r.get("in_sync", True)]
     if checksums_agree(recs):

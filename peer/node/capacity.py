@@ -1,6 +1,6 @@
 """Capacity measurement: available memory, training tokens/s of the run's model, bandwidth to a peer.
 
-The role policy (hlbp.peer.roles) compares these numbers with thresholds, so they must be cheap (seconds, not
+The role policy (hlbp.peer.node.roles) compares these numbers with thresholds, so they must be cheap (seconds, not
 minutes) and in the units the policy uses: memory in GB, throughput in full-model tokens/s, bandwidth in bytes/s.
 Sockets and models come in as arguments, so a test can measure a toy model or force the numbers instead.
 """
@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from hlbp.peer.roles import Capacity
+from hlbp.peer.node.roles import Capacity
 
 logger = logging.getLogger(__name__)
 
@@ -93,7 +93,7 @@ def model_warmup(model: str, overrides: dict[str, Any], stages: tuple[tuple[int,
 
     A stage's tokens/s is scaled by layers(model) / layers(stage) so both cases report full-model tokens/s.
     """
-    from hlbp.peer.model import Stage, build_model, preset
+    from hlbp.peer.model.decoder import Stage, build_model, preset
 
     config = preset(model, **overrides)
     seq = min(seq_len, config.max_seq_len)

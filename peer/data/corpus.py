@@ -25,8 +25,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from hlbp.peer.checkpoint import atomic_write_bytes
-from hlbp.peer.errors import UserInputError
+from hlbp.peer.common.errors import UserInputError
+from hlbp.peer.train.checkpoint import atomic_write_bytes
 
 log = logging.getLogger(__name__)
 

@@ -1,14 +1,14 @@
 """A pipeline replica in one process: the stages of one swarm chained with an activation codec at every boundary.
 
-Each boundary is a codec module (:mod:`hlbp.peer.subspace`) whose forward and backward go through the real wire
+Each boundary is a codec module (:mod:`hlbp.peer.model.subspace`) whose forward and backward go through the real wire
 bytes of :mod:`hlbp.protocol.activations`, so the loss reflects exactly what stage peers would compute and each
 boundary's meter counts the bytes that would cross it in each direction. A :class:`PipelineReplica` implements the
-simulation's ``Replica`` protocol, so it takes part in :func:`hlbp.peer.simulation.run_outer_simulation` beside
+simulation's ``Replica`` protocol, so it takes part in :func:`hlbp.peer.sim.engine.run_outer_simulation` beside
 full replicas. A one-stage pipeline has no boundary and is a full replica; variant-A runs use it for their full
 replicas because those must keep the same constraint (see :func:`run_model_config`).
 
 Keeping T_fixed in step across peers: after each outer step every stage needs the anchor table of
-:func:`hlbp.peer.subspace.anchor_table`. For A it is fixed by the seed. For B and A+drift it is a function of the
+:func:`hlbp.peer.model.subspace.anchor_table`. For A it is fixed by the seed. For B and A+drift it is a function of the
 synchronized embedding, so in a network run every stage peer, not only stage 0, follows the embedding's shard of
 each round (it applies the same accepted contributions to ``embed.weight``); here that is simply the replica's own
 stage-0 embedding after ``load_params``.
@@ -21,8 +21,8 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from hlbp.peer.model import ModelConfig, Stage, build_model, load_from_full, partition, split
-from hlbp.peer.subspace import (
+from hlbp.peer.model.decoder import ModelConfig, Stage, build_model, load_from_full, partition, split
+from hlbp.peer.model.subspace import (
     ActivationCodec,
     CodecConfig,
     SubspaceCodec,
@@ -31,7 +31,7 @@ from hlbp.peer.subspace import (
     constrained_model_config,
     make_codec,
 )
-from hlbp.peer.trainer import BatchFn, InnerTrainer, OptimConfig
+from hlbp.peer.train.trainer import BatchFn, InnerTrainer, OptimConfig
 
 
 def run_model_config(
@@ -181,6 +181,6 @@ def make_replica(
 
 def initial_state(config: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
     """The whole model's initial parameters from ``seed``, as every replica of a run starts (same as
-    :func:`hlbp.peer.simulation.make_full_replicas`); the subspace fields of ``config`` do not change them."""
+    :func:`hlbp.peer.sim.engine.make_full_replicas`); the subspace fields of ``config`` do not change them."""
     torch.manual_seed(seed)
     return {n: t.detach().clone() for n, t in build_model(config).state_dict().items()}

@@ -22,7 +22,7 @@ from typing import Literal
 
 import torch
 
-from hlbp.peer.errors import UserInputError
+from hlbp.peer.common.errors import UserInputError
 from hlbp.protocol.sparse import SparseTensor, compress, decompress
 
 Tensors = Mapping[str, torch.Tensor]

@@ -7,7 +7,7 @@ The steps, in order, each with a bounded wait:
 3. check that others can dial us; if not, fall back to DHT client mode and say how to fix it;
 4. fetch the run's artifacts by content hash from any peer that serves them;
 5. measure memory, tokens/s and bandwidth (each can be forced by a flag);
-6. choose a role with hlbp.peer.roles and announce it; a heartbeat keeps the record fresh;
+6. choose a role with hlbp.peer.node.roles and announce it; a heartbeat keeps the record fresh;
 7. hand over to the training hook. Outer rounds are not wired in yet: a full replica trains locally with the inner
    trainer, a stage peer holds its place in the swarm.
 """
@@ -23,16 +23,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hlbp.peer.capacity import measure, measure_bandwidth, measure_throughput, model_warmup
-from hlbp.peer.control import (
+from hlbp.peer.common.errors import UserInputError
+from hlbp.peer.net.control import (
     ControlPlane,
     Heartbeat,
     NetworkConfig,
     load_or_create_identity,
     software_version,
 )
-from hlbp.peer.errors import UserInputError
-from hlbp.peer.roles import Capacity, PeerView, Role, Thresholds, choose_role
+from hlbp.peer.node.capacity import measure, measure_bandwidth, measure_throughput, model_warmup
+from hlbp.peer.node.roles import Capacity, PeerView, Role, Thresholds, choose_role
 from hlbp.protocol import ProtocolError
 from hlbp.protocol.identity import public_key_from_peer_id, sha256_hex
 from hlbp.protocol.records import Announcement, SignedManifest
@@ -57,7 +57,7 @@ class JoinConfig:
     ttl: float = 60.0  # seconds our record lives without a heartbeat (heartbeat every ttl/3)
     reachability: str = "auto"  # auto: ask a peer to dial us back; public: skip; client: DHT client mode
     manifest_timeout_s: float = 30.0  # how long to wait for the manifest to appear
-    cache_dir: Path | None = None  # artifacts and data cache; None: hlbp.peer.data's default
+    cache_dir: Path | None = None  # artifacts and data cache; None: hlbp.peer.data.streams's default
     probe_bytes: int = 4 << 20  # bytes downloaded to measure bandwidth
     train: bool = True  # False: announce and hold the role without training (tests, dry runs)
     max_steps: int | None = None  # stop training after this many steps, then leave
@@ -90,7 +90,7 @@ class JoinedPeer:
 def _cache_dir(cfg: JoinConfig) -> Path:
     if cfg.cache_dir is not None:
         return Path(cfg.cache_dir).expanduser()
-    from hlbp.peer.data import default_cache_dir
+    from hlbp.peer.data.streams import default_cache_dir
 
     return default_cache_dir()
 
@@ -134,7 +134,7 @@ def thresholds_for(signed: SignedManifest) -> Thresholds:
     """Memory thresholds from the model's parameter counts (built on the meta device: no memory, no time)."""
     import torch
 
-    from hlbp.peer.model import Stage, build_model, count_parameters, preset
+    from hlbp.peer.model.decoder import Stage, build_model, count_parameters, preset
 
     m = signed.manifest
     config = preset(m.model, **m.model_overrides)
@@ -273,7 +273,7 @@ class TrainContext:
     peer: JoinedPeer
     max_steps: int | None  # None: until stopped
     out_dir: Path  # this peer's checkpoint and metrics directory
-    cache_dir: Path | None  # hlbp.peer.data's cache; None: its default
+    cache_dir: Path | None  # hlbp.peer.data.streams's cache; None: its default
     stop: threading.Event  # set on SIGTERM/SIGINT; a hook returns soon after
 
 
@@ -295,8 +295,8 @@ def default_train_hook(ctx: TrainContext) -> None:
     if peer.role.kind != "replica":
         ctx.stop.wait()
         return
-    from hlbp.peer.localrun import LocalRunConfig, run_local_training
-    from hlbp.peer.trainer import OptimConfig
+    from hlbp.peer.train.local import LocalRunConfig, run_local_training
+    from hlbp.peer.train.trainer import OptimConfig
 
     m = peer.manifest.manifest
     steps = ctx.max_steps if ctx.max_steps is not None else 1_000_000

@@ -17,7 +17,7 @@ One round r, as every replica runs it:
    fetch an accepted payload, is out of sync: it reloads the state from peers that agree, and contributes with
    weight 0 (not at all) until it has.
 
-The decisions (ranking, windows, which set wins, majorities) are pure functions in :mod:`hlbp.peer.roundrules`.
+The decisions (ranking, windows, which set wins, majorities) are pure functions in :mod:`hlbp.peer.rounds.rules`.
 """
 
 from __future__ import annotations
@@ -31,17 +31,17 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from hlbp.peer.outer import Contribution
-from hlbp.peer.replicabase import ReplicaBase, RoundConfig, RoundStats
-from hlbp.peer.roundrules import (
+from hlbp.peer.net.transport import TransportError
+from hlbp.peer.rounds.contribution import contribution_from_bytes, contribution_to_bytes
+from hlbp.peer.rounds.loop import ReplicaBase, RoundConfig, RoundStats
+from hlbp.peer.rounds.outer import Contribution
+from hlbp.peer.rounds.rules import (
     adapt_window,
     close_verdict,
     coordinator_order,
     payload_limit,
     pick_accepted,
 )
-from hlbp.peer.transport import TransportError
-from hlbp.peer.wire import contribution_from_bytes, contribution_to_bytes
 from hlbp.protocol import ProtocolError
 from hlbp.protocol.identity import sha256_hex
 from hlbp.protocol.roundrecords import (
