@@ -28,14 +28,9 @@ from torch import nn
 
 from hlbp.peer.bench.report import print_table, write_result
 from hlbp.peer.data.streams import TokenStream, prepare_data, val_batches
+from hlbp.peer.model.basis import off_span
 from hlbp.peer.model.decoder import preset
-from hlbp.peer.model.pipeline import (
-    PipelineModel,
-    PipelineReplica,
-    initial_state,
-    make_replica,
-    run_model_config,
-)
+from hlbp.peer.model.pipeline import PipelineModel, initial_state, run_model_config
 from hlbp.peer.model.subspace import (
     CONSTRAINED,
     SHORT_NAMES,
@@ -43,9 +38,9 @@ from hlbp.peer.model.subspace import (
     CodecConfig,
     SubspaceCodec,
     make_codec,
-    off_span,
 )
 from hlbp.peer.rounds.outer import OuterConfig, SparseLoCo
+from hlbp.peer.sim.pipeline import PipelineReplica, make_replica
 from hlbp.peer.train.trainer import OptimConfig, micro_batches, pick_device
 
 LOSSLESS_REL_ERR = 1e-5  # variant A over an fp32 wire must reconstruct this well to count as lossless

@@ -13,7 +13,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from hlbp.peer.train.checkpoint import atomic_write_bytes
+from hlbp.peer.common.files import atomic_write_bytes
 
 
 def machine_info() -> dict[str, Any]:

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hlbp.peer.common.errors import UserInputError
-from hlbp.peer.train.checkpoint import atomic_write_bytes
+from hlbp.peer.common.files import atomic_write_bytes
 
 log = logging.getLogger(__name__)
 

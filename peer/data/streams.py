@@ -23,6 +23,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from hlbp.peer.common.errors import UserInputError
+from hlbp.peer.common.files import atomic_write_bytes
 from hlbp.peer.data.corpus import (
     BUILTIN_PACKAGES,
     CORPUS_VERSION,
@@ -37,7 +38,6 @@ from hlbp.peer.data.corpus import (
     default_cache_dir,
     load_documents,
 )
-from hlbp.peer.train.checkpoint import atomic_write_bytes
 
 # The public names of data preparation; Document and the loaders are re-exported from hlbp.peer.data.corpus.
 __all__ = [

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hlbp.peer.common.errors import UserInputError
-from hlbp.peer.model.subspace import fixed_table, project_rows, project_writer, subspace_basis
+from hlbp.peer.model.basis import fixed_table, project_rows, project_writer, subspace_basis
 
 
 @dataclass(frozen=True)

@@ -2,8 +2,8 @@
 
 Each boundary is a codec module (:mod:`hlbp.peer.model.subspace`) whose forward and backward go through the real wire
 bytes of :mod:`hlbp.protocol.activations`, so the loss reflects exactly what stage peers would compute and each
-boundary's meter counts the bytes that would cross it in each direction. A :class:`PipelineReplica` implements the
-simulation's ``Replica`` protocol, so it takes part in :func:`hlbp.peer.sim.engine.run_outer_simulation` beside
+boundary's meter counts the bytes that would cross it in each direction. :class:`hlbp.peer.sim.pipeline.PipelineReplica`
+trains one with its own AdamW state, so it takes part in :func:`hlbp.peer.sim.engine.run_outer_simulation` beside
 full replicas. A one-stage pipeline has no boundary and is a full replica; variant-A runs use it for their full
 replicas because those must keep the same constraint (see :func:`run_model_config`).
 
@@ -25,13 +25,9 @@ from hlbp.peer.model.decoder import ModelConfig, Stage, build_model, load_from_f
 from hlbp.peer.model.subspace import (
     ActivationCodec,
     CodecConfig,
-    SubspaceCodec,
-    SubspaceConstraint,
-    anchor_table,
     constrained_model_config,
     make_codec,
 )
-from hlbp.peer.train.trainer import BatchFn, InnerTrainer, OptimConfig
 
 
 def run_model_config(
@@ -107,76 +103,6 @@ def build_pipeline(
         for _ in range(n_stages - 1)
     ]
     return PipelineModel(stages, codecs)
-
-
-class PipelineReplica:
-    """A pipeline (or, with one stage, a full) replica with its own AdamW state and data: a simulation ``Replica``.
-
-    It re-projects variant A's constrained tensors after every inner step and, after loading the global
-    parameters of an outer step, remembers them and rebuilds T_fixed at every boundary.
-    """
-
-    def __init__(self, name: str, model: PipelineModel, trainer: InnerTrainer, codec: CodecConfig) -> None:
-        self.name, self.model, self.trainer, self.codec = name, model, trainer, codec
-        config = model.stages[0].config
-        params = model.shard_parameters()
-        self.constraint = SubspaceConstraint(params, config) if config.subspace_rank else None
-        self.refresh_tables()
-
-    @property
-    def tokens(self) -> int:
-        return self.trainer.tokens
-
-    def params(self) -> dict[str, torch.Tensor]:
-        return {n: p.detach() for n, p in self.model.shard_parameters().items()}
-
-    @torch.no_grad()
-    def load_params(self, params: dict[str, torch.Tensor]) -> None:
-        for n, p in self.model.shard_parameters().items():
-            p.copy_(params[n])
-        if self.constraint is not None:
-            self.constraint.sync()
-        self.refresh_tables()
-
-    def train(self, steps: int) -> float:
-        total = 0.0
-        for _ in range(steps):
-            total += self.trainer.train_step()
-            if self.constraint is not None:
-                self.constraint.reproject()
-        return total / max(1, steps)
-
-    @torch.no_grad()
-    def refresh_tables(self) -> None:
-        """Every boundary's T_fixed from the synchronized embedding (B and A+drift), shared by all boundaries."""
-        subspace = [c for c in self.model.codecs if isinstance(c, SubspaceCodec)]
-        if not subspace or subspace[0].variant == "subspace-a":
-            return
-        first = subspace[0]
-        base = getattr(self.model.stages[0], "fixed_table", None)
-        table = anchor_table(first.variant, base, self.model.stages[0].embed.weight.detach(), first.basis)
-        for codec in subspace:
-            codec.set_table(table)
-
-    def meters(self) -> list[dict[str, float]]:
-        return self.model.meters()
-
-
-def make_replica(
-    name: str,
-    config: ModelConfig,
-    codec: CodecConfig,
-    n_stages: int,
-    full_state: dict[str, torch.Tensor],
-    optim: OptimConfig,
-    batch_fn: BatchFn,
-    device: torch.device,
-    bounds: list[tuple[int, int]] | None = None,
-) -> PipelineReplica:
-    """A replica of the run's model ``config`` starting from ``full_state``: a pipeline of ``n_stages`` stages
-    with ``codec`` at each boundary, or a full replica when ``n_stages`` is 1."""
-    model = build_pipeline(config, codec, n_stages, full_state, bounds).to(device)
-    return PipelineReplica(name, model, InnerTrainer(model, optim, batch_fn, device), codec)
 
 
 def initial_state(config: ModelConfig, seed: int) -> dict[str, torch.Tensor]:

@@ -26,13 +26,20 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from fractions import Fraction
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from hlbp.peer.common.errors import UserInputError
+from hlbp.peer.model.basis import (
+    fixed_table,
+    off_span,
+    project_rows,
+    project_writer,
+    resolve_rank,
+    subspace_basis,
+)
+from hlbp.peer.model.decoder import ModelConfig
 from hlbp.protocol import ProtocolError
 from hlbp.protocol.activations import (
     HEADER_SIZE,
@@ -42,9 +49,6 @@ from hlbp.protocol.activations import (
     encode_activations,
 )
 
-if TYPE_CHECKING:
-    from hlbp.peer.model.decoder import ModelConfig
-
 CODEC_KINDS = ("dense", "subspace-a", "subspace-b", "subspace-a-drift")
 """Activation codecs a run can name."""
 VARIANTS = ("subspace-a", "subspace-b", "subspace-a-drift")
@@ -53,66 +57,9 @@ CONSTRAINED = ("subspace-a", "subspace-a-drift")
 """Variants that run on the constrained model of ALGORITHMS.md §3 (A)."""
 SHORT_NAMES = {"dense": "dense", "subspace-a": "A", "subspace-b": "B", "subspace-a-drift": "A+drift"}
 """Labels for tables."""
-_BASIS_SALT, _TABLE_SALT = 0x5B5, 0x7AB  # distinct streams for U and T_fixed from one run seed
 
 
-# --- shared pieces: U and T_fixed ---------------------------------------------------------------------------------
-
-
-def resolve_rank(rank: str | float, d_model: int) -> int:
-    """k from a ratio of d_model ("1/32", 0.125) or an absolute count ("16", 16); at least 1, at most d_model."""
-    text = str(rank).strip()
-    try:
-        value = Fraction(text)
-    except (ValueError, ZeroDivisionError):
-        raise UserInputError(f"subspace rank {rank!r} is neither a ratio like 1/32 nor a whole number") from None
-    if "/" in text or 0 < value < 1:
-        k = max(1, round(d_model * value))
-    elif value.denominator == 1:
-        k = int(value)
-    else:
-        raise UserInputError(f"subspace rank {rank!r} is neither a ratio like 1/32 nor a whole number")
-    if not 1 <= k <= d_model:
-        raise UserInputError(f"subspace rank {rank!r} gives k={k}, outside 1..d_model={d_model}")
-    return k
-
-
-def subspace_basis(d_model: int, k: int, seed: int) -> torch.Tensor:
-    """U [d_model, k], float32 with orthonormal columns: QR of a seeded Gaussian, identical on every peer.
-
-    QR runs in float64 on the CPU from a seeded CPU generator, and the signs are fixed so that R has a positive
-    diagonal, which makes the factor unique: different LAPACK builds can then differ only in rounding.
-    """
-    if not 1 <= k <= d_model:
-        raise ValueError(f"k must be in 1..{d_model}, got {k}")
-    g = torch.Generator().manual_seed(seed * 1_000_003 + _BASIS_SALT)
-    q, r = torch.linalg.qr(torch.randn(d_model, k, generator=g, dtype=torch.float64))
-    signs = torch.sign(torch.diagonal(r))
-    signs[signs == 0] = 1.0
-    return (q * signs).float().contiguous()
-
-
-def fixed_table(vocab_size: int, d_model: int, seed: int, std: float = 1.0) -> torch.Tensor:
-    """T_fixed [vocab_size, d_model]: a frozen Gaussian table of full rank, rebuilt from the seed by every peer."""
-    g = torch.Generator().manual_seed(seed * 1_000_003 + _TABLE_SALT)
-    return (torch.randn(vocab_size, d_model, generator=g) * std).contiguous()
-
-
-def project_rows(x: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
-    """x·U·Uᵀ: each d_model-vector of x (last dimension) projected onto span(U)."""
-    u = basis.to(x)
-    return (x @ u) @ u.T
-
-
-def project_writer(weight: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
-    """U·Uᵀ·W for a writer weight W [d_model, in]: its outputs then lie in span(U)."""
-    u = basis.to(weight)
-    return u @ (u.T @ weight)
-
-
-def off_span(x: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
-    """x − x·U·Uᵀ: what the subspace cannot carry."""
-    return x - project_rows(x, basis)
+# --- variant-specific anchor tables -----------------------------------------------------------------------------
 
 
 def drift_table(base: torch.Tensor, embed: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from hlbp.peer.common.files import atomic_write_bytes
 from hlbp.peer.data.streams import TokenStream, prepare_data, val_batches
 from hlbp.peer.model.decoder import build_model, preset, split
 from hlbp.peer.net.prometheus import MetricsServer, PeerMetrics
@@ -26,7 +27,6 @@ from hlbp.peer.node.join import TrainContext, data_rank
 from hlbp.peer.rounds.diloco import DenseRoundRunner
 from hlbp.peer.rounds.outer import OuterConfig
 from hlbp.peer.rounds.sparseloco import RoundConfig, RoundRunner, RoundStats
-from hlbp.peer.train.checkpoint import atomic_write_bytes
 from hlbp.peer.train.metricslog import MetricsLog
 from hlbp.peer.train.trainer import InnerTrainer, OptimConfig, evaluate, micro_batches, pick_device
 

@@ -15,9 +15,10 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from hlbp.peer.common.errors import UserInputError
+from hlbp.peer.common.files import atomic_write_bytes
 from hlbp.peer.data.streams import TokenStream, prepare_data, val_batches
 from hlbp.peer.model.decoder import build_model, count_parameters, preset
-from hlbp.peer.train.checkpoint import atomic_write_bytes, load_checkpoint, save_checkpoint
+from hlbp.peer.train.checkpoint import load_checkpoint, save_checkpoint
 from hlbp.peer.train.metricslog import MetricsLog
 from hlbp.peer.train.trainer import InnerTrainer, OptimConfig, Throughput, micro_batches, pick_device
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from hlbp.peer.common.errors import UserInputError
+from hlbp.peer.model.basis import fixed_table, off_span, project_rows, resolve_rank, subspace_basis
 from hlbp.peer.model.decoder import ModelConfig, build_model
 from hlbp.peer.model.subspace import (
     CodecConfig,
@@ -15,12 +16,7 @@ from hlbp.peer.model.subspace import (
     absorb_drift,
     constrained_model_config,
     drift_table,
-    fixed_table,
     make_codec,
-    off_span,
-    project_rows,
-    resolve_rank,
-    subspace_basis,
 )
 from hlbp.protocol import ProtocolError
 
