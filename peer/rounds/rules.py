@@ -2,7 +2,7 @@
 wins, what the majority holds, and how big a payload may be.
 
 Every peer computes them from the same DHT records, so they must be deterministic; they touch no network and no
-clock, which is also what lets ``tests/peer/test_rounds_pure.py`` pin them down exactly.
+clock, which is also what lets ``tests/peer/rounds/test_rules.py`` pin them down exactly.
 """
 
 from __future__ import annotations
