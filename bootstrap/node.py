@@ -15,14 +15,9 @@ from pathlib import Path
 
 from hlbp.bootstrap.config import build_manifest, load_run_config
 from hlbp.peer.common.errors import UserInputError
-from hlbp.peer.net.control import (
-    ControlPlane,
-    Heartbeat,
-    NetworkConfig,
-    dht_time,
-    load_or_create_identity,
-    software_version,
-)
+from hlbp.peer.net.control import ControlPlane, NetworkConfig, software_version
+from hlbp.peer.net.heartbeat import Heartbeat
+from hlbp.peer.net.records import dht_time, load_or_create_identity
 from hlbp.protocol.records import (
     Announcement,
     Hyperparameters,

@@ -214,7 +214,8 @@ def network(
 
     import torch
 
-    from hlbp.peer.bench.network import NetworkBenchConfig, current_netns, run_network_bench, run_shaped
+    from hlbp.peer.bench.network import NetworkBenchConfig, run_network_bench
+    from hlbp.peer.bench.shaping import current_netns, run_shaped
 
     if inside_netns is not None and (shape_mbps is None or current_netns() != inside_netns):
         raise UserInputError("--inside-netns is internal to --shape-mbps; leave it out")

@@ -244,7 +244,8 @@ def status(
     """Show the run's peers from the DHT: role, swarm, stage, version, throughput, bandwidth, last seen."""
     import tempfile
 
-    from hlbp.peer.net.control import ControlPlane, NetworkConfig, dht_time
+    from hlbp.peer.net.control import ControlPlane, NetworkConfig
+    from hlbp.peer.net.records import dht_time
     from hlbp.peer.node.join import trusted_signers
 
     _setup_logging()

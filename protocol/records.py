@@ -12,6 +12,9 @@ embeds the public key itself (an "identity" multihash), so the same key that p2p
 identity signs its records and a verifier needs nothing but the peer id. Readers ignore unknown body fields, so records can grow new fields without
 breaking older peers. Everything here is a pure function over bytes: no network, no clock (callers pass ``now``),
 no global state. Every decoder raises :class:`ProtocolError` and nothing else on bad input.
+
+Longer than 500 lines because every control-plane schema shares the field checks at the top of this module;
+split it (manifest, announcement, data-plane headers) when it grows further.
 """
 
 from __future__ import annotations

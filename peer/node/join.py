@@ -24,13 +24,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hlbp.peer.common.errors import UserInputError
-from hlbp.peer.net.control import (
-    ControlPlane,
-    Heartbeat,
-    NetworkConfig,
-    load_or_create_identity,
-    software_version,
-)
+from hlbp.peer.net.control import ControlPlane, NetworkConfig, software_version
+from hlbp.peer.net.heartbeat import Heartbeat
+from hlbp.peer.net.records import load_or_create_identity
 from hlbp.peer.node.capacity import measure, measure_bandwidth, measure_throughput, model_warmup
 from hlbp.peer.node.roles import Capacity, PeerView, Role, Thresholds, choose_role
 from hlbp.protocol import ProtocolError

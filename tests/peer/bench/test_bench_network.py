@@ -16,17 +16,14 @@ from rich.console import Console
 from typer.testing import CliRunner
 
 from hlbp.cli.bench import bench_app
-from hlbp.peer.bench.network import (
+from hlbp.peer.bench.network import NetworkBenchConfig, dense_allreduce_bytes, run_network_bench, summarise
+from hlbp.peer.bench.shaping import (
     LO_MTU,
-    NetworkBenchConfig,
-    dense_allreduce_bytes,
     netns_name,
-    run_network_bench,
     run_shaped,
     shape_commands,
     shaped_bench_argv,
     shaping_problem,
-    summarise,
     tbf_burst_bytes,
 )
 from hlbp.peer.common.errors import UserInputError

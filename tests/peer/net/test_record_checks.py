@@ -11,9 +11,9 @@ from hivemind.dht.validation import DHTRecord
 from hivemind.utils import MSGPackSerializer
 
 from hlbp.peer.common.errors import UserInputError
-from hlbp.peer.net.control import (
+from hlbp.peer.net.control import check_initial_peers
+from hlbp.peer.net.records import (
     RecordReader,
-    check_initial_peers,
     choose_manifest,
     dht_time,
     load_or_create_identity,
