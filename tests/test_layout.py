@@ -1,0 +1,107 @@
+"""The package layout that ARCHITECTURE.md ("Layout") promises: imports point one way, modules stay small.
+
+Parses every module with ``ast`` (nothing is imported), so a wrong edge fails here with its file and line
+instead of surfacing later as an import cycle.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+FOLDERS = {"peer": "hlbp.peer", "protocol": "hlbp.protocol", "cli": "hlbp.cli", "bootstrap": "hlbp.bootstrap"}
+
+# what each sub-package of hlbp.peer may import of the others (its own modules always)
+LOWER = {
+    "common": set(),
+    "data": {"common"},
+    "model": {"common"},
+    "train": {"common", "data", "model"},
+    "net": {"common", "data", "model"},
+    "rounds": {"common", "data", "model", "train", "net"},
+    "node": {"common", "data", "model", "train", "net", "rounds"},
+    "sim": {"common", "data", "model", "train", "net", "rounds"},
+    "bench": {"common", "data", "model", "train", "net", "rounds", "sim"},
+}
+MAX_LINES = 500
+LONG_REASON = "Longer than 500 lines because"
+
+
+def _modules() -> list[tuple[Path, str]]:
+    out = []
+    for folder, package in FOLDERS.items():
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            rel = path.relative_to(ROOT / folder).with_suffix("")
+            parts = [p for p in rel.parts if p != "__init__"]
+            out.append((path, ".".join([package, *parts])))
+    return out
+
+
+def _imports(path: Path) -> list[tuple[int, str]]:
+    """Every absolute ``hlbp.*`` module a file imports, at any depth (function-level imports count too)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.append((node.lineno, node.module))
+        elif isinstance(node, ast.Import):
+            found.extend((node.lineno, alias.name) for alias in node.names)
+    return [(line, name) for line, name in found if name == "hlbp" or name.startswith("hlbp.")]
+
+
+def _violation(importer: str, imported: str) -> str | None:
+    """Why ``importer`` may not import ``imported``, or None if it may."""
+    if importer.startswith("hlbp.protocol"):
+        return None if imported.startswith("hlbp.protocol") else "protocol is pure and imports nothing else of hlbp"
+    if importer.startswith("hlbp.peer") and imported.startswith(("hlbp.cli", "hlbp.bootstrap")):
+        return "peer never imports the cli or the bootstrap"
+    if importer.startswith("hlbp.bootstrap") and imported.startswith("hlbp.cli"):
+        return "the bootstrap never imports the cli"
+    mine, theirs = importer.split("."), imported.split(".")
+    if mine[:2] == ["hlbp", "peer"] and theirs[:2] == ["hlbp", "peer"]:
+        if len(mine) < 3:
+            return None  # hlbp.peer's own __init__
+        if len(theirs) < 3 or theirs[2] not in LOWER:
+            return f"{imported} is not a sub-package module of hlbp.peer"
+        if mine[2] != theirs[2] and theirs[2] not in LOWER[mine[2]]:
+            return f"peer.{mine[2]} may import only {sorted(LOWER[mine[2]])} of the other sub-packages"
+    return None
+
+
+def test_every_peer_module_lives_in_a_known_sub_package() -> None:
+    stray = [str(p.relative_to(ROOT)) for p, name in _modules()
+             if name.startswith("hlbp.peer.") and name.split(".")[2] not in LOWER]
+    assert not stray, f"modules outside the sub-packages of ARCHITECTURE.md's layout: {stray}"
+
+
+def test_imports_point_downward() -> None:
+    bad = []
+    for path, module in _modules():
+        for line, imported in _imports(path):
+            why = _violation(module, imported)
+            if why:
+                bad.append(f"{path.relative_to(ROOT)}:{line} imports {imported}: {why}")
+    assert not bad, "\n".join(bad)
+
+
+@pytest.mark.parametrize(("importer", "imported", "allowed"), [
+    ("hlbp.peer.model.decoder", "hlbp.peer.rounds.outer", False),
+    ("hlbp.peer.train.trainer", "hlbp.peer.net.control", False),
+    ("hlbp.peer.rounds.loop", "hlbp.peer.train.trainer", True),
+    ("hlbp.peer.sim.launcher", "hlbp.peer.bench.report", False),
+    ("hlbp.protocol.records", "hlbp.peer.common.errors", False),
+    ("hlbp.peer.net.control", "hlbp.cli.main", False),
+])
+def test_the_rule_itself(importer: str, imported: str, allowed: bool) -> None:
+    assert (_violation(importer, imported) is None) == allowed
+
+
+def test_modules_stay_small_or_say_why() -> None:
+    long = []
+    for path, _module in _modules():
+        text = path.read_text(encoding="utf-8")
+        if text.count("\n") > MAX_LINES and LONG_REASON not in (ast.get_docstring(ast.parse(text)) or ""):
+            long.append(f"{path.relative_to(ROOT)}: {text.count(chr(10))} lines")
+    assert not long, f"modules over {MAX_LINES} lines whose docstring does not say why:\n" + "\n".join(long)
