@@ -20,7 +20,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from hlbp.cli.options import make_console, opt, run_app
+from hlbp.cli.options import bind, make_console, opt, run_app
 from hlbp.peer.common.errors import UserInputError
 
 err_console = make_console()
@@ -159,12 +159,7 @@ def join(
                                   "included) are announced, so a swarm started together trains round 0 together."),
     wait_replicas_timeout: float = opt(120.0, "--wait-replicas-timeout", env="WAIT_REPLICAS_TIMEOUT",
                                        help="Start round 0 anyway after waiting this many seconds."),
-    inject_delay: float = opt(0.0, "--inject-delay", env="INJECT_DELAY",
-                              help="Fault injection: seconds of extra delay per inner step (a straggler)."),
-    inject_corrupt: bool = opt(False, "--inject-corrupt/--no-inject-corrupt", env="INJECT_CORRUPT",
-                               help="Fault injection: serve corrupted contributions (a lying peer)."),
-    inject_oversize: bool = opt(False, "--inject-oversize/--no-inject-oversize", env="INJECT_OVERSIZE",
-                                help="Fault injection: announce and serve contributions above the size limit."),
+    faults: Any = None,
 ) -> None:
     """Join a run: read its manifest, measure this machine, take a role, announce it, and train until stopped.
 
@@ -205,15 +200,15 @@ def join(
         elif not local_only and not stop.is_set():
             from hlbp.peer.node.replica import ReplicaOptions, replica_train_hook
 
-            if (rounds is not None and rounds < 0 or inject_delay < 0 or checkpoint_every < 0 or wait_replicas < 0
+            if (rounds is not None and rounds < 0 or checkpoint_every < 0 or wait_replicas < 0
                     or wait_replicas_timeout < 0):
-                raise UserInputError("--rounds, --checkpoint-every, --inject-delay, --wait-replicas and "
-                                     "--wait-replicas-timeout must be >= 0")
-            options = ReplicaOptions(rounds=rounds, inject_delay_s=inject_delay, inject_corrupt=inject_corrupt,
-                                     inject_oversize=inject_oversize, threads=threads,
+                raise UserInputError("--rounds, --checkpoint-every, --wait-replicas and --wait-replicas-timeout "
+                                     "must be >= 0")
+            options = ReplicaOptions(rounds=rounds, threads=threads,
                                      checkpoint_every_s=checkpoint_every, metrics_port=metrics_port,
                                      metrics_host=metrics_host, wait_replicas=wait_replicas,
-                                     wait_replicas_timeout_s=wait_replicas_timeout)
+                                     wait_replicas_timeout_s=wait_replicas_timeout,
+                                     **({"faults": faults} if faults is not None else {}))
             replica_train_hook(ctx, options, _echo)
         elif not stop.is_set():
             training.set()  # from here a signal also interrupts the training loop, which does not poll `stop`
@@ -343,19 +338,24 @@ def status_table(report: dict[str, Any]) -> Table:
     return table
 
 
-def register(app: typer.Typer) -> None:
-    """Add ``bootstrap``, ``join`` and ``status`` to the ``hlbp`` app."""
+def register(app: typer.Typer, faults: Any = None) -> None:
+    """Add ``bootstrap``, ``join`` and ``status`` to the ``hlbp`` app.
+
+    ``faults`` (a :class:`hlbp.peer.rounds.faults.FaultHook`) is what a fault test passes in to make a joined
+    replica misbehave; it is bound to ``join`` as an argument, not a flag, so no command line can set it.
+    """
     app.command()(bootstrap)
-    app.command()(join)
+    app.command()(bind(join, faults=faults))
     app.command()(status)
 
 
-def _main() -> None:
-    """Stand-alone entry (``python -m hlbp.cli.control_cmds``), with the same error handling as ``hlbp``."""
+def main(faults: Any = None) -> None:
+    """Stand-alone entry (``python -m hlbp.cli.control_cmds``), with the same error handling as ``hlbp``; tests
+    start misbehaving replicas through it with a fault hook."""
     app = typer.Typer(name="hlbp", no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
-    register(app)
+    register(app, faults)
     run_app(app, err_console)
 
 
 if __name__ == "__main__":
-    _main()
+    main()

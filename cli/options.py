@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import typer
@@ -19,6 +22,20 @@ def make_console(stderr: bool = True) -> Console:
 def opt(default: Any, *flags: str, env: str, help: str, **kwargs: Any) -> Any:
     """A typer option that also reads ``HLBP_<env>`` and shows that variable in ``--help``."""
     return typer.Option(default, *flags, envvar=f"HLBP_{env}", show_envvar=True, help=help, **kwargs)
+
+
+def bind(command: Callable[..., Any], **fixed: Any) -> Callable[..., Any]:
+    """``command`` with ``fixed`` keyword arguments bound and hidden from typer, which builds flags from the
+    signature: what a caller passes in code (a test's fault hook) never becomes a command-line flag."""
+
+    @functools.wraps(command)
+    def bound(*args: Any, **kwargs: Any) -> Any:
+        return command(*args, **kwargs, **fixed)
+
+    sig = inspect.signature(command)
+    bound.__signature__ = sig.replace(  # type: ignore[attr-defined]
+        parameters=[p for name, p in sig.parameters.items() if name not in fixed])
+    return bound
 
 
 def run_app(app: typer.Typer, console: Console) -> None:

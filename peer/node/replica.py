@@ -25,6 +25,7 @@ from hlbp.peer.net.prometheus import MetricsServer, PeerMetrics
 from hlbp.peer.net.transport import P2PBlobTransport
 from hlbp.peer.node.join import TrainContext, data_rank
 from hlbp.peer.rounds.diloco import DenseRoundRunner
+from hlbp.peer.rounds.faults import NO_FAULTS, FaultHook
 from hlbp.peer.rounds.outer import OuterConfig
 from hlbp.peer.rounds.sparseloco import RoundConfig, RoundRunner, RoundStats
 from hlbp.peer.train.metricslog import MetricsLog
@@ -39,9 +40,6 @@ class ReplicaOptions:
 
     rounds: int | None = None  # leave after this many outer rounds; None: until stopped
     eval_batches: int = 4  # validation batches scored after every round (0: none)
-    inject_delay_s: float = 0.0  # fault injection: sleep this long after every inner step (a straggler)
-    inject_corrupt: bool = False  # fault injection: serve garbage payloads (a lying peer)
-    inject_oversize: bool = False  # fault injection: announce and serve payloads above the size limit
     threads: int | None = None  # torch CPU threads
     checkpoint_every_s: float = 300.0  # save at most this often (0: every round); always on SIGTERM and at the end
     metrics_port: int | None = None  # serve Prometheus metrics on this port (0: any free port); None: off
@@ -49,6 +47,7 @@ class ReplicaOptions:
     device: str = "auto"
     wait_replicas: int = 0  # fresh run: before round 0, wait until this many replicas (us included) are announced
     wait_replicas_timeout_s: float = 120.0  # ... but start anyway after this long
+    faults: FaultHook = NO_FAULTS  # what a fault test makes this replica do wrong (hlbp.peer.rounds.faults)
 
 
 def wait_for_replicas(count: Callable[[], int], want: int, timeout_s: float, stop: threading.Event,
@@ -129,8 +128,7 @@ def replica_train_hook(ctx: TrainContext, options: ReplicaOptions, echo: Any = p
     runner = runner_cls(
         peer.plane.dht, peer.plane.identity, transport, trainer, outer, shards, rcfg, ctx.stop,
         checkpoint=ctx.out_dir / "checkpoint.safetensors", metrics=metrics, expected=expected, on_round=on_round,
-        evaluate=(lambda: evaluate(trainer.model, val, device)) if val else None, delay_s=options.inject_delay_s,
-        corrupt=options.inject_corrupt, oversize=options.inject_oversize,
+        evaluate=(lambda: evaluate(trainer.model, val, device)) if val else None, faults=options.faults,
         protect=peer.plane.protect,
     )
     start = time.perf_counter()

@@ -111,9 +111,6 @@ class DenseRoundRunner(ReplicaBase):
         super().__init__(*args, **kwargs)
         if self.outer_cfg.kind != "diloco":
             raise UserInputError("the dense round runner needs the diloco outer optimizer")
-        if self.corrupt or self.oversize:
-            raise UserInputError("--inject-corrupt and --inject-oversize are SparseLoCo faults; the dense all-reduce "
-                                 "has no payloads to corrupt")
         self.names = [n for s in self.shards for n in s]
         self.n_params = sum(math.prod(self.shapes[i][n]) for i, s in enumerate(self.shards) for n in s)
         self.buffers = [torch.zeros(self.shapes[i][n]) for i, s in enumerate(self.shards) for n in s]

@@ -27,6 +27,7 @@ import torch
 
 from hlbp.peer.net.dht import DHT_DIED
 from hlbp.peer.net.transport import BlobTransport, TransportError
+from hlbp.peer.rounds.faults import NO_FAULTS, FaultHook
 from hlbp.peer.rounds.outer import OuterConfig, make_outer
 from hlbp.peer.rounds.rules import majority_checksums
 from hlbp.peer.rounds.statesync import encode_state, fetch_state, shard_checksum, state_name
@@ -114,9 +115,7 @@ class ReplicaBase(ABC):
         expected: Callable[[], int] | None = None,
         on_round: Callable[[RoundStats, float | None], None] | None = None,
         evaluate: Callable[[], float] | None = None,
-        delay_s: float = 0.0,
-        corrupt: bool = False,
-        oversize: bool = False,
+        faults: FaultHook = NO_FAULTS,
         protect: Callable[[dict[str, tuple[str, int]]], None] | None = None,
     ) -> None:
         self.dht, self.identity, self.transport, self.trainer = dht, identity, transport, trainer
@@ -129,10 +128,8 @@ class ReplicaBase(ABC):
         self.checkpoint, self.metrics = checkpoint, metrics or MetricsLog(None)
         self.expected = expected
         self.on_round, self.evaluate = on_round, evaluate
-        self.delay_s = delay_s  # artificial slowness per inner step: the straggler fault test uses it
+        self.faults = faults  # what a fault test makes this replica do wrong; production: nothing
         self.protect = protect  # registers round keys with our DHT node's record validator
-        self.corrupt = corrupt  # fault injection: serve payloads whose body is garbage (a lying peer)
-        self.oversize = oversize  # fault injection: announce and serve payloads above the size limit
         self.round = 0  # the next round to run; the anchor is the result of round - 1
         self.in_sync = True
         self.window = cfg.deadline_s
@@ -415,8 +412,7 @@ class ReplicaBase(ABC):
                     break  # the round closed without us: stop computing and take its result
             self.trainer.train_step()
             steps += 1
-            if self.delay_s:
-                time.sleep(self.delay_s)  # the artificial straggler of the fault tests, not synchronisation
+            self.faults.inner_step(r, steps)
         return steps, self.trainer.tokens - tokens0
 
     @abstractmethod

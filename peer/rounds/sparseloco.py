@@ -102,11 +102,9 @@ class RoundRunner(ReplicaBase):
             for s, names in enumerate(self.shards):
                 c = self.outers[s].contribute({n: self.anchor[n] for n in names}, {n: local[n] for n in names},
                                               self.me, tokens)
-                blob = contribution_to_bytes(c, self.outer_cfg, self.cfg.run_id, r, s)
-                if self.corrupt:
-                    blob = blob[:64] + bytes(b ^ 0x5A for b in blob[64:])
-                if self.oversize:
-                    blob = blob + bytes(self.limits[s] + 1 - len(blob))
+                sent = self.faults.contribution(r, s, c)
+                blob = self.faults.payload(r, s, contribution_to_bytes(sent, self.outer_cfg, self.cfg.run_id, r, s),
+                                           self.limits[s])
                 self.transport.put(f"c/{r}/{s}/{self.me}", blob)
                 digests[s], sizes[s] = sha256_hex(blob), len(blob)
                 mine.append(c)

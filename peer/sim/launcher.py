@@ -27,6 +27,7 @@ from hlbp.peer.net.wanlink import WanEmulator, free_port
 from hlbp.peer.train.metricslog import read_metrics
 
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
+HLBP_PROGRAM = (sys.executable, "-m", "hlbp.cli.control_cmds")  # what runs `bootstrap` and `join` by default
 
 
 @dataclass
@@ -67,10 +68,11 @@ class SimConfig:
 class PeerProcess:
     """One ``hlbp`` process in its own session, whose combined output is collected line by line."""
 
-    def __init__(self, name: str, args: list[str], env: dict[str, str], log: Path | None = None) -> None:
+    def __init__(self, name: str, args: list[str], env: dict[str, str], log: Path | None = None,
+                 program: Sequence[str] | None = None) -> None:
         self.name, self.args = name, args
         self.popen = subprocess.Popen(
-            [sys.executable, "-m", "hlbp.cli.control_cmds", *args], stdout=subprocess.PIPE,
+            [*(program or HLBP_PROGRAM), *args], stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT, text=True, start_new_session=True, env=env,
         )
         self.lines: list[str] = []
@@ -226,13 +228,15 @@ class Swarm:
         return ["--host-maddrs", f"/ip4/127.0.0.1/tcp/{port}",
                 "--announce-maddrs", f"/ip4/127.0.0.1/tcp/{self.wan.add(port)}"]
 
-    def _spawn(self, name: str, args: list[str]) -> PeerProcess:
-        proc = PeerProcess(name, args, self.env, log=self.workdir / f"{name}.log")
+    def _spawn(self, name: str, args: list[str], program: Sequence[str] | None = None) -> PeerProcess:
+        proc = PeerProcess(name, args, self.env, log=self.workdir / f"{name}.log", program=program)
         self._all.append(proc)
         return proc
 
-    def add(self, name: str, *extra: str, rounds: int | None = None) -> Replica:
-        """Start (or restart, reusing its identity and out-dir) replica ``name`` with extra ``hlbp join`` flags."""
+    def add(self, name: str, *extra: str, rounds: int | None = None, program: Sequence[str] | None = None) -> Replica:
+        """Start (or restart, reusing its identity and out-dir) replica ``name`` with extra ``hlbp join`` flags.
+
+        ``program`` replaces the command that runs ``join`` (a fault test's entry point with a fault hook)."""
         old = self.replicas.get(name)
         identity = old.identity if old else self.workdir / f"{name}.key"
         out_dir = old.out_dir if old else self.workdir / name
@@ -240,7 +244,7 @@ class Swarm:
                 "--role", "replica", "--throughput", "5000", "--bandwidth", "1e8", "--reachability", "public",
                 "--threads", str(self.cfg.threads), "--out-dir", str(out_dir), "--ttl", str(self.cfg.ttl_s),
                 "--rounds", str(self.cfg.rounds if rounds is None else rounds), *extra]
-        replica = Replica(name, identity, out_dir, self._spawn(name, args), old.peer_id if old else "")
+        replica = Replica(name, identity, out_dir, self._spawn(name, args, program), old.peer_id if old else "")
         self.replicas[name] = replica
         return replica
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -83,3 +84,12 @@ def test_unknown_outer_optimizer_is_one_line(command, tmp_path):
     out = run(*command, env={"HLBP_IDENTITY": str(tmp_path / "k"), "HLBP_CACHE": str(tmp_path)})
     assert out.returncode == 2, out.stderr
     assert "--outer must be" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_fault_hooks_are_no_flags():
+    """Fault injection is an object a test passes in code, so no command line or HLBP_* variable can reach it."""
+    join_help = run("join", "--help").stdout
+    assert "HLBP_INITIAL_PEERS" in join_help
+    assert not re.search(r"\bfaults?\b|inject", join_help, re.IGNORECASE)
+    bad = run("join", "--inject-corrupt", "--initial-peers", "/ip4/127.0.0.1/tcp/1/p2p/x")
+    assert bad.returncode == 2 and "No such option" in bad.stderr

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from faulty_peer import program
 
 from hlbp.peer.sim.launcher import Replica, SimConfig, Swarm, checksums_agree, poll
 
@@ -35,9 +36,9 @@ def swarm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Swarm]:
         sw.start()
         for name in ("a", "b", "c"):
             sw.add(name)
-        sw.add("liar", "--inject-corrupt")
-        sw.add("fat", "--inject-oversize")
-        sw.add("slow", "--inject-delay", str(DELAY_S))
+        sw.add("liar", program=program("corrupt"))
+        sw.add("fat", program=program("oversize"))
+        sw.add("slow", program=program(f"slow:{DELAY_S}"))
         yield sw
 
 

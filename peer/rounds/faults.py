@@ -1,0 +1,32 @@
+"""The one place where a test may make a replica misbehave: a fault hook passed in, never a switch in here.
+
+A replica's round loop calls its :class:`FaultHook` at three points: after every inner step, on each shard's
+contribution before it is encoded (a well-formed lie: scaled values, an outsized lookup table), and on each
+encoded payload before it is served (bytes that do not decode, a payload above the size limit). Production code
+runs with :data:`NO_FAULTS`, whose methods change nothing. Tests subclass :class:`FaultHook` and start a replica
+through an entry point that accepts one (``hlbp.cli.control_cmds.main(fault_hook=...)``), as torchft's event
+injector does. The dense (DiLoCo) runner has no payloads of its own, so it calls only :meth:`inner_step`.
+"""
+
+from __future__ import annotations
+
+from hlbp.peer.rounds.outer import Contribution
+
+
+class FaultHook:
+    """Decides, per round and shard, what to do to this replica's own work; every method defaults to nothing."""
+
+    def inner_step(self, round_: int, step: int) -> None:
+        """Called after inner step ``step`` of round ``round_`` (a straggler sleeps here)."""
+
+    def contribution(self, round_: int, shard: int, contribution: Contribution) -> Contribution:
+        """The contribution to encode for ``shard`` in place of ``contribution`` (which stays in our own error
+        feedback as it was)."""
+        return contribution
+
+    def payload(self, round_: int, shard: int, blob: bytes, limit: int) -> bytes:
+        """The bytes to serve and announce for ``shard`` in place of ``blob``; ``limit`` is the receivers' cap."""
+        return blob
+
+
+NO_FAULTS = FaultHook()

@@ -1,0 +1,103 @@
+"""``hlbp join`` with a fault hook: the misbehaving replicas of the fault tests, started as real processes.
+
+Usage: ``python faulty_peer.py FAULT join ...``, where FAULT is one of :data:`FAULTS` (``name`` or ``name:arg``).
+The hook is passed in as an object (``hlbp.cli.control_cmds.main(faults=...)``); production code has no switch
+for any of this. Tests build the command with :func:`program`.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from hlbp.peer.rounds.faults import FaultHook
+from hlbp.peer.rounds.outer import Contribution
+
+
+class Slow(FaultHook):
+    """A straggler: sleeps after every inner step."""
+
+    def __init__(self, seconds: str = "2.0") -> None:
+        self.seconds = float(seconds)
+
+    def inner_step(self, round_: int, step: int) -> None:
+        time.sleep(self.seconds)
+
+
+class Corrupt(FaultHook):
+    """Serves bytes that match its signed digest but do not decode (everything after the first 64 flipped)."""
+
+    def payload(self, round_: int, shard: int, blob: bytes, limit: int) -> bytes:
+        return blob[:64] + bytes(b ^ 0x5A for b in blob[64:])
+
+
+class Oversize(FaultHook):
+    """Announces and serves a payload one byte above the receivers' limit."""
+
+    def payload(self, round_: int, shard: int, blob: bytes, limit: int) -> bytes:
+        return blob + bytes(limit + 1 - len(blob))
+
+
+class _Rewrite(FaultHook):
+    """A well-formed, finite lie: each sparse tensor rewritten before encoding, so the payload decodes cleanly."""
+
+    def contribution(self, round_: int, shard: int, contribution: Contribution) -> Contribution:
+        return replace(contribution, tensors={n: self.rewrite(t) for n, t in contribution.tensors.items()})
+
+    def rewrite(self, t):
+        return t
+
+
+class Scale(_Rewrite):
+    """Every decoded value multiplied by ``factor`` (lookup table and shift scaled)."""
+
+    def __init__(self, factor: str = "1e6") -> None:
+        self.factor = float(factor)
+
+    def rewrite(self, t):
+        if t.table is None:
+            return replace(t, values=t.values * self.factor)
+        return replace(t, table=(t.table * self.factor).float(), shift=float(torch.tensor(t.shift * self.factor)))
+
+
+class BigTable(_Rewrite):
+    """An outsized 2-bit lookup table: decoded magnitudes about 1e30."""
+
+    def rewrite(self, t):
+        if t.table is None:
+            return replace(t, values=torch.full_like(t.values, 1e30))
+        return replace(t, table=torch.tensor([-1e30, -1e29, 1e29, 1e30], dtype=torch.float32))
+
+
+class NaN(_Rewrite):
+    """NaN in the lookup table."""
+
+    def rewrite(self, t):
+        if t.table is None:
+            return replace(t, values=torch.full_like(t.values, float("nan")))
+        return replace(t, table=torch.full((4,), float("nan")))
+
+
+FAULTS = {"slow": Slow, "corrupt": Corrupt, "oversize": Oversize, "scale": Scale, "bigtable": BigTable, "nan": NaN}
+
+
+def program(fault: str) -> list[str]:
+    """The command that starts ``hlbp.cli.control_cmds`` with the fault hook ``fault`` (``name`` or ``name:arg``)."""
+    return [sys.executable, str(Path(__file__).resolve()), fault]
+
+
+def hook(fault: str) -> FaultHook:
+    name, _, arg = fault.partition(":")
+    return FAULTS[name](arg) if arg else FAULTS[name]()
+
+
+if __name__ == "__main__":
+    from hlbp.cli.control_cmds import main
+
+    faults = hook(sys.argv[1])
+    sys.argv = [sys.argv[0], *sys.argv[2:]]
+    main(faults)
