@@ -2,21 +2,23 @@
 
 Why: volunteers and spot fleets run ``hlbp join`` unattended for days; the operator's dashboards and alerts
 (a replica stuck out of sync, bytes per round creeping up, utilization falling) need numbers they can scrape, not
-log lines. The exposition format is plain text, so the standard library's HTTP server serves it; the values are
-a pure function of the round stats (:func:`render`), tested without a socket.
+log lines. ``prometheus-client`` renders and serves them (correct escaping, content negotiation, process
+metrics); what is exported is a pure function of the round stats (:func:`render`), tested without a socket.
 """
 
 from __future__ import annotations
 
 import math
 import threading
-from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from collections.abc import Iterator
+from dataclasses import dataclass, field, fields
 from typing import Any
 
-from hlbp.peer.common.errors import UserInputError
+from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
-CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+from hlbp.peer.common.errors import UserInputError
 
 
 @dataclass
@@ -49,70 +51,67 @@ class PeerMetrics:
                         "comm": self.seconds["comm"] + stats.comm_s, "wait": self.seconds["wait"] + stats.wait_s}
 
 
-def _labels(m: PeerMetrics) -> str:
-    esc = [v.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") for v in (m.run, m.peer)]
-    return f'{{run="{esc[0]}",peer="{esc[1]}"}}'
+class _PeerCollector(Collector):
+    """Yields a peer's metrics at every scrape, from the totals :class:`MetricsServer` keeps."""
+
+    def __init__(self, metrics: PeerMetrics, lock: threading.Lock | None = None) -> None:
+        self.metrics, self.lock = metrics, lock or threading.Lock()
+
+    def collect(self) -> Iterator[Metric]:
+        with self.lock:
+            m = PeerMetrics(**{f.name: getattr(self.metrics, f.name) for f in fields(PeerMetrics)})
+        names, values = ["run", "peer"], [m.run, m.peer]
+        rows: list[tuple[type[Metric], str, str, float]] = [
+            (CounterMetricFamily, "hlbp_rounds", "Outer rounds this peer finished.", m.rounds),
+            (CounterMetricFamily, "hlbp_rounds_accepted",
+             "Rounds whose result includes this peer's contribution.", m.accepted),
+            (CounterMetricFamily, "hlbp_state_syncs", "Times this peer reloaded state from others.", m.synced),
+            (GaugeMetricFamily, "hlbp_round", "The last round this peer finished.", m.last_round),
+            (GaugeMetricFamily, "hlbp_in_sync", "1 while this peer's parameters are the agreed ones.", int(m.in_sync)),
+            (GaugeMetricFamily, "hlbp_round_members", "Contributions in the last round's result.", m.members),
+            (CounterMetricFamily, "hlbp_bytes_sent", "Round payload and state bytes this peer served.", m.bytes_sent),
+            (CounterMetricFamily, "hlbp_bytes_received", "Round payload and state bytes this peer fetched.",
+             m.bytes_received),
+        ]
+        for family, name, text, value in rows:
+            metric = family(name, text, labels=names)
+            metric.add_metric(values, value)
+            yield metric
+        seconds = CounterMetricFamily("hlbp_round_seconds", "Seconds spent per part of the rounds.",
+                                      labels=[*names, "part"])
+        for part, value in m.seconds.items():
+            seconds.add_metric([*values, part], value)
+        yield seconds
+        if m.val_loss is not None and math.isfinite(m.val_loss):
+            loss = GaugeMetricFamily("hlbp_val_loss", "Validation loss after the last round.", labels=names)
+            loss.add_metric(values, m.val_loss)
+            yield loss
 
 
 def render(m: PeerMetrics) -> str:
-    """The Prometheus text exposition of a peer's metrics."""
-    lab = _labels(m)
-    rows = [
-        ("hlbp_rounds_total", "counter", "Outer rounds this peer finished.", m.rounds),
-        ("hlbp_rounds_accepted_total", "counter", "Rounds whose result includes this peer's contribution.",
-         m.accepted),
-        ("hlbp_state_syncs_total", "counter", "Times this peer reloaded state from others.", m.synced),
-        ("hlbp_round", "gauge", "The last round this peer finished.", m.last_round),
-        ("hlbp_in_sync", "gauge", "1 while this peer's parameters are the agreed ones.", int(m.in_sync)),
-        ("hlbp_round_members", "gauge", "Contributions in the last round's result.", m.members),
-        ("hlbp_bytes_sent_total", "counter", "Round payload and state bytes this peer served.", m.bytes_sent),
-        ("hlbp_bytes_received_total", "counter", "Round payload and state bytes this peer fetched.",
-         m.bytes_received),
-    ]
-    out = []
-    for name, kind, text, value in rows:
-        out += [f"# HELP {name} {text}", f"# TYPE {name} {kind}", f"{name}{lab} {value}"]
-    out += ["# HELP hlbp_round_seconds_total Seconds spent per part of the rounds.",
-            "# TYPE hlbp_round_seconds_total counter"]
-    for part, value in m.seconds.items():
-        out.append(f'hlbp_round_seconds_total{lab[:-1]},part="{part}"}} {value:.6f}')
-    if m.val_loss is not None and math.isfinite(m.val_loss):
-        out += ["# HELP hlbp_val_loss Validation loss after the last round.", "# TYPE hlbp_val_loss gauge",
-                f"hlbp_val_loss{lab} {m.val_loss:.6f}"]
-    return "\n".join(out) + "\n"
+    """The Prometheus text exposition of a peer's metrics (without the process metrics the server adds)."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_PeerCollector(m))
+    return generate_latest(registry).decode()
 
 
 class MetricsServer:
-    """Serves :func:`render` of the current metrics at ``/metrics`` from a daemon thread."""
+    """Serves a peer's metrics, and its process's (CPU, memory, open files), at ``/metrics`` from a daemon thread.
+
+    Each server has its own registry, so several peers in one process (the network benchmark) do not collide.
+    """
 
     def __init__(self, host: str, port: int, metrics: PeerMetrics) -> None:
         self.metrics = metrics
         self._lock = threading.Lock()
-        server = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:
-                if self.path.split("?")[0] != "/metrics":
-                    self.send_error(404, "only /metrics is served")
-                    return
-                with server._lock:
-                    body = render(server.metrics).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", CONTENT_TYPE)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, *_args: Any) -> None:  # scrapes every few seconds must not flood the log
-                pass
-
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(_PeerCollector(metrics, self._lock))
+        ProcessCollector(registry=self.registry)
         try:
-            self._http = ThreadingHTTPServer((host, port), Handler)
+            self._http, self._thread = start_http_server(port, host, registry=self.registry)
         except OSError as exc:
             raise UserInputError(f"cannot serve metrics on {host}:{port}: {exc.strerror}; pick another "
                                  "--metrics-port (0: any free port)") from None
-        self._http.daemon_threads = True
-        threading.Thread(target=self._http.serve_forever, name="metrics-http", daemon=True).start()
 
     @property
     def url(self) -> str:
