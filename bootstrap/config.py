@@ -10,9 +10,11 @@ train a different run than the operator meant. Example::
     n_stages = 2               # or: stages = [[0, 2], [2, 4]]
     data_recipe = "builtin"
     vocab_size = 8192          # when the bootstrap trains the tokenizer
+    allowed_peers = []         # closed run: the peer ids that may contribute (empty: anyone may)
     [model_overrides]          # preset fields to change, e.g. n_layers = 8
     [hparams]                  # inner_steps, lr, batch_size, seq_len, k, beta, alpha, *_deadline_s, min_contributors,
-                               # outer = "sparseloco" | "diloco", outer_lr, momentum (DiLoCo)
+                               # outer = "sparseloco" | "diloco", outer_lr, momentum (DiLoCo), clip_median,
+                               # max_contribution_ratio, max_update_ratio (the round guard's bounds)
     [codec]                    # name = "dense" | "subspace-a" | "subspace-b", k = 32
     [placement]                # replica_min_throughput = 2000.0, max_peers_per_stage = 1
 """
@@ -39,7 +41,7 @@ from hlbp.protocol.records import (
 )
 
 _TOP_KEYS = {"run_id", "seed", "model", "n_stages", "stages", "data_recipe", "vocab_size", "model_overrides",
-             "hparams", "codec", "placement"}
+             "hparams", "codec", "placement", "allowed_peers"}
 TOKENIZER_ARTIFACT = "tokenizer.json"
 
 
@@ -58,6 +60,7 @@ class RunConfig:
     hparams: dict[str, Any] = field(default_factory=dict)  # fields of records.Hyperparameters
     codec: dict[str, Any] = field(default_factory=dict)  # fields of records.ActivationCodec
     placement: dict[str, Any] = field(default_factory=dict)  # fields of records.Placement
+    allowed_peers: list[str] = field(default_factory=list)  # closed run: who may contribute (empty: anyone)
 
 
 def load_run_config(path: Path | None) -> RunConfig:
@@ -111,6 +114,7 @@ def build_manifest(cfg: RunConfig, tokenizer: bytes, issued_at: float) -> Manife
         "codec": cfg.codec,
         "placement": cfg.placement,
         "artifacts": [{"name": TOKENIZER_ARTIFACT, "sha256": tok_hash, "size": len(tokenizer)}],
+        "allowed_peers": sorted(set(cfg.allowed_peers)) if isinstance(cfg.allowed_peers, list) else cfg.allowed_peers,
     }
     try:
         run_id = check_run_id(cfg.run_id) if cfg.run_id is not None else None

@@ -27,7 +27,7 @@ from typing import Any
 import msgpack
 
 from hlbp.protocol.errors import ProtocolError
-from hlbp.protocol.identity import Identity, _unpack, open_envelope, seal
+from hlbp.protocol.identity import Identity, _unpack, open_envelope, public_key_from_peer_id, seal
 
 PROTOCOL_VERSION = 1  # bumped when peers of different versions can no longer train together
 KIND_MANIFEST = "manifest"
@@ -40,6 +40,7 @@ MAX_RECORD_TTL_S = 3600.0  # an announcement may not claim to live longer than t
 MAX_CLOCK_SKEW_S = 120.0  # tolerated difference between a signer's clock and ours
 MAX_ARTIFACT_BYTES = 256 * 1024 * 1024  # largest artifact a fetcher accepts unless the manifest says less
 MAX_PROBE_BYTES = 64 * 1024 * 1024  # largest bandwidth probe a server sends
+MAX_ALLOWED_PEERS = 256  # a closed run's allow-list; each id is about 52 bytes, and the manifest stays under 16 KiB
 
 MANIFEST_KEY = "hlbp:manifest"  # DHT key; subkey is the signer's peer id
 
@@ -87,6 +88,13 @@ def _float(body: dict[str, Any], name: str, lo: float, hi: float, default: Any =
     value = float(value)
     if not (math.isfinite(value) and lo <= value <= hi):
         raise ProtocolError(f"record field {name!r} must be finite and in [{lo}, {hi}], got {value}")
+    return value
+
+
+def _bool(body: dict[str, Any], name: str, default: Any = _MISSING) -> bool:
+    value = _field(body, name, default)
+    if not isinstance(value, bool):
+        raise ProtocolError(f"record field {name!r} must be true or false, got {type(value).__name__}")
     return value
 
 
@@ -142,6 +150,9 @@ class Hyperparameters:
     outer: str = "sparseloco"  # sparseloco (our sparse rounds) or diloco (dense, hivemind's stock all-reduce)
     outer_lr: float = 0.7  # DiLoCo: Nesterov outer learning rate
     momentum: float = 0.9  # DiLoCo: Nesterov momentum
+    clip_median: bool = True  # scale each contribution to at most the round's median norm (bounded influence)
+    max_contribution_ratio: float = 8.0  # a contribution whose norm exceeds this times its shard's is refused
+    max_update_ratio: float = 2.0  # a round whose update norm exceeds this times a shard's norm is refused
 
     OUTERS = ("sparseloco", "diloco")
 
@@ -163,6 +174,9 @@ class Hyperparameters:
             outer=_str(body, "outer", 16, d.outer, choices=cls.OUTERS),
             outer_lr=_float(body, "outer_lr", 1e-6, 10.0, d.outer_lr),
             momentum=_float(body, "momentum", 0.0, 0.999, d.momentum),
+            clip_median=_bool(body, "clip_median", d.clip_median),
+            max_contribution_ratio=_float(body, "max_contribution_ratio", 1e-6, 1e6, d.max_contribution_ratio),
+            max_update_ratio=_float(body, "max_update_ratio", 1e-6, 1e6, d.max_update_ratio),
         )
         if not hp.min_deadline_s <= hp.round_deadline_s <= hp.max_deadline_s:
             raise ProtocolError("deadlines must satisfy min_deadline_s <= round_deadline_s <= max_deadline_s")
@@ -236,6 +250,7 @@ class Manifest:
     codec: ActivationCodec = field(default_factory=ActivationCodec)
     placement: Placement = field(default_factory=Placement)
     artifacts: tuple[Artifact, ...] = ()  # files served by hash; includes tokenizer.json
+    allowed_peers: tuple[str, ...] = ()  # closed run: only these peer ids may contribute (empty: open to anyone)
     protocol_version: int = PROTOCOL_VERSION
     issued_at: float = 0.0  # signer's clock when issued; the newest manifest of a signer wins
 
@@ -257,6 +272,7 @@ class Manifest:
             "codec": {"name": self.codec.name, "k": self.codec.k},
             "placement": asdict(self.placement),
             "artifacts": [asdict(a) for a in self.artifacts],
+            **({"allowed_peers": list(self.allowed_peers)} if self.allowed_peers else {}),
         }
 
     @classmethod
@@ -278,7 +294,12 @@ class Manifest:
             codec=ActivationCodec.from_body(_map(body, "codec")),
             placement=Placement.from_body(_map(body, "placement")),
             artifacts=_artifacts(body.get("artifacts", [])),
+            allowed_peers=_peer_ids(body, "allowed_peers", MAX_ALLOWED_PEERS),
         )
+
+    def may_contribute(self, peer_id: str) -> bool:
+        """Whether ``peer_id`` may take part in this run's rounds (always, in an open run)."""
+        return not self.allowed_peers or peer_id in self.allowed_peers
 
 
 class ProtocolVersionMismatch(ProtocolError):
@@ -311,6 +332,16 @@ def _overrides(value: Any) -> dict[str, _OverrideValue]:
             raise ProtocolError(f"model override {key} must be a number, a boolean or a short string")
         out[key] = item
     return out
+
+
+def _peer_ids(body: dict[str, Any], name: str, max_items: int) -> tuple[str, ...]:
+    """A sorted list of distinct Ed25519 peer ids (one encoding per set, so one manifest per allow-list)."""
+    ids = _str_list(body, name, max_items, 64)
+    for peer_id in ids:
+        public_key_from_peer_id(peer_id)
+    if list(ids) != sorted(set(ids)):
+        raise ProtocolError(f"record field {name!r} must list distinct peer ids in sorted order")
+    return ids
 
 
 def _artifacts(value: Any) -> tuple[Artifact, ...]:

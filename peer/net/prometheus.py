@@ -30,6 +30,8 @@ class PeerMetrics:
     rounds: int = 0
     accepted: int = 0
     synced: int = 0
+    refused: int = 0
+    copies: int = 0
     last_round: int = -1
     in_sync: bool = True
     members: int = 0
@@ -43,6 +45,8 @@ class PeerMetrics:
         self.rounds += 1
         self.accepted += int(stats.accepted)
         self.synced += int(stats.synced)
+        self.refused += int(bool(getattr(stats, "refused", "")))
+        self.copies += len(getattr(stats, "copies", ()))
         self.last_round, self.in_sync, self.members = stats.round, stats.in_sync, stats.members
         self.val_loss = val_loss
         self.bytes_sent += stats.bytes_sent
@@ -66,6 +70,10 @@ class _PeerCollector(Collector):
             (CounterMetricFamily, "hlbp_rounds_accepted",
              "Rounds whose result includes this peer's contribution.", m.accepted),
             (CounterMetricFamily, "hlbp_state_syncs", "Times this peer reloaded state from others.", m.synced),
+            (CounterMetricFamily, "hlbp_rounds_refused",
+             "Rounds refused as a whole by the round guard (a contribution or the update broke a bound).", m.refused),
+            (CounterMetricFamily, "hlbp_copies_flagged",
+             "Contributions flagged as copies (positions overlapping another's, or tensors sent before).", m.copies),
             (GaugeMetricFamily, "hlbp_round", "The last round this peer finished.", m.last_round),
             (GaugeMetricFamily, "hlbp_in_sync", "1 while this peer's parameters are the agreed ones.", int(m.in_sync)),
             (GaugeMetricFamily, "hlbp_round_members", "Contributions in the last round's result.", m.members),

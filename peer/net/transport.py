@@ -12,10 +12,12 @@ Frames: request = u32 length + msgpack {"name": str}; response = u32 length + ms
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import struct
 import threading
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
 import msgpack
@@ -74,8 +76,11 @@ async def _read_frame(reader: asyncio.StreamReader, timeout: float) -> dict[str,
 class P2PBlobTransport:
     """:class:`BlobTransport` on hivemind's P2P (p2pd); construct with a started ``hivemind.DHT``."""
 
-    def __init__(self, dht: Any, request_timeout: float = 10.0) -> None:
+    def __init__(self, dht: Any, request_timeout: float = 10.0, cancel: threading.Event | None = None,
+                 allowed: Callable[[str], bool] | None = None) -> None:
         self.request_timeout = request_timeout
+        self.cancel = cancel  # once set (the peer is leaving), every fetch under way or to come fails at once
+        self.allowed = allowed  # closed runs: which peer ids may fetch from us (None: anyone)
         self.bytes_served = 0
         self.bytes_fetched = 0
         self._blobs: dict[str, bytes] = {}
@@ -96,6 +101,10 @@ class P2PBlobTransport:
 
     async def _handle(self, info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
+            requester = str(getattr(info, "peer_id", ""))
+            if self.allowed is not None and not self.allowed(requester):
+                logger.debug("refused a blob request from %s: not in the run's allow-list", requester)
+                return
             request = await _read_frame(reader, self.request_timeout)
             name = request.get("name")
             if not isinstance(name, str) or len(name) > MAX_NAME:
@@ -166,8 +175,22 @@ class P2PBlobTransport:
         Raises :class:`ProtocolError` when the peer's response breaks the protocol (a malformed frame, or a body
         above ``max_size``: provably the peer's fault), and :class:`TransportError` for any other failure.
         """
+        if self.cancel is not None and self.cancel.is_set():
+            raise TransportError(f"not fetching {name}: this peer is stopping")
+        future = asyncio.run_coroutine_threadsafe(self._fetch(peer_id, name, max_size, timeout), self._loop)
+        deadline = time.monotonic() + timeout + 5
         try:
-            return self._run(self._fetch(peer_id, name, max_size, timeout), timeout + 5)
+            while True:
+                try:
+                    return future.result(timeout=max(0.0, min(0.2, deadline - time.monotonic())))
+                except concurrent.futures.TimeoutError:
+                    if self.cancel is not None and self.cancel.is_set():
+                        future.cancel()
+                        raise TransportError(f"fetching {name} from {peer_id[:12]}… was cancelled: this peer is "
+                                             "stopping") from None
+                    if time.monotonic() >= deadline:
+                        future.cancel()
+                        raise
         except (TransportError, ProtocolError):
             raise
         except Exception as exc:  # p2pd, asyncio and the peer's bytes all fail in their own types

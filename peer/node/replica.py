@@ -26,6 +26,7 @@ from hlbp.peer.net.transport import P2PBlobTransport
 from hlbp.peer.node.join import TrainContext, data_rank
 from hlbp.peer.rounds.diloco import DenseRoundRunner
 from hlbp.peer.rounds.faults import NO_FAULTS, FaultHook
+from hlbp.peer.rounds.guard import GuardConfig
 from hlbp.peer.rounds.outer import OuterConfig
 from hlbp.peer.rounds.sparseloco import RoundConfig, RoundRunner, RoundStats
 from hlbp.peer.train.metricslog import MetricsLog
@@ -94,11 +95,18 @@ def replica_train_hook(ctx: TrainContext, options: ReplicaOptions, echo: Any = p
     trainer = InnerTrainer(model, optim, micro_batches(stream, 1), device)
     val = val_batches(data.val, hp.seq_len, hp.batch_size, options.eval_batches) if options.eval_batches else []
     outer = OuterConfig(kind=hp.outer, k=hp.k, beta=hp.beta, alpha=hp.alpha,  # type: ignore[arg-type]
-                        outer_lr=hp.outer_lr, momentum=hp.momentum)
+                        outer_lr=hp.outer_lr, momentum=hp.momentum, clip_median=hp.clip_median)
     rcfg = RoundConfig(run_id=m.run_id, inner_steps=hp.inner_steps, deadline_s=hp.round_deadline_s,
                        min_deadline_s=hp.min_deadline_s, max_deadline_s=hp.max_deadline_s,
-                       min_contributors=hp.min_contributors, checkpoint_every_s=options.checkpoint_every_s)
-    transport = P2PBlobTransport(peer.plane.dht)
+                       min_contributors=hp.min_contributors, checkpoint_every_s=options.checkpoint_every_s,
+                       guard=GuardConfig(hp.max_contribution_ratio, hp.max_update_ratio),
+                       allowed_peers=frozenset(m.allowed_peers))
+    if not m.may_contribute(peer.plane.peer_id):
+        echo(f"warning: this peer ({peer.plane.peer_id}) is not in run {m.run_id}'s allow-list: every other peer "
+             "ignores its contributions and records and refuses to serve it, so it cannot take part. Ask the run's "
+             "operator to add its peer id, or start it with an --identity file that is on the list.")
+    transport = P2PBlobTransport(peer.plane.dht, cancel=ctx.stop,
+                                 allowed=m.may_contribute if m.allowed_peers else None)
     ctx.out_dir.mkdir(parents=True, exist_ok=True)
     metrics = MetricsLog(ctx.out_dir / "metrics.jsonl")
 
@@ -108,7 +116,8 @@ def replica_train_hook(ctx: TrainContext, options: ReplicaOptions, echo: Any = p
         except Exception as exc:  # noqa: BLE001 - a failed read only means we wait for the window instead
             logger.debug("reading peers failed: %s", exc)
             return 0
-        return sum(1 for a in peers.values() if a.announcement.role == "replica" and a.announcement.online)
+        return sum(1 for p, a in peers.items()
+                   if a.announcement.role == "replica" and a.announcement.online and m.may_contribute(p))
 
     exporter = None
     if options.metrics_port is not None:

@@ -25,9 +25,11 @@ from typing import Any
 
 import torch
 
+from hlbp.peer.common.files import remove_stale_temps
 from hlbp.peer.net.dht import DHT_DIED
 from hlbp.peer.net.transport import BlobTransport, TransportError
 from hlbp.peer.rounds.faults import NO_FAULTS, FaultHook
+from hlbp.peer.rounds.guard import GuardConfig
 from hlbp.peer.rounds.outer import OuterConfig, make_outer
 from hlbp.peer.rounds.rules import majority_checksums
 from hlbp.peer.rounds.statesync import encode_state, fetch_state, shard_checksum, state_name
@@ -70,6 +72,12 @@ class RoundConfig:
     min_contributors: int = 1  # a round applies nothing unless at least this many contributions were accepted
     checkpoint_every_s: float = 300.0  # save at most this often during the run (0: every round); always on exit
     dht_timeout_s: float = 60.0  # a DHT lookup or store that takes longer is given up (a lookup reads as empty)
+    guard: GuardConfig = field(default_factory=GuardConfig)  # bounds on a contribution and on a round's update
+    allowed_peers: frozenset[str] = frozenset()  # closed run: only these peers' round records count (empty: all)
+
+    def admits(self, peer_id: str) -> bool:
+        """Whether ``peer_id``'s round records count in this run (the manifest's allow-list)."""
+        return not self.allowed_peers or peer_id in self.allowed_peers
 
 
 @dataclass
@@ -90,6 +98,10 @@ class RoundStats:
     synced: bool = False
     checksums: dict[int, str] = field(default_factory=dict)
     phases: dict[str, float] = field(default_factory=dict)  # seconds per protocol step, to see where comm goes
+    guard: dict[str, float] = field(default_factory=dict)  # largest contribution and update norm ratios seen
+    copies: list[dict[str, Any]] = field(default_factory=list)  # evidence of copied contributions (rounds/copies.py)
+    refused: str = ""  # why the round was refused as a whole (nobody's parameters moved), if it was
+    banned: list[str] = field(default_factory=list)  # peers the round's accepted set says are banned
 
 
 class ReplicaBase(ABC):
@@ -132,6 +144,7 @@ class ReplicaBase(ABC):
         self.protect = protect  # registers round keys with our DHT node's record validator
         self.round = 0  # the next round to run; the anchor is the result of round - 1
         self.in_sync = True
+        self.rollbacks = 0  # inner phases abandoned because the loss stopped being finite
         self.window = cfg.deadline_s
         self.last_members = 0
         self.history: list[RoundStats] = []
@@ -165,6 +178,8 @@ class ReplicaBase(ABC):
             except FutureTimeout:  # concurrent.futures' own class on Python 3.10, the builtin from 3.11
                 if not self.dht.is_alive():
                     raise ConnectionError(DHT_DIED) from None
+                if self.stop.is_set():
+                    return None  # leaving: SIGTERM must end the peer within seconds, whatever the DHT does
                 if time.monotonic() >= deadline:
                     logger.warning("a DHT %s took over %.0f s; going on without it", what, self.cfg.dht_timeout_s)
                     return None
@@ -191,6 +206,12 @@ class ReplicaBase(ABC):
         """The valid records under ``key`` (``entries``: already read), each bad one logged once and skipped."""
         out = []
         for subkey, value in (self._read(key)[0] if entries is None else entries).items():
+            if not self.cfg.admits(str(subkey)):
+                tag = ("outsider", str(subkey))
+                if tag not in self._logged:
+                    self._logged.add(tag)
+                    logger.warning("ignoring round records of %s: it is not in the run's allow-list", str(subkey)[:16])
+                continue
             try:
                 out.append(parse(value, str(subkey), self.cfg.run_id, **kw))
             except ProtocolError as exc:
@@ -304,8 +325,13 @@ class ReplicaBase(ABC):
             self.save()
 
     def save(self) -> None:
+        """Save the checkpoint, unless the state holds a non-finite value: a poisoned state is never stored as
+        current (the previous checkpoint stays, and a restart syncs from peers)."""
         self._saved_at = time.monotonic()
         if self.checkpoint is None:
+            return
+        if not all(bool(torch.isfinite(t).all()) for t in self.anchor.values()):
+            logger.error("not saving the checkpoint: the global parameters hold a non-finite value")
             return
         tensors, header = self.trainer.state_tensors()
         tensors.update({f"anchor.{n}": t for n, t in self.anchor.items()})
@@ -316,10 +342,17 @@ class ReplicaBase(ABC):
 
     def resume(self) -> bool:
         """Restore this peer's checkpoint if it has one for this run; the caller then checks it is current."""
-        if self.checkpoint is None or not self.checkpoint.exists():
+        if self.checkpoint is None:
+            return False
+        if remove_stale_temps(self.checkpoint):
+            logger.info("removed the temporary files of an interrupted checkpoint save")
+        if not self.checkpoint.exists():
             return False
         tensors, header = load_checkpoint(self.checkpoint)
         if header.get("run") != self.cfg.run_id:
+            return False
+        if not all(bool(torch.isfinite(t).all()) for n, t in tensors.items() if n.startswith("anchor.")):
+            logger.warning("ignoring checkpoint %s: its global parameters hold a non-finite value", self.checkpoint)
             return False
         self.trainer.load_state(tensors, header)
         self.anchor = {n[7:]: t.float() for n, t in tensors.items() if n.startswith("anchor.")}
@@ -410,10 +443,24 @@ class ReplicaBase(ABC):
                 last_check = time.perf_counter()
                 if self._round_closed(r):
                     break  # the round closed without us: stop computing and take its result
-            self.trainer.train_step()
+            try:
+                self.trainer.train_step()
+            except FloatingPointError as exc:
+                self._roll_back(r, exc)
+                return 0, 0
             steps += 1
             self.faults.inner_step(r, steps)
         return steps, self.trainer.tokens - tokens0
+
+    def _roll_back(self, r: int, exc: FloatingPointError) -> None:
+        """The inner loss stopped being finite: go back to the round's global parameters with a fresh inner
+        optimizer, and sit this round out (weight 0) instead of exiting. The global parameters passed the round
+        guard, so a peer's own bad luck (or a bad batch) costs it one round, never the run."""
+        logger.warning("round %d: %s; rolling back to the round's global parameters with fresh AdamW moments and "
+                       "sitting this round out", r, exc)
+        self.trainer.optimizer.state.clear()
+        self._load_anchor_into_model()
+        self.rollbacks += 1
 
     @abstractmethod
     def _round_closed(self, r: int) -> bool:

@@ -31,7 +31,10 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import torch
+
 from hlbp.peer.net.transport import TransportError
+from hlbp.peer.rounds import copies, guard
 from hlbp.peer.rounds.contribution import contribution_from_bytes, contribution_to_bytes
 from hlbp.peer.rounds.loop import ReplicaBase, RoundConfig, RoundStats
 from hlbp.peer.rounds.outer import Contribution
@@ -59,6 +62,17 @@ __all__ = ["RoundConfig", "RoundRunner", "RoundStats"]  # the config and stats l
 logger = logging.getLogger(__name__)
 
 
+class BadPayload(ProtocolError):
+    """An accepted or candidate payload whose bytes match the sender's signed digest but that does not decode, or
+    that breaks a bound: the sender's fault, and the same verdict on every peer that holds those bytes."""
+
+
+def _reason(exc: BaseException) -> str:
+    """An error's whole message for the log (hostile text is bounded, but never cut mid-explanation)."""
+    text = str(exc) or type(exc).__name__
+    return text if len(text) <= 2000 else text[:2000] + "…"
+
+
 class RoundRunner(ReplicaBase):
     """A full replica's SparseLoCo rounds: payloads on the blob transport, an accepted set in the DHT.
 
@@ -76,6 +90,11 @@ class RoundRunner(ReplicaBase):
         self._verified: dict[tuple[int, str, int], Contribution] = {}  # (round, sender, shard) -> checked payload
         self._unreachable: set[tuple[int, str]] = set()  # (round, sender) whose payload could not be fetched
         self._count_lock = threading.Lock()
+        self.guard = self.cfg.guard
+        self.last_ratios: dict[str, float] = {}  # the last applied round's largest norm ratios (guard)
+        self.last_copies: list[dict[str, Any]] = []  # the last applied round's evidence of copied contributions
+        self._reuse = [copies.ReuseLog() for _ in self.shards]
+        self._scales: list[float] = []  # ‖θ_s‖ of the round's anchor, per shard (set when the round's exchange starts)
 
     def _round_records(self, r: int) -> tuple[dict[str, ContribNotice], list[AcceptedSet]]:
         """Round r's contribution notices (by sender) and published accepted sets, read in one concurrent poll."""
@@ -89,12 +108,14 @@ class RoundRunner(ReplicaBase):
         read; ``order``: the coordinator ranking, from the notices)."""
         if sets is None:
             sets = self._records(round_key(self.cfg.run_id, r, KIND_ACCEPTED), parse_accepted, round_=r)
+        sets = [x for x in sets if not self._banned(x.coordinator, r)]  # a banned peer no longer coordinates
         return pick_accepted(sets, order or coordinator_order(r, [s.coordinator for s in sets]))
 
     def run_round(self) -> RoundStats:
         r = self.round
         stats, steps, tokens, served_before = self._begin_round(r)
         t1 = time.perf_counter()
+        self._scales = [guard.scale({n: self.anchor[n] for n in names}) for names in self.shards]
         local = {n: p.detach() for n, p in self.trainer.model.named_parameters()}
         mine: list[Contribution] = []
         if steps and self.in_sync:
@@ -119,15 +140,22 @@ class RoundRunner(ReplicaBase):
         stats.wait_s = time.perf_counter() - t2
         t3 = time.perf_counter()
         stats.phases = {"encode": t2 - t1, "close": stats.wait_s}
-        if mine and (accepted is None or self.me not in accepted.senders()):
-            for s, c in enumerate(mine):
-                self.outers[s].withdraw(c)  # left out: the pseudo-gradient stays in the error-feedback buffer
+        outcome = "left out"
         if accepted is not None:
             stats.members = len(accepted.members)
-            stats.accepted = self.me in accepted.senders()
-            ok = self._apply(r, accepted)
-            if not ok:
+            stats.banned = sorted(p for p, until in accepted.banned if until > r)
+            outcome = self._apply(r, accepted)
+            # "failed": the round's result holds our contribution, and the state we sync next will too
+            stats.accepted = outcome in ("applied", "failed") and self.me in accepted.senders()
+            if outcome == "failed":
                 self.in_sync = False
+            elif outcome.startswith("refused"):
+                stats.refused = outcome
+            stats.guard = dict(self.last_ratios)
+            stats.copies = list(self.last_copies) if outcome == "applied" else []
+        if mine and not stats.accepted:
+            for s, c in enumerate(mine):
+                self.outers[s].withdraw(c)  # left out, or the round refused: it stays in the error-feedback buffer
         self._load_anchor_into_model()
         mine = self._my_checks(r)
         stats.checksums = mine.checksums
@@ -176,7 +204,7 @@ class RoundRunner(ReplicaBase):
             notices, sets = self._round_records(r)
             for sender in notices:
                 arrivals.setdefault(sender, now)
-            order = coordinator_order(r, list(notices))
+            order = coordinator_order(r, [p for p in notices if not self._banned(p, r)])
             accepted = self._accepted(r, sets, order)
             if accepted is not None:
                 for peer, until in accepted.banned:  # bans travel with the accepted set: every coordinator honours them
@@ -194,7 +222,7 @@ class RoundRunner(ReplicaBase):
                     rank = order.index(self.me)
                     due = first_seen + self.window + rank * self.cfg.takeover_s
                     if (rank == 0 and len(notices) >= expected) or now >= due:
-                        admitted = self._admit(r, notices)
+                        admitted = self.faults.accept(r, self._admit(r, notices), notices)
                         verdict = close_verdict(len(admitted), self.cfg.min_contributors, now, first_seen,
                                                 self.cfg.max_deadline_s, rank, self.cfg.takeover_s)
                         if verdict != "wait":
@@ -238,7 +266,12 @@ class RoundRunner(ReplicaBase):
             try:
                 for s, digest in candidates[sender].digests.items():
                     if (r, sender, s) not in self._verified:
-                        self._verified[(r, sender, s)] = self._decode(r, s, sender, digest, [])
+                        c = self._decode(r, s, sender, digest, [])
+                        over = guard.oversized({sender: guard.contribution_norm(c)}, self._scales[s], self.guard)
+                        if over:
+                            raise BadPayload(f"shard {s}'s contribution norm is {over[sender]:.3g}x the shard's "
+                                             f"parameter norm (bound {self.guard.max_contribution_ratio:g}x)")
+                        self._verified[(r, sender, s)] = c
             except (TransportError, ProtocolError) as exc:
                 return exc
             return None
@@ -254,11 +287,11 @@ class RoundRunner(ReplicaBase):
                 # more contributors, each try costs a fetch timeout), not punished
                 self._unreachable.add((r, sender))
                 logger.warning("round %d: could not fetch the contribution of %s (%s); leaving it out", r,
-                               sender[:16], str(exc)[:160])
+                               sender[:16], _reason(exc))
             else:
-                # bytes that match the sender's signed digest yet do not decode, or a response that breaks the
-                # transfer protocol (a body above the limit): the sender sent garbage
-                self._ban(r, sender, str(exc)[:160])
+                # bytes that match the sender's signed digest yet do not decode or break a bound, or a response
+                # that breaks the transfer protocol (a body above the limit): the sender sent garbage
+                self._ban(r, sender, _reason(exc))
         return admitted
 
     def _ban(self, r: int, sender: str, reason: str) -> None:
@@ -276,9 +309,13 @@ class RoundRunner(ReplicaBase):
                 raise TransportError("our own contribution is gone or differs from the accepted digest")
         else:
             blob = self._fetch(r, s, sender, digest, holders)
-        c = contribution_from_bytes(blob, self.outer_cfg, self.shapes[s], run=self.cfg.run_id, round=r, shard=s)
+        try:
+            c = contribution_from_bytes(blob, self.outer_cfg, self.shapes[s], run=self.cfg.run_id, round=r, shard=s,
+                                        max_bytes=self.limits[s])
+        except ProtocolError as exc:
+            raise BadPayload(str(exc)) from None
         if c.sender != sender:
-            raise ProtocolError(f"payload claims sender {c.sender[:12]}…, accepted for {sender[:12]}…")
+            raise BadPayload(f"payload claims sender {c.sender[:12]}…, accepted for {sender[:12]}…")
         return c
 
     def _fetch(self, r: int, shard: int, sender: str, digest: str, holders: list[str]) -> bytes:
@@ -291,12 +328,12 @@ class RoundRunner(ReplicaBase):
             try:
                 blob = self.transport.fetch(peer, name, self.limits[shard], timeout)
             except TransportError as exc:
-                errors.append(str(exc)[:100])
+                errors.append(_reason(exc))
                 continue
             except ProtocolError as exc:  # the response itself broke the protocol (a body above the limit)
                 if peer == sender:
                     raise ProtocolError(f"{sender[:12]}… served its contribution out of protocol: {exc}") from None
-                errors.append(f"{peer[:12]}…: {str(exc)[:100]}")
+                errors.append(f"{peer[:12]}…: {_reason(exc)}")
                 continue
             if sha256_hex(blob) != digest:
                 errors.append(f"{peer[:12]}… served bytes that do not match the accepted digest")
@@ -307,35 +344,90 @@ class RoundRunner(ReplicaBase):
             return blob
         raise TransportError(f"contribution of {sender[:12]}… for round {r} shard {shard}: " + "; ".join(errors))
 
-    def _apply(self, r: int, accepted: AcceptedSet) -> bool:
-        """Fetch, verify and apply the accepted set; False if any accepted payload could not be had."""
+    def _apply(self, r: int, accepted: AcceptedSet) -> str:
+        """Fetch, verify, bound and apply the accepted set.
+
+        Returns ``"applied"``; ``"refused: ..."`` when the round breaks a bound of :mod:`hlbp.peer.rounds.guard`
+        or an accepted payload does not decode (every in-sync peer holds the same bytes and anchor, so every one
+        refuses alike, bans the same senders and keeps its parameters); or ``"failed"`` when an accepted payload
+        could not be had (this peer alone is then out of sync).
+        """
         jobs = []
         for sender, _tokens, digests in accepted.members:
             for s in range(len(self.shards)):
                 if s not in digests:
                     logger.warning("round %d: accepted member %s lacks shard %d", r, sender[:12], s)
-                    return False
+                    return "failed"
                 jobs.append((sender, s, digests[s]))
         holders = accepted.senders()
 
-        def get(job: tuple[str, int, str]) -> tuple[str, int, Contribution]:
+        def get(job: tuple[str, int, str]) -> tuple[str, int, Contribution | BadPayload]:
             sender, s, digest = job
             cached = self._verified.pop((r, sender, s), None)
-            return sender, s, cached if cached is not None else self._decode(r, s, sender, digest, holders)
+            if cached is not None:
+                return sender, s, cached
+            try:
+                return sender, s, self._decode(r, s, sender, digest, holders)
+            except BadPayload as exc:
+                return sender, s, exc
 
         try:
             with ThreadPoolExecutor(self.cfg.fetch_workers) as pool:
                 got = list(pool.map(get, jobs))
         except (TransportError, ProtocolError) as exc:
-            logger.warning("round %d: could not obtain an accepted contribution (%s)", r, exc)
-            return False
+            logger.warning("round %d: could not obtain an accepted contribution (%s)", r, _reason(exc))
+            return "failed"
+        bad = {sender: str(c) for sender, _s, c in got if isinstance(c, BadPayload)}
+        if bad:
+            return self._refuse(r, bad, "an accepted contribution does not decode")
         per_shard: dict[int, list[Contribution]] = {s: [] for s in range(len(self.shards))}
-        for sender, s, c in sorted(got, key=lambda g: (g[1], g[0])):
-            per_shard[s].append(c)
+        for _sender, s, c in sorted(got, key=lambda g: (g[1], g[0])):
+            per_shard[s].append(c)  # type: ignore[arg-type]
+        new: dict[str, torch.Tensor] = {}
+        ratios = {"contribution": 0.0, "update": 0.0}  # the largest of the round, reported to measure the bounds
         for s, names in enumerate(self.shards):
-            new = self.outers[s].apply({n: self.anchor[n] for n in names}, per_shard[s])
-            self.anchor.update(new)
-        return True
+            norms = {c.sender: guard.contribution_norm(c) for c in per_shard[s]}
+            ratios["contribution"] = max([ratios["contribution"], *(n / self._scales[s] for n in norms.values())])
+            over = guard.oversized(norms, self._scales[s], self.guard)
+            if over:
+                return self._refuse(r, {p: f"shard {s}'s contribution norm is {v:.3g}x the shard's parameter norm"
+                                        for p, v in over.items()}, "a contribution breaks the norm bound")
+            old = {n: self.anchor[n] for n in names}
+            shard_new = self.outers[s].apply(old, per_shard[s])
+            ratio = guard.update_ratio(old, shard_new)
+            ratios["update"] = max(ratios["update"], ratio)
+            self.last_ratios = ratios
+            reason = guard.refuse_reason(ratio, self.guard)
+            if reason:
+                blamed = guard.culprits(norms)
+                return self._refuse(r, {p: f"largest contribution to shard {s}" for p in blamed},
+                                    f"shard {s}: {reason}")
+            new.update(shard_new)
+        self.anchor.update(new)
+        self.last_copies = self._copies(r, per_shard)
+        return "applied"
+
+    def _copies(self, r: int, per_shard: dict[int, list[Contribution]]) -> list[dict[str, Any]]:
+        """Evidence of copied contributions in an applied round (reported, not punished: see rounds/copies.py)."""
+        found: list[dict[str, Any]] = []
+        largest = 0.0
+        for s, contributions in per_shard.items():
+            pairs, top = copies.overlapping_pairs(contributions)
+            largest = max(largest, top)
+            found += [{"kind": "overlap", "shard": s, "peers": [a, b], "overlap": v} for a, b, v in pairs]
+            found += [{"kind": "reuse", "shard": s, "peer": p, "first_round": fr, "first_peer": fp}
+                      for p, fr, fp in self._reuse[s].check(r, contributions)]
+        self.last_ratios["overlap"] = largest
+        for item in found:
+            logger.warning("round %d: possible copy: %s", r, item)
+        return found
+
+    def _refuse(self, r: int, offenders: dict[str, str], why: str) -> str:
+        """Refuse round r as a whole (nobody's parameters move) and ban ``offenders`` (sender -> reason)."""
+        logger.warning("round %d: refused (%s); keeping the parameters of round %d", r, why, r - 1)
+        for sender, reason in sorted(offenders.items()):
+            self._ban(r, sender, reason)
+        return f"refused: {why}"
 
     def _own_blob(self, r: int, s: int) -> bytes | None:
         return self.transport.get(f"c/{r}/{s}/{self.me}")

@@ -55,10 +55,12 @@ class SimConfig:
     cache_dir: Path | None = None  # corpus and tokenizer cache; None: the user cache
     startup_timeout_s: float = 120.0  # bootstrap and each joiner must be up within this
     stop_timeout_s: float = 20.0  # SIGTERM, then SIGKILL after this long
+    allowed_peers: tuple[str, ...] = ()  # closed run: the peer ids that may contribute (empty: anyone)
 
     def run_toml(self) -> str:
         """The run config the bootstrap signs into the manifest."""
-        return (f'run_id = "{self.run_id}"\nmodel = "{self.model}"\nn_stages = {self.n_stages}\nseed = {self.seed}\n'
+        allowed = f"allowed_peers = {list(self.allowed_peers)!r}\n".replace("'", '"') if self.allowed_peers else ""
+        return (f'{allowed}run_id = "{self.run_id}"\nmodel = "{self.model}"\nn_stages = {self.n_stages}\nseed = {self.seed}\n'
                 f"[hparams]\ninner_steps = {self.inner_steps}\nbatch_size = {self.batch_size}\n"
                 f"seq_len = {self.seq_len}\nround_deadline_s = {self.round_deadline_s}\n"
                 f"min_deadline_s = {self.min_deadline_s}\nmax_deadline_s = {self.max_deadline_s}\n"

@@ -15,7 +15,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from hlbp.peer.common.errors import UserInputError
-from hlbp.peer.common.files import atomic_write_bytes
+from hlbp.peer.common.files import atomic_write_bytes, remove_stale_temps
 from hlbp.peer.data.streams import TokenStream, prepare_data, val_batches
 from hlbp.peer.model.decoder import build_model, count_parameters, preset
 from hlbp.peer.train.checkpoint import load_checkpoint, save_checkpoint
@@ -82,6 +82,7 @@ def run_local_training(cfg: LocalRunConfig, console: Console | None = None) -> d
     out = Path(cfg.out_dir)
     ckpt = out / CHECKPOINT_NAME
     identity = {"model": dataclasses.asdict(config), "tokenizer_hash": data.tokenizer_hash, "seed": cfg.seed}
+    remove_stale_temps(ckpt)  # what a save killed mid-write left behind, as large as the checkpoint
     if cfg.resume and ckpt.exists():
         tensors, header = load_checkpoint(ckpt)
         if header.get("identity") != identity:

@@ -7,7 +7,10 @@ for any of this. Tests build the command with :func:`program`.
 
 from __future__ import annotations
 
+import os
+import signal
 import sys
+import threading
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -82,7 +85,30 @@ class NaN(_Rewrite):
         return replace(t, table=torch.full((4,), float("nan")))
 
 
-FAULTS = {"slow": Slow, "corrupt": Corrupt, "oversize": Oversize, "scale": Scale, "bigtable": BigTable, "nan": NaN}
+class LyingCoordinator(BigTable):
+    """Sends an outsized lookup table and, whenever it coordinates, accepts every contribution, its own included:
+    the guard that every peer runs before commit must catch what this coordinator let through."""
+
+    def accept(self, round_: int, admitted: dict, notices: dict) -> dict:
+        return dict(notices)
+
+
+class Freeze(FaultHook):
+    """Freezes its own process (SIGSTOP: alive, not answering) half a second after building its payload of round
+    ``round_``, so that others are fetching from it when the test acts."""
+
+    def __init__(self, round_: str = "2") -> None:
+        self.round = int(round_)
+
+    def payload(self, round_: int, shard: int, blob: bytes, limit: int) -> bytes:
+        if round_ == self.round and shard == 0:
+            print(f"freezing in round {round_}", flush=True)
+            threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGSTOP)).start()
+        return blob
+
+
+FAULTS = {"slow": Slow, "corrupt": Corrupt, "oversize": Oversize, "scale": Scale, "bigtable": BigTable, "nan": NaN,
+          "lying-coordinator": LyingCoordinator, "freeze": Freeze}
 
 
 def program(fault: str) -> list[str]:

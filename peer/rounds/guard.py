@@ -1,0 +1,89 @@
+"""Bounds on what one round may do to the global parameters: the defence against well-formed, signed, finite lies.
+
+A contribution that decodes cleanly can still be poison: values scaled by 10⁶, or a 2-bit lookup table of 10³⁰.
+Median-norm clipping (:class:`hlbp.peer.rounds.outer.OuterConfig` ``clip_median``) bounds each contribution's
+*influence* to the round's median norm; this module adds two hard bounds, both relative to the shard's own scale
+(the norm of its global parameters θ_s, which every in-sync peer holds bit for bit):
+
+1. per contribution: ‖Δ̂_r‖ ≤ ``max_contribution_ratio`` · ‖θ_s‖. Beyond it the contribution is not clipped but
+   refused and its sender banned, by the coordinator before it accepts and by every peer before it applies;
+2. per round, before commit: the new parameters are finite and ‖θ_s(t+1) − θ_s(t)‖ ≤ ``max_update_ratio`` ·
+   ‖θ_s(t)‖. A round that fails is refused as a whole: nobody's parameters move.
+
+Every function here is pure and computes in float64 from the same accepted set and the same anchor, so every
+in-sync peer reaches the same verdict and the shard checksums still agree. The bounds are loose on purpose:
+honest runs stay more than an order of magnitude below them (README, "Hostile peers", gives the measured ratios).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from hlbp.peer.rounds.outer import Contribution
+from hlbp.protocol.sparse import SparseTensor
+
+MIN_SCALE = 1e-3  # a shard norm below this (a zero-initialised shard) is taken as this, so bounds stay positive
+
+
+@dataclass(frozen=True)
+class GuardConfig:
+    """The run's bounds; the manifest's hyperparameters carry them so that every peer applies the same ones."""
+
+    max_contribution_ratio: float = 8.0  # ‖Δ̂_r‖ / ‖θ_s‖ above this: refused, sender banned (honest: ≤ 0.7)
+    max_update_ratio: float = 2.0  # ‖θ(t+1) − θ(t)‖ / ‖θ(t)‖ of a shard above this: round refused (honest: ≤ 0.4)
+
+
+def norm(tensors: Mapping[str, torch.Tensor]) -> float:
+    """The float64 Euclidean norm over every tensor; inf if any value is not finite."""
+    total = 0.0
+    for t in tensors.values():
+        d = t.detach().double()
+        if not bool(torch.isfinite(d).all()):
+            return math.inf
+        total += float(d.pow(2).sum())
+    return math.sqrt(total)
+
+
+def contribution_norm(c: Contribution) -> float:
+    """‖Δ̂_r‖ of a decoded contribution (sparse values as the receiver reconstructs them, or dense tensors)."""
+    return norm({n: t.dense_values() if isinstance(t, SparseTensor) else t for n, t in c.tensors.items()})
+
+
+def scale(anchor: Mapping[str, torch.Tensor]) -> float:
+    """The shard's scale: ‖θ_s‖, at least :data:`MIN_SCALE`."""
+    return max(norm(anchor), MIN_SCALE)
+
+
+def oversized(norms: Mapping[str, float], shard_scale: float, cfg: GuardConfig) -> dict[str, float]:
+    """Senders whose contribution breaks bound 1, with their ratio ‖Δ̂_r‖ / ‖θ_s‖ (inf when not finite)."""
+    out = {}
+    for sender, n in norms.items():
+        ratio = n / shard_scale
+        if not ratio <= cfg.max_contribution_ratio:  # also catches NaN
+            out[sender] = ratio
+    return out
+
+
+def update_ratio(old: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor]) -> float:
+    """‖new − old‖ / ‖old‖ over a shard (inf if ``new`` holds a non-finite value)."""
+    return norm({n: new[n].double() - old[n].double() for n in old}) / scale(old)
+
+
+def refuse_reason(ratio: float, cfg: GuardConfig) -> str | None:
+    """Why a round whose update has ``ratio`` (:func:`update_ratio`) must be refused, or None if it may commit."""
+    if not math.isfinite(ratio):
+        return "the new parameters are not finite"
+    if ratio > cfg.max_update_ratio:
+        return f"the update's norm is {ratio:.3g}x the parameters' (bound {cfg.max_update_ratio:g}x)"
+    return None
+
+
+def culprits(norms: Mapping[str, float], k: int = 1) -> list[str]:
+    """The senders to blame for a refused round that no single bound caught: the ``k`` largest norms (ties: the
+    smallest sender id), so every peer names the same ones."""
+    ranked: Sequence[str] = sorted(norms, key=lambda s: (-(norms[s] if not math.isnan(norms[s]) else math.inf), s))
+    return list(ranked[:k])

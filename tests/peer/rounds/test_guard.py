@@ -1,0 +1,64 @@
+"""The round guard's pure rules: bounds relative to the shard's scale, deterministic verdicts and culprits."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import pytest
+import torch
+
+from hlbp.peer.rounds import guard
+from hlbp.peer.rounds.guard import GuardConfig
+from hlbp.peer.rounds.outer import Contribution, OuterConfig, SparseLoCo
+
+CFG = GuardConfig(max_contribution_ratio=8.0, max_update_ratio=2.0)
+
+
+def _anchor() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {"w": torch.randn(64, 64, generator=g) * 0.02, "b": torch.ones(64)}
+
+
+def _honest(anchor: dict[str, torch.Tensor], sender: str, seed: int) -> Contribution:
+    g = torch.Generator().manual_seed(seed)
+    local = {n: t - 0.01 * torch.randn(t.shape, generator=g) for n, t in anchor.items()}
+    return SparseLoCo(OuterConfig(k=64)).contribute(anchor, local, sender, 100)
+
+
+def test_norm_is_float64_and_infinite_on_non_finite() -> None:
+    assert guard.norm({"a": torch.tensor([3.0, 4.0])}) == 5.0
+    assert guard.norm({"a": torch.tensor([1.0, float("nan")])}) == math.inf
+    assert guard.norm({"a": torch.full((4,), 3e38)}) == pytest.approx(6e38)  # float32 squares would overflow
+    assert guard.scale({"a": torch.zeros(3)}) == guard.MIN_SCALE
+
+
+def test_oversized_catches_scaled_outsized_and_nan_contributions() -> None:
+    anchor = _anchor()
+    scale = guard.scale(anchor)
+    honest = _honest(anchor, "a", 1)
+    t = honest.tensors["w"]
+    scaled = Contribution("s", 100, {**honest.tensors, "w": replace(t, table=t.table * 1e6, shift=t.shift * 1e6)})
+    huge = Contribution("h", 100, {**honest.tensors, "w": replace(t, table=torch.tensor([-1e30, -1e29, 1e29, 1e30]))})
+    nan = Contribution("n", 100, {**honest.tensors, "w": replace(t, table=torch.full((4,), float("nan")))})
+    norms = {c.sender: guard.contribution_norm(c) for c in (honest, scaled, huge, nan)}
+    over = guard.oversized(norms, scale, CFG)
+    assert set(over) == {"s", "h", "n"}
+    assert norms["a"] / scale < 0.5  # an honest pseudo-gradient is far below the bound
+    assert over["n"] == math.inf and over["h"] > 1e20 and over["s"] > 1e4
+
+
+def test_update_bound_and_reasons() -> None:
+    old = _anchor()
+    fine = {n: t * 1.1 for n, t in old.items()}
+    assert guard.refuse_reason(guard.update_ratio(old, fine), CFG) is None
+    wild = {n: t * 10 for n, t in old.items()}
+    assert "9x the parameters'" in guard.refuse_reason(guard.update_ratio(old, wild), CFG)
+    broken = {**old, "b": torch.full((64,), float("inf"))}
+    assert guard.refuse_reason(guard.update_ratio(old, broken), CFG) == "the new parameters are not finite"
+
+
+def test_culprits_are_the_same_on_every_peer() -> None:
+    norms = {"c": 2.0, "a": 5.0, "b": 5.0, "d": float("nan")}
+    assert guard.culprits(norms) == ["d"]  # NaN counts as the largest
+    assert guard.culprits({k: v for k, v in norms.items() if k != "d"}, k=2) == ["a", "b"]  # ties by sender id
