@@ -62,6 +62,9 @@ __all__ = ["RoundConfig", "RoundRunner", "RoundStats"]  # the config and stats l
 logger = logging.getLogger(__name__)
 
 
+MAX_TRAVELLING_BAN = 64  # rounds: the longest ban a coordinator's accepted set can impose on the others
+
+
 class BadPayload(ProtocolError):
     """An accepted or candidate payload whose bytes match the sender's signed digest but that does not decode, or
     that breaks a bound: the sender's fault, and the same verdict on every peer that holds those bytes."""
@@ -87,6 +90,7 @@ class RoundRunner(ReplicaBase):
         self.limits = [min(self.cfg.max_payload_bytes, payload_limit(sum(math.prod(v) for v in shape.values())))
                        for shape in self.shapes]
         self.bans: dict[str, tuple[int, int]] = {}  # sender -> (banned until round, strikes so far)
+        self.guard_bans: dict[str, int] = {}  # sender -> banned until round, from this peer's own guard refusals
         self._verified: dict[tuple[int, str, int], Contribution] = {}  # (round, sender, shard) -> checked payload
         self._unreachable: set[tuple[int, str]] = set()  # (round, sender) whose payload could not be fetched
         self._count_lock = threading.Lock()
@@ -108,7 +112,7 @@ class RoundRunner(ReplicaBase):
         read; ``order``: the coordinator ranking, from the notices)."""
         if sets is None:
             sets = self._records(round_key(self.cfg.run_id, r, KIND_ACCEPTED), parse_accepted, round_=r)
-        sets = [x for x in sets if not self._banned(x.coordinator, r)]  # a banned peer no longer coordinates
+        sets = [x for x in sets if not self._refused_by_all(x.coordinator, r)]
         return pick_accepted(sets, order or coordinator_order(r, [s.coordinator for s in sets]))
 
     def run_round(self) -> RoundStats:
@@ -204,11 +208,12 @@ class RoundRunner(ReplicaBase):
             notices, sets = self._round_records(r)
             for sender in notices:
                 arrivals.setdefault(sender, now)
-            order = coordinator_order(r, [p for p in notices if not self._banned(p, r)])
+            order = coordinator_order(r, [p for p in notices if not self._refused_by_all(p, r)])
             accepted = self._accepted(r, sets, order)
             if accepted is not None:
                 for peer, until in accepted.banned:  # bans travel with the accepted set: every coordinator honours them
-                    if until > self.bans.get(peer, (0, 0))[0]:
+                    until = min(until, r + 1 + MAX_TRAVELLING_BAN)  # a lying coordinator cannot ban anyone for ever
+                    if until > self.bans.get(peer, (0, 0))[0] and peer != self.me:
                         self.bans[peer] = (until, self.bans.get(peer, (0, 0))[1] + 1)
                 on_time = [arrivals[s] for s in accepted.senders() if s in arrivals]
                 if on_time:
@@ -245,6 +250,11 @@ class RoundRunner(ReplicaBase):
 
     def _banned(self, sender: str, r: int) -> bool:
         return sender in self.bans and r < self.bans[sender][0]
+
+    def _refused_by_all(self, peer: str, r: int) -> bool:
+        """Whether ``peer`` sent what made every peer's guard refuse a round (the same verdict everywhere, unlike
+        a coordinator's word in a travelling ban): such a peer no longer coordinates while banned."""
+        return peer in self.guard_bans and r < self.guard_bans[peer]
 
     def _admit(self, r: int, notices: dict[str, ContribNotice]) -> dict[str, ContribNotice]:
         """The coordinator fetches and decodes every contribution before accepting it, so one peer's garbage
@@ -427,6 +437,7 @@ class RoundRunner(ReplicaBase):
         logger.warning("round %d: refused (%s); keeping the parameters of round %d", r, why, r - 1)
         for sender, reason in sorted(offenders.items()):
             self._ban(r, sender, reason)
+            self.guard_bans[sender] = self.bans[sender][0]
         return f"refused: {why}"
 
     def _own_blob(self, r: int, s: int) -> bytes | None:

@@ -118,4 +118,5 @@ def test_loss_within_one_percent_of_the_honest_swarm(runs: dict[str, dict[str, A
     last = ROUNDS - 1
     for name in HONEST:
         got, want = poisoned[last][name]["val_loss"], honest[last][name]["val_loss"]
+        print(f"{name}: val loss after round {last}: poisoned swarm {got:.4f}, honest swarm {want:.4f}")
         assert abs(got - want) <= 0.01 * want, (name, got, want)

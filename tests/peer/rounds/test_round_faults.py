@@ -75,11 +75,14 @@ def test_checksums_agree_every_round_and_loss_falls(swarm: Swarm) -> None:
 
 def test_corrupt_payload_is_rejected_and_banned(swarm: Swarm) -> None:
     liar = _peer_id(swarm.replicas["liar"])
-    honest = [swarm.replicas[n].proc for n in ("a", "b", "c")]
-    line = poll(lambda: next((m for p in honest for m in p.find(rf"rejected the contribution of {liar[:16]}"
-                                                                   r".*banned until round (\d+)")), None),
+    everyone = [r.proc for r in swarm.replicas.values()]  # whoever coordinated (a liar runs honest code too)
+    line = poll(lambda: next((m for p in everyone for m in p.find(rf"rejected the contribution of {liar[:16]}"
+                                                                     r".*banned until round (\d+)")), None),
                 ROUND_TIMEOUT_S, "a coordinator to reject the liar")
     assert int(line.group(1)) >= 2
+    # the ban travels in the accepted sets: the honest replicas' round records carry it
+    poll(lambda: any(liar in rec["banned"] for n in ("a", "b", "c") for rec in swarm.replicas[n].rounds()),
+         ROUND_TIMEOUT_S, "the liar's ban to reach the honest replicas")
     rounds = _by_round(swarm)
     liar_recs = swarm.replicas["liar"].rounds()
     assert liar_recs and not any(rec["accepted"] for rec in liar_recs)
@@ -91,8 +94,8 @@ def test_corrupt_payload_is_rejected_and_banned(swarm: Swarm) -> None:
 
 def test_oversized_payload_is_refused_unfetched_and_banned(swarm: Swarm) -> None:
     fat = _peer_id(swarm.replicas["fat"])
-    honest = [swarm.replicas[n].proc for n in ("a", "b", "c")]
-    line = poll(lambda: next((m for p in honest for m in p.find(rf"rejected the contribution of {fat[:16]} "
+    everyone = [r.proc for r in swarm.replicas.values()]
+    line = poll(lambda: next((m for p in everyone for m in p.find(rf"rejected the contribution of {fat[:16]} "
                                                                    r"\(announced ([\d,]+) bytes for shard \d+, above "
                                                                    r"the limit of ([\d,]+)\).*banned until round"))
                               , None), ROUND_TIMEOUT_S, "a coordinator to refuse the oversized payload")

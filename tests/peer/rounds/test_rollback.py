@@ -1,0 +1,47 @@
+"""A replica whose inner loss stops being finite rolls back to the round's global parameters and goes on."""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from hlbp.peer.model.decoder import build_model, preset
+from hlbp.peer.rounds.loop import ReplicaBase, RoundConfig, RoundStats
+from hlbp.peer.rounds.outer import OuterConfig
+from hlbp.peer.train.trainer import InnerTrainer, OptimConfig
+from hlbp.protocol.identity import Identity
+
+
+class _Replica(ReplicaBase):
+    """Only the inner phase runs here: no DHT, no transport."""
+
+    def run_round(self) -> RoundStats:
+        return RoundStats(round=self.round)
+
+    def _round_closed(self, r: int) -> bool:
+        return False
+
+
+def _batches(step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    x = torch.randint(0, 256, (2, 17), generator=g)
+    return x[:, :-1], x[:, 1:]
+
+
+def test_a_non_finite_inner_loss_rolls_back_instead_of_exiting() -> None:
+    torch.manual_seed(0)
+    model = build_model(preset("tiny", vocab_size=256))
+    # an absurd learning rate without clipping drives the loss to inf/NaN within a few steps
+    trainer = InnerTrainer(model, OptimConfig(lr=1e4, warmup_steps=1, total_steps=100, grad_clip=0.0), _batches,
+                           torch.device("cpu"))
+    names = [n for n, _ in model.named_parameters()]
+    replica = _Replica(None, Identity.generate(), None, trainer, OuterConfig(), [names],  # type: ignore[arg-type]
+                       RoundConfig(run_id="t", inner_steps=50), threading.Event())
+    anchor = {n: t.clone() for n, t in replica.anchor.items()}
+    steps, tokens = replica._inner_phase(0)
+    assert (steps, tokens) == (0, 0)  # the round is sat out: nothing to contribute
+    assert replica.rollbacks == 1
+    for n, p in model.named_parameters():
+        assert torch.equal(p.detach(), anchor[n]), n  # back at the round's global parameters
+    assert not trainer.optimizer.state  # fresh AdamW moments
