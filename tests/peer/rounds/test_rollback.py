@@ -45,3 +45,33 @@ def test_a_non_finite_inner_loss_rolls_back_instead_of_exiting() -> None:
     for n, p in model.named_parameters():
         assert torch.equal(p.detach(), anchor[n]), n  # back at the round's global parameters
     assert not trainer.optimizer.state  # fresh AdamW moments
+
+
+def test_non_finite_global_parameters_are_never_saved_or_resumed(tmp_path) -> None:
+    torch.manual_seed(0)
+    model = build_model(preset("tiny", vocab_size=256))
+    trainer = InnerTrainer(model, OptimConfig(lr=1e-3, warmup_steps=1, total_steps=10), _batches, torch.device("cpu"))
+    names = [n for n, _ in model.named_parameters()]
+    ckpt = tmp_path / "checkpoint.safetensors"
+
+    def replica() -> _Replica:
+        return _Replica(None, Identity.generate(), None, trainer, OuterConfig(), [names],  # type: ignore[arg-type]
+                        RoundConfig(run_id="t", inner_steps=2), threading.Event(), checkpoint=ckpt)
+
+    first = replica()
+    first.round = 3
+    first.save()
+    saved = ckpt.read_bytes()
+    first.anchor[names[0]][0] = float("nan")
+    first.round = 4
+    first.save()  # refused: the checkpoint on disk stays the last good one
+    assert ckpt.read_bytes() == saved
+    second = replica()
+    assert second.resume() and second.round == 3
+    # a checkpoint that does hold non-finite global parameters (written by an older version, say) is ignored
+    from hlbp.peer.train.checkpoint import load_checkpoint, save_checkpoint
+
+    tensors, header = load_checkpoint(ckpt)
+    tensors[f"anchor.{names[0]}"][0] = float("inf")
+    save_checkpoint(ckpt, tensors, header)
+    assert not replica().resume()
