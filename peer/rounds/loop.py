@@ -257,7 +257,8 @@ class ReplicaBase(ABC):
         return True
 
     def _my_checks(self, r: int) -> ShardChecks:
-        checks = {s: shard_checksum(self.anchor, names) for s, names in enumerate(self.shards)}
+        checks = {s: shard_checksum(self.anchor, names, self.outers[s].state_tensors())
+                  for s, names in enumerate(self.shards)}
         return ShardChecks(self.me, r, checks, self._fingerprints())
 
     def sync(self, attempts: int = 3) -> bool:
