@@ -25,6 +25,7 @@ from dataclasses import dataclass, field, replace
 import msgpack
 
 from hlbp.protocol.errors import ProtocolError
+from hlbp.protocol.untrusted import unpack_msgpack
 from hlbp.protocol.zstdframe import compress_if_smaller, decompress_bounded
 
 MAGIC = b"HLBP"
@@ -123,10 +124,8 @@ def _parse_header(data: bytes) -> tuple[dict, int]:
     end = PREFIX_SIZE + head_len
     if len(data) < end:
         raise ProtocolError(f"envelope truncated inside the header ({len(data)} of {end} bytes)")
-    try:
-        fields = msgpack.unpackb(data[PREFIX_SIZE:end], raw=False, strict_map_key=True)
-    except Exception as exc:  # msgpack raises many types (ExtraData, FormatError, UnicodeDecodeError, ...)
-        raise ProtocolError(f"envelope header is not valid msgpack ({type(exc).__name__}: {exc})") from exc
+    fields = unpack_msgpack(data[PREFIX_SIZE:end], max_bytes=MAX_HEADER_BYTES, what="envelope header",
+                            max_items=MAX_PARAMS + 16)
     if not isinstance(fields, dict):
         raise ProtocolError("envelope header must be a msgpack map")
     _validate(fields)
@@ -182,11 +181,13 @@ def _validate(fields: dict) -> None:
             raise ProtocolError(f"codec parameter {key!r} is out of range")
 
 
-def unpack(data: bytes, max_size: int) -> tuple[EnvelopeHeader, bytes]:
+def unpack(data: bytes, max_size: int, max_body: int | None = None) -> tuple[EnvelopeHeader, bytes]:
     """Parse and verify one frame of untrusted bytes; returns the header and the decoded body.
 
-    ``max_size`` bounds both the frame and the decoded body. The frame must end exactly where the header says, the
-    body must decode to ``raw_len`` bytes and match the digest. Anything else raises :class:`ProtocolError`.
+    ``max_size`` bounds the frame; ``max_body`` (default ``max_size``) bounds the decoded body and should be what
+    the receiver expects for this body (from trusted shapes), so a small zstd frame cannot make it allocate or
+    hash more. The frame must end exactly where the header says, the body must decode to ``raw_len`` bytes and
+    match the digest. Anything else raises :class:`ProtocolError`.
     """
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise ProtocolError(f"envelope must be bytes, got {type(data).__name__}")
@@ -198,8 +199,9 @@ def unpack(data: bytes, max_size: int) -> tuple[EnvelopeHeader, bytes]:
     if len(wire) != fields["len"]:
         raise ProtocolError(f"envelope body is {len(wire)} bytes, header says {fields['len']}")
     raw_len = fields["raw_len"]
-    if raw_len > max_size:
-        raise ProtocolError(f"envelope body of {raw_len} bytes exceeds the limit of {max_size}")
+    body_limit = max_size if max_body is None else min(max_size, max_body)
+    if raw_len > body_limit:
+        raise ProtocolError(f"envelope body of {raw_len} bytes exceeds the limit of {body_limit}")
     if fields["enc"] == "zstd":
         body = decompress_bounded(wire, raw_len, "envelope body")
         if len(body) != raw_len:

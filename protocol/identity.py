@@ -18,6 +18,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 from hlbp.protocol.errors import ProtocolError
+from hlbp.protocol.untrusted import preview, unpack_msgpack
 
 ENVELOPE_MAGIC = b"hlbp"
 ENVELOPE_SCHEMA = 1  # layout of the envelope itself, independent of the body schemas
@@ -160,13 +161,8 @@ def seal(kind: str, body: dict[str, Any], identity: Identity) -> bytes:
 
 
 def _unpack(data: bytes, max_bytes: int) -> Any:
-    if len(data) > max_bytes:
-        raise ProtocolError(f"{len(data)} bytes of msgpack exceed the limit of {max_bytes}")
-    try:
-        # msgpack caps every container and string at len(data), so a small input can't claim a huge allocation.
-        return msgpack.unpackb(data, raw=False, strict_map_key=True, use_list=True)
-    except (ValueError, TypeError) as exc:  # FormatError, StackError, ExtraData, truncated input: all ValueError
-        raise ProtocolError(f"not valid msgpack: {type(exc).__name__}") from None
+    """Canonical, bounded msgpack (see :func:`hlbp.protocol.untrusted.unpack_msgpack`)."""
+    return unpack_msgpack(data, max_bytes=max_bytes, what="record")
 
 
 def open_envelope(data: Any, kind: str, *, max_bytes: int, signer: str | None = None) -> Envelope:
@@ -182,14 +178,14 @@ def open_envelope(data: Any, kind: str, *, max_bytes: int, signer: str | None = 
     if magic != ENVELOPE_MAGIC or schema != ENVELOPE_SCHEMA:
         raise ProtocolError("not an hlbp record envelope (wrong magic or envelope schema)")
     if got_kind != kind:
-        raise ProtocolError(f"expected a {kind} record, got {str(got_kind)[:32]!r}")
+        raise ProtocolError(f"expected a {kind} record, got {preview(got_kind, 32)}")
     if not all(isinstance(x, bytes) for x in (signer_bytes, body_bytes, signature)):
         raise ProtocolError("envelope signer, body and signature must be bytes")
     if len(signer_bytes) > 64 or len(signature) != 64:
         raise ProtocolError("envelope signer or signature has the wrong size")
     signer_id = b58encode(signer_bytes)
     if signer is not None and signer_id != signer:
-        raise ProtocolError(f"record signed by {signer_id[:60]} is stored under peer {str(signer)[:60]}")
+        raise ProtocolError(f"record signed by {signer_id[:60]} is stored under peer {preview(signer, 60)}")
     if not verify_signature(signer_id, _signed_message(kind, signer_bytes, body_bytes), signature):
         raise ProtocolError(f"bad signature on a {kind} record claiming to be from {signer_id[:60]}")
     body = _unpack(body_bytes, max_bytes)

@@ -28,6 +28,7 @@ import msgpack
 
 from hlbp.protocol.errors import ProtocolError
 from hlbp.protocol.identity import Identity, _unpack, open_envelope, public_key_from_peer_id, seal
+from hlbp.protocol.untrusted import preview
 
 PROTOCOL_VERSION = 1  # bumped when peers of different versions can no longer train together
 KIND_MANIFEST = "manifest"
@@ -47,8 +48,8 @@ MANIFEST_KEY = "hlbp:manifest"  # DHT key; subkey is the signer's peer id
 ROLES = ("replica", "stage", "bootstrap")
 REACHABILITY = ("public", "client", "unknown")
 
-_RUN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
-_SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
+_RUN_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")  # used with fullmatch, like every pattern here
+_SHA256_RE = re.compile(r"[0-9a-f]{64}")
 
 
 def peers_key(run_id: str) -> str:
@@ -73,7 +74,7 @@ def _field(body: dict[str, Any], name: str, default: Any) -> Any:
 def _int(body: dict[str, Any], name: str, lo: int, hi: int, default: Any = _MISSING) -> int:
     value = _field(body, name, default)
     if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
-        raise ProtocolError(f"record field {name!r} must be an integer in [{lo}, {hi}], got {str(value)[:40]}")
+        raise ProtocolError(f"record field {name!r} must be an integer in [{lo}, {hi}], got {preview(value)}")
     return value
 
 
@@ -103,7 +104,7 @@ def _str(body: dict[str, Any], name: str, max_len: int, default: Any = _MISSING,
     value = _field(body, name, default)
     if not isinstance(value, str) or len(value) > max_len:
         raise ProtocolError(f"record field {name!r} must be a string of at most {max_len} characters")
-    if pattern is not None and not pattern.match(value):
+    if pattern is not None and not pattern.fullmatch(value):  # fullmatch: "$" would let a trailing "\n" pass
         raise ProtocolError(f"record field {name!r} has an invalid value {value[:40]!r}")
     if choices is not None and value not in choices:
         raise ProtocolError(f"record field {name!r} must be one of {', '.join(choices)}, got {value[:40]!r}")

@@ -14,6 +14,7 @@ from typing import Any
 
 from hlbp.protocol.errors import ProtocolError
 from hlbp.protocol.identity import Identity, open_envelope, seal
+from hlbp.protocol.untrusted import preview
 
 KIND_CONTRIB = "contrib"
 KIND_ACCEPTED = "accepted"
@@ -23,8 +24,10 @@ MAX_RECORD_BYTES = 48 * 1024  # an accepted set of 256 members is about 35 KB
 MAX_MEMBERS = 256
 MAX_SHARDS = 256
 MAX_PAYLOAD_BYTES = 1 << 34  # a contribution's announced size; the fetcher applies its own, tighter limit
-_HEX64 = re.compile(r"^[0-9a-f]{64}$")
-_PEER = re.compile(r"^[1-9A-HJ-NP-Za-km-z]{20,128}$")
+# used with fullmatch: "$" after re.match would let a trailing newline pass
+_HEX64 = re.compile(r"[0-9a-f]{64}")
+_PEER = re.compile(r"[1-9A-HJ-NP-Za-km-z]{20,128}")
+_SHARD_KEY = re.compile(r"0|[1-9][0-9]{0,2}")  # canonical decimal: no leading zeros, ASCII digits only
 
 
 def round_key(run_id: str, round_: int, what: str) -> str:
@@ -57,8 +60,9 @@ def _round(body: dict[str, Any], expect: int | None) -> int:
 
 def _shard(key: Any, what: str) -> int:
     # msgpack maps are read with string keys only, so shard indices travel as decimal strings
-    if not isinstance(key, str) or not key.isdigit() or len(key) > 3 or not 0 <= int(key) < MAX_SHARDS:
-        raise ProtocolError(f"{what}: bad shard index {str(key)[:8]!r}")
+    # canonical decimal only, so one shard has one key: "00", "+1" or non-ASCII digits such as "²" are refused
+    if not isinstance(key, str) or not _SHARD_KEY.fullmatch(key) or int(key) >= MAX_SHARDS:
+        raise ProtocolError(f"{what}: bad shard index {preview(key, 8)}")
     return int(key)
 
 
@@ -72,7 +76,7 @@ def _digests(value: Any, what: str) -> dict[int, str]:
     out = {}
     for key, digest in value.items():
         shard = _shard(key, what)
-        if not isinstance(digest, str) or not _HEX64.match(digest):
+        if not isinstance(digest, str) or not _HEX64.fullmatch(digest):
             raise ProtocolError(f"{what}: shard {shard} digest is not 64 hex digits")
         out[shard] = digest
     return out
@@ -172,7 +176,7 @@ def parse_accepted(data: Any, signer: str, run_id: str, round_: int | None = Non
         if not isinstance(item, list) or len(item) != 3:
             raise ProtocolError("accepted member must be [sender, tokens, digests]")
         sender, tokens, digests = item
-        if not isinstance(sender, str) or not _PEER.match(sender):
+        if not isinstance(sender, str) or not _PEER.fullmatch(sender):
             raise ProtocolError("accepted member sender is not a peer id")
         if not isinstance(tokens, int) or isinstance(tokens, bool) or not 0 <= tokens < 1 << 48:
             raise ProtocolError("accepted member tokens out of range")
@@ -185,7 +189,7 @@ def parse_accepted(data: Any, signer: str, run_id: str, round_: int | None = Non
         raise ProtocolError("accepted set's ban list is malformed")
     banned = []
     for item in banned_raw:
-        if (not isinstance(item, list) or len(item) != 2 or not isinstance(item[0], str) or not _PEER.match(item[0])
+        if (not isinstance(item, list) or len(item) != 2 or not isinstance(item[0], str) or not _PEER.fullmatch(item[0])
                 or not isinstance(item[1], int) or isinstance(item[1], bool) or not r < item[1] <= r + 1024):
             raise ProtocolError("accepted set's ban entry must be [peer id, until round] within 1024 rounds")
         banned.append((item[0], item[1]))

@@ -47,6 +47,7 @@ import torch
 from hlbp.protocol import indexcodec as ic
 from hlbp.protocol.errors import ProtocolError
 from hlbp.protocol.sparse import CHUNK_SIZE, ChunkLayout, SparseTensor, chunk_layout, decompress
+from hlbp.protocol.untrusted import unpack_msgpack
 from hlbp.protocol.zstdframe import compress_if_smaller, decompress_bounded
 
 BODY_VERSION = 1
@@ -189,6 +190,26 @@ def packed12_size(shapes: Mapping[str, tuple[int, ...]], k: int, quant_bits: int
     return size
 
 
+def max_shard_size(shapes: Mapping[str, tuple[int, ...]], k: int, quant_bits: int | None = 2) -> int:
+    """Upper bound on the bytes of any shard body :func:`decode_shard_sparse` accepts for these shapes and ``k``.
+
+    A receiver uses it as the limit on the body *before* decompressing or hashing it, so the work an envelope
+    can cause is set by the tensors the receiver expects, not by a global cap. It covers both index formats, any
+    Rice parameter and both quantisation modes' msgpack headers.
+    """
+    n_total, bits = 0, 0
+    size = 96  # map header, field names, version, format, q and the section headers
+    for name, shape in shapes.items():
+        layout = chunk_layout(tuple(shape), k)
+        n = layout.nnz
+        n_total += n
+        bits += n * ic.MAX_RICE_BITS + n + _budget(layout)  # low bits at r = 12 plus unary bits at r = 0
+        size += 40 + len(name.encode("utf-8")) + _STATS.size
+    index = max(ic.packed12_len(n_total), 2 * ((bits + 7) // 8))
+    values = ic.packed2_len(n_total) if quant_bits else 4 * n_total
+    return size + index + values + 32
+
+
 def _is_int(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
@@ -259,11 +280,9 @@ def decode_shard_sparse(
     data = bytes(data)
     if len(data) > limits.max_bytes:
         raise ProtocolError(f"shard payload of {len(data)} bytes exceeds the limit of {limits.max_bytes}")
-    # msgpack raises a zoo of types (ExtraData, FormatError, StackError, ValueError, ...): all mean malformed
-    try:
-        body = msgpack.unpackb(data, raw=False, strict_map_key=True, use_list=True)
-    except Exception as exc:
-        raise ProtocolError(f"shard payload is not valid msgpack ({type(exc).__name__}: {exc})") from exc
+    # a body nests [[name, k, r, stats], ...] two deep and holds one entry per tensor and at most 7 fields
+    body = unpack_msgpack(data, max_bytes=limits.max_bytes, what="shard payload", max_depth=3,
+                          max_items=max(len(expected), 16))
     if not isinstance(body, dict):
         raise ProtocolError("shard payload must be a msgpack map")
     version = _field(body, "v", int)

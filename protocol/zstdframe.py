@@ -33,8 +33,14 @@ def compress_if_smaller(raw: bytes) -> tuple[bool, bytes]:
 def decompress_bounded(frame: bytes, max_size: int, what: str) -> bytes:
     """Decompress a single zstd frame whose declared content size is at most ``max_size``.
 
-    ``what`` names the stream in error messages. Any defect raises :class:`ProtocolError`.
+    ``max_size`` should be what the receiver expects (derived from trusted shapes), not a global cap: the output is
+    allocated at the declared size, which is checked first. Only frames :func:`compress_if_smaller` could have
+    written are accepted: a declared size of at least :data:`MIN_INPUT` bytes, and a frame that saves more than
+    :data:`MIN_SAVING` of it. Smaller bodies travel raw, so a frame declaring 0 bytes (which python-zstandard
+    would "decompress" to ``b""`` without reading what follows) is refused. ``what`` names the stream in error
+    messages. Any defect raises :class:`ProtocolError`.
     """
+    frame = bytes(frame)
     try:
         size = zstandard.frame_content_size(frame)
     except zstandard.ZstdError as exc:
@@ -43,8 +49,13 @@ def decompress_bounded(frame: bytes, max_size: int, what: str) -> bytes:
         raise ProtocolError(f"{what}: zstd frame does not declare its content size")
     if size > max_size:
         raise ProtocolError(f"{what}: zstd frame declares {size} bytes, more than the {max_size} allowed")
+    if size < MIN_INPUT or len(frame) >= (1.0 - MIN_SAVING) * size:
+        raise ProtocolError(
+            f"{what}: a zstd frame of {len(frame)} bytes declaring {size} is not canonical "
+            f"(bodies under {MIN_INPUT} bytes, or that zstd shrinks by less than {MIN_SAVING:.0%}, travel raw)"
+        )
     try:
-        out = zstandard.ZstdDecompressor().decompress(frame, max_output_size=max_size, allow_extra_data=False)
+        out = zstandard.ZstdDecompressor().decompress(frame, max_output_size=size, allow_extra_data=False)
     except zstandard.ZstdError as exc:
         raise ProtocolError(f"{what}: corrupt zstd frame ({exc})") from exc
     if len(out) != size:

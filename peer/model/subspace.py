@@ -303,6 +303,13 @@ class DenseCodec(ActivationCodec):
         return Received(frame.values, None, frame.tag)
 
 
+def _finite(t: torch.Tensor, direction: str) -> torch.Tensor:
+    """``t``, or ProtocolError when decoding a frame of finite values overflowed (values near the float max)."""
+    if not bool(torch.isfinite(t).all()):
+        raise ProtocolError(f"{direction} subspace frame decodes to NaN or inf (its values are too large)")
+    return t
+
+
 class SubspaceCodec(ActivationCodec):
     """k values per token each way plus the token ids forward (ALGORITHMS.md §3); see the module docstring.
 
@@ -351,7 +358,7 @@ class SubspaceCodec(ActivationCodec):
         if frame.token_ids is None:  # unreachable: the forward spec demands ids
             raise ProtocolError("subspace activation frame without token ids")
         ids = frame.token_ids.to(self.basis.device)
-        return Received(self.expand(frame.values.to(self.basis.device), ids), ids, frame.tag)
+        return Received(_finite(self.expand(frame.values.to(self.basis.device), ids), "forward"), ids, frame.tag)
 
     def encode_backward(self, grad: torch.Tensor, tag: int = 0) -> bytes:
         g = self._math(grad)
@@ -360,7 +367,7 @@ class SubspaceCodec(ActivationCodec):
     def decode_backward(self, data: bytes, shape: tuple[int, int] | None = None) -> Received:
         frame = decode_activations(data, self.backward_spec, shape)
         v = frame.values.to(self.basis.device)
-        return Received(v @ self.basis.to(v.dtype).T, None, frame.tag)
+        return Received(_finite(v @ self.basis.to(v.dtype).T, "backward"), None, frame.tag)
 
 
 def make_codec(

@@ -11,9 +11,9 @@ from collections.abc import Mapping
 
 from hlbp.peer.rounds.outer import Contribution, OuterConfig
 from hlbp.protocol import ProtocolError
-from hlbp.protocol.dense import decode_dense, encode_dense
-from hlbp.protocol.envelope import EnvelopeHeader, pack, unpack
-from hlbp.protocol.shard import ShardLimits, decode_shard_sparse, encode_shard
+from hlbp.protocol.dense import decode_dense, dense_max_size, encode_dense
+from hlbp.protocol.envelope import MAX_HEADER_BYTES, PREFIX_SIZE, EnvelopeHeader, pack, unpack
+from hlbp.protocol.shard import ShardLimits, decode_shard_sparse, encode_shard, max_shard_size
 
 DEFAULT_INDEX_FORMAT = "entropy"
 
@@ -53,9 +53,15 @@ def contribution_from_bytes(
     """Parse untrusted bytes into a contribution for the expected run, round, shard and tensor shapes.
 
     Every defect raises :class:`ProtocolError`: wrong run, round or shard; a codec other than the run's; any
-    malformation of envelope or body.
+    malformation of envelope or body. The body may be no larger than the largest valid body for ``expected``
+    (and ``max_bytes``), checked before it is decompressed or hashed, so a small frame cannot claim a large body.
     """
-    header, body = unpack(data, max_bytes)
+    if cfg.kind == "sparseloco":
+        max_body = max_shard_size(expected, cfg.k, cfg.quant_bits)
+    else:
+        max_body = dense_max_size(expected, cfg.wire_dtype)
+    max_body = min(max_body, max_bytes)
+    header, body = unpack(data, min(max_bytes, PREFIX_SIZE + MAX_HEADER_BYTES + max_body), max_body)
     for name, want, got in (("run", run, header.run), ("round", round, header.round), ("shard", shard, header.shard)):
         if want is not None and want != got:
             raise ProtocolError(f"contribution is for {name} {got!r}, expected {want!r}")
@@ -65,11 +71,11 @@ def contribution_from_bytes(
     if header.codec != codec or any(header.codec_params.get(k) != v for k, v in params.items()):
         raise ProtocolError(f"contribution uses codec {header.codec} {header.codec_params}, the run uses {codec} {params}")
     if cfg.kind == "sparseloco":
-        limits = ShardLimits(max_bytes=max_bytes, k=cfg.k, allow_unquantized=cfg.quant_bits is None)
+        limits = ShardLimits(max_bytes=max_body, k=cfg.k, allow_unquantized=cfg.quant_bits is None)
         tensors = decode_shard_sparse(body, expected, limits)
         quantized = {s.quantized for s in tensors.values()}
         if quantized and quantized != {cfg.quant_bits is not None}:
             raise ProtocolError("contribution's value quantisation differs from the run's")
     else:
-        tensors = decode_dense(body, dict(expected), cfg.wire_dtype)
+        tensors = decode_dense(body, dict(expected), cfg.wire_dtype, max_bytes=max_body)
     return Contribution(sender=header.sender, tokens=header.tokens, tensors=tensors)

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from hlbp.peer.common.errors import UserInputError
 from hlbp.peer.common.files import remove_stale_temps
 from hlbp.peer.net.dht import DHT_DIED
 from hlbp.peer.net.transport import BlobTransport, TransportError
@@ -278,7 +279,8 @@ class ReplicaBase(ABC):
         return True
 
     def _my_checks(self, r: int) -> ShardChecks:
-        checks = {s: shard_checksum(self.anchor, names) for s, names in enumerate(self.shards)}
+        checks = {s: shard_checksum(self.anchor, names, self.outers[s].state_tensors())
+                  for s, names in enumerate(self.shards)}
         return ShardChecks(self.me, r, checks, self._fingerprints())
 
     def sync(self, attempts: int = 3) -> bool:
@@ -354,12 +356,18 @@ class ReplicaBase(ABC):
         if not all(bool(torch.isfinite(t).all()) for n, t in tensors.items() if n.startswith("anchor.")):
             logger.warning("ignoring checkpoint %s: its global parameters hold a non-finite value", self.checkpoint)
             return False
+        anchor = {n[7:]: t.float() for n, t in tensors.items() if n.startswith("anchor.")}
+        round_ = header.get("round")
+        if ({n: tuple(t.shape) for n, t in anchor.items()} != {n: tuple(t.shape) for n, t in self.anchor.items()}
+                or isinstance(round_, bool) or not isinstance(round_, int) or round_ < 0):
+            raise UserInputError(f"checkpoint {self.checkpoint} does not hold this run's global parameters and "
+                                 "round; move it away (the peer then syncs from the others)")
         self.trainer.load_state(tensors, header)
-        self.anchor = {n[7:]: t.float() for n, t in tensors.items() if n.startswith("anchor.")}
+        self.anchor = anchor
         for s, o in enumerate(self.outers):
             prefix = f"outer{s}."
             o.load_state({k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)})
-        self.round = int(header["round"])
+        self.round = round_
         return True
 
     def start(self) -> str:

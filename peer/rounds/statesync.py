@@ -3,8 +3,10 @@
 A donor serves each shard as a safetensors blob: ``p.<name>`` for parameters, ``o.<key>`` for the outer optimizer's
 global state (DiLoCo momentum; error-feedback buffers are private and never leave a peer). A joiner or an out-of-sync
 peer fetches the shards from different donors at once and checks every one against the checksum the majority
-published, so a lying donor costs one retry, not a wrong model. Serving is a dictionary lookup in the transport's
-own thread: it never blocks a donor's training.
+published, so a lying donor costs one retry, not a wrong model. The checksum covers the served optimizer state as
+well as the parameters, and :func:`parse_state` accepts only float32, finite optimizer entries named after the
+shard's own parameters with their shapes. Serving is a dictionary lookup in the transport's own thread: it never
+blocks a donor's training.
 """
 
 from __future__ import annotations
@@ -20,14 +22,36 @@ from safetensors.torch import save as st_save
 
 from hlbp.peer.net.transport import BlobTransport, TransportError
 from hlbp.protocol import ProtocolError
+from hlbp.protocol.dense import ST_ITEMSIZE, read_header
+
+OUTER_PREFIXES = ("ef.", "momentum.")
+"""Outer optimizer state entries, each ``<prefix><parameter name>``; ``ef.`` (error feedback) is private."""
+PRIVATE_PREFIX = "ef."
 
 
-def shard_checksum(params: dict[str, torch.Tensor], names: Sequence[str]) -> str:
-    """sha256 over the names, shapes and float32 bytes of a shard's tensors, in name order."""
+def public_outer_state(outer_state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The outer optimizer state a donor serves and the checksum covers: everything but error feedback."""
+    return {k: v for k, v in outer_state.items() if not k.startswith(PRIVATE_PREFIX)}
+
+
+def shard_checksum(
+    params: Mapping[str, torch.Tensor], names: Sequence[str], outer_state: Mapping[str, torch.Tensor] | None = None
+) -> str:
+    """sha256 over the names, shapes and float32 bytes of a shard's tensors, in name order, then over the public
+    outer optimizer state (:func:`public_outer_state` of ``outer_state``) the same way.
+
+    The optimizer state is covered so that a donor cannot serve honest parameters with poisoned momentum. With no
+    public optimizer state (SparseLoCo keeps only private error feedback) the checksum is the parameters' alone.
+    """
     h = hashlib.sha256()
     for name in sorted(names):
         t = params[name].detach().to("cpu", torch.float32).contiguous()
         h.update(f"{name}|{tuple(t.shape)}|".encode())
+        h.update(t.numpy().tobytes())
+    public = public_outer_state(outer_state or {})
+    for key in sorted(public):
+        t = public[key].detach().to("cpu", torch.float32).contiguous()
+        h.update(f"o.{key}|{tuple(t.shape)}|".encode())
         h.update(t.numpy().tobytes())
     return h.hexdigest()
 
@@ -67,11 +91,13 @@ def state_name(round_: int, shard: int) -> str:
     return f"s/{round_}/{shard}"
 
 
-def encode_state(params: dict[str, torch.Tensor], names: Sequence[str], outer_state: dict[str, torch.Tensor]) -> bytes:
-    """One shard's state blob: its parameters and the outer optimizer's global (non-EF) state."""
+def encode_state(
+    params: Mapping[str, torch.Tensor], names: Sequence[str], outer_state: Mapping[str, torch.Tensor]
+) -> bytes:
+    """One shard's state blob: its parameters and the outer optimizer's global (non-EF) state, as float32."""
     tensors = {f"p.{n}": params[n] for n in names}
-    tensors.update({f"o.{k}": v for k, v in outer_state.items() if not k.startswith("ef.")})
-    return st_save({k: v.contiguous() for k, v in tensors.items()})
+    tensors.update({f"o.{k}": v for k, v in public_outer_state(outer_state).items()})
+    return st_save({k: v.detach().to("cpu", torch.float32).contiguous() for k, v in tensors.items()})
 
 
 @dataclass
@@ -82,19 +108,42 @@ class ShardState:
     outer: dict[str, torch.Tensor]
 
 
+def _state_name(key: str, shapes: Mapping[str, tuple[int, ...]]) -> tuple[str, tuple[int, ...]]:
+    """Expected shape of blob entry ``key``: ``p.<param>`` or ``o.momentum.<param>`` of a parameter of the shard."""
+    if key.startswith("p.") and key[2:] in shapes:
+        return "param", tuple(shapes[key[2:]])
+    for prefix in OUTER_PREFIXES:
+        if prefix != PRIVATE_PREFIX and key.startswith("o." + prefix) and key[2 + len(prefix):] in shapes:
+            return "outer", tuple(shapes[key[2 + len(prefix):]])
+    raise ProtocolError(f"state blob holds {key[:80]!r}, which is no parameter or public optimizer state of the shard")
+
+
 def parse_state(blob: bytes, shapes: dict[str, tuple[int, ...]]) -> ShardState:
-    """A donor's untrusted state blob, checked against the shard's names, shapes and finiteness."""
+    """A donor's untrusted state blob, checked against the shard's names, shapes and finiteness.
+
+    Every entry must be float32 and finite: ``p.<param>`` for each parameter of the shard (all of them), and
+    optionally ``o.momentum.<param>`` with that parameter's shape. The header is checked before anything is loaded.
+    """
+    if not isinstance(blob, (bytes, bytearray, memoryview)):
+        raise ProtocolError(f"state blob must be bytes, got {type(blob).__name__}")
+    header = read_header(blob, dtypes={"F32": ST_ITEMSIZE["F32"]}, what="state blob")
+    kinds = {}
+    for key, (_, shape) in header.items():
+        kind, want = _state_name(key, shapes)
+        if shape != want:
+            raise ProtocolError(f"state tensor {key[:80]} has shape {shape}, expected {want}")
+        kinds[key] = kind
+    if {k[2:] for k, kind in kinds.items() if kind == "param"} != set(shapes):
+        raise ProtocolError("state blob does not hold exactly the shard's parameters")
     try:
-        tensors = st_load(blob)
+        tensors = st_load(bytes(blob))
     except Exception as exc:  # noqa: BLE001 - safetensors raises its own error type and ValueError
         raise ProtocolError(f"state blob is not safetensors: {exc}") from None
-    params = {k[2:]: v.float() for k, v in tensors.items() if k.startswith("p.")}
-    if set(params) != set(shapes):
-        raise ProtocolError("state blob does not hold exactly the shard's parameters")
-    for name, t in params.items():
-        if tuple(t.shape) != tuple(shapes[name]) or not bool(torch.isfinite(t).all()):
-            raise ProtocolError(f"state tensor {name} has the wrong shape or non-finite values")
-    return ShardState(params, {k[2:]: v for k, v in tensors.items() if k.startswith("o.")})
+    for key, t in tensors.items():
+        if t.dtype != torch.float32 or not bool(torch.isfinite(t).all()):
+            raise ProtocolError(f"state tensor {key[:80]} is not float32 or has non-finite values")
+    params = {k[2:]: v for k, v in tensors.items() if kinds.get(k) == "param"}
+    return ShardState(params, {k[2:]: v for k, v in tensors.items() if kinds.get(k) == "outer"})
 
 
 def fetch_state(
@@ -123,7 +172,7 @@ def fetch_state(
                 blob = transport.fetch(donor, state_name(round_, s), max_bytes, timeout)
                 fetched[s] += len(blob)
                 state = parse_state(blob, shapes[s])
-                if shard_checksum(state.params, list(shapes[s])) != checksums[donor][s]:
+                if shard_checksum(state.params, list(shapes[s]), state.outer) != checksums[donor][s]:
                     raise ProtocolError("state does not match the published checksum")
                 return state
             except (TransportError, ProtocolError) as exc:

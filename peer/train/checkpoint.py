@@ -1,7 +1,9 @@
 """Atomic checkpoints: one safetensors file with tensors plus an explicit JSON header in its metadata.
 
 No pickle anywhere: a checkpoint may come from another machine, so loading treats it as untrusted and turns
-any defect into a :class:`UserInputError` that names the file.
+any defect into a :class:`UserInputError` that names the file. The safetensors header is validated with
+:func:`hlbp.protocol.dense.read_header` (dtypes torch loads, shapes, offsets that tile the file) before safetensors
+or torch allocate anything, and the JSON header is size-bounded and nesting-bounded.
 """
 
 from __future__ import annotations
@@ -17,6 +19,13 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from hlbp.peer.common.errors import UserInputError
+from hlbp.protocol import ProtocolError
+from hlbp.protocol.dense import read_header
+
+MAX_HEADER_BYTES = 64 << 20
+"""Largest safetensors header accepted: about a million tensors' worth."""
+MAX_JSON_BYTES = 16 << 20
+"""Largest hlbp JSON header (param groups and optimizer scalars) accepted."""
 
 FORMAT = "hlbp-checkpoint"
 FORMAT_VERSION = 1
@@ -39,27 +48,52 @@ def save_checkpoint(path: Path, tensors: dict[str, torch.Tensor], header: dict[s
         raise
 
 
+def _read_prefix(path: Path) -> bytes:
+    """The 8-byte length and the safetensors header of ``path``, read without mapping the tensor data."""
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            return head
+        n = int.from_bytes(head, "little")
+        if n > MAX_HEADER_BYTES:
+            raise UserInputError(f"checkpoint {path} has a {n}-byte safetensors header, over the "
+                                 f"{MAX_HEADER_BYTES} limit; delete it")
+        return head + f.read(n)
+
+
 def load_checkpoint(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """Load a checkpoint written by :func:`save_checkpoint`; raises :class:`UserInputError` if it is unusable."""
     path = Path(path)
     if not path.is_file():
         raise UserInputError(f"checkpoint {path} does not exist; check the path or start without --resume")
     try:
+        prefix = _read_prefix(path)
+        size = path.stat().st_size
+        read_header(prefix, MAX_HEADER_BYTES, what=f"checkpoint {path}", total_size=size)
+    except ProtocolError as exc:
+        raise UserInputError(f"{exc}; delete it") from None
+    except OSError as exc:
+        raise UserInputError(f"checkpoint {path} cannot be read ({exc})") from None
+    try:
         from safetensors import safe_open
 
         with safe_open(str(path), framework="pt") as f:
             meta = f.metadata() or {}
         tensors = load_file(str(path))
-    except (SafetensorError, OSError, ValueError) as exc:
+    except (SafetensorError, OSError, ValueError, TypeError, RuntimeError) as exc:
         raise UserInputError(f"checkpoint {path} is not a readable safetensors file ({exc}); delete it") from None
     if meta.get("format") != FORMAT:
-        raise UserInputError(f"{path} is not an hlbp checkpoint (format={meta.get('format')!r})")
+        raise UserInputError(f"{path} is not an hlbp checkpoint (format={str(meta.get('format'))[:40]!r})")
     if meta.get("version") != str(FORMAT_VERSION):
-        raise UserInputError(f"checkpoint {path} has version {meta.get('version')}, this hlbp reads {FORMAT_VERSION}")
+        raise UserInputError(f"checkpoint {path} has version {str(meta.get('version'))[:40]}, this hlbp reads "
+                             f"{FORMAT_VERSION}")
+    raw = meta.get("header")
+    if not isinstance(raw, str) or len(raw) > MAX_JSON_BYTES:
+        raise UserInputError(f"checkpoint {path} has a missing or oversized header; delete it")
     try:
-        header = json.loads(meta["header"])
-    except (KeyError, json.JSONDecodeError) as exc:
-        raise UserInputError(f"checkpoint {path} has a damaged header ({exc}); delete it") from None
+        header = json.loads(raw)
+    except (ValueError, RecursionError) as exc:
+        raise UserInputError(f"checkpoint {path} has a damaged header ({type(exc).__name__}); delete it") from None
     if not isinstance(header, dict):
         raise UserInputError(f"checkpoint {path} has a damaged header; delete it")
     return tensors, header
@@ -84,14 +118,28 @@ def optimizer_from_tensors(
 ) -> None:
     """Inverse of :func:`optimizer_to_tensors`; a mismatch with the optimizer raises :class:`UserInputError`."""
     state: dict[int, dict[str, Any]] = {}
-    for name, value in tensors.items():
-        if not name.startswith(prefix):
-            continue
-        pid, _, key = name[len(prefix):].partition(".")
-        state.setdefault(int(pid), {})[key] = value
-    for pid, extra in desc.get("scalars", {}).items():
-        state.setdefault(int(pid), {}).update(extra)
     try:
+        for name, value in tensors.items():
+            if not name.startswith(prefix):
+                continue
+            pid, _, key = name[len(prefix):].partition(".")
+            state.setdefault(_param_id(pid), {})[key] = value
+        scalars = desc.get("scalars", {})
+        if not isinstance(scalars, dict):
+            raise UserInputError("checkpoint optimizer scalars must be a map")
+        for pid, extra in scalars.items():
+            if not isinstance(extra, dict):
+                raise UserInputError("checkpoint optimizer scalars must map parameter ids to maps")
+            state.setdefault(_param_id(pid), {}).update(extra)
         optimizer.load_state_dict({"state": state, "param_groups": desc["param_groups"]})
-    except (KeyError, ValueError, TypeError) as exc:
-        raise UserInputError(f"checkpoint optimizer state does not match this model ({exc})") from None
+    except UserInputError:
+        raise
+    except (KeyError, ValueError, TypeError, AttributeError, IndexError, RuntimeError) as exc:
+        raise UserInputError(f"checkpoint optimizer state does not match this model ({str(exc)[:200]})") from None
+
+
+def _param_id(text: str) -> int:
+    """A canonical decimal parameter id ("0", "12"; not "00", "+1" or "²")."""
+    if not isinstance(text, str) or not text.isascii() or not text.isdigit() or str(int(text)) != text:
+        raise UserInputError(f"checkpoint optimizer state names parameter {str(text)[:20]!r}, not a parameter id")
+    return int(text)

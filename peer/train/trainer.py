@@ -149,9 +149,13 @@ class InnerTrainer:
         except RuntimeError as exc:
             first = str(exc).splitlines()[0]
             raise UserInputError(f"checkpoint does not match this model: {first}") from None
-        optimizer_from_tensors(self.optimizer, tensors, header["optimizer"])
-        self.step = int(header["step"])
-        self.tokens = int(header.get("tokens", 0))
+        step, tokens, desc = header.get("step"), header.get("tokens", 0), header.get("optimizer")
+        if not all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 1 << 62 for v in (step, tokens)):
+            raise UserInputError("checkpoint header's step and tokens must be non-negative integers; delete it")
+        if not isinstance(desc, dict):
+            raise UserInputError("checkpoint header lacks the optimizer description; delete it")
+        optimizer_from_tensors(self.optimizer, tensors, desc)
+        self.step, self.tokens = step, tokens
 
 
 @torch.no_grad()

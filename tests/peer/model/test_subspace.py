@@ -181,3 +181,19 @@ def test_model_config_rejects_bad_subspace_fields():
     for changes in ({"subspace_rank": 33}, {"subspace_rank": -1}, {"subspace_layers": 4}, {"subspace_out_gain": 0.0}):
         with pytest.raises(UserInputError):
             _small(**changes)
+
+
+@pytest.mark.parametrize("wire", ["fp32", "fp64"])
+def test_finite_frames_that_decode_to_inf_are_refused(wire):
+    """A frame of finite values near the float max overflows in c·Uᵀ + T[x]; the decoder refuses it."""
+    a = _codec("subspace-a", wire=wire)
+    ids = torch.randint(0, V, (1, 2))
+    big = torch.full((1, 2, K), 3.4e38 if wire == "fp32" else 1.7e308, dtype=torch.float64)
+    from hlbp.protocol.activations import encode_activations
+
+    forward = encode_activations(big, "forward", wire, ids, V)
+    with pytest.raises(ProtocolError, match="forward subspace frame decodes to NaN or inf"):
+        a.decode_forward(forward)
+    backward = encode_activations(big, "backward", wire)
+    with pytest.raises(ProtocolError, match="backward subspace frame decodes to NaN or inf"):
+        a.decode_backward(backward)

@@ -57,3 +57,29 @@ def test_codec_other_than_the_runs_is_refused():
         contribution_from_bytes(data, OuterConfig(kind="diloco"), SHAPES)
     with pytest.raises(ProtocolError):
         contribution_from_bytes(data, OuterConfig(k=64), {"other": (4,)})
+
+
+@pytest.mark.parametrize("kind", ["sparseloco", "diloco"])
+def test_small_zstd_frame_claiming_a_huge_body_is_refused_before_decompressing(kind):
+    """A 33 KB envelope whose valid zstd frame holds 1 GiB once reached 2 GiB resident and seconds of CPU."""
+    import resource
+    import time
+
+    import zstandard
+
+    from hlbp.protocol import envelope as env
+
+    cfg = OuterConfig(kind=kind)
+    data = contribution_to_bytes(_contribution(cfg), cfg, "run1", 7, 2)
+    head_len = env.header_length(data[: env.PREFIX_SIZE])
+    fields = env.msgpack.unpackb(data[env.PREFIX_SIZE : env.PREFIX_SIZE + head_len])
+    sink = zstandard.ZstdCompressor(level=1, write_content_size=True).compressobj(size=1 << 30)
+    bomb = b"".join(sink.compress(bytes(1 << 20)) for _ in range(1024)) + sink.flush()
+    fields.update(enc="zstd", len=len(bomb), raw_len=1 << 30)
+    head = env.msgpack.packb(fields, use_bin_type=True)
+    forged = env.PREFIX.pack(env.MAGIC, env.ENVELOPE_VERSION, len(head)) + head + bomb
+    rss0, t0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, time.perf_counter()
+    with pytest.raises(ProtocolError, match=f"envelope body of {1 << 30} bytes exceeds the limit of"):
+        contribution_from_bytes(forged, cfg, SHAPES)
+    assert time.perf_counter() - t0 < 0.1
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0 < 32 << 10  # KiB

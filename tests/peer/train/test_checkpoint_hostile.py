@@ -1,0 +1,80 @@
+"""The checkpoint loader turns every defect of a hostile file into UserInputError, before allocating."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from hlbp.peer.common.errors import UserInputError
+from hlbp.peer.train.checkpoint import load_checkpoint, optimizer_from_tensors, save_checkpoint
+
+
+def _header_swap(path: Path, change) -> None:
+    data = path.read_bytes()
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8 : 8 + n])
+    change(header)
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    path.write_bytes(len(raw).to_bytes(8, "little") + raw + data[8 + n :])
+
+
+@pytest.fixture
+def ckpt(tmp_path: Path) -> Path:
+    path = tmp_path / "c.safetensors"
+    save_checkpoint(path, {"model.w": torch.ones(2, 3)}, {"step": 1})
+    return path
+
+
+@pytest.mark.parametrize("dtype", ["U16", "F8_E4M3", "C64"])
+def test_dtypes_torch_lacks_are_a_user_error(ckpt, dtype):
+    _header_swap(ckpt, lambda h: h["model.w"].update(dtype=dtype))
+    with pytest.raises(UserInputError, match=f"tensor 'model.w' has dtype '{dtype}'.*; delete it"):
+        load_checkpoint(ckpt)
+
+
+def test_overflowing_shape_is_a_user_error(ckpt):
+    _header_swap(ckpt, lambda h: h["model.w"].update(shape=[2**62, 2**62]))
+    with pytest.raises(UserInputError, match="shape must be at most 8 dims"):
+        load_checkpoint(ckpt)
+
+
+def test_deeply_nested_json_header_is_a_user_error(ckpt):
+    _header_swap(ckpt, lambda h: h["__metadata__"].update(header="[" * 100_000))
+    with pytest.raises(UserInputError, match=r"has a damaged header \(RecursionError\); delete it"):
+        load_checkpoint(ckpt)
+
+
+def test_huge_safetensors_header_length_is_refused_before_reading(tmp_path):
+    path = tmp_path / "c.safetensors"
+    path.write_bytes((1 << 40).to_bytes(8, "little") + b"{}")
+    with pytest.raises(UserInputError, match="1099511627776-byte safetensors header, over the"):
+        load_checkpoint(path)
+
+
+@pytest.mark.parametrize("pid", ["²", "00", "-1", "x"])
+def test_non_canonical_optimizer_param_ids_are_a_user_error(pid):
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.AdamW(model.parameters())
+    with pytest.raises(UserInputError, match="not a parameter id"):
+        optimizer_from_tensors(opt, {f"optim.{pid}.exp_avg": torch.ones(2)}, {"param_groups": []})
+    with pytest.raises(UserInputError, match="not a parameter id"):
+        optimizer_from_tensors(opt, {}, {"param_groups": [], "scalars": {pid: {"step": 1}}})
+
+
+def test_malformed_optimizer_description_is_a_user_error():
+    opt = torch.optim.AdamW(torch.nn.Linear(2, 2).parameters())
+    for desc in ({}, {"param_groups": "x"}, {"param_groups": [], "scalars": []}, {"param_groups": [None]}):
+        with pytest.raises(UserInputError):
+            optimizer_from_tensors(opt, {}, desc)
+
+
+def test_unpadded_but_valid_file_written_by_safetensors_still_loads(tmp_path):
+    path = tmp_path / "c.safetensors"
+    save_file({"x": torch.ones(3)}, str(path), metadata={"format": "hlbp-checkpoint", "version": "1", "header": "{}"})
+    tensors, header = load_checkpoint(path)
+    assert header == {} and torch.equal(tensors["x"], torch.ones(3))
