@@ -153,6 +153,7 @@ class Hyperparameters:
     momentum: float = 0.9  # DiLoCo: Nesterov momentum
     clip_median: bool = True  # scale each contribution to at most the round's median norm (bounded influence)
     max_contribution_ratio: float = 8.0  # a contribution whose norm exceeds this times its shard's is refused
+    max_loss_jump: float = 10.0  # a round that multiplies the loss on the run's guard batch by more is refused
     max_update_ratio: float = 2.0  # a round whose update norm exceeds this times a shard's norm is refused
 
     OUTERS = ("sparseloco", "diloco")
@@ -178,6 +179,7 @@ class Hyperparameters:
             clip_median=_bool(body, "clip_median", d.clip_median),
             max_contribution_ratio=_float(body, "max_contribution_ratio", 1e-6, 1e6, d.max_contribution_ratio),
             max_update_ratio=_float(body, "max_update_ratio", 1e-6, 1e6, d.max_update_ratio),
+            max_loss_jump=_float(body, "max_loss_jump", 1.0, 1e9, d.max_loss_jump),
         )
         if not hp.min_deadline_s <= hp.round_deadline_s <= hp.max_deadline_s:
             raise ProtocolError("deadlines must satisfy min_deadline_s <= round_deadline_s <= max_deadline_s")

@@ -94,12 +94,14 @@ def replica_train_hook(ctx: TrainContext, options: ReplicaOptions, echo: Any = p
     optim = OptimConfig(lr=hp.lr, warmup_steps=min(30, max(1, total // 10)), total_steps=total)
     trainer = InnerTrainer(model, optim, micro_batches(stream, 1), device)
     val = val_batches(data.val, hp.seq_len, hp.batch_size, options.eval_batches) if options.eval_batches else []
+    guard_batch = val_batches(data.val, hp.seq_len, hp.batch_size, 1)  # the same on every peer of the run
     outer = OuterConfig(kind=hp.outer, k=hp.k, beta=hp.beta, alpha=hp.alpha,  # type: ignore[arg-type]
                         outer_lr=hp.outer_lr, momentum=hp.momentum, clip_median=hp.clip_median)
     rcfg = RoundConfig(run_id=m.run_id, inner_steps=hp.inner_steps, deadline_s=hp.round_deadline_s,
                        min_deadline_s=hp.min_deadline_s, max_deadline_s=hp.max_deadline_s,
                        min_contributors=hp.min_contributors, checkpoint_every_s=options.checkpoint_every_s,
-                       guard=GuardConfig(hp.max_contribution_ratio, hp.max_update_ratio),
+                       guard=GuardConfig(max_contribution_ratio=hp.max_contribution_ratio,
+                                         max_update_ratio=hp.max_update_ratio, max_loss_jump=hp.max_loss_jump),
                        allowed_peers=frozenset(m.allowed_peers))
     if not m.may_contribute(peer.plane.peer_id):
         echo(f"warning: this peer ({peer.plane.peer_id}) is not in run {m.run_id}'s allow-list: every other peer "
@@ -138,6 +140,7 @@ def replica_train_hook(ctx: TrainContext, options: ReplicaOptions, echo: Any = p
         peer.plane.dht, peer.plane.identity, transport, trainer, outer, shards, rcfg, ctx.stop,
         checkpoint=ctx.out_dir / "checkpoint.safetensors", metrics=metrics, expected=expected, on_round=on_round,
         evaluate=(lambda: evaluate(trainer.model, val, device)) if val else None, faults=options.faults,
+        guard_loss=lambda: evaluate(trainer.model, guard_batch, device),
         protect=peer.plane.protect,
     )
     start = time.perf_counter()

@@ -7,8 +7,9 @@ Median-norm clipping (:class:`hlbp.peer.rounds.outer.OuterConfig` ``clip_median`
 
 1. per contribution: ‖Δ̂_r‖ ≤ ``max_contribution_ratio`` · ‖θ_s‖. Beyond it the contribution is not clipped but
    refused and its sender banned, by the coordinator before it accepts and by every peer before it applies;
-2. per round, before commit: the new parameters are finite and ‖θ_s(t+1) − θ_s(t)‖ ≤ ``max_update_ratio`` ·
-   ‖θ_s(t)‖. A round that fails is refused as a whole: nobody's parameters move.
+2. per round, before commit: the new parameters are finite, ‖θ_s(t+1) − θ_s(t)‖ ≤ ``max_update_ratio`` ·
+   ‖θ_s(t)‖, and (where the runner has the run's fixed guard batch) the loss on it did not jump by more than
+   ``max_loss_jump`` times. A round that fails is refused as a whole: nobody's parameters move.
 
 Every function here is pure and computes in float64 from the same accepted set and the same anchor, so every
 in-sync peer reaches the same verdict and the shard checksums still agree. The bounds are loose on purpose:
@@ -34,6 +35,7 @@ class GuardConfig:
     """The run's bounds; the manifest's hyperparameters carry them so that every peer applies the same ones."""
 
     max_contribution_ratio: float = 8.0  # ‖Δ̂_r‖ / ‖θ_s‖ above this: refused, sender banned (honest: ≤ 0.7)
+    max_loss_jump: float = 10.0  # guard-batch loss after the step above this times the last one: round refused
     max_update_ratio: float = 2.0  # ‖θ(t+1) − θ(t)‖ / ‖θ(t)‖ of a shard above this: round refused (honest: ≤ 0.4)
 
 
@@ -79,6 +81,20 @@ def refuse_reason(ratio: float, cfg: GuardConfig) -> str | None:
         return "the new parameters are not finite"
     if ratio > cfg.max_update_ratio:
         return f"the update's norm is {ratio:.3g}x the parameters' (bound {cfg.max_update_ratio:g}x)"
+    return None
+
+
+def loss_reason(previous: float | None, loss: float, cfg: GuardConfig) -> str | None:
+    """Why a round whose new parameters score ``loss`` on the run's fixed guard batch must be refused, or None.
+
+    The guard batch is the same for every peer and so are the parameters, so the verdict is too (a factor of 10
+    leaves float differences between machines far from the edge). ``previous`` is the last committed round's loss
+    (None right after a start or a sync: then only finiteness is checked).
+    """
+    if not math.isfinite(loss):
+        return "the loss on the guard batch is not finite"
+    if previous is not None and math.isfinite(previous) and loss > cfg.max_loss_jump * previous:
+        return f"the loss on the guard batch jumped from {previous:.4g} to {loss:.4g} (bound {cfg.max_loss_jump:g}x)"
     return None
 
 

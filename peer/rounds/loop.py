@@ -129,6 +129,7 @@ class ReplicaBase(ABC):
         on_round: Callable[[RoundStats, float | None], None] | None = None,
         evaluate: Callable[[], float] | None = None,
         faults: FaultHook = NO_FAULTS,
+        guard_loss: Callable[[], float] | None = None,
         protect: Callable[[dict[str, tuple[str, int]]], None] | None = None,
     ) -> None:
         self.dht, self.identity, self.transport, self.trainer = dht, identity, transport, trainer
@@ -142,6 +143,8 @@ class ReplicaBase(ABC):
         self.expected = expected
         self.on_round, self.evaluate = on_round, evaluate
         self.faults = faults  # what a fault test makes this replica do wrong; production: nothing
+        self.guard_loss = guard_loss  # the model's loss on the run's fixed guard batch (rounds/guard.py)
+        self.last_guard_loss: float | None = None  # that loss after the last committed round
         self.protect = protect  # registers round keys with our DHT node's record validator
         self.round = 0  # the next round to run; the anchor is the result of round - 1
         self.in_sync = True
@@ -316,6 +319,7 @@ class ReplicaBase(ABC):
                 self.outers[s] = fresh  # a synced peer starts with an empty error-feedback buffer
             self._load_anchor_into_model()
             self.round, self.in_sync, self._just_synced = latest + 1, True, True
+            self.last_guard_loss = None
             logger.info("synced state of round %d from %d donors", latest, len(donors))
             return True
         return False

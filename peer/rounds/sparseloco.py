@@ -413,7 +413,19 @@ class RoundRunner(ReplicaBase):
                 return self._refuse(r, {p: f"largest contribution to shard {s}" for p in blamed},
                                     f"shard {s}: {reason}")
             new.update(shard_new)
+        old = {n: self.anchor[n] for n in new}
         self.anchor.update(new)
+        if self.guard_loss is not None:
+            self._load_anchor_into_model()
+            loss = self.guard_loss()
+            reason = guard.loss_reason(self.last_guard_loss, loss, self.guard)
+            if reason:
+                self.anchor.update(old)
+                self._load_anchor_into_model()
+                norms = {c.sender: guard.contribution_norm(c) for cs in per_shard.values() for c in cs}
+                return self._refuse(r, {p: "largest contribution of a round whose loss exploded"
+                                        for p in guard.culprits(norms)}, reason)
+            self.last_guard_loss = loss
         self.last_copies = self._copies(r, per_shard)
         return "applied"
 

@@ -62,3 +62,11 @@ def test_culprits_are_the_same_on_every_peer() -> None:
     norms = {"c": 2.0, "a": 5.0, "b": 5.0, "d": float("nan")}
     assert guard.culprits(norms) == ["d"]  # NaN counts as the largest
     assert guard.culprits({k: v for k, v in norms.items() if k != "d"}, k=2) == ["a", "b"]  # ties by sender id
+
+
+def test_loss_jump_rule() -> None:
+    assert guard.loss_reason(None, 9.0, CFG) is None  # after a start or a sync only finiteness counts
+    assert guard.loss_reason(None, float("nan"), CFG) == "the loss on the guard batch is not finite"
+    assert guard.loss_reason(7.0, 8.5, CFG) is None  # an honest bad round
+    assert "jumped from 7 to 80" in guard.loss_reason(7.0, 80.0, CFG)
+    assert guard.loss_reason(7.0, float("inf"), CFG) == "the loss on the guard batch is not finite"
