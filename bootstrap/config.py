@@ -13,8 +13,9 @@ train a different run than the operator meant. Example::
     allowed_peers = []         # closed run: the peer ids that may contribute (empty: anyone may)
     [model_overrides]          # preset fields to change, e.g. n_layers = 8
     [hparams]                  # inner_steps, lr, batch_size, seq_len, k, beta, alpha, *_deadline_s, min_contributors,
-                               # outer = "sparseloco" | "diloco", outer_lr, momentum (DiLoCo), clip_median,
-                               # max_contribution_ratio, max_update_ratio (the round guard's bounds)
+                               # outer = "sparseloco" | "diloco", outer_lr, momentum (DiLoCo),
+                               # aggregation = "selectors" | "mean", weighting = "equal" | "tokens", clip_median,
+                               # max_contribution_ratio, max_update_ratio, max_loss_jump (the round guard's bounds)
     [codec]                    # name = "dense" | "subspace-a" | "subspace-b", k = 32
     [placement]                # replica_min_throughput = 2000.0, max_peers_per_stage = 1
 """

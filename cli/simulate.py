@@ -72,6 +72,11 @@ def simulate(
     outer: str = opt("sparseloco", "--outer", env="SIM_OUTER",
                      help="Outer step: sparseloco (sparse rounds), or diloco (dense rounds through hivemind's stock "
                           "DecentralizedAverager, the baseline)."),
+    aggregation: str = opt("selectors", "--aggregation", env="SIM_AGGREGATION",
+                           help="SparseLoCo aggregation: selectors (mean over the replicas that chose a value) or "
+                                "mean (1/R, zero where not chosen)."),
+    clip: bool = opt(True, "--clip/--no-clip", env="SIM_CLIP",
+                     help="Median-norm clipping of contributions (the hostile-peer defence)."),
     wan_delay_ms: float = opt(0.0, "--wan-delay-ms", env="SIM_WAN_DELAY_MS",
                               help="Emulate a WAN: every peer sits behind a proxy that delays each direction by "
                                    "this many ms (round trip: twice this)."),
@@ -100,11 +105,14 @@ def simulate(
         raise UserInputError("--wan-delay-ms must be >= 0 and --wan-mbps > 0")
     if outer not in ("sparseloco", "diloco"):
         raise UserInputError(f"--outer must be sparseloco or diloco, got {outer!r}")
+    if aggregation not in ("selectors", "mean"):
+        raise UserInputError(f"--aggregation must be selectors or mean, got {aggregation!r}")
     if full < 1 or rounds < 1 or inner_steps < 1 or batch_size < 1 or seq_len < 2 or threads < 1:
         raise UserInputError("--full, --rounds, --inner-steps, --batch-size and --threads must be >= 1")
     cfg = SimConfig(n_full=full, rounds=rounds, model=model, inner_steps=inner_steps, batch_size=batch_size,
                     seq_len=seq_len, round_deadline_s=deadline, min_deadline_s=min(1.0, deadline),
                     max_deadline_s=max(30.0, deadline), seed=seed, outer=outer, threads=threads, cache_dir=cache_dir,
+                    aggregation=aggregation, clip_median=clip,
                     wan_delay_ms=wan_delay_ms, wan_mbps=wan_mbps)
     work = workdir or Path(tempfile.mkdtemp(prefix="hlbp-simulate-"))
     console.print(f"simulating {full} full replicas x {rounds} {outer} rounds of {model} on 127.0.0.1; "

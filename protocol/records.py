@@ -151,12 +151,16 @@ class Hyperparameters:
     outer: str = "sparseloco"  # sparseloco (our sparse rounds) or diloco (dense, hivemind's stock all-reduce)
     outer_lr: float = 0.7  # DiLoCo: Nesterov outer learning rate
     momentum: float = 0.9  # DiLoCo: Nesterov momentum
+    aggregation: str = "selectors"  # SparseLoCo: mean over the replicas that selected a value, or the 1/R "mean"
+    weighting: str = "equal"  # contributions weighted equally, or by the "tokens" behind them
     clip_median: bool = True  # scale each contribution to at most the round's median norm (bounded influence)
     max_contribution_ratio: float = 8.0  # a contribution whose norm exceeds this times its shard's is refused
     max_loss_jump: float = 10.0  # a round that multiplies the loss on the run's guard batch by more is refused
     max_update_ratio: float = 2.0  # a round whose update norm exceeds this times a shard's norm is refused
 
     OUTERS = ("sparseloco", "diloco")
+    AGGREGATIONS = ("selectors", "mean")
+    WEIGHTINGS = ("equal", "tokens")
 
     @classmethod
     def from_body(cls, body: dict[str, Any]) -> Hyperparameters:
@@ -176,6 +180,8 @@ class Hyperparameters:
             outer=_str(body, "outer", 16, d.outer, choices=cls.OUTERS),
             outer_lr=_float(body, "outer_lr", 1e-6, 10.0, d.outer_lr),
             momentum=_float(body, "momentum", 0.0, 0.999, d.momentum),
+            aggregation=_str(body, "aggregation", 16, d.aggregation, choices=cls.AGGREGATIONS),
+            weighting=_str(body, "weighting", 16, d.weighting, choices=cls.WEIGHTINGS),
             clip_median=_bool(body, "clip_median", d.clip_median),
             max_contribution_ratio=_float(body, "max_contribution_ratio", 1e-6, 1e6, d.max_contribution_ratio),
             max_update_ratio=_float(body, "max_update_ratio", 1e-6, 1e6, d.max_update_ratio),

@@ -96,7 +96,9 @@ def replica_train_hook(ctx: TrainContext, options: ReplicaOptions, echo: Any = p
     val = val_batches(data.val, hp.seq_len, hp.batch_size, options.eval_batches) if options.eval_batches else []
     guard_batch = val_batches(data.val, hp.seq_len, hp.batch_size, 1)  # the same on every peer of the run
     outer = OuterConfig(kind=hp.outer, k=hp.k, beta=hp.beta, alpha=hp.alpha,  # type: ignore[arg-type]
-                        outer_lr=hp.outer_lr, momentum=hp.momentum, clip_median=hp.clip_median)
+                        outer_lr=hp.outer_lr, momentum=hp.momentum, clip_median=hp.clip_median,
+                        aggregation=hp.aggregation,  # type: ignore[arg-type]
+                        token_weighted=hp.weighting == "tokens")
     rcfg = RoundConfig(run_id=m.run_id, inner_steps=hp.inner_steps, deadline_s=hp.round_deadline_s,
                        min_deadline_s=hp.min_deadline_s, max_deadline_s=hp.max_deadline_s,
                        min_contributors=hp.min_contributors, checkpoint_every_s=options.checkpoint_every_s,

@@ -55,6 +55,8 @@ class SimConfig:
     cache_dir: Path | None = None  # corpus and tokenizer cache; None: the user cache
     startup_timeout_s: float = 120.0  # bootstrap and each joiner must be up within this
     stop_timeout_s: float = 20.0  # SIGTERM, then SIGKILL after this long
+    aggregation: str = "selectors"  # SparseLoCo aggregation of the run (manifest hparams)
+    clip_median: bool = True  # median-norm clipping of the run (manifest hparams)
     allowed_peers: tuple[str, ...] = ()  # closed run: the peer ids that may contribute (empty: anyone)
 
     def run_toml(self) -> str:
@@ -64,7 +66,8 @@ class SimConfig:
                 f"[hparams]\ninner_steps = {self.inner_steps}\nbatch_size = {self.batch_size}\n"
                 f"seq_len = {self.seq_len}\nround_deadline_s = {self.round_deadline_s}\n"
                 f"min_deadline_s = {self.min_deadline_s}\nmax_deadline_s = {self.max_deadline_s}\n"
-                f'outer = "{self.outer}"\nmin_contributors = {self.min_contributors}\n')
+                f'outer = "{self.outer}"\nmin_contributors = {self.min_contributors}\n'
+                f'aggregation = "{self.aggregation}"\nclip_median = {str(self.clip_median).lower()}\n')
 
 
 class PeerProcess:

@@ -197,3 +197,25 @@ def test_data_plane_headers():
         parse_body_size({"error": "no artifact"}, 10)
     with pytest.raises(ProtocolError):
         parse_body_size({"size": 11}, 10)
+
+
+def test_round_settings_and_allow_list_travel_in_the_manifest():
+    from hlbp.protocol.records import Hyperparameters
+
+    members = tuple(sorted(_identity(s).peer_id for s in (4, 5)))
+    hp = Hyperparameters(aggregation="mean", weighting="tokens", clip_median=False, max_contribution_ratio=3.0,
+                         max_update_ratio=0.5, max_loss_jump=4.0)
+    ident = _identity(3)
+    signed = decode_manifest(encode_manifest(_manifest(hparams=hp, allowed_peers=members), ident), signer=ident.peer_id)
+    assert signed.manifest.hparams == hp and signed.manifest.allowed_peers == members
+    assert signed.manifest.may_contribute(members[0]) and not signed.manifest.may_contribute(_identity(6).peer_id)
+    assert _manifest().may_contribute(_identity(6).peer_id)  # an open run
+    defaults = Hyperparameters()
+    assert (defaults.aggregation, defaults.weighting, defaults.clip_median) == ("selectors", "equal", True)
+    for bad in ({"aggregation": "median"}, {"weighting": "stake"}, {"clip_median": 1}, {"max_loss_jump": 0.5}):
+        with pytest.raises(ProtocolError):
+            Hyperparameters.from_body(bad)
+    body = _manifest().to_body()
+    for allowed in ([members[1], members[0]], [members[0], members[0]], ["12D3KooWnot-a-key"]):
+        with pytest.raises(ProtocolError):  # unsorted, repeated (two encodings of one set) or not a peer id
+            Manifest.from_body({**body, "allowed_peers": allowed})
