@@ -156,7 +156,7 @@ class Hyperparameters:
     clip_median: bool = True  # scale each contribution to at most the round's median norm (bounded influence)
     max_contribution_ratio: float = 8.0  # a contribution whose norm exceeds this times its shard's is refused
     max_loss_jump: float = 10.0  # a round that multiplies the loss on the run's guard batch by more is refused
-    max_update_ratio: float = 2.0  # a round whose update norm exceeds this times a shard's norm is refused
+    max_update_ratio: float = 8.0  # a round whose update norm exceeds this times a shard's norm is refused
 
     OUTERS = ("sparseloco", "diloco")
     AGGREGATIONS = ("selectors", "mean")

@@ -36,7 +36,7 @@ class GuardConfig:
 
     max_contribution_ratio: float = 8.0  # ‖Δ̂_r‖ / ‖θ_s‖ above this: refused, sender banned (honest: ≤ 0.7)
     max_loss_jump: float = 10.0  # guard-batch loss after the step above this times the last one: round refused
-    max_update_ratio: float = 2.0  # ‖θ(t+1) − θ(t)‖ / ‖θ(t)‖ of a shard above this: round refused (honest: ≤ 0.4)
+    max_update_ratio: float = 8.0  # ‖θ(t+1) − θ(t)‖ / ‖θ(t)‖ of a shard above this: round refused (honest: ≤ 0.82)
 
 
 def norm(tensors: Mapping[str, torch.Tensor]) -> float:
