@@ -1,4 +1,4 @@
-"""Control-plane records and data-plane request headers: schemas, msgpack codecs with size limits, signatures.
+"""Control-plane records: schemas, msgpack codecs with size limits, signatures.
 
 Two records travel through the DHT, each wrapped in a signed envelope:
 
@@ -13,8 +13,8 @@ identity signs its records and a verifier needs nothing but the peer id. Readers
 breaking older peers. Everything here is a pure function over bytes: no network, no clock (callers pass ``now``),
 no global state. Every decoder raises :class:`ProtocolError` and nothing else on bad input.
 
-Longer than 500 lines because every control-plane schema shares the field checks at the top of this module;
-split it (manifest, announcement, data-plane headers) when it grows further.
+Field checks live in :mod:`hlbp.protocol.fields`, data-plane request and response headers in
+:mod:`hlbp.protocol.frames`.
 """
 
 from __future__ import annotations
@@ -24,11 +24,9 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-import msgpack
-
 from hlbp.protocol.errors import ProtocolError
-from hlbp.protocol.identity import Identity, _unpack, open_envelope, public_key_from_peer_id, seal
-from hlbp.protocol.untrusted import preview
+from hlbp.protocol.fields import _bool, _float, _int, _opt_int, _str, _str_list
+from hlbp.protocol.identity import Identity, open_envelope, public_key_from_peer_id, seal
 
 PROTOCOL_VERSION = 1  # bumped when peers of different versions can no longer train together
 KIND_MANIFEST = "manifest"
@@ -60,64 +58,6 @@ def peers_key(run_id: str) -> str:
 # ---------------------------------------------------------------------------------------------------------------
 # Field checks: every field read from a body goes through one of these
 # ---------------------------------------------------------------------------------------------------------------
-
-_MISSING = object()
-
-
-def _field(body: dict[str, Any], name: str, default: Any) -> Any:
-    value = body.get(name, default)
-    if value is _MISSING:
-        raise ProtocolError(f"record field {name!r} is missing")
-    return value
-
-
-def _int(body: dict[str, Any], name: str, lo: int, hi: int, default: Any = _MISSING) -> int:
-    value = _field(body, name, default)
-    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
-        raise ProtocolError(f"record field {name!r} must be an integer in [{lo}, {hi}], got {preview(value)}")
-    return value
-
-
-def _opt_int(body: dict[str, Any], name: str, lo: int, hi: int) -> int | None:
-    return None if body.get(name) is None else _int(body, name, lo, hi)
-
-
-def _float(body: dict[str, Any], name: str, lo: float, hi: float, default: Any = _MISSING) -> float:
-    value = _field(body, name, default)
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ProtocolError(f"record field {name!r} must be a number, got {type(value).__name__}")
-    value = float(value)
-    if not (math.isfinite(value) and lo <= value <= hi):
-        raise ProtocolError(f"record field {name!r} must be finite and in [{lo}, {hi}], got {value}")
-    return value
-
-
-def _bool(body: dict[str, Any], name: str, default: Any = _MISSING) -> bool:
-    value = _field(body, name, default)
-    if not isinstance(value, bool):
-        raise ProtocolError(f"record field {name!r} must be true or false, got {type(value).__name__}")
-    return value
-
-
-def _str(body: dict[str, Any], name: str, max_len: int, default: Any = _MISSING,
-         pattern: re.Pattern[str] | None = None, choices: tuple[str, ...] | None = None) -> str:
-    value = _field(body, name, default)
-    if not isinstance(value, str) or len(value) > max_len:
-        raise ProtocolError(f"record field {name!r} must be a string of at most {max_len} characters")
-    if pattern is not None and not pattern.fullmatch(value):  # fullmatch: "$" would let a trailing "\n" pass
-        raise ProtocolError(f"record field {name!r} has an invalid value {value[:40]!r}")
-    if choices is not None and value not in choices:
-        raise ProtocolError(f"record field {name!r} must be one of {', '.join(choices)}, got {value[:40]!r}")
-    return value
-
-
-def _str_list(body: dict[str, Any], name: str, max_items: int, max_len: int,
-              pattern: re.Pattern[str] | None = None) -> tuple[str, ...]:
-    value = body.get(name, [])
-    if not isinstance(value, list) or len(value) > max_items:
-        raise ProtocolError(f"record field {name!r} must be a list of at most {max_items} strings")
-    return tuple(_str({"item": item}, "item", max_len, pattern=pattern) for item in value)
-
 
 def check_run_id(run_id: str) -> str:
     """Run ids name DHT keys and directories, so they are short and use a safe alphabet."""
@@ -509,53 +449,3 @@ def decode_announcement(data: Any, *, now: float, signer: str | None = None,
     if run_id is not None and ann.run_id != run_id:
         raise ProtocolError(f"the record of {env.signer[:60]} belongs to run {ann.run_id!r}, not {run_id!r}")
     return SignedAnnouncement(ann, env.signer, len(data))
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Data-plane headers: one length-prefixed msgpack map opens every request and every response
-# ---------------------------------------------------------------------------------------------------------------
-
-FRAME_PREFIX_BYTES = 4
-OPS = ("artifact", "probe", "dialback")
-
-
-def encode_header(header: dict[str, Any]) -> bytes:
-    """A 4-byte big-endian length, then the msgpack map."""
-    payload = msgpack.packb(header, use_bin_type=True)
-    if len(payload) > MAX_HEADER_BYTES:
-        raise ProtocolError(f"a header of {len(payload)} bytes exceeds the {MAX_HEADER_BYTES} limit")
-    return len(payload).to_bytes(FRAME_PREFIX_BYTES, "big") + payload
-
-
-def header_length(prefix: bytes) -> int:
-    """Length announced by a frame prefix; refuses lengths over the header limit before anything is read."""
-    if len(prefix) != FRAME_PREFIX_BYTES:
-        raise ProtocolError("truncated frame prefix")
-    length = int.from_bytes(prefix, "big")
-    if length > MAX_HEADER_BYTES:
-        raise ProtocolError(f"a peer announced a {length}-byte header, over the {MAX_HEADER_BYTES} limit")
-    return length
-
-
-def decode_header(payload: bytes) -> dict[str, Any]:
-    header = _unpack(payload, MAX_HEADER_BYTES)
-    if not isinstance(header, dict):
-        raise ProtocolError("a frame header is a map")
-    return header
-
-
-def parse_request(header: dict[str, Any]) -> tuple[str, Any]:
-    """(op, argument) of a request: artifact -> sha256, probe -> byte count, dialback -> multiaddrs."""
-    op = _str(header, "op", 16, choices=OPS)
-    if op == "artifact":
-        return op, _str(header, "sha256", 64, pattern=_SHA256_RE)
-    if op == "probe":
-        return op, _int(header, "bytes", 1, MAX_PROBE_BYTES)
-    return op, _str_list(header, "maddrs", 8, 256)
-
-
-def parse_body_size(header: dict[str, Any], max_size: int) -> int:
-    """Body size from a response header; an ``error`` field becomes a ProtocolError carrying the peer's text."""
-    if "error" in header:
-        raise ProtocolError(f"peer refused: {_str(header, 'error', 256)}")
-    return _int(header, "size", 0, max_size)

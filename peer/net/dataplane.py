@@ -20,14 +20,8 @@ from hivemind.utils.multiaddr import Multiaddr
 from hivemind.utils.multiaddr.exceptions import Error as MultiaddrError
 
 from hlbp.protocol import ProtocolError
+from hlbp.protocol.frames import decode_header, encode_header, header_length, parse_body_size, parse_request
 from hlbp.protocol.identity import sha256_hex
-from hlbp.protocol.records import (
-    decode_header,
-    encode_header,
-    header_length,
-    parse_body_size,
-    parse_request,
-)
 
 logger = logging.getLogger(__name__)
 

@@ -57,20 +57,16 @@ from hlbp.protocol import ProtocolError
 from hlbp.protocol import envelope as env
 from hlbp.protocol.activations import decode_activations
 from hlbp.protocol.dense import decode_dense, encode_dense
+from hlbp.protocol.frames import decode_header, encode_header, header_length, parse_body_size, parse_request
 from hlbp.protocol.identity import Identity
 from hlbp.protocol.records import (
     Announcement,
     Artifact,
     Manifest,
     decode_announcement,
-    decode_header,
     decode_manifest,
     encode_announcement,
-    encode_header,
     encode_manifest,
-    header_length,
-    parse_body_size,
-    parse_request,
 )
 from hlbp.protocol.roundrecords import (
     KIND_ACCEPTED,

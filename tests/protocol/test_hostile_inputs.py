@@ -15,15 +15,9 @@ import zstandard
 from hlbp.protocol import ProtocolError
 from hlbp.protocol import envelope as env
 from hlbp.protocol.dense import decode_dense, encode_dense, read_header
+from hlbp.protocol.frames import decode_header
 from hlbp.protocol.identity import ENVELOPE_MAGIC, ENVELOPE_SCHEMA, Identity, _signed_message, b58decode
-from hlbp.protocol.records import (
-    Manifest,
-    check_run_id,
-    check_sha256,
-    decode_header,
-    decode_manifest,
-    encode_manifest,
-)
+from hlbp.protocol.records import Manifest, check_run_id, check_sha256, decode_manifest, encode_manifest
 from hlbp.protocol.roundrecords import (
     KIND_ACCEPTED,
     KIND_CHECKS,

@@ -8,6 +8,7 @@ import msgpack
 import pytest
 
 from hlbp.protocol import ProtocolError
+from hlbp.protocol.frames import decode_header, encode_header, header_length, parse_body_size, parse_request
 from hlbp.protocol.identity import (
     Identity,
     b58decode,
@@ -26,14 +27,9 @@ from hlbp.protocol.records import (
     Manifest,
     ProtocolVersionMismatch,
     decode_announcement,
-    decode_header,
     decode_manifest,
     encode_announcement,
-    encode_header,
     encode_manifest,
-    header_length,
-    parse_body_size,
-    parse_request,
 )
 
 SHA = "ab" * 32
