@@ -4,23 +4,34 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` so that readers see the old file or the new one, never a torn one."""
+@contextmanager
+def atomic_path(path: Path) -> Iterator[Path]:
+    """A temporary path beside ``path`` to write to; on a clean exit it is fsynced and renamed over ``path``, so
+    readers see the old file or the new one, never a torn one. On an error it is deleted. Its name is what
+    :func:`remove_stale_temps` looks for when a process was killed before either happened."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
     try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
+        yield Path(tmp)
+        with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` atomically (:func:`atomic_path`)."""
+    with atomic_path(path) as tmp:
+        tmp.write_bytes(data)
 
 
 def remove_stale_temps(path: Path) -> int:

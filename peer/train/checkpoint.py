@@ -9,8 +9,6 @@ or torch allocate anything, and the JSON header is size-bounded and nesting-boun
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +17,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from hlbp.peer.common.errors import UserInputError
+from hlbp.peer.common.files import atomic_path
 from hlbp.protocol import ProtocolError
 from hlbp.protocol.dense import read_header
 
@@ -33,19 +32,9 @@ FORMAT_VERSION = 1
 
 def save_checkpoint(path: Path, tensors: dict[str, torch.Tensor], header: dict[str, Any]) -> None:
     """Save tensors and a JSON-serialisable header atomically (temporary file, fsync, rename)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     meta = {"format": FORMAT, "version": str(FORMAT_VERSION), "header": json.dumps(header, sort_keys=True)}
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, tmp, metadata=meta)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_path(Path(path)) as tmp:
+        save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(tmp), metadata=meta)
 
 
 def _read_prefix(path: Path) -> bytes:
