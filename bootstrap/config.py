@@ -16,7 +16,7 @@ train a different run than the operator meant. Example::
                                # outer = "sparseloco" | "diloco", outer_lr, momentum (DiLoCo),
                                # aggregation = "selectors" | "mean", weighting = "equal" | "tokens", clip_median,
                                # max_contribution_ratio, max_update_ratio, max_loss_jump (the round guard's bounds)
-    [codec]                    # name = "dense" | "subspace-a" | "subspace-b", k = 32
+    [codec]                    # name = "dense" | "subspace-a" | "subspace-a-drift" | "subspace-b", k = 4, dtype = "fp32"
     [placement]                # replica_min_throughput = 2000.0, max_peers_per_stage = 1
 """
 

@@ -159,12 +159,23 @@ def join(
                                   "included) are announced, so a swarm started together trains round 0 together."),
     wait_replicas_timeout: float = opt(120.0, "--wait-replicas-timeout", env="WAIT_REPLICAS_TIMEOUT",
                                        help="Start round 0 anyway after waiting this many seconds."),
+    micro_batches: int = opt(8, "--micro-batches", env="MICRO_BATCHES",
+                             help="Stage 0 (the swarm's driver): micro-batches each inner step's batch is split into."),
+    in_flight: int = opt(None, "--in-flight", env="IN_FLIGHT",
+                         help="Stage 0: most micro-batches in the pipeline at once [default: all of a step's]; "
+                              "keep it >= stages + 1 to hide link latency."),
+    stage_deadline: float = opt(None, "--stage-deadline", env="STAGE_DEADLINE",
+                                help="Stage 0: seconds a micro-batch may take before the chain is checked "
+                                     "[default: 3x the recent p95 round trip, within 5..120 s]."),
+    eval_every: int = opt(10, "--eval-every", env="EVAL_EVERY",
+                          help="Stage 0: validation loss through the pipeline every this many steps (0: never)."),
     faults: Any = None,
 ) -> None:
     """Join a run: read its manifest, measure this machine, take a role, announce it, and train until stopped.
 
     A full replica trains H inner steps per round and merges with the others in SparseLoCo rounds. A stage peer
-    holds its place in its pipeline swarm (pipeline traffic over the network is not wired in yet).
+    serves its stage of a pipeline swarm: stage 0 drives the swarm (data, micro-batches, retries), later stages
+    serve forward and backward over compressed stage streams. Pipeline swarms do not join outer rounds yet.
     SIGTERM or Ctrl-C marks the peer offline and leaves within seconds.
     """
     from hlbp.peer.net.control import NetworkConfig
@@ -195,8 +206,15 @@ def join(
             _echo("holding the role without training (--no-train); Ctrl-C or SIGTERM to leave")
             stop.wait()
         elif peer.role.kind != "replica":
-            _echo("holding this stage until pipeline rounds are wired in; Ctrl-C or SIGTERM to leave")
-            default_train_hook(ctx)
+            from hlbp.peer.node.stage import StageOptions, stage_train_hook
+
+            if micro_batches < 1 or in_flight is not None and in_flight < 1 or eval_every < 0 \
+                    or stage_deadline is not None and stage_deadline <= 0:
+                raise UserInputError("--micro-batches and --in-flight must be >= 1, --eval-every >= 0 and "
+                                     "--stage-deadline > 0")
+            stage_train_hook(ctx, StageOptions(micro_batches=micro_batches, in_flight=in_flight,
+                                               deadline_s=stage_deadline, eval_every=eval_every, threads=threads,
+                                               checkpoint_every_s=checkpoint_every), _echo)
         elif not local_only and not stop.is_set():
             from hlbp.peer.node.replica import ReplicaOptions, replica_train_hook
 

@@ -136,14 +136,23 @@ class Hyperparameters:
 class ActivationCodec:
     """How activations cross a stage boundary: dense, or a subspace variant with k values per token."""
 
-    name: str = "dense"  # dense, subspace-a (exact subspace network) or subspace-b (decoupled, lossy)
+    name: str = "dense"  # dense, subspace-a (exact), subspace-a-drift, or subspace-b (decoupled, lossy)
     k: int = 0  # values per token for the subspace codecs; 0 for dense
+    dtype: str = ""  # wire dtype: fp32, bf16, fp16 or fp64; "": bf16 for dense, fp32 for the subspace codecs
 
-    NAMES = ("dense", "subspace-a", "subspace-b")
+    NAMES = ("dense", "subspace-a", "subspace-b", "subspace-a-drift")
+    DTYPES = ("", "fp32", "bf16", "fp16", "fp64")
+
+    def body(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"name": self.name, "k": self.k}
+        if self.dtype:  # absent from older manifests: leaving it out keeps their bytes and digests
+            out["dtype"] = self.dtype
+        return out
 
     @classmethod
     def from_body(cls, body: dict[str, Any]) -> ActivationCodec:
-        codec = cls(name=_str(body, "name", 32, "dense", choices=cls.NAMES), k=_int(body, "k", 0, 1 << 16, 0))
+        codec = cls(name=_str(body, "name", 32, "dense", choices=cls.NAMES), k=_int(body, "k", 0, 1 << 16, 0),
+                    dtype=_str(body, "dtype", 8, "", choices=cls.DTYPES))
         if codec.name != "dense" and codec.k < 1:
             raise ProtocolError(f"activation codec {codec.name} needs k >= 1")
         return codec
@@ -218,7 +227,7 @@ class Manifest:
             "data_recipe": self.data_recipe,
             "hparams": asdict(self.hparams),
             "stages": [list(s) for s in self.stages],
-            "codec": {"name": self.codec.name, "k": self.codec.k},
+            "codec": self.codec.body(),
             "placement": asdict(self.placement),
             "artifacts": [asdict(a) for a in self.artifacts],
             **({"allowed_peers": list(self.allowed_peers)} if self.allowed_peers else {}),

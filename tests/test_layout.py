@@ -22,9 +22,10 @@ LOWER = {
     "train": {"common", "data", "model"},
     "net": {"common", "data", "model"},
     "rounds": {"common", "data", "model", "train", "net"},
-    "node": {"common", "data", "model", "train", "net", "rounds"},
-    "sim": {"common", "data", "model", "train", "net", "rounds"},
-    "bench": {"common", "data", "model", "train", "net", "rounds", "sim"},
+    "swarm": {"common", "data", "model", "train", "net"},
+    "node": {"common", "data", "model", "train", "net", "rounds", "swarm"},
+    "sim": {"common", "data", "model", "train", "net", "rounds", "swarm"},
+    "bench": {"common", "data", "model", "train", "net", "rounds", "swarm", "sim"},
 }
 MAX_LINES = 500
 LONG_REASON = "Longer than 500 lines because"

@@ -8,8 +8,8 @@ The steps, in order, each with a bounded wait:
 4. fetch the run's artifacts by content hash from any peer that serves them;
 5. measure memory, tokens/s and bandwidth (each can be forced by a flag);
 6. choose a role with hlbp.peer.node.roles and announce it; a heartbeat keeps the record fresh;
-7. hand over to the training hook. Outer rounds are not wired in yet: a full replica trains locally with the inner
-   trainer, a stage peer holds its place in the swarm.
+7. hand over to the training hook: a full replica joins outer rounds (:mod:`hlbp.peer.node.replica`), a stage
+   peer serves or drives its pipeline stage (:mod:`hlbp.peer.node.stage`).
 """
 
 from __future__ import annotations
@@ -282,11 +282,8 @@ def data_rank(peer_id: str) -> int:
 
 
 def default_train_hook(ctx: TrainContext) -> None:
-    """A full replica trains locally with the inner trainer; a stage peer holds its place until stopped.
-
-    Outer SparseLoCo rounds and pipeline stage traffic are not wired in yet, so both are stand-ins that keep the
-    peer's announcement honest while the round protocol lands.
-    """
+    """``--local-only``: a full replica trains alone with the inner trainer, without outer rounds; any other role
+    holds its place until stopped."""
     peer = ctx.peer
     if peer.role.kind != "replica":
         ctx.stop.wait()

@@ -58,6 +58,9 @@ class SimConfig:
     aggregation: str = "selectors"  # SparseLoCo aggregation of the run (manifest hparams)
     clip_median: bool = True  # median-norm clipping of the run (manifest hparams)
     allowed_peers: tuple[str, ...] = ()  # closed run: the peer ids that may contribute (empty: anyone)
+    codec: str = "dense"  # activation codec of the pipeline swarms' stage boundaries (manifest [codec])
+    codec_k: int = 0  # its k for the subspace codecs
+    codec_dtype: str = ""  # its wire dtype ("": the codec's default)
 
     def run_toml(self) -> str:
         """The run config the bootstrap signs into the manifest."""
@@ -67,7 +70,9 @@ class SimConfig:
                 f"seq_len = {self.seq_len}\nround_deadline_s = {self.round_deadline_s}\n"
                 f"min_deadline_s = {self.min_deadline_s}\nmax_deadline_s = {self.max_deadline_s}\n"
                 f'outer = "{self.outer}"\nmin_contributors = {self.min_contributors}\n'
-                f'aggregation = "{self.aggregation}"\nclip_median = {str(self.clip_median).lower()}\n')
+                f'aggregation = "{self.aggregation}"\nclip_median = {str(self.clip_median).lower()}\n'
+                f'[codec]\nname = "{self.codec}"\nk = {self.codec_k}\n'
+                + (f'dtype = "{self.codec_dtype}"\n' if self.codec_dtype else ""))
 
 
 class PeerProcess:
@@ -252,6 +257,22 @@ class Swarm:
         replica = Replica(name, identity, out_dir, self._spawn(name, args, program), old.peer_id if old else "")
         self.replicas[name] = replica
         return replica
+
+    def add_stage(self, name: str, stage: int, *extra: str, max_steps: int | None = None,
+                  program: Sequence[str] | None = None) -> Replica:
+        """Start (or restart) stage peer ``name`` holding ``stage`` (stage 0 drives its swarm); ``max_steps``: the
+        driver leaves after that many inner steps, a server after applying that many."""
+        old = self.replicas.get(name)
+        identity = old.identity if old else self.workdir / f"{name}.key"
+        out_dir = old.out_dir if old else self.workdir / name
+        steps = ["--max-steps", str(max_steps)] if max_steps is not None else []
+        args = ["join", "--initial-peers", self.maddr, *self._listen(), "--identity", str(identity),
+                "--role", "stage", "--stage", str(stage), "--throughput", "1000", "--bandwidth", "1e8",
+                "--reachability", "public", "--threads", str(self.cfg.threads), "--out-dir", str(out_dir),
+                "--ttl", str(self.cfg.ttl_s), *steps, *extra]
+        peer = Replica(name, identity, out_dir, self._spawn(name, args, program), old.peer_id if old else "")
+        self.replicas[name] = peer
+        return peer
 
     def records(self) -> dict[str, list[dict[str, Any]]]:
         """Every replica's round records so far, by replica name."""

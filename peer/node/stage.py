@@ -1,0 +1,307 @@
+"""A stage peer inside a run: ``hlbp join`` hands over here after the role policy gave it stage s of swarm m.
+
+Everything comes from the signed manifest, so every stage peer of every swarm builds identical initial weights
+and the same codec:
+
+- the run's model (for the variants A the constrained network, :func:`hlbp.peer.model.pipeline.run_model_config`),
+  its stage split, and the seed's initial parameters of this stage (or this peer's own stage checkpoint, if it has
+  one for the same swarm and stage);
+- the activation codec the manifest names, with its basis U and anchor table T_fixed from the seed (and, for B and
+  A+drift, from the seed's embedding: pipeline swarms do not take part in outer rounds yet, so the synchronized
+  embedding is still the initial one).
+
+Stage 0 drives when it has the lowest peer id among the swarm's online stage-0 peers (the others wait as
+standbys for that role); stages 1..S-1 serve. A stage accepts streams only from online peers of its own swarm at
+an earlier stage (and, in a closed run, on the allow-list).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from hlbp.peer.common.files import atomic_write_bytes
+from hlbp.peer.data.streams import TokenStream, load_tokenizer, prepare_data, val_batches
+from hlbp.peer.model.decoder import load_from_full, preset, split
+from hlbp.peer.model.pipeline import initial_state, run_model_config
+from hlbp.peer.model.subspace import CodecConfig, make_codec
+from hlbp.peer.node.join import TrainContext, data_rank
+from hlbp.peer.swarm.driver import Driver, DriverConfig, StepAbandoned
+from hlbp.peer.swarm.routing import Candidate
+from hlbp.peer.swarm.server import StageServer
+from hlbp.peer.swarm.worker import StageWorker
+from hlbp.peer.train.checkpoint import (
+    load_checkpoint,
+    optimizer_from_tensors,
+    optimizer_to_tensors,
+    save_checkpoint,
+)
+from hlbp.peer.train.metricslog import MetricsLog
+from hlbp.peer.train.trainer import OptimConfig, lr_at, pick_device
+
+logger = logging.getLogger(__name__)
+
+PEERS_REFRESH_S = 2.0  # how stale the driver's and the servers' view of the swarm may be
+
+
+@dataclass
+class StageOptions:
+    """Per-peer settings of a stage peer (the manifest fixes the rest)."""
+
+    micro_batches: int = 8  # driver: micro-batches per inner step
+    in_flight: int | None = None  # driver: most micro-batches in the chain at once (None: all of a step's)
+    deadline_s: float | None = None  # driver: fixed per-micro-batch deadline (None: from measured latency)
+    eval_every: int = 10  # driver: validation loss every this many steps (0: never)
+    eval_batches: int = 2
+    total_steps: int = 1000  # driver: length of the learning-rate schedule
+    threads: int | None = None
+    device: str = "auto"
+    checkpoint_every_s: float = 60.0
+
+
+def codec_config(m: Any) -> CodecConfig:
+    """The run's activation codec (manifest ``codec``) as a :class:`CodecConfig`."""
+    return CodecConfig(kind=m.codec.name, rank=str(m.codec.k) if m.codec.k else "1/32",
+                       wire_dtype=m.codec.dtype or None, seed=m.seed)
+
+
+def driver_optim(lr: float, total_steps: int) -> OptimConfig:
+    """The inner schedule a driver follows (it sends each step's learning rate down its chain)."""
+    return OptimConfig(lr=lr, warmup_steps=min(30, max(1, total_steps // 10)), total_steps=total_steps)
+
+
+class SwarmView:
+    """The run's stage peers from the DHT, re-read at most every :data:`PEERS_REFRESH_S` seconds."""
+
+    def __init__(self, plane: Any, manifest: Any, swarm: int) -> None:
+        self.plane, self.m, self.swarm = plane, manifest, swarm
+        self._at = 0.0
+        self._peers: dict[str, Any] = {}
+        self._lock = threading.Lock()
+
+    def peers(self) -> dict[str, Any]:
+        with self._lock:
+            if time.monotonic() - self._at > PEERS_REFRESH_S:
+                try:
+                    self._peers = {p: r.announcement for p, r in self.plane.read_peers(self.m.run_id).items()
+                                   if r.announcement.online and self.m.may_contribute(p)}
+                    self._at = time.monotonic()
+                except Exception as exc:  # noqa: BLE001 - keep the last view; the DHT may be busy
+                    logger.debug("reading the swarm's peers failed: %s", exc)
+            return dict(self._peers)
+
+    def at_stage(self, stage: int) -> list[tuple[str, float]]:
+        return sorted((p, a.throughput) for p, a in self.peers().items()
+                      if a.role == "stage" and a.swarm == self.swarm and a.stage == stage)
+
+    def may_call(self, peer: str, my_stage: int) -> bool:
+        a = self.peers().get(peer)
+        if a is None:  # maybe it announced a moment ago
+            self._at = 0.0
+            a = self.peers().get(peer)
+        return a is not None and a.role == "stage" and a.swarm == self.swarm and a.stage is not None \
+            and a.stage < my_stage
+
+
+def _build(ctx: TrainContext, options: StageOptions) -> tuple[Any, StageWorker, Any, int, dict[str, Any]]:
+    peer = ctx.peer
+    m = peer.manifest.manifest
+    tok, _ = load_tokenizer(peer.tokenizer_path)
+    vocab = tok.get_vocab_size(with_added_tokens=True)
+    bounds = [tuple(s) for s in m.stages]
+    cc = codec_config(m)
+    config = run_model_config(preset(m.model, **dict(m.model_overrides), vocab_size=vocab), cc, len(bounds),
+                              bounds)
+    full = initial_state(config, m.seed)
+    stages = split(config, len(bounds), bounds)
+    stage = stages[peer.role.stage]
+    load_from_full(stage, full)
+    device = pick_device(options.device)
+    optim = driver_optim(m.hparams.lr, options.total_steps)
+    worker = StageWorker(stage, optim, device)
+    codec = make_codec(cc, config.d_model, config.vocab_size, config.max_seq_len,
+                       getattr(stages[0], "fixed_table", None), full["embed.weight"],
+                       max_tokens=m.hparams.batch_size * m.hparams.seq_len).to(device)
+    resumed = _resume(ctx, worker)
+    return config, worker, codec, vocab, {"resumed_step": resumed}
+
+
+def _checkpoint_path(ctx: TrainContext) -> Any:
+    return ctx.out_dir / "stage.safetensors"
+
+
+def _resume(ctx: TrainContext, worker: StageWorker) -> int | None:
+    path = _checkpoint_path(ctx)
+    if not path.exists():
+        return None
+    tensors, header = load_checkpoint(path)
+    role = ctx.peer.role
+    if header.get("swarm") != role.swarm or header.get("stage") != role.stage:
+        logger.warning("ignoring %s: it holds stage %s of swarm %s, this peer now serves stage %s of swarm %s",
+                       path, header.get("stage"), header.get("swarm"), role.stage, role.swarm)
+        return None
+    worker.stage.load_state_dict({k[6:]: v for k, v in tensors.items() if k.startswith("model.")})
+    optimizer_from_tensors(worker.optimizer, tensors, header["optimizer"])
+    if worker.constraint is not None:
+        worker.constraint.sync()
+    return int(header.get("opt_step", 0))
+
+
+def save_stage(ctx: TrainContext, worker: StageWorker, opt_step: int) -> None:
+    """This peer's stage, its AdamW state and where it belongs, atomically."""
+    tensors = {f"model.{k}": v for k, v in worker.stage.state_dict().items()}
+    opt, desc = optimizer_to_tensors(worker.optimizer)
+    tensors.update(opt)
+    role = ctx.peer.role
+    save_checkpoint(_checkpoint_path(ctx), tensors, {"swarm": role.swarm, "stage": role.stage,
+                                                     "opt_step": opt_step, "optimizer": desc})
+
+
+def stage_train_hook(ctx: TrainContext, options: StageOptions, echo: Callable[[str], None] = print) -> dict[str, Any]:
+    """Serve (or, at stage 0, drive) this peer's stage until stopped or ``ctx.max_steps`` steps; returns the
+    summary it also writes to ``summary.json``."""
+    if options.threads:
+        torch.set_num_threads(options.threads)
+    ctx.out_dir.mkdir(parents=True, exist_ok=True)
+    role = ctx.peer.role
+    config, worker, codec, vocab, info = _build(ctx, options)
+    view = SwarmView(ctx.peer.plane, ctx.peer.manifest.manifest, role.swarm)
+    where = f"stage {role.stage} of swarm {role.swarm}"
+    echo(f"{where}: {sum(p.numel() for p in worker.stage.parameters()):,} parameters, codec {codec_config(ctx.peer.manifest.manifest).label(config.d_model)}"
+         + (f", resumed from step {info['resumed_step']}" if info["resumed_step"] is not None else ""))
+    if role.stage == 0:
+        summary = _drive(ctx, options, worker, codec, vocab, view, echo, info["resumed_step"] or 0)
+    else:
+        summary = _serve(ctx, options, worker, codec, vocab, view, echo)
+    atomic_write_bytes(ctx.out_dir / "summary.json", json.dumps(summary, indent=1).encode())
+    return summary
+
+
+def _serve(ctx: TrainContext, options: StageOptions, worker: StageWorker, codec: Any, vocab: int, view: SwarmView,
+           echo: Callable[[str], None]) -> dict[str, Any]:
+    m = ctx.peer.manifest.manifest
+    last = {"step": 0, "saved": time.monotonic(), "echo": 0.0}
+    done = threading.Event()
+
+    def on_step(msg: Any, ok: bool) -> None:
+        last["step"] = msg.opt_step + 1
+        now = time.monotonic()
+        if now - last["saved"] >= options.checkpoint_every_s:
+            save_stage(ctx, worker, last["step"])
+            last["saved"] = now
+        if now - last["echo"] >= 5:
+            echo(f"step {msg.opt_step}: {'applied' if ok else 'skipped (non-finite gradients)'}, "
+                 f"busy {server.busy_fraction():.0%}")
+            last["echo"] = now
+        if ctx.max_steps is not None and server.counters.steps_applied >= ctx.max_steps:
+            done.set()
+
+    server = StageServer(ctx.peer.plane.dht, worker, codec, vocab,
+                         lambda p: view.may_call(p, ctx.peer.role.stage or 0),
+                         max_tokens=m.hparams.batch_size * m.hparams.seq_len, on_step=on_step)
+    echo(f"serving stage {ctx.peer.role.stage} as {server.peer_id}")
+    try:
+        while not ctx.stop.is_set() and not done.is_set():
+            ctx.stop.wait(0.5)
+    finally:
+        server.close()
+        save_stage(ctx, worker, last["step"])
+    c = server.counters
+    echo(f"stage {ctx.peer.role.stage}: {c.steps_applied} steps applied, {c.forwards} forwards, {c.backwards} "
+         f"backwards, {c.frames_refused} frames refused, busy {server.busy_fraction():.0%}")
+    return {"peer": ctx.peer.plane.peer_id, "role": "stage", "stage": ctx.peer.role.stage,
+            "swarm": ctx.peer.role.swarm, **{k: v for k, v in dataclasses.asdict(c).items() if k != "started"},
+            "busy_fraction": server.busy_fraction()}
+
+
+def _is_driver(view: SwarmView, me: str) -> bool:
+    stage0 = [p for p, _ in view.at_stage(0)]
+    return not stage0 or min(stage0 + [me]) == me
+
+
+def _drive(ctx: TrainContext, options: StageOptions, worker: StageWorker, codec: Any, vocab: int, view: SwarmView,
+           echo: Callable[[str], None], start_step: int) -> dict[str, Any]:
+    peer = ctx.peer
+    m = peer.manifest.manifest
+    me = peer.plane.peer_id
+    while not _is_driver(view, me) and not ctx.stop.is_set():
+        echo("another stage-0 peer drives this swarm; standing by")
+        ctx.stop.wait(5.0)
+    data = prepare_data(m.data_recipe, ctx.cache_dir, tokenizer_path=peer.tokenizer_path)
+    stream = TokenStream(data.train, m.hparams.seq_len, m.hparams.batch_size, seed=m.seed, rank=data_rank(me))
+    val = val_batches(data.val, m.hparams.seq_len, m.hparams.batch_size, options.eval_batches) \
+        if options.eval_every else []
+    n_stages = len(m.stages)
+
+    def candidates() -> list[list[Candidate]]:
+        return [[Candidate(p, t) for p, t in view.at_stage(s)] for s in range(1, n_stages)]
+
+    cfg = DriverConfig(micro_batches=options.micro_batches, in_flight=options.in_flight, deadline_s=options.deadline_s)
+    driver = Driver(peer.plane.dht, worker, codec, vocab, cfg, candidates,
+                    max_tokens=m.hparams.batch_size * m.hparams.seq_len, stop=ctx.stop)
+    metrics = MetricsLog(ctx.out_dir / "metrics.jsonl")
+    optim = driver_optim(m.hparams.lr, options.total_steps)
+    opt_step, seq, start = start_step, start_step, time.perf_counter()
+    val_losses: list[float] = []
+    last_save = time.monotonic()
+    echo(f"driving swarm {peer.role.swarm}: {n_stages} stages, {cfg.micro_batches} micro-batches per step")
+    try:
+        if val:
+            first = driver.evaluate(val)
+            if first is not None:
+                val_losses.append(first)
+                echo(f"validation loss before training: {first:.4f}")
+        while not ctx.stop.is_set() and (ctx.max_steps is None or opt_step < start_step + ctx.max_steps):
+            x, y = stream.batch(seq)
+            seq += 1
+            record: dict[str, Any] = {"event": "step", "step": opt_step, "seq": seq - 1}
+            try:
+                result = driver.train_step(x, y, opt_step, lr_at(opt_step, optim))
+            except StepAbandoned as exc:
+                record.update(abandoned=str(exc))
+            else:
+                opt_step += 1
+                record.update(loss=result.loss, seconds=result.seconds, retried=result.retried,
+                              chain=result.chain)
+                if options.eval_every and val and opt_step % options.eval_every == 0:
+                    v = driver.evaluate(val)
+                    if v is not None:
+                        val_losses.append(v)
+                        record["val_loss"] = v
+                echo(f"step {opt_step - 1}: loss {result.loss:.4f} in {result.seconds:.2f} s"
+                     + (f", {result.retried} micro-batches retried" if result.retried else "")
+                     + (f", val {record['val_loss']:.4f}" if "val_loss" in record else ""))
+            c = driver.counters
+            record.update(tokens=c.tokens, microbatches=c.microbatches, microbatches_retried=c.microbatches_retried,
+                          microbatches_abandoned=c.microbatches_abandoned, steps_abandoned=c.steps_abandoned)
+            metrics.write(**record)
+            if time.monotonic() - last_save >= options.checkpoint_every_s:
+                save_stage(ctx, worker, opt_step)
+                last_save = time.monotonic()
+        if val and (not val_losses or opt_step % max(1, options.eval_every)):
+            v = driver.evaluate(val)
+            if v is not None:
+                val_losses.append(v)
+    finally:
+        driver.close()
+        metrics.close()
+        save_stage(ctx, worker, opt_step)
+    wall = time.perf_counter() - start
+    c = driver.counters
+    echo(f"driver: {c.steps} steps, {c.steps_abandoned} abandoned, {c.microbatches} micro-batches done, "
+         f"{c.microbatches_retried} retried, {c.microbatches_abandoned} abandoned, {c.tokens / max(wall, 1e-9):,.0f} "
+         f"tokens/s" + (f", validation {val_losses[0]:.4f} -> {val_losses[-1]:.4f}" if val_losses else ""))
+    return {"peer": me, "role": "stage", "stage": 0, "swarm": peer.role.swarm, "driver": True,
+            "steps": c.steps, "steps_abandoned": c.steps_abandoned, "steps_skipped": c.steps_skipped,
+            "microbatches": c.microbatches, "microbatches_retried": c.microbatches_retried,
+            "microbatches_abandoned": c.microbatches_abandoned, "failures": c.failures, "tokens": c.tokens,
+            "seconds": wall, "tokens_per_s": c.tokens / max(wall, 1e-9), "val_losses": val_losses,
+            "busy_fractions": driver.busy_fractions(wall), "opt_step": opt_step, "data_rank": data_rank(me)}

@@ -1,0 +1,9 @@
+"""Pipeline swarms over the network: weak peers each serve one stage, stage 0 drives (ARCHITECTURE.md, "Pipeline
+swarms").
+
+- :mod:`worker`: one stage's compute with exactly-once gradient accumulation (pure, no network);
+- :mod:`routing`: bans with backoff, deadlines from measured latency, the chain choice (pure);
+- :mod:`links`: long-lived stage streams over hivemind's P2P;
+- :mod:`server`: a stage peer serving forward and backward;
+- :mod:`driver`: stage 0, its micro-batches in flight, retries and the step.
+"""

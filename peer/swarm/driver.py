@@ -1,0 +1,382 @@
+"""The driver of a pipeline swarm: stage 0, its data, micro-batches in flight, retries, and the step.
+
+One inner step: the batch is split into ``micro_batches`` micro-batches (each one's loss weighted by its share of
+the tokens, so the step's gradient is the whole batch's); up to ``in_flight`` of them travel the chain at once.
+When every micro-batch has come back through backward, ``finish`` collects the squared gradient norms down the
+chain, the last stage turns them into the clipping factor, and ``done`` brings it back up; every stage, the
+driver included, then steps its own AdamW. The update equals a full replica's on the same batch (a test checks
+it with a lossless codec).
+
+Failures never lose a micro-batch silently:
+
+- a ``fail`` from a stage (its downstream stream closed, a peer could not be dialled), a closed stream to stage 1,
+  or a micro-batch past its deadline (3x the recent p95 round trip, bounded; then every peer of the chain is
+  pinged and the silent ones are failed) bans the failed peer with backoff and picks another chain;
+- every micro-batch of the step that went through the old chain is re-run through the new one (stages that
+  already accumulated it only pass the gradient back, see :mod:`hlbp.peer.swarm.worker`) and counted in
+  ``microbatches_retried``;
+- when no working chain appears within ``chain_wait_s``, or a micro-batch fails ``max_attempts`` times, the step is
+  abandoned: every stage drops its state for it, and ``steps_abandoned`` and ``microbatches_abandoned`` count it.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import random
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from hlbp.peer.model.subspace import ActivationCodec
+from hlbp.peer.swarm.links import Conn, StageLinks
+from hlbp.peer.swarm.routing import Bans, Candidate, LatencyTracker, choose_chain
+from hlbp.peer.swarm.server import max_body_bytes
+from hlbp.peer.swarm.worker import StageWorker
+from hlbp.protocol import ProtocolError
+from hlbp.protocol.stagewire import StageMessage, encode_message, encode_targets
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class DriverConfig:
+    """How the driver runs its swarm; per peer, not per run."""
+
+    micro_batches: int = 8  # micro-batches per inner step (the step's batch is split into this many)
+    in_flight: int | None = None  # most micro-batches in the chain at once; None: all of the step's
+    max_norm: float = 1.0  # global gradient clipping (0: none)
+    deadline_s: float | None = None  # fixed per-micro-batch deadline; None: 3x the recent p95 round trip, bounded
+    min_deadline_s: float = 5.0
+    max_deadline_s: float = 120.0
+    max_attempts: int = 4  # a micro-batch that fails this often abandons its step
+    chain_wait_s: float = 60.0  # how long a step waits for a complete chain before it is abandoned
+    ping_timeout_s: float = 3.0
+
+
+@dataclass
+class DriverCounters:
+    """Every micro-batch is accounted for: done once per step, retried, or abandoned with its step."""
+
+    steps: int = 0
+    steps_abandoned: int = 0
+    steps_skipped: int = 0  # non-finite gradient norm: no stage stepped
+    microbatches: int = 0  # micro-batches that finished backward in a completed step
+    microbatches_retried: int = 0
+    microbatches_abandoned: int = 0
+    failures: int = 0  # stage peers failed and banned
+    tokens: int = 0  # training tokens of completed steps
+    busy_s: dict[str, float] = field(default_factory=dict)  # compute seconds per stage peer (driver: "driver")
+
+
+@dataclass
+class StepResult:
+    loss: float  # token-weighted mean training loss of the step
+    seconds: float
+    chain: list[str]
+    retried: int
+
+
+class StepAbandoned(RuntimeError):
+    """The step could not finish; its state was dropped everywhere and it is counted."""
+
+
+@dataclass
+class _Mb:
+    x: torch.Tensor
+    y: torch.Tensor
+    weight: float
+    attempt: int = -1  # -1: never sent
+    sent_at: float = 0.0
+    done: bool = False
+    loss: float = 0.0
+
+
+CandidatesFn = Callable[[], Sequence[Sequence[Candidate]]]
+
+
+class Driver:
+    """Stage 0 of a swarm; ``candidates()`` lists the announced peers of stages 1..S-1 (from the DHT)."""
+
+    def __init__(self, dht: Any, worker: StageWorker, codec: ActivationCodec, vocab_size: int, cfg: DriverConfig,
+                 candidates: CandidatesFn, max_tokens: int, stop: Any = None) -> None:
+        if not worker.stage.is_first:
+            raise ValueError("the driver holds the first stage")
+        self.worker, self.codec, self.vocab_size, self.cfg = worker, codec, vocab_size, cfg
+        self.candidates = candidates
+        self.stop = stop
+        self.session = random.SystemRandom().randrange(1, 2**63 - 1)
+        self.step_seq = 0
+        self.chain: list[str] = []
+        self.bans = Bans()
+        self.latency = LatencyTracker(override_s=cfg.deadline_s, min_s=cfg.min_deadline_s, max_s=cfg.max_deadline_s)
+        self.counters = DriverCounters()
+        self.measured: dict[str, float] = {}  # tokens/s per stage peer, from the busy times they report
+        self._inbox: queue.Queue[tuple[str, Any, Any, bytes]] = queue.Queue()
+        self.links = StageLinks(dht, self._on_message, self._on_closed, self._on_bad, lambda _peer: False,
+                                max_body_bytes(codec, max_tokens, vocab_size))
+        self.peer_id = self.links.peer_id
+
+    # --- loop thread: everything goes to the inbox --------------------------------------------------------------
+
+    def _on_message(self, conn: Conn, msg: StageMessage, body: bytes) -> None:
+        if msg.op in ("fwd", "eval", "finish", "abort", "ping"):
+            self._on_bad(conn.peer, f"a {msg.op} message sent to the driver")
+            return
+        self._inbox.put(("msg", conn, msg, body))
+
+    def _on_closed(self, conn: Conn) -> None:
+        self._inbox.put(("closed", conn, None, b""))
+
+    def _on_bad(self, peer: str, error: str) -> None:
+        logger.warning("stage peer %s sent a bad message (%s); banning it", peer[:12], error)
+        self._inbox.put(("bad", peer, error, b""))
+
+    # --- chain ---------------------------------------------------------------------------------------------------
+
+    def _choose(self, tokens: int) -> list[str] | None:
+        deadline = time.monotonic() + self.cfg.chain_wait_s
+        announced_once = False
+        while True:
+            options = [[Candidate(c.peer, self.measured.get(c.peer) or c.throughput) for c in stage]
+                       for stage in self.candidates()]
+            chain = choose_chain(options, self.chain, self.bans, time.monotonic(), tokens)
+            if chain is not None:
+                if chain != self.chain:
+                    logger.info("pipeline chain: %s", " -> ".join(p[:12] for p in [self.peer_id, *chain]))
+                self.chain = chain
+                return chain
+            if time.monotonic() >= deadline or (self.stop is not None and self.stop.is_set()):
+                return None
+            if not announced_once:
+                missing = [i + 1 for i, o in enumerate(options) if not o]
+                logger.info("waiting for stage peers (stages without a usable peer: %s)", missing or "banned")
+                announced_once = True
+            time.sleep(0.5)
+
+    def _ping(self, peers: Sequence[str]) -> list[str]:
+        """The peers of ``peers`` that do not answer a ping in time."""
+        for peer in peers:
+            try:
+                self.links.dial(peer, self.cfg.ping_timeout_s).send(
+                    encode_message(StageMessage("ping", session=self.session)))
+            except ConnectionError:
+                continue
+        answered: set[str] = set()
+        deadline = time.monotonic() + self.cfg.ping_timeout_s
+        requeue = []
+        while time.monotonic() < deadline and len(answered) < len(peers):
+            try:
+                item = self._inbox.get(timeout=max(0.01, deadline - time.monotonic()))
+            except queue.Empty:
+                break
+            kind, conn, msg, _ = item
+            if kind == "msg" and msg.op == "pong":
+                answered.add(conn.peer)
+            else:
+                requeue.append(item)
+        for item in requeue:
+            self._inbox.put(item)
+        return [p for p in peers if p not in answered]
+
+    # --- one step ----------------------------------------------------------------------------------------------------
+
+    def _send(self, i: int, mb: _Mb, chain: list[str]) -> None:
+        mb.attempt += 1
+        mb.done = False
+        out = self.worker.forward(i, mb.attempt, mb.x)
+        data = self.codec.encode_forward(out, mb.x, i) + encode_targets(mb.y, self.vocab_size)
+        msg = StageMessage("fwd", session=self.session, step=self.step_seq, mb=i, attempt=mb.attempt,
+                           route=tuple(chain[1:]), weight=mb.weight)
+        mb.sent_at = time.monotonic()
+        self.links.dial(chain[0]).send(encode_message(msg, data))
+
+    def _abandon(self, step_mbs: list[_Mb], reason: str) -> StepAbandoned:
+        self.counters.steps_abandoned += 1
+        self.counters.microbatches_abandoned += len(step_mbs)
+        self.worker.reset()
+        if self.chain:
+            try:
+                self.links.dial(self.chain[0], 3).send(encode_message(StageMessage(
+                    "abort", session=self.session, step=self.step_seq, route=tuple(self.chain[1:]),
+                    reason=reason[:200])))
+            except ConnectionError:
+                pass
+        logger.warning("step %d abandoned (%d micro-batches): %s", self.step_seq, len(step_mbs), reason)
+        return StepAbandoned(reason)
+
+    def train_step(self, x: torch.Tensor, y: torch.Tensor, opt_step: int, lr: float) -> StepResult:
+        """One inner step on the batch (x, y) [batch, seq]; raises :class:`StepAbandoned` if it can't finish."""
+        start = time.perf_counter()
+        self.step_seq += 1
+        n = min(self.cfg.micro_batches, x.shape[0])
+        mbs = [_Mb(a, b, b.numel() / y.numel()) for a, b in zip(torch.tensor_split(x, n), torch.tensor_split(y, n))]
+        window = min(n, self.cfg.in_flight or n)
+        chain = self._choose(mbs[0].y.numel())
+        if chain is None:
+            raise self._abandon(mbs, "no complete chain of stage peers")
+        self.worker.begin(self.session, self.step_seq)
+        retried = 0
+        finishing = False
+        while True:
+            if self.stop is not None and self.stop.is_set():
+                raise self._abandon(mbs, "this peer is stopping")
+            inflight = [i for i, m in enumerate(mbs) if m.attempt >= 0 and not m.done and m.sent_at > 0]
+            if not finishing:
+                for i in [i for i, m in enumerate(mbs) if m.attempt < 0 or (not m.done and m.sent_at == 0)]:
+                    if len(inflight) >= window:
+                        break
+                    try:
+                        self._send(i, mbs[i], chain)
+                    except ConnectionError:
+                        mbs[i].sent_at = 0.0
+                        break
+                    inflight.append(i)
+                if all(m.done for m in mbs):
+                    finishing = True
+                    finish_at = time.monotonic()
+                    self._send_finish(chain, len(mbs), opt_step, lr)
+            failed: str | None = None
+            deadline = self.latency.deadline()
+            oldest = min((mbs[i].sent_at for i in inflight if mbs[i].sent_at), default=None)
+            if finishing:
+                oldest = finish_at
+            wait = 1.0 if oldest is None else max(0.0, oldest + deadline - time.monotonic())
+            try:
+                kind, conn, msg, body = self._inbox.get(timeout=min(wait, 1.0))
+            except queue.Empty:
+                kind = "timeout"
+            if kind == "timeout":
+                if oldest is not None and time.monotonic() > oldest + deadline:
+                    silent = self._ping(chain)
+                    failed = silent[0] if silent else None
+                    if failed is None:  # everyone answers: the micro-batches were lost; run them again
+                        stale = [i for i in inflight if not mbs[i].done]
+                        if finishing or any(mbs[i].attempt + 1 >= self.cfg.max_attempts for i in stale):
+                            raise self._abandon(mbs, f"micro-batches past their {deadline:.1f} s deadline, "
+                                                     "and every stage peer answers")
+                        for i in stale:
+                            mbs[i].sent_at = 0.0
+                        retried += len(stale)
+                        self.counters.microbatches_retried += len(stale)
+                        logger.warning("%d micro-batches past their %.1f s deadline; sending them again",
+                                       len(stale), deadline)
+                        continue
+            elif kind == "closed":
+                if conn.peer in chain and conn.peer == chain[0] and (inflight or finishing):
+                    failed = conn.peer
+            elif kind == "bad":
+                failed = conn if conn in chain else None
+                self.bans.fail(conn, time.monotonic())
+            elif msg.session != self.session or msg.step != self.step_seq:
+                continue  # a late answer to an older step or session
+            elif msg.op == "bwd":
+                m = mbs[msg.mb] if msg.mb < len(mbs) else None
+                if m is None or m.done or msg.attempt != m.attempt:
+                    continue
+                try:
+                    grad = self.codec.decode_backward(body, (m.x.shape[0], m.x.shape[1])).tensor
+                except ProtocolError as exc:
+                    self._on_bad(conn.peer, str(exc))
+                    continue
+                t0 = time.perf_counter()
+                self.worker.backward(msg.mb, msg.attempt, grad)
+                m.done, m.loss = True, msg.loss
+                self.latency.add(time.monotonic() - m.sent_at)
+                self._account(chain, msg.busy, m.y.numel(), time.perf_counter() - t0)
+            elif msg.op == "done" and finishing:
+                self.latency.add((time.monotonic() - finish_at) / 2)
+                ok = msg.scale > 0 and self.worker.apply(msg.lr, msg.scale)
+                if not ok:
+                    self.worker.reset()
+                    self.counters.steps_skipped += 1
+                self.counters.steps += 1
+                self.counters.microbatches += len(mbs)
+                self.counters.tokens += int(y.numel())
+                for p in chain:
+                    self.bans.ok(p)
+                loss = sum(m.loss * m.weight for m in mbs)
+                return StepResult(loss, time.perf_counter() - start, list(chain), retried)
+            elif msg.op == "fail":
+                failed = msg.peer or conn.peer
+                if "already applied" in msg.reason:
+                    raise self._abandon(mbs, f"{failed[:12]}… {msg.reason}")
+            if failed is None:
+                continue
+            # a stage peer failed: ban it, choose another chain, re-run what went through the old one
+            self.counters.failures += 1
+            seconds = self.bans.fail(failed, time.monotonic())
+            logger.warning("stage peer %s failed; banned for %.0f s", failed[:12], seconds)
+            if failed == self.peer_id:
+                raise self._abandon(mbs, "this driver was named as failed")
+            chain = self._choose(mbs[0].y.numel())
+            if chain is None:
+                raise self._abandon(mbs, f"no stage peer can replace {failed[:12]}…")
+            sent = [m for m in mbs if m.attempt >= 0]
+            if any(m.attempt + 1 >= self.cfg.max_attempts for m in sent):
+                raise self._abandon(mbs, f"a micro-batch failed {self.cfg.max_attempts} times")
+            for m in sent:
+                m.done, m.sent_at = False, 0.0
+            retried += len(sent)
+            self.counters.microbatches_retried += len(sent)
+            finishing = False
+            logger.warning("re-running %d micro-batches of step %d through %s", len(sent), self.step_seq,
+                           " -> ".join(p[:12] for p in chain))
+
+    def _send_finish(self, chain: list[str], count: int, opt_step: int, lr: float) -> None:
+        msg = StageMessage("finish", session=self.session, step=self.step_seq, count=count, opt_step=opt_step,
+                           lr=lr, max_norm=self.cfg.max_norm, sumsq=min(self.worker.sumsq(), 1e300),
+                           route=tuple(chain[1:]))
+        try:
+            self.links.dial(chain[0]).send(encode_message(msg))
+        except ConnectionError:
+            pass  # the deadline finds the silent peer
+
+    def _account(self, chain: list[str], busy: Sequence[float], tokens: int, own_s: float) -> None:
+        b = self.counters.busy_s
+        b["driver"] = b.get("driver", 0.0) + own_s
+        for peer, seconds in zip(reversed(chain), busy):
+            b[peer] = b.get(peer, 0.0) + seconds
+            if seconds > 0:
+                rate = tokens / seconds
+                old = self.measured.get(peer)
+                self.measured[peer] = rate if old is None else 0.8 * old + 0.2 * rate
+
+    # --- evaluation -----------------------------------------------------------------------------------------------
+
+    def evaluate(self, batches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> float | None:
+        """Token-weighted mean loss over ``batches`` through the chain; None if it could not finish."""
+        chain = self._choose(batches[0][1].numel()) if batches else None
+        if chain is None:
+            return None
+        waiting: dict[int, int] = {}
+        for i, (x, y) in enumerate(batches):
+            out = self.worker.forward(i, 0, x, train=False)
+            data = self.codec.encode_forward(out, x, i) + encode_targets(y, self.vocab_size)
+            msg = StageMessage("eval", session=self.session, step=self.step_seq, mb=i, route=tuple(chain[1:]))
+            try:
+                self.links.dial(chain[0]).send(encode_message(msg, data))
+            except ConnectionError:
+                return None
+            waiting[i] = int(y.numel())
+        total, count = 0.0, 0
+        deadline = time.monotonic() + max(30.0, self.latency.deadline())
+        while waiting and time.monotonic() < deadline:
+            try:
+                kind, _conn, msg, _ = self._inbox.get(timeout=0.5)
+            except queue.Empty:
+                continue
+            if kind == "msg" and msg.op == "loss" and msg.session == self.session and msg.mb in waiting:
+                n = waiting.pop(msg.mb)
+                total += msg.loss * n
+                count += n
+        return total / count if not waiting and count else None
+
+    def busy_fractions(self, wall_s: float) -> dict[str, float]:
+        return {p: s / max(wall_s, 1e-9) for p, s in self.counters.busy_s.items()}
+
+    def close(self) -> None:
+        self.links.close()

@@ -1,0 +1,119 @@
+"""Pure routing state of a pipeline driver: who serves each stage, who is banned, and how long to wait.
+
+- :class:`Bans`: a failed peer is skipped for ``base_s * 2**(failures-1)`` seconds, capped (Petals' rule), and
+  forgiven after it served a whole step.
+- :class:`LatencyTracker`: the deadline of a micro-batch is ``factor`` times the recent p95 of measured round
+  trips, within bounds; an explicit value overrides it.
+- :func:`choose_chain`: one peer per stage by least expected finish time (queued tokens over measured throughput,
+  SWARM's rule), sticky: the peer that served the stage last keeps it while it is not banned, because stage peers
+  of one stage do not share gradients and a switch costs the stage its inner progress (see the README).
+
+Nothing here touches the network or the clock: time comes in as arguments, so each rule is a unit test.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Bans:
+    """Exponential backoff per peer: ``base_s``, doubling per consecutive failure, at most ``max_s``."""
+
+    base_s: float = 5.0
+    max_s: float = 300.0
+    failures: dict[str, int] = field(default_factory=dict)
+    until: dict[str, float] = field(default_factory=dict)
+
+    def fail(self, peer: str, now: float) -> float:
+        """Record a failure of ``peer``; returns how long it is banned."""
+        n = self.failures.get(peer, 0) + 1
+        self.failures[peer] = n
+        seconds = min(self.max_s, self.base_s * 2 ** (n - 1))
+        self.until[peer] = now + seconds
+        return seconds
+
+    def ok(self, peer: str) -> None:
+        """``peer`` served a whole step: its failure count starts over."""
+        self.failures.pop(peer, None)
+        self.until.pop(peer, None)
+
+    def banned(self, peer: str, now: float) -> bool:
+        return self.until.get(peer, 0.0) > now
+
+
+@dataclass
+class LatencyTracker:
+    """Recent round-trip times of micro-batches and the deadline they imply."""
+
+    factor: float = 3.0
+    min_s: float = 5.0
+    max_s: float = 120.0
+    override_s: float | None = None  # a fixed deadline from the user
+    window: int = 64
+    samples: deque[float] = field(default_factory=deque)
+
+    def add(self, seconds: float) -> None:
+        self.samples.append(seconds)
+        while len(self.samples) > self.window:
+            self.samples.popleft()
+
+    def p95(self) -> float | None:
+        if not self.samples:
+            return None
+        ordered = sorted(self.samples)
+        return ordered[min(len(ordered) - 1, int(0.95 * len(ordered)))]
+
+    def deadline(self) -> float:
+        """Seconds a micro-batch may take before the driver looks for the stage that failed."""
+        if self.override_s is not None:
+            return self.override_s
+        p95 = self.p95()
+        if p95 is None:
+            return self.max_s  # nothing measured yet: the first micro-batches pay for warm-up and connections
+        return min(self.max_s, max(self.min_s, self.factor * p95))
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A peer announced for a stage, with the driver's view of it."""
+
+    peer: str
+    throughput: float  # tokens/s: measured by the driver when it has served, else announced
+    queued_tokens: int = 0  # tokens the driver has in flight on this peer
+
+
+def expected_finish(c: Candidate, tokens: int) -> float:
+    """Seconds until ``c`` would finish ``tokens`` more after what is queued on it."""
+    return (c.queued_tokens + tokens) / max(c.throughput, 1e-9)
+
+
+def choose_chain(
+    candidates: Sequence[Sequence[Candidate]],
+    current: Sequence[str | None],
+    bans: Bans,
+    now: float,
+    tokens: int,
+) -> list[str] | None:
+    """One peer per stage (index 0 is the first stage after the driver), or None if some stage has no usable
+    peer. ``current[i]`` keeps stage i while it is a candidate and not banned; otherwise the least expected
+    finish time wins, ties broken by peer id so every run decides the same way."""
+    chain = []
+    for i, options in enumerate(candidates):
+        usable = [c for c in options if not bans.banned(c.peer, now)]
+        if not usable:
+            return None
+        keep = current[i] if i < len(current) else None
+        if keep is not None and any(c.peer == keep for c in usable):
+            chain.append(keep)
+            continue
+        best = min(usable, key=lambda c: (expected_finish(c, tokens), c.peer))
+        chain.append(best.peer)
+    return chain
+
+
+def throughput_of(peer: str, measured: Mapping[str, float], announced: Mapping[str, float]) -> float:
+    """What the driver believes of ``peer``: its measured tokens/s, else what it announced, else 1."""
+    return measured.get(peer) or announced.get(peer) or 1.0

@@ -1,0 +1,312 @@
+"""A stage peer (stage 1 or later) serving forward and backward on its stage streams.
+
+Messages arrive on the links' loop thread (:mod:`hlbp.peer.swarm.links`) and become jobs on one compute thread,
+which decodes the frame with the run's codec, runs the :class:`~hlbp.peer.swarm.worker.StageWorker`, encodes the
+answer and sends it on. Jobs run by priority: applying a step first, then backward, then forward, so a stage
+drains the step under way before it starts new micro-batches and never computes the next step's forward with the
+last step's weights.
+
+The flow of one micro-batch at stage s: ``fwd`` from upstream → forward → ``fwd`` to the next peer of its route
+(or, on the last stage, loss and backward at once) → ``bwd`` from downstream → backward → ``bwd`` upstream. At
+the end of a step ``finish`` travels down the chain summing squared gradient norms; the last stage turns the
+total into the clipping factor and sends ``done`` back up; each stage queues its AdamW step before it passes
+``done`` on.
+
+Failures: a downstream stream that closes with micro-batches still waiting for their backward, or a peer that
+cannot be dialled, becomes a ``fail`` naming that peer, sent upstream to the driver, which re-runs the step's
+micro-batches through another chain. A frame that does not decode bans its sender (with backoff) and is dropped;
+it is never applied and never stops the stage.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from hlbp.peer.model.subspace import ActivationCodec
+from hlbp.peer.swarm.links import Conn, StageLinks
+from hlbp.peer.swarm.routing import Bans
+from hlbp.peer.swarm.worker import StageStateError, StageWorker, clip_scale
+from hlbp.protocol import ProtocolError
+from hlbp.protocol.stagewire import (
+    DOWNSTREAM,
+    UPSTREAM,
+    StageMessage,
+    decode_targets,
+    encode_message,
+    split_body,
+)
+
+logger = logging.getLogger(__name__)
+
+APPLY, BACKWARD, CONTROL, FORWARD = 0, 1, 2, 3  # job priorities, lowest first
+
+
+@dataclass
+class StageCounters:
+    """What a stage did; the summary and the Prometheus endpoint read these."""
+
+    forwards: int = 0
+    backwards: int = 0
+    evals: int = 0
+    steps_applied: int = 0
+    steps_skipped: int = 0  # non-finite gradients: the step was dropped on every stage
+    busy_s: float = 0.0  # seconds of compute (decode, forward/backward, encode)
+    frames_refused: int = 0  # frames that broke the protocol (their senders were banned)
+    stale: int = 0  # backward frames of a superseded attempt or step, dropped
+    fails_sent: int = 0
+    started: float = field(default_factory=time.perf_counter)
+
+
+def max_body_bytes(codec: ActivationCodec, max_tokens: int, vocab_size: int) -> int:
+    """The largest fwd/bwd body this stage accepts: a frame of ``max_tokens`` tokens plus their targets."""
+    return int(codec.frame_bytes(max_tokens)["forward"] * max_tokens) + 4 * max_tokens + 64
+
+
+class StageServer:
+    """Serves one stage of one swarm until :meth:`close`. ``accept(peer)`` says who may call it."""
+
+    def __init__(self, dht: Any, worker: StageWorker, codec: ActivationCodec, vocab_size: int,
+                 accept: Callable[[str], bool], max_tokens: int, bans: Bans | None = None,
+                 on_step: Callable[[StageMessage, bool], None] | None = None) -> None:
+        self.worker, self.codec, self.vocab_size = worker, codec, vocab_size
+        self.is_last = worker.stage.is_last
+        self.bans = bans or Bans()
+        self.on_step = on_step
+        self.counters = StageCounters()
+        self._accept = accept
+        self._jobs: queue.PriorityQueue[tuple[int, int, Callable[[], None]]] = queue.PriorityQueue()
+        self._seq = itertools.count()
+        self._lock = threading.Lock()
+        self._upstream: Conn | None = None  # the stream of the session under way
+        self._session = -1
+        self._pending: dict[tuple[int, int], tuple[str, float]] = {}  # (mb, attempt) -> (downstream peer, fwd s)
+        self._eval_upstream: dict[tuple[int, int], Conn] = {}
+        self._warned: set[str] = set()
+        self._stop = threading.Event()
+        self.links = StageLinks(dht, self._on_message, self._on_closed, self._on_bad, self._may_call,
+                                max_body_bytes(codec, max_tokens, vocab_size))
+        self.peer_id = self.links.peer_id
+        self._thread = threading.Thread(target=self._compute_loop, name="hlbp-stage-compute", daemon=True)
+        self._thread.start()
+
+    # --- loop thread ------------------------------------------------------------------------------------------------
+
+    def _may_call(self, peer: str) -> bool:
+        return not self.bans.banned(peer, time.monotonic()) and self._accept(peer)
+
+    def _on_bad(self, peer: str, error: str) -> None:
+        self.counters.frames_refused += 1
+        seconds = self.bans.fail(peer, time.monotonic())
+        if peer not in self._warned:
+            self._warned.add(peer)
+            logger.warning("stage peer %s sent a bad message (%s); banned for %.0f s", peer[:12], error, seconds)
+        for conn in list(self.links.conns.values()):
+            if conn.peer == peer:
+                conn.close()
+
+    def _on_message(self, conn: Conn, msg: StageMessage, body: bytes) -> None:
+        allowed = UPSTREAM if conn.dialled else DOWNSTREAM
+        if msg.op not in allowed:
+            self._on_bad(conn.peer, f"a {msg.op} message on a stream where only {sorted(allowed)} belong")
+            return
+        if msg.op == "ping":
+            conn.send(encode_message(StageMessage("pong", session=msg.session)))
+        elif msg.op in ("fwd", "eval"):
+            with self._lock:
+                if msg.session != self._session:
+                    if self._session != -1:
+                        logger.info("a new driver session %d from %s", msg.session, conn.peer[:12])
+                    self._session = msg.session
+                    self._pending.clear()
+                self._upstream = conn
+            self._put(FORWARD, lambda: self._forward(conn, msg, body))
+        elif msg.op == "bwd":
+            self._put(BACKWARD, lambda: self._backward(msg, body))
+        elif msg.op == "finish":
+            self._put(BACKWARD, lambda: self._finish(msg))
+        elif msg.op == "abort":
+            self._put(APPLY, lambda: self._abort(msg))
+        elif msg.op == "done":
+            self._put(APPLY, lambda: self._apply(msg))
+            self._send_up(msg)
+        elif msg.op == "loss":
+            up = self._eval_upstream.pop((msg.mb, msg.attempt), None)
+            if up is not None:
+                up.send(encode_message(msg))
+        elif msg.op == "fail":
+            self._send_up(msg)
+
+    def _on_closed(self, conn: Conn) -> None:
+        if not conn.dialled:
+            return
+        with self._lock:
+            lost = [key for key, (peer, _) in self._pending.items() if peer == conn.peer]
+        if lost:
+            logger.warning("stage stream to %s closed with %d micro-batches waiting for backward", conn.peer[:12],
+                           len(lost))
+            self._fail(conn.peer, f"stream closed with {len(lost)} micro-batches in flight")
+
+    def _send_up(self, msg: StageMessage, body: bytes = b"") -> None:
+        up = self._upstream
+        if up is not None:
+            up.send(encode_message(msg, body))
+
+    def _fail(self, peer: str, reason: str) -> None:
+        self.counters.fails_sent += 1
+        self._send_up(StageMessage("fail", session=self._session, step=self.worker.step, peer=peer,
+                                   reason=reason[:200]))
+
+    def _put(self, priority: int, job: Callable[[], None]) -> None:
+        self._jobs.put((priority, next(self._seq), job))
+
+    # --- compute thread ------------------------------------------------------------------------------------------
+
+    def _compute_loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                _, _, job = self._jobs.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            start = time.perf_counter()
+            try:
+                job()
+            except ProtocolError as exc:  # a frame that decoded to something unusable: the sender's fault
+                up = self._upstream
+                self._on_bad(up.peer if up is not None else "", str(exc))
+            except StageStateError as exc:
+                self.counters.stale += 1
+                logger.debug("dropped a stale message: %s", exc)
+            except Exception:
+                logger.exception("a stage job failed")
+            self.counters.busy_s += time.perf_counter() - start
+
+    def _forward(self, conn: Conn, msg: StageMessage, body: bytes) -> None:
+        start = time.perf_counter()
+        frame, targets_bytes = split_body(body, self.vocab_size)
+        received = self.codec.decode_forward(frame)
+        shape = (received.tensor.shape[0], received.tensor.shape[1])
+        if msg.op == "eval":
+            self._eval(conn, msg, received, targets_bytes, shape)
+            return
+        self.worker.begin(msg.session, msg.step)
+        if self.is_last:
+            targets = decode_targets(targets_bytes, shape, self.vocab_size)
+            loss, grad = self.worker.loss_backward(msg.mb, msg.attempt, received.tensor, targets, msg.weight)
+            assert grad is not None
+            data = self.codec.encode_backward(grad, msg.mb)
+            self.counters.forwards += 1
+            self.counters.backwards += 1
+            busy = time.perf_counter() - start
+            conn.send(encode_message(StageMessage("bwd", session=msg.session, step=msg.step, mb=msg.mb,
+                                                  attempt=msg.attempt, loss=min(loss, 1e6), busy=(busy,)), data))
+            return
+        decode_targets(targets_bytes, shape, self.vocab_size)  # check before passing it on
+        out = self.worker.forward(msg.mb, msg.attempt, received.tensor)
+        data = self.codec.encode_forward(out, received.token_ids, msg.mb)
+        self.counters.forwards += 1
+        nxt, rest = msg.route[0], msg.route[1:]
+        with self._lock:
+            self._pending[(msg.mb, msg.attempt)] = (nxt, time.perf_counter() - start)
+        try:
+            down = self.links.dial(nxt)
+        except ConnectionError as exc:
+            self._fail(nxt, str(exc))
+            return
+        down.send(encode_message(replace(msg, route=rest), data + targets_bytes))
+
+    def _eval(self, conn: Conn, msg: StageMessage, received: Any, targets_bytes: bytes,
+              shape: tuple[int, int]) -> None:
+        targets = decode_targets(targets_bytes, shape, self.vocab_size)
+        self.counters.evals += 1
+        if self.is_last:
+            loss = self.worker.eval_loss(received.tensor, targets)
+            conn.send(encode_message(StageMessage("loss", session=msg.session, step=msg.step, mb=msg.mb,
+                                                  attempt=msg.attempt, loss=min(loss, 1e6))))
+            return
+        out = self.worker.forward(msg.mb, msg.attempt, received.tensor, train=False)
+        data = self.codec.encode_forward(out, received.token_ids, msg.mb)
+        self._eval_upstream[(msg.mb, msg.attempt)] = conn
+        try:
+            down = self.links.dial(msg.route[0])
+        except ConnectionError as exc:
+            self._fail(msg.route[0], str(exc))
+            return
+        down.send(encode_message(replace(msg, route=msg.route[1:]), data + targets_bytes))
+
+    def _backward(self, msg: StageMessage, body: bytes) -> None:
+        start = time.perf_counter()
+        if (msg.session, msg.step) != (self.worker.session, self.worker.step):
+            raise StageStateError(f"backward of step {msg.step}, this stage is at step {self.worker.step}")
+        saved = self.worker.saved.get(msg.mb)
+        if saved is None or saved.attempt != msg.attempt:
+            raise StageStateError(f"no forward of micro-batch {msg.mb} attempt {msg.attempt} is stored")
+        shape = (saved.out.shape[0], saved.out.shape[1])
+        grad = self.codec.decode_backward(body, shape).tensor
+        grad_in = self.worker.backward(msg.mb, msg.attempt, grad)
+        assert grad_in is not None
+        data = self.codec.encode_backward(grad_in, msg.mb)
+        self.counters.backwards += 1
+        with self._lock:
+            _, fwd_s = self._pending.pop((msg.mb, msg.attempt), ("", 0.0))
+        busy = msg.busy + (fwd_s + time.perf_counter() - start,)
+        self._send_up(replace(msg, busy=busy[-32:]), data)
+
+    def _finish(self, msg: StageMessage) -> None:
+        if (msg.session, msg.step) != (self.worker.session, self.worker.step) or \
+                len(self.worker.accumulated) != msg.count:
+            have = len(self.worker.accumulated) if msg.step == self.worker.step else 0
+            self._fail(self.peer_id, f"finish of step {msg.step}: {have} of {msg.count} micro-batches accumulated here")
+            return
+        total = msg.sumsq + self.worker.sumsq()
+        if msg.route:
+            try:
+                down = self.links.dial(msg.route[0])
+            except ConnectionError as exc:
+                self._fail(msg.route[0], str(exc))
+                return
+            down.send(encode_message(replace(msg, sumsq=min(total, 1e300), route=msg.route[1:])))
+            return
+        scale = clip_scale(total, msg.max_norm)
+        done = StageMessage("done", session=msg.session, step=msg.step, opt_step=msg.opt_step, lr=msg.lr,
+                            sumsq=min(total, 1e300) if math.isfinite(total) else 1e300,
+                            scale=scale if math.isfinite(scale) else 0.0)
+        self._apply(done)
+        self._send_up(done)
+
+    def _apply(self, msg: StageMessage) -> None:
+        if (msg.session, msg.step) != (self.worker.session, self.worker.step):
+            raise StageStateError(f"done of step {msg.step}, this stage is at step {self.worker.step}")
+        ok = msg.scale > 0 and self.worker.apply(msg.lr, msg.scale)
+        if not ok:
+            self.worker.reset()
+        self.counters.steps_applied += ok
+        self.counters.steps_skipped += not ok
+        self.worker.step = -1  # applied: the next fwd of this session starts the next step afresh
+        if self.on_step is not None:
+            self.on_step(msg, ok)
+
+    def _abort(self, msg: StageMessage) -> None:
+        if msg.session == self.worker.session:
+            self.worker.reset()
+        if msg.route:
+            try:
+                self.links.dial(msg.route[0], timeout=3).send(encode_message(replace(msg, route=msg.route[1:])))
+            except ConnectionError:
+                pass
+
+    def busy_fraction(self) -> float:
+        """Share of the time since the stage started that it spent computing."""
+        return self.counters.busy_s / max(1e-9, time.perf_counter() - self.counters.started)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+        self.links.close()

@@ -1,0 +1,180 @@
+"""One stage's compute, with no network: forward, backward with exactly-once accumulation, and the step.
+
+A :class:`StageWorker` holds a :class:`~hlbp.peer.model.decoder.Stage`, its AdamW, and what backward needs per
+micro-batch of the current step (the input and the output graph), up to ``max_stored`` micro-batches. The shell
+(:mod:`hlbp.peer.swarm.server`, :mod:`hlbp.peer.swarm.driver`) decodes frames, calls these methods on one compute
+thread, and encodes the results.
+
+Exactly once: a micro-batch can reach a stage twice in one step, when the driver re-runs it through another chain
+after a stage peer died. The first backward of a micro-batch accumulates the stage's parameter gradients; a later
+one only computes the gradient of the stage's input (the weights do not change within a step, so it is the same
+gradient), so a step's gradient counts every micro-batch once no matter how many times it was retried. A fresh
+standby that replaced a dead peer accumulates every micro-batch the driver re-runs through it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from hlbp.peer.model.decoder import Stage
+from hlbp.peer.model.subspace import SubspaceConstraint
+from hlbp.peer.train.trainer import OptimConfig, autocast, make_adamw
+
+
+class StageStateError(RuntimeError):
+    """A request that this stage's state cannot serve (an unknown micro-batch, a step it did not accumulate)."""
+
+
+@dataclass
+class _Saved:
+    attempt: int
+    inp: torch.Tensor | None  # leaf with requires_grad (None on the first stage: its input is token ids)
+    out: torch.Tensor  # output (hidden states), or the weighted loss on the last stage
+
+
+class StageWorker:
+    """A stage, its optimizer and its per-micro-batch state for the step under way (see the module docstring)."""
+
+    def __init__(self, stage: Stage, optim: OptimConfig, device: torch.device, max_stored: int = 64) -> None:
+        self.stage = stage.to(device)
+        self.device = device
+        self.optim = optim
+        self.optimizer = make_adamw(self.stage, optim)
+        self.max_stored = max_stored
+        config = stage.config
+        params = dict(self.stage.named_parameters())
+        self.constraint = SubspaceConstraint(params, config) if config.subspace_rank else None
+        self.session = -1
+        self.step = -1  # the session's step counter this state belongs to
+        self.saved: OrderedDict[int, _Saved] = OrderedDict()
+        self.accumulated: set[int] = set()  # micro-batches whose gradients are in .grad this step
+        self.steps_applied = 0
+        self.dropped = 0  # stored micro-batches evicted because more than max_stored were in flight
+
+    # --- step bookkeeping ---------------------------------------------------------------------------------------
+
+    def begin(self, session: int, step: int) -> None:
+        """Make (session, step) the current step; state of another session or step is discarded first."""
+        if (session, step) != (self.session, self.step):
+            self.reset()
+            self.session, self.step = session, step
+
+    def reset(self) -> None:
+        """Forget the step under way: stored graphs, accumulated gradients (an abandoned or superseded step)."""
+        self.saved.clear()
+        self.accumulated.clear()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def _store(self, mb: int, saved: _Saved) -> None:
+        self.saved.pop(mb, None)
+        self.saved[mb] = saved
+        while len(self.saved) > self.max_stored:
+            self.saved.popitem(last=False)
+            self.dropped += 1
+
+    # --- compute --------------------------------------------------------------------------------------------------
+
+    def forward(self, mb: int, attempt: int, x: torch.Tensor, train: bool = True) -> torch.Tensor:
+        """The stage's output for input ``x`` (token ids on the first stage, hidden states otherwise).
+
+        With ``train`` the graph is kept for :meth:`backward` under (mb, attempt), replacing an older attempt.
+        """
+        x = x.to(self.device)
+        self.stage.train(train)
+        if not train:
+            with torch.no_grad(), autocast(self.device):
+                return self.stage(x).detach()
+        inp = None
+        if not self.stage.is_first:
+            inp = x.detach().requires_grad_(True)
+            x = inp
+        with autocast(self.device):
+            out = self.stage(x)
+        self._store(mb, _Saved(attempt, inp, out))
+        return out.detach()
+
+    def loss_backward(self, mb: int, attempt: int, x: torch.Tensor, targets: torch.Tensor,
+                      weight: float) -> tuple[float, torch.Tensor | None]:
+        """Last stage: loss of ``x`` against ``targets`` scaled by ``weight``, backward at once; returns the
+        unscaled loss and the gradient of the input."""
+        if not self.stage.is_last:
+            raise StageStateError("only the last stage computes the loss")
+        x = x.to(self.device)
+        inp = None
+        if not self.stage.is_first:
+            inp = x.detach().requires_grad_(True)
+            x = inp
+        self.stage.train(True)
+        with autocast(self.device):
+            loss = self.stage.loss(self.stage(x), targets.to(self.device))
+        value = float(loss.detach())
+        grad = self._backward(mb, _Saved(attempt, inp, loss * weight), None)
+        return value, grad
+
+    @torch.no_grad()
+    def eval_loss(self, x: torch.Tensor, targets: torch.Tensor) -> float:
+        """Last stage: the loss of ``x`` against ``targets`` with nothing kept."""
+        self.stage.train(False)
+        with autocast(self.device):
+            return float(self.stage.loss(self.stage(x.to(self.device)), targets.to(self.device)))
+
+    def backward(self, mb: int, attempt: int, grad_out: torch.Tensor) -> torch.Tensor | None:
+        """Backward of micro-batch ``mb`` given dL/d(output); returns dL/d(input) (None on the first stage)."""
+        saved = self.saved.get(mb)
+        if saved is None or saved.attempt != attempt:
+            raise StageStateError(f"no stored forward of micro-batch {mb} attempt {attempt} in step {self.step}")
+        del self.saved[mb]
+        return self._backward(mb, saved, grad_out.to(self.device, saved.out.dtype))
+
+    def _backward(self, mb: int, saved: _Saved, grad_out: torch.Tensor | None) -> torch.Tensor | None:
+        if mb not in self.accumulated:
+            saved.out.backward(grad_out)
+            self.accumulated.add(mb)
+            return None if saved.inp is None else saved.inp.grad.detach()
+        if saved.inp is None:  # first stage, already accumulated: nothing to compute
+            return None
+        (grad,) = torch.autograd.grad(saved.out, saved.inp, grad_out)
+        return grad.detach()
+
+    # --- the step ------------------------------------------------------------------------------------------------
+
+    def sumsq(self) -> float:
+        """Squared norm of this stage's accumulated gradient (the stages sum theirs for global clipping)."""
+        grads = [p.grad for p in self.stage.parameters() if p.grad is not None]
+        if not grads:
+            return 0.0
+        return float(sum(g.detach().double().pow(2).sum() for g in grads))
+
+    def apply(self, lr: float, scale: float) -> bool:
+        """One AdamW step at ``lr`` with gradients multiplied by ``scale``; returns False (and steps nothing)
+        when a gradient is not finite. Clears the step's state either way."""
+        grads = [p.grad for p in self.stage.parameters() if p.grad is not None]
+        ok = all(bool(torch.isfinite(g).all()) for g in grads) and math.isfinite(scale)
+        if ok:
+            if scale != 1.0:
+                torch._foreach_mul_(grads, scale)
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+            self.optimizer.step()
+            if self.constraint is not None:
+                self.constraint.reproject()
+            self.steps_applied += 1
+        self.reset()
+        return ok
+
+    def parameters(self) -> dict[str, nn.Parameter]:
+        return dict(self.stage.named_parameters())
+
+
+def clip_scale(total_sumsq: float, max_norm: float) -> float:
+    """The factor :func:`torch.nn.utils.clip_grad_norm_` applies for a global squared norm ``total_sumsq``."""
+    if max_norm <= 0:
+        return 1.0
+    if not math.isfinite(total_sumsq):
+        return float("nan")
+    return min(1.0, max_norm / (math.sqrt(total_sumsq) + 1e-6))

@@ -1,0 +1,207 @@
+"""Messages on a pipeline swarm's stage streams: one long-lived stream per pair of neighbours, many messages.
+
+Each message is ``u32 header length | canonical msgpack header | u32 body length | body`` (big-endian lengths).
+The header says what the message is (:data:`OPS`) and which micro-batch it belongs to; the body of a ``fwd`` or
+``eval`` is an activation frame (:mod:`hlbp.protocol.activations`) followed by the micro-batch's target token ids,
+the body of a ``bwd`` is an activation-gradient frame, and every other message has an empty body.
+
+The header names the session (one driver's run of the swarm), the step (a counter that also advances over
+abandoned steps), the micro-batch and its attempt, so a retried micro-batch never mixes with an older attempt.
+A ``fwd`` carries the rest of its route (the peers of the later stages), so a stage knows where to send it on.
+
+Lengths are checked before anything is allocated: a header longer than :data:`MAX_HEADER` or a body longer than
+the caller's limit (which comes from the receiver's own :class:`~hlbp.protocol.activations.ActivationSpec`) is
+refused after reading 4 bytes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import struct
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+import numpy as np
+import torch
+
+from hlbp.protocol.activations import HEADER, HEADER_SIZE
+from hlbp.protocol.errors import ProtocolError
+from hlbp.protocol.fields import _float, _int, _str
+from hlbp.protocol.untrusted import unpack_msgpack
+
+OPS = ("fwd", "bwd", "eval", "loss", "finish", "done", "fail", "abort", "ping", "pong")
+"""Message kinds. Downstream (towards the last stage): fwd, eval, finish, abort, ping. Upstream: bwd, loss, done,
+fail, pong."""
+DOWNSTREAM = frozenset({"fwd", "eval", "finish", "abort", "ping"})
+"""Ops a stage accepts from its upstream neighbour (the stream it was called on)."""
+UPSTREAM = frozenset({"bwd", "loss", "done", "fail", "pong"})
+"""Ops a stage accepts from its downstream neighbour (the stream it dialled)."""
+MAX_HEADER = 4096
+"""Largest header in bytes."""
+MAX_ROUTE = 32
+"""Most stages after the receiver that a route may name."""
+MAX_MICROBATCHES = 4096
+LENGTH = struct.Struct(">I")
+_PEER = re.compile(r"[1-9A-HJ-NP-Za-km-z]{1,128}")  # base58, as a libp2p peer id prints
+_ID_DTYPES = {2: "<u2", 4: "<u4"}
+
+
+@dataclass(frozen=True)
+class StageMessage:
+    """A decoded header; fields an op does not use keep their defaults."""
+
+    op: str
+    session: int = 0  # the driver's session id: a new one resets every stage's per-step state
+    step: int = 0  # step counter of the session (abandoned steps advance it too)
+    mb: int = 0  # micro-batch index within the step
+    attempt: int = 0  # retry counter of this micro-batch
+    route: tuple[str, ...] = ()  # fwd/eval/finish: peers of the stages after the receiver, in order
+    weight: float = 1.0  # fwd: the micro-batch's share of the step's tokens (its loss is scaled by it)
+    loss: float = 0.0  # bwd/loss: the micro-batch's unscaled loss at the last stage
+    sumsq: float = 0.0  # finish: squared gradient norm summed so far; done: the total
+    count: int = 0  # finish: micro-batches the step must have accumulated
+    lr: float = 0.0  # finish/done: learning rate of this optimizer step
+    max_norm: float = 0.0  # finish: gradient clipping threshold (0: none)
+    scale: float = 1.0  # done: factor every stage applies to its gradients before stepping (clipping)
+    opt_step: int = 0  # finish/done: index of the optimizer step
+    peer: str = ""  # fail: the peer that failed
+    reason: str = ""  # fail/abort: why, for the log
+    busy: tuple[float, ...] = field(default=())  # bwd/loss: seconds each stage computed for this micro-batch
+
+
+def _route(body: dict[str, Any]) -> tuple[str, ...]:
+    value = body.get("route", [])
+    if not isinstance(value, list) or len(value) > MAX_ROUTE:
+        raise ProtocolError(f"stage message route must be a list of at most {MAX_ROUTE} peer ids")
+    return tuple(_str({"peer": p}, "peer", 128, pattern=_PEER) for p in value)
+
+
+def _busy(body: dict[str, Any]) -> tuple[float, ...]:
+    value = body.get("busy", [])
+    if not isinstance(value, list) or len(value) > MAX_ROUTE + 1:
+        raise ProtocolError(f"stage message busy must be a list of at most {MAX_ROUTE + 1} numbers")
+    return tuple(_float({"s": s}, "s", 0.0, 1e6) for s in value)
+
+
+def parse_header(obj: Any) -> StageMessage:
+    """A :class:`StageMessage` from a decoded header map; any defect raises :class:`ProtocolError`."""
+    if not isinstance(obj, dict):
+        raise ProtocolError("stage message header must be a map")
+    unknown = set(obj) - {f for f in StageMessage.__dataclass_fields__}
+    if unknown:
+        raise ProtocolError(f"stage message header has unknown fields {sorted(map(str, unknown))[:4]}")
+    return StageMessage(
+        op=_str(obj, "op", 8, choices=OPS),
+        session=_int(obj, "session", 0, 2**63 - 1, 0),
+        step=_int(obj, "step", 0, 2**40, 0),
+        mb=_int(obj, "mb", 0, MAX_MICROBATCHES - 1, 0),
+        attempt=_int(obj, "attempt", 0, 1 << 16, 0),
+        route=_route(obj),
+        weight=_float(obj, "weight", 0.0, 1.0, 1.0),
+        loss=_float(obj, "loss", 0.0, 1e6, 0.0),
+        sumsq=_float(obj, "sumsq", 0.0, 1e300, 0.0),
+        count=_int(obj, "count", 0, MAX_MICROBATCHES, 0),
+        lr=_float(obj, "lr", 0.0, 10.0, 0.0),
+        max_norm=_float(obj, "max_norm", 0.0, 1e6, 0.0),
+        scale=_float(obj, "scale", 0.0, 1.0, 1.0),
+        opt_step=_int(obj, "opt_step", 0, 2**40, 0),
+        peer=_str(obj, "peer", 128, "", pattern=re.compile(r"|" + _PEER.pattern)),
+        reason=_str(obj, "reason", 200, ""),
+        busy=_busy(obj),
+    )
+
+
+def header_map(msg: StageMessage) -> dict[str, Any]:
+    """The header map of ``msg``: only the fields that differ from their defaults travel."""
+    out: dict[str, Any] = {"op": msg.op}
+    for f in dataclasses.fields(msg):
+        value = getattr(msg, f.name)
+        default = f.default if f.default is not dataclasses.MISSING else ()
+        if f.name != "op" and value != default:
+            out[f.name] = list(value) if isinstance(value, tuple) else value
+    return out
+
+
+def encode_message(msg: StageMessage, body: bytes = b"") -> bytes:
+    """The bytes of one message; raises ValueError for a header the receiver would refuse."""
+    parse_header(header_map(msg))  # the sender fails first, with the same checks
+    head = msgpack.packb(header_map(msg), use_bin_type=True)
+    if len(head) > MAX_HEADER:
+        raise ValueError(f"stage message header of {len(head)} bytes exceeds {MAX_HEADER}")
+    return b"".join((LENGTH.pack(len(head)), head, LENGTH.pack(len(body)), body))
+
+
+def header_length(data: bytes) -> int:
+    """Header length from the first 4 bytes, checked against :data:`MAX_HEADER` before anything is read."""
+    (n,) = LENGTH.unpack(data)
+    if n > MAX_HEADER:
+        raise ProtocolError(f"stage message header of {n} bytes exceeds the limit of {MAX_HEADER}")
+    return n
+
+
+def decode_header(data: bytes) -> StageMessage:
+    """An untrusted header's bytes (canonical msgpack) as a checked :class:`StageMessage`."""
+    return parse_header(unpack_msgpack(data, max_bytes=MAX_HEADER, what="stage message header", max_depth=2))
+
+
+def body_length(data: bytes, msg: StageMessage, max_body: int) -> int:
+    """Body length from its 4 bytes: at most ``max_body`` for ops that carry a frame, 0 for the others."""
+    (n,) = LENGTH.unpack(data)
+    limit = max_body if msg.op in ("fwd", "eval", "bwd") else 0
+    if n > limit:
+        raise ProtocolError(f"a {msg.op} message with a body of {n} bytes (the limit here is {limit})")
+    return n
+
+
+def decode_message(data: bytes, max_body: int) -> tuple[StageMessage, bytes]:
+    """A whole message held in memory (tests and fuzzing use this; streams read the same pieces in order)."""
+    if len(data) < 8:
+        raise ProtocolError(f"stage message of {len(data)} bytes is shorter than its two length fields")
+    n = header_length(data[:4])
+    if len(data) < 8 + n:
+        raise ProtocolError("stage message ends inside its header")
+    msg = decode_header(data[4:4 + n])
+    size = body_length(data[4 + n:8 + n], msg, max_body)
+    if len(data) != 8 + n + size:
+        raise ProtocolError(f"stage message has {len(data) - 8 - n} body bytes, its length field says {size}")
+    return msg, data[8 + n:]
+
+
+# --- target token ids after a frame ---------------------------------------------------------------------------
+
+
+def encode_targets(targets: torch.Tensor, vocab_size: int) -> bytes:
+    """Target ids [batch, seq] as little-endian u16 (vocabularies up to 65,536) or u32."""
+    size = 2 if vocab_size <= 1 << 16 else 4
+    return targets.detach().to("cpu", torch.int64).numpy().astype(_ID_DTYPES[size]).tobytes()
+
+
+def targets_size(batch: int, seq: int, vocab_size: int) -> int:
+    """Bytes of the targets of a ``batch`` x ``seq`` micro-batch."""
+    return batch * seq * (2 if vocab_size <= 1 << 16 else 4)
+
+
+def decode_targets(data: bytes, shape: tuple[int, int], vocab_size: int) -> torch.Tensor:
+    """Untrusted target ids of a micro-batch of ``shape``; wrong length or an id outside the vocabulary raise."""
+    size = 2 if vocab_size <= 1 << 16 else 4
+    if len(data) != shape[0] * shape[1] * size:
+        raise ProtocolError(f"targets of {len(data)} bytes for a {shape[0]} x {shape[1]} micro-batch "
+                            f"(expected {shape[0] * shape[1] * size})")
+    ids = np.frombuffer(data, dtype=_ID_DTYPES[size]).astype(np.int64)
+    if ids.size and int(ids.max()) >= vocab_size:
+        raise ProtocolError(f"target id {int(ids.max())} is outside the vocabulary of {vocab_size}")
+    return torch.from_numpy(ids).view(shape)
+
+
+def split_body(body: bytes, vocab_size: int) -> tuple[bytes, bytes]:
+    """(activation frame, targets) of a fwd/eval body; the frame's own header sizes the targets, which
+    :func:`decode_targets` then checks against the decoded frame's shape."""
+    if len(body) < HEADER_SIZE:
+        raise ProtocolError(f"a forward body of {len(body)} bytes cannot hold an activation frame")
+    batch, seq = HEADER.unpack_from(body)[6:8]
+    size = targets_size(batch, seq, vocab_size)
+    if size < 1 or size > len(body) - HEADER_SIZE:
+        raise ProtocolError(f"a forward body of {len(body)} bytes cannot hold a {batch} x {seq} frame and its targets")
+    return body[:-size], body[-size:]
