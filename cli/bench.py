@@ -271,3 +271,47 @@ def swarm(
         if value is not None:
             changes[name] = value
     run_swarm_bench(dataclasses.replace(cfg, **changes), out, console)
+
+
+@bench_app.command("pipeline")
+def pipeline(
+    quick: bool = opt(False, "--quick", env="BENCH_QUICK", help=QUICK_HELP),
+    out: Path | None = opt(None, "--out", env="BENCH_OUT", help=OUT_HELP + " A PNG is written beside it."),
+    stages: int = opt(3, "--stages", env="BENCH_STAGES", help="Stages of the swarm (2-4), one process each."),
+    steps: int | None = opt(None, "--steps", env="BENCH_STEPS", help="Inner steps per codec (default 24; quick 6)."),
+    codecs: str | None = opt(
+        None, "--codecs", env="BENCH_CODECS",
+        help="Comma-separated kind@k/d (default dense and subspace-a/-b/-a-drift at 1/32 and 1/128; "
+        "quick dense,subspace-a@1/32).",
+    ),
+    micro_batches: int | None = opt(
+        None, "--micro-batches", env="BENCH_MICRO_BATCHES", help="Micro-batches per step (default 8; quick 4)."
+    ),
+    in_flight: int | None = opt(None, "--in-flight", env="BENCH_IN_FLIGHT",
+                                help="Most micro-batches in the chain at once [default: all of a step's]."),
+    batch_size: int | None = opt(None, "--batch-size", env="BENCH_BATCH_SIZE",
+                                 help="Sequences per step (default 16; quick 8)."),
+    wan_delay_ms: float = opt(10.0, "--wan-delay-ms", env="BENCH_WAN_DELAY_MS",
+                              help="Emulated one-way delay of every link (round trip: twice this)."),
+    wan_mbps: float | None = opt(None, "--wan-mbps", env="BENCH_WAN_MBPS",
+                                 help="Emulated link rate, Mbit/s each way (default 1: dense bf16 is link-bound)."),
+    model: str = opt("tiny", "--model", env="BENCH_MODEL", help="Model preset."),
+    seed: int = opt(0, "--seed", env="SEED", help="Seed of every run: initial weights, data order, U and T_fixed."),
+    threads: int = opt(1, "--threads", env="THREADS", help="torch CPU threads per stage process."),
+    cache_dir: Path | None = opt(None, "--cache-dir", env="CACHE", help="Cache for corpus and tokenizer."),
+) -> None:
+    """One pipeline swarm over emulated WAN links per codec: tokens/s, bytes/token, bottleneck busy, val loss."""
+    import dataclasses
+
+    from hlbp.peer.bench.pipeline import PipelineBenchConfig, run_pipeline_bench
+
+    cfg = PipelineBenchConfig.quick() if quick else PipelineBenchConfig()
+    changes: dict = {"stages": stages, "in_flight": in_flight, "wan_delay_ms": wan_delay_ms, "model": model,
+                     "seed": seed, "threads": threads, "cache_dir": cache_dir}
+    if codecs is not None:
+        changes["codecs"] = tuple(c.strip() for c in codecs.split(",") if c.strip())
+    for name, value in (("steps", steps), ("micro_batches", micro_batches), ("batch_size", batch_size),
+                        ("wan_mbps", wan_mbps)):
+        if value is not None:
+            changes[name] = value
+    run_pipeline_bench(dataclasses.replace(cfg, **changes), out, console)

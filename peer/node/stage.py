@@ -304,4 +304,5 @@ def _drive(ctx: TrainContext, options: StageOptions, worker: StageWorker, codec:
             "microbatches": c.microbatches, "microbatches_retried": c.microbatches_retried,
             "microbatches_abandoned": c.microbatches_abandoned, "failures": c.failures, "tokens": c.tokens,
             "seconds": wall, "tokens_per_s": c.tokens / max(wall, 1e-9), "val_losses": val_losses,
-            "busy_fractions": driver.busy_fractions(wall), "opt_step": opt_step, "data_rank": data_rank(me)}
+            "busy_fractions": driver.busy_fractions(wall), "opt_step": opt_step, "data_rank": data_rank(me),
+            "busy_s": dict(c.busy_s), "stream_bytes": driver.links.byte_totals()}

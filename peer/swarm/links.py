@@ -56,6 +56,7 @@ class Conn:
                 self._writer.write(data)
                 await self._writer.drain()
                 self.bytes_sent += len(data)
+                self.links._count(self.links.sent_by_op, _op_of(data), len(data))
         except (ConnectionError, OSError, asyncio.CancelledError) as exc:
             logger.debug("stage stream to %s: write failed: %s", self.peer[:12], exc)
         finally:
@@ -72,6 +73,14 @@ class Conn:
 OnMessage = Callable[[Conn, StageMessage, bytes], None]
 
 
+def _op_of(data: bytes) -> str:
+    """The op of an encoded stage message (for the byte counters); "?" if its header does not decode."""
+    try:
+        return decode_header(data[LENGTH.size:LENGTH.size + header_length(data[:LENGTH.size])]).op
+    except (ProtocolError, ValueError):
+        return "?"
+
+
 class StageLinks:
     """Stage streams of one peer; construct with a started ``hivemind.DHT``.
 
@@ -85,6 +94,10 @@ class StageLinks:
         self.on_message, self.on_closed, self.on_bad, self.accept = on_message, on_closed, on_bad, accept
         self.max_body = max_body
         self.conns: dict[int, Conn] = {}
+        # bytes of whole messages (length prefixes, header, body) by op, over every stream this peer had, closed
+        # ones included: what a benchmark divides by tokens to get bytes per token at a boundary, each way
+        self.sent_by_op: dict[str, int] = {}
+        self.received_by_op: dict[str, int] = {}
         self._out: dict[str, Conn] = {}  # dialled streams by peer
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="hlbp-stage-links", daemon=True)
@@ -121,6 +134,7 @@ class StageLinks:
                                    msg, self.max_body)
                 body = await asyncio.wait_for(reader.readexactly(size), MESSAGE_TIMEOUT_S) if size else b""
                 conn.bytes_received += 8 + n + size
+                self._count(self.received_by_op, msg.op, 8 + n + size)
                 self.on_message(conn, msg, body)
         except ProtocolError as exc:
             self.on_bad(conn.peer, str(exc))
@@ -131,6 +145,14 @@ class StageLinks:
         finally:
             conn.close()
             self._closed(conn)
+
+    @staticmethod
+    def _count(totals: dict[str, int], op: str, n: int) -> None:
+        totals[op] = totals.get(op, 0) + n  # only ever called on the loop thread
+
+    def byte_totals(self) -> dict[str, dict[str, int]]:
+        """Bytes sent and received on this peer's stage streams so far, by message op (closed streams included)."""
+        return {"sent": dict(self.sent_by_op), "received": dict(self.received_by_op)}
 
     def _closed(self, conn: Conn) -> None:
         if conn.closed:

@@ -1,0 +1,285 @@
+"""``hlbp bench pipeline``: one pipeline swarm over emulated WAN links, once per activation codec.
+
+Why: ``hlbp bench activations`` counts the bytes a codec puts on a stage boundary; this benchmark asks what those
+bytes buy on the real stack when the links are the bottleneck: tokens per second, how busy the slowest stage is,
+and whether the model still learns as well after the same number of tokens.
+
+Setup, per codec: a bootstrap and ``stages`` ``hlbp join --role stage`` processes on loopback, each with its own
+p2pd, built by :class:`~hlbp.peer.sim.launcher.Swarm` (the codec is in the signed manifest, so every codec gets a
+fresh swarm). Every peer sits behind :mod:`hlbp.peer.net.wanlink`'s proxy (``wan_delay_ms`` one way,
+``wan_mbps`` per direction), so every stage boundary crosses an emulated internet link. Stages 1..S-1 start
+first; stage 0 drives ``steps`` inner steps of ``batch_size`` x ``seq_len`` tokens, each split into
+``micro_batches`` micro-batches of which up to ``in_flight`` are in the chain at once, and evaluates the
+validation loss before the first and after the last step (so every codec is compared after the same tokens).
+
+What is reported per codec (all from the driver's ``summary.json`` and ``metrics.jsonl``):
+
+- tokens/s: training tokens over the sum of the steps' wall times (evaluation and start-up excluded), and its
+  ratio to dense bf16 in the same run;
+- bytes per token per boundary, each way: the bytes of whole ``fwd`` messages (length prefixes, header, activation
+  frame, targets) the driver sent on its stage stream, and of ``bwd`` messages it received, over the training
+  tokens (:meth:`~hlbp.peer.swarm.links.StageLinks.byte_totals`). That is boundary 0; every boundary carries the same
+  codec and the targets, so the others carry the same bytes. Beside it the payload formula (k values in the wire
+  dtype, token ids for the subspace codecs, and the 2-byte targets forward) and the proxies' wire bytes (all
+  connections through every proxy: libp2p framing, DHT and evaluation traffic included) per token and boundary;
+- the bottleneck stage's busy fraction: the largest compute seconds of any stage (as the stages report them to the
+  driver) over the training wall time. The driver's own figure counts only its backward passes;
+- the validation loss after ``steps`` steps.
+
+The default link rate, 1 Mbit/s per direction (:data:`DEFAULT_WAN_MBPS`), makes dense bf16 link-bound on this
+CPU: at d_model = 128 a dense boundary moves about 260 B per token forward, so 1 Mbit/s caps it near 480 tokens/s,
+while the three stages compute about 2,000-3,000 tokens/s on two cores. That is the ratio a real run sees (an
+H100 stage of a 7B model computes tens of thousands of tokens/s; 8 KB per token of bf16 activations over a
+100 Mbit/s link is 1,500 tokens/s), scaled down to this machine's compute.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from hlbp.peer.bench.report import print_table, write_result
+from hlbp.peer.common.errors import UserInputError
+
+DEFAULT_WAN_MBPS = 1.0
+FULL_CODECS = ("dense", "subspace-a@1/32", "subspace-b@1/32", "subspace-a-drift@1/32",
+               "subspace-a@1/128", "subspace-b@1/128", "subspace-a-drift@1/128")
+QUICK_CODECS = ("dense", "subspace-a@1/32")
+TARGET_SPEEDUP = 5.0  # the issue's target: the best subspace codec at >= 5x dense bf16 tokens/s
+TARGET_BUSY = 0.8  # and the bottleneck stage busy >= 80 %
+TARGET_BYTES = 2  # bytes per target id on the wire (vocabularies up to 65,536)
+
+
+@dataclass
+class PipelineBenchConfig:
+    """The swarm every codec gets; ``quick`` shrinks it to a CI-sized smoke run."""
+
+    stages: int = 3
+    codecs: tuple[str, ...] = FULL_CODECS  # "kind" or "kind@k/d"
+    steps: int = 24  # inner steps of every codec (same tokens for each)
+    model: str = "tiny"
+    batch_size: int = 16  # sequences per inner step
+    seq_len: int = 64
+    micro_batches: int = 8
+    in_flight: int | None = None  # None: all of a step's micro-batches
+    wan_delay_ms: float = 10.0  # one way; the round trip is twice this
+    wan_mbps: float = DEFAULT_WAN_MBPS  # per peer and direction
+    seed: int = 0
+    threads: int = 1  # torch threads per stage process
+    timeout_s: float = 600.0  # per codec
+    cache_dir: Path | None = None
+
+    @classmethod
+    def quick(cls, **overrides: Any) -> PipelineBenchConfig:
+        """Dense bf16 and subspace A at 1/32 only, 6 steps of 8 sequences."""
+        return dataclasses.replace(cls(codecs=QUICK_CODECS, steps=6, batch_size=8, micro_batches=4), **overrides)
+
+    def check(self) -> None:
+        """Reject settings that cannot run, before any process starts."""
+        if not 2 <= self.stages <= 4:
+            raise UserInputError("--stages must be 2, 3 or 4")
+        if self.steps < 1 or self.micro_batches < 1 or self.in_flight is not None and self.in_flight < 1:
+            raise UserInputError("--steps, --micro-batches and --in-flight must be >= 1")
+        if self.micro_batches > self.batch_size:
+            raise UserInputError("--micro-batches must not exceed --batch-size (one sequence at least each)")
+        if self.wan_delay_ms < 0 or self.wan_mbps <= 0:
+            raise UserInputError("--wan-delay-ms must be >= 0 and --wan-mbps > 0")
+        if not self.codecs:
+            raise UserInputError("--codecs must name at least one codec")
+        for spec in self.codecs:
+            parse_codec(spec, 128)
+
+
+def parse_codec(spec: str, d_model: int) -> tuple[str, int, str]:
+    """(kind, absolute k, k/d label) of ``"kind"`` or ``"kind@k/d"``; dense has k = d_model."""
+    from hlbp.peer.model.basis import resolve_rank
+    from hlbp.peer.model.subspace import CodecConfig
+
+    kind, _, ratio = spec.partition("@")
+    CodecConfig(kind)  # rejects unknown kinds with the list of known ones
+    if kind == "dense":
+        if ratio:
+            raise UserInputError(f"the dense codec takes no k/d ({spec!r})")
+        return kind, d_model, "1"
+    return kind, resolve_rank(ratio or "1/32", d_model), ratio or "1/32"
+
+
+def formula_bytes(kind: str, k: int) -> dict[str, float]:
+    """Payload bytes per token each way, without headers: k values in the wire dtype (bf16 dense, fp32 subspace),
+    plus 2-byte token ids (subspace) and 2-byte targets forward."""
+    values = k * (2 if kind == "dense" else 4)
+    return {"forward": values + (0 if kind == "dense" else 2) + TARGET_BYTES, "backward": values}
+
+
+def _summary(out_dir: Path) -> tuple[dict[str, Any], list[dict[str, Any]]] | None:
+    found = list(out_dir.glob("*/*/summary.json"))
+    if not found:
+        return None
+    steps = []
+    metrics = found[0].parent / "metrics.jsonl"
+    if metrics.exists():
+        for line in metrics.read_text(encoding="utf-8").splitlines():
+            rec = json.loads(line)
+            if rec.get("event") == "step" and "seconds" in rec:
+                steps.append(rec)
+    return json.loads(found[0].read_text(encoding="utf-8")), steps
+
+
+def run_codec(cfg: PipelineBenchConfig, spec: str, d_model: int, workdir: Path) -> dict[str, Any]:
+    """One swarm with codec ``spec``: start it, let stage 0 drive ``cfg.steps`` steps, and measure."""
+    from hlbp.peer.sim.launcher import SimConfig, Swarm, poll
+
+    kind, k, ratio = parse_codec(spec, d_model)
+    sim = SimConfig(n_stages=cfg.stages, model=cfg.model, batch_size=cfg.batch_size, seq_len=cfg.seq_len,
+                    seed=cfg.seed, threads=cfg.threads, run_id=f"bench-pipeline-{kind}-{k}", cache_dir=cfg.cache_dir,
+                    wan_delay_ms=cfg.wan_delay_ms, wan_mbps=cfg.wan_mbps, codec=kind,
+                    codec_k=0 if kind == "dense" else k)
+    started = time.monotonic()
+    with Swarm(sim, workdir) as sw:
+        sw.start()
+        servers = [sw.add_stage(f"s{s}", s) for s in range(cfg.stages - 1, 0, -1)]
+        for server in servers:
+            server.proc.wait_for(r"announced in", sim.startup_timeout_s)
+        extra = ["--micro-batches", str(cfg.micro_batches), "--eval-every", str(cfg.steps)]
+        if cfg.in_flight is not None:
+            extra += ["--in-flight", str(cfg.in_flight)]
+        driver = sw.add_stage("s0", 0, *extra, max_steps=cfg.steps)
+        try:
+            driver.proc.wait_for(r"^driver: ", cfg.timeout_s)
+            summary, steps = poll(lambda: _summary(driver.out_dir), 60, "the driver's summary.json")
+        except (TimeoutError, RuntimeError) as exc:
+            raise RuntimeError(f"{spec}: the driver did not finish: {exc}\n{driver.proc.output[-3000:]}") from exc
+        wire = sum(p.inbound + p.outbound for p in sw.wan.stats().values()) if sw.wan is not None else None
+        stage_of = {p: i + 1 for i, p in enumerate(steps[-1]["chain"])} if steps else {}
+    if summary["steps"] < cfg.steps or summary["steps_abandoned"] or not steps:
+        raise RuntimeError(f"{spec}: {summary['steps']} of {cfg.steps} steps done, "
+                           f"{summary['steps_abandoned']} abandoned")
+    train_s = sum(r["seconds"] for r in steps)
+    tokens = summary["tokens"]
+    busy = {("stage 0" if p == "driver" else f"stage {stage_of.get(p, '?')}"): s / train_s
+            for p, s in summary["busy_s"].items()}
+    bottleneck = max(busy, key=lambda s: busy[s])
+    sent, received = summary["stream_bytes"]["sent"], summary["stream_bytes"]["received"]
+    boundaries = cfg.stages - 1
+    return {
+        "codec": spec, "kind": kind, "k": k, "k_over_d": ratio, "tokens": tokens, "steps": summary["steps"],
+        "microbatches": summary["microbatches"], "microbatches_retried": summary["microbatches_retried"],
+        "train_seconds": train_s, "tokens_per_s": tokens / train_s,
+        "tokens_per_s_wall": summary["tokens_per_s"], "step_seconds": [r["seconds"] for r in steps],
+        "bytes_per_token": {"forward": sent.get("fwd", 0) / tokens, "backward": received.get("bwd", 0) / tokens},
+        "formula_bytes_per_token": formula_bytes(kind, k),
+        "stream_bytes": summary["stream_bytes"],
+        "wire_bytes_per_token_boundary": wire / tokens / boundaries if wire is not None else None,
+        "busy": busy, "bottleneck": bottleneck, "bottleneck_busy": busy[bottleneck],
+        "val_losses": summary["val_losses"], "val_loss": summary["val_losses"][-1] if summary["val_losses"] else None,
+        "seconds": time.monotonic() - started,
+    }
+
+
+def write_png(path: Path, rows: list[dict[str, Any]], title: str) -> bool:
+    """Tokens/s and bytes per token by codec, side by side; False (nothing written) without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    labels = [r["codec"].replace("subspace-", "").replace("@", "\n") for r in rows]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    a.bar(labels, [r["tokens_per_s"] for r in rows], color="tab:blue")
+    a.set_ylabel("tokens/s")
+    a.set_title("throughput")
+    x = range(len(rows))
+    b.bar([i - 0.2 for i in x], [r["bytes_per_token"]["forward"] for r in rows], 0.4, label="forward")
+    b.bar([i + 0.2 for i in x], [r["bytes_per_token"]["backward"] for r in rows], 0.4, label="backward")
+    b.set_xticks(list(x), labels)
+    b.set_yscale("log")
+    b.set_ylabel("bytes / token / boundary (measured)")
+    b.set_title("stage-stream bytes")
+    b.legend()
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def run_pipeline_bench(cfg: PipelineBenchConfig, out: Path | None, console: Console) -> dict[str, Any]:
+    """Run the swarm once per codec, print the table, and write JSON (and a PNG beside it) when ``out`` is set."""
+    from hlbp.peer.model.decoder import preset
+
+    cfg.check()
+    d_model = preset(cfg.model).d_model
+    rows = []
+    t_all = time.monotonic()
+    for spec in cfg.codecs:
+        console.print(f"[bold]{spec}[/]: {cfg.stages} stages x {cfg.steps} steps of {cfg.model}, "
+                      f"{cfg.wan_mbps:g} Mbit/s and {cfg.wan_delay_ms:g} ms per link")
+        with tempfile.TemporaryDirectory(prefix="hlbp-bench-pipeline-") as work:
+            rows.append(run_codec(cfg, spec, d_model, Path(work)))
+        r = rows[-1]
+        console.print(f"  {r['tokens_per_s']:,.0f} tokens/s, {r['bytes_per_token']['forward']:.1f} B/token "
+                      f"forward, {r['bottleneck']} busy {r['bottleneck_busy']:.0%}, val loss {r['val_loss']}")
+    dense = next((r for r in rows if r["kind"] == "dense"), None)
+    link_bps = cfg.wan_mbps * 1e6 / 8
+    for r in rows:
+        r["speedup_vs_dense"] = r["tokens_per_s"] / dense["tokens_per_s"] if dense else None
+        r["link_use_forward"] = r["tokens_per_s"] * r["bytes_per_token"]["forward"] / link_bps
+    table = [[r["codec"], r["k"], r["tokens_per_s"], r["speedup_vs_dense"] or "",
+              r["bytes_per_token"]["forward"], r["bytes_per_token"]["backward"],
+              f"{r['formula_bytes_per_token']['forward']:g}/{r['formula_bytes_per_token']['backward']:g}",
+              r["wire_bytes_per_token_boundary"] or "", f"{r['link_use_forward']:.0%}",
+              f"{r['bottleneck_busy']:.0%} ({r['bottleneck']})", r["val_loss"]] for r in rows]
+    title = (f"pipeline: {cfg.stages} stages of {cfg.model} (d={d_model}), {cfg.steps} steps x "
+             f"{cfg.batch_size}x{cfg.seq_len} tokens, {cfg.micro_batches} micro-batches, in flight "
+             f"{cfg.in_flight or cfg.micro_batches}; links {cfg.wan_mbps:g} Mbit/s each way, RTT "
+             f"{2 * cfg.wan_delay_ms:g} ms; {os.cpu_count()} cores, {cfg.threads} torch thread(s) per stage")
+    wide = Console(file=console.file, width=max(console.width, 150))
+    print_table(wide, title, ["codec", "k", "tokens/s", "x dense", "B/tok fwd", "B/tok bwd", "formula f/b",
+                              "wire B/tok", "link use", "bottleneck busy", "val loss"], table)
+    verdict = targets(rows)
+    lines = [("B/tok: measured on the stage stream (whole fwd / bwd messages, boundary 0) per training token; "
+              "formula: payload only (values, ids, targets). wire B/tok: every byte through the WAN proxies (libp2p, "
+              "DHT, eval) per token and boundary, both ways. link use: forward bytes/s over the link rate.")]
+    if dense is not None:
+        cap = link_bps / dense["bytes_per_token"]["forward"]
+        lines.append(f"{cfg.wan_mbps:g} Mbit/s makes dense bf16 link-bound here: its "
+                     f"{dense['bytes_per_token']['forward']:.0f} B/token forward cap it at {cap:,.0f} tokens/s "
+                     f"(measured {dense['tokens_per_s']:,.0f}, link {dense['link_use_forward']:.0%} used), while "
+                     f"the stages compute {max(r['tokens_per_s'] for r in rows):,.0f} tokens/s with a small codec.")
+    if verdict["best"] is not None:
+        lines.append(f"targets: best subspace {verdict['best']} at {verdict['speedup']:.2f}x dense (target "
+                     f">= {TARGET_SPEEDUP:g}x: {'met' if verdict['speedup_met'] else 'MISSED'}); its bottleneck "
+                     f"busy {verdict['busy']:.0%} (target >= {TARGET_BUSY:.0%}: "
+                     f"{'met' if verdict['busy_met'] else 'MISSED'}).")
+    for line in lines:
+        wide.print(line)
+    result = {"rows": rows, "targets": verdict, "d_model": d_model, "link_bytes_per_s": link_bps,
+              "runtime_s": time.monotonic() - t_all}
+    doc = write_result(out, "pipeline", dataclasses.asdict(cfg), result)
+    if out is not None:
+        png = Path(out).with_suffix(".png")
+        if write_png(png, rows, title):
+            wide.print(f"plot: {png}")
+        else:
+            wide.print("plot skipped: matplotlib is not installed")
+    return doc
+
+
+def targets(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The issue's targets against the fastest subspace codec: speed-up over dense and bottleneck busy fraction."""
+    sub = [r for r in rows if r["kind"] != "dense" and r.get("speedup_vs_dense") is not None]
+    if not sub:
+        return {"best": None}
+    best = max(sub, key=lambda r: r["tokens_per_s"])
+    return {"best": best["codec"], "speedup": best["speedup_vs_dense"], "busy": best["bottleneck_busy"],
+            "speedup_met": best["speedup_vs_dense"] >= TARGET_SPEEDUP, "busy_met": best["bottleneck_busy"] >= TARGET_BUSY}

@@ -1,0 +1,39 @@
+"""``hlbp bench pipeline``: the --quick run end to end (real stage processes, p2pd and WAN-emulating proxies)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from hlbp.peer.bench.pipeline import QUICK_CODECS, formula_bytes, parse_codec
+
+
+def test_codec_specs_and_formula() -> None:
+    assert parse_codec("dense", 128) == ("dense", 128, "1")
+    assert parse_codec("subspace-a@1/32", 128) == ("subspace-a", 4, "1/32")
+    assert parse_codec("subspace-b@1/128", 128)[1] == 1
+    assert formula_bytes("dense", 128) == {"forward": 258, "backward": 256}  # bf16 values plus u16 targets
+    assert formula_bytes("subspace-a", 4) == {"forward": 20, "backward": 16}  # fp32 values, u16 ids and targets
+
+
+@pytest.mark.slow
+def test_quick_pipeline_bench(tmp_path) -> None:
+    out = tmp_path / "pipeline.json"
+    run = subprocess.run([sys.executable, "-m", "hlbp.cli.main", "bench", "pipeline", "--quick", "--out", str(out)],
+                         capture_output=True, text=True, timeout=280, check=False)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    rows = {r["codec"]: r for r in doc["result"]["rows"]}
+    assert set(rows) == set(QUICK_CODECS)
+    for r in rows.values():
+        assert r["steps"] == doc["config"]["steps"] and r["tokens_per_s"] > 0
+        assert r["bytes_per_token"]["forward"] > 0 and r["bytes_per_token"]["backward"] > 0
+        assert r["val_loss"] is not None and 0 < r["bottleneck_busy"] <= 1.5
+    dense, sub = rows["dense"], rows["subspace-a@1/32"]
+    # measured bytes are the payload plus headers: never below the formula, and the codec is far smaller
+    assert dense["bytes_per_token"]["forward"] >= dense["formula_bytes_per_token"]["forward"]
+    assert sub["bytes_per_token"]["forward"] < dense["bytes_per_token"]["forward"] / 8
+    assert "x dense" in run.stdout + run.stderr
