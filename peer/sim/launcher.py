@@ -61,6 +61,7 @@ class SimConfig:
     codec: str = "dense"  # activation codec of the pipeline swarms' stage boundaries (manifest [codec])
     codec_k: int = 0  # its k for the subspace codecs
     codec_dtype: str = ""  # its wire dtype ("": the codec's default)
+    max_peers_per_stage: int = 1  # stage peers per stage of a swarm before a new swarm opens (standbys: 2)
 
     def run_toml(self) -> str:
         """The run config the bootstrap signs into the manifest."""
@@ -72,7 +73,8 @@ class SimConfig:
                 f'outer = "{self.outer}"\nmin_contributors = {self.min_contributors}\n'
                 f'aggregation = "{self.aggregation}"\nclip_median = {str(self.clip_median).lower()}\n'
                 f'[codec]\nname = "{self.codec}"\nk = {self.codec_k}\n'
-                + (f'dtype = "{self.codec_dtype}"\n' if self.codec_dtype else ""))
+                + (f'dtype = "{self.codec_dtype}"\n' if self.codec_dtype else "")
+                + f"[placement]\nmax_peers_per_stage = {self.max_peers_per_stage}\n")
 
 
 class PeerProcess:

@@ -225,31 +225,37 @@ class Driver:
             if self.stop is not None and self.stop.is_set():
                 raise self._abandon(mbs, "this peer is stopping")
             inflight = [i for i, m in enumerate(mbs) if m.attempt >= 0 and not m.done and m.sent_at > 0]
+            failed: str | None = None
             if not finishing:
                 for i in [i for i, m in enumerate(mbs) if m.attempt < 0 or (not m.done and m.sent_at == 0)]:
                     if len(inflight) >= window:
                         break
                     try:
                         self._send(i, mbs[i], chain)
-                    except ConnectionError:
+                    except ConnectionError as exc:  # stage 1 cannot be dialled: it failed
+                        logger.warning("%s", exc)
                         mbs[i].sent_at = 0.0
+                        failed = chain[0]
                         break
                     inflight.append(i)
-                if all(m.done for m in mbs):
+                if failed is None and all(m.done for m in mbs):
                     finishing = True
                     finish_at = time.monotonic()
                     self._send_finish(chain, len(mbs), opt_step, lr)
-            failed: str | None = None
+            kind = "none" if failed is not None else "timeout"
             deadline = self.latency.deadline()
             oldest = min((mbs[i].sent_at for i in inflight if mbs[i].sent_at), default=None)
             if finishing:
                 oldest = finish_at
             wait = 1.0 if oldest is None else max(0.0, oldest + deadline - time.monotonic())
-            try:
-                kind, conn, msg, body = self._inbox.get(timeout=min(wait, 1.0))
-            except queue.Empty:
-                kind = "timeout"
-            if kind == "timeout":
+            if failed is None:
+                try:
+                    kind, conn, msg, body = self._inbox.get(timeout=min(wait, 1.0))
+                except queue.Empty:
+                    kind = "timeout"
+            if kind == "none":
+                pass
+            elif kind == "timeout":
                 if oldest is not None and time.monotonic() > oldest + deadline:
                     silent = self._ping(chain)
                     failed = silent[0] if silent else None
