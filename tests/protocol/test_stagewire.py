@@ -1,0 +1,105 @@
+"""Stage-stream messages: exact round trips, and every defect of an untrusted message is one ProtocolError."""
+
+from __future__ import annotations
+
+import random
+
+import msgpack
+import pytest
+import torch
+
+from hlbp.protocol import ProtocolError
+from hlbp.protocol.activations import encode_activations
+from hlbp.protocol.stagewire import (
+    LENGTH,
+    MAX_HEADER,
+    StageMessage,
+    decode_message,
+    decode_targets,
+    encode_message,
+    encode_targets,
+    header_map,
+    split_body,
+)
+
+
+def test_round_trip_keeps_every_field_and_the_body() -> None:
+    msg = StageMessage("fwd", session=7, step=3, mb=2, attempt=1, route=("12D3KooWabc", "12D3KooWdef"), weight=0.25)
+    data = encode_message(msg, b"body")
+    assert decode_message(data, 4) == (msg, b"body")
+    done = StageMessage("done", session=7, step=3, sumsq=4.5, scale=0.5, lr=1e-3, opt_step=9)
+    assert decode_message(encode_message(done), 0) == (done, b"")
+    assert set(header_map(done)) == {"op", "session", "step", "sumsq", "scale", "lr", "opt_step"}  # defaults stay off
+
+
+def test_targets_round_trip_and_split() -> None:
+    x = torch.randn(2, 3, 8)
+    y = torch.randint(0, 500, (2, 3))
+    frame = encode_activations(x, "forward", "fp32")
+    body = frame + encode_targets(y, 500)
+    got_frame, got_targets = split_body(body, 500)
+    assert got_frame == frame
+    assert torch.equal(decode_targets(got_targets, (2, 3), 500), y)
+
+
+@pytest.mark.parametrize("header", [
+    {"op": "explode"},
+    {"op": "fwd", "mb": -1},
+    {"op": "fwd", "mb": 1 << 20},
+    {"op": "fwd", "weight": 2.0},
+    {"op": "fwd", "weight": float("nan")},
+    {"op": "done", "scale": 1.5},
+    {"op": "fwd", "route": ["not base58 0OIl"]},
+    {"op": "fwd", "route": ["12D3KooW"] * 33},
+    {"op": "fwd", "extra": 1},
+    {"op": "bwd", "busy": [-1.0]},
+    {"op": "fail", "peer": "x" * 200},
+    ["op", "fwd"],
+])
+def test_bad_headers_are_refused(header: object) -> None:
+    head = msgpack.packb(header, use_bin_type=True)
+    with pytest.raises(ProtocolError):
+        decode_message(LENGTH.pack(len(head)) + head + LENGTH.pack(0), 0)
+
+
+def test_sizes_are_checked_before_anything_is_read() -> None:
+    with pytest.raises(ProtocolError, match="exceeds the limit"):
+        decode_message(LENGTH.pack(MAX_HEADER + 1) + b"\0" * 8, 0)
+    with pytest.raises(ProtocolError, match="body"):
+        decode_message(encode_message(StageMessage("fwd"), b"x" * 10), 9)
+    with pytest.raises(ProtocolError, match="body"):  # a control message carries no body
+        decode_message(encode_message(StageMessage("ping"), b"x"), 100)
+    with pytest.raises(ProtocolError):
+        decode_message(encode_message(StageMessage("fwd"), b"x" * 10)[:-1], 100)
+
+
+def test_targets_outside_the_vocabulary_or_of_the_wrong_length_are_refused() -> None:
+    with pytest.raises(ProtocolError, match="vocabulary"):
+        decode_targets(encode_targets(torch.tensor([[3, 600]]), 1000), (1, 2), 500)
+    with pytest.raises(ProtocolError, match="targets"):
+        decode_targets(b"\0" * 6, (1, 2), 500)
+    with pytest.raises(ProtocolError):
+        split_body(b"\0" * 10, 500)
+
+
+def test_structured_fuzz_only_raises_protocol_error() -> None:
+    """Mutate inside the msgpack header (re-encoded canonically) and inside the frame and targets."""
+    rng = random.Random(0)
+    base = {"op": "fwd", "session": 5, "step": 1, "mb": 0, "attempt": 0, "route": ["12D3KooWabc"], "weight": 0.5}
+    body = encode_activations(torch.randn(2, 4, 8), "forward", "fp32") + encode_targets(torch.zeros(2, 4), 100)
+    values = [0, -1, 2**64 - 1, -(2**63), 1.5, float("inf"), "", "x" * 300, b"\0", [], {}, None, True, ["12D3KooWabc"] * 40]
+    for _ in range(2000):
+        header = dict(base)
+        key = rng.choice([*base, "count", "sumsq", "peer", "busy", "bogus"])
+        header[key] = rng.choice(values)
+        head = msgpack.packb(header, use_bin_type=True)
+        raw = bytearray(body)
+        for _ in range(rng.randint(0, 4)):
+            raw[rng.randrange(len(raw))] = rng.randrange(256)
+        data = LENGTH.pack(len(head)) + head + LENGTH.pack(len(raw)) + bytes(raw)
+        try:
+            msg, got = decode_message(data, 4096)
+            frame, targets = split_body(got, 100)
+        except ProtocolError:
+            continue
+        assert msg.op == "fwd" and len(frame) + len(targets) == len(raw)
