@@ -278,19 +278,19 @@ def pipeline(
     quick: bool = opt(False, "--quick", env="BENCH_QUICK", help=QUICK_HELP),
     out: Path | None = opt(None, "--out", env="BENCH_OUT", help=OUT_HELP + " A PNG is written beside it."),
     stages: int = opt(3, "--stages", env="BENCH_STAGES", help="Stages of the swarm (2-4), one process each."),
-    steps: int | None = opt(None, "--steps", env="BENCH_STEPS", help="Inner steps per codec (default 24; quick 6)."),
+    steps: int | None = opt(None, "--steps", env="BENCH_STEPS", help="Inner steps per codec (default 10; quick 6)."),
     codecs: str | None = opt(
         None, "--codecs", env="BENCH_CODECS",
         help="Comma-separated kind@k/d (default dense and subspace-a/-b/-a-drift at 1/32 and 1/128; "
         "quick dense,subspace-a@1/32).",
     ),
     micro_batches: int | None = opt(
-        None, "--micro-batches", env="BENCH_MICRO_BATCHES", help="Micro-batches per step (default 8; quick 4)."
+        None, "--micro-batches", env="BENCH_MICRO_BATCHES", help="Micro-batches per step (default 16; quick 4)."
     ),
     in_flight: int | None = opt(None, "--in-flight", env="BENCH_IN_FLIGHT",
                                 help="Most micro-batches in the chain at once [default: all of a step's]."),
     batch_size: int | None = opt(None, "--batch-size", env="BENCH_BATCH_SIZE",
-                                 help="Sequences per step (default 16; quick 8)."),
+                                 help="Sequences per step (default 64; quick 8)."),
     wan_delay_ms: float = opt(10.0, "--wan-delay-ms", env="BENCH_WAN_DELAY_MS",
                               help="Emulated one-way delay of every link (round trip: twice this)."),
     wan_mbps: float | None = opt(None, "--wan-mbps", env="BENCH_WAN_MBPS",
