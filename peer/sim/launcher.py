@@ -245,36 +245,32 @@ class Swarm:
         self._all.append(proc)
         return proc
 
-    def add(self, name: str, *extra: str, rounds: int | None = None, program: Sequence[str] | None = None) -> Replica:
-        """Start (or restart, reusing its identity and out-dir) replica ``name`` with extra ``hlbp join`` flags.
-
-        ``program`` replaces the command that runs ``join`` (a fault test's entry point with a fault hook)."""
+    def _join(self, name: str, role_flags: list[str], program: Sequence[str] | None) -> Replica:
+        """Start (or restart, reusing its identity and out-dir) ``hlbp join`` peer ``name`` with ``role_flags``."""
         old = self.replicas.get(name)
         identity = old.identity if old else self.workdir / f"{name}.key"
         out_dir = old.out_dir if old else self.workdir / name
         args = ["join", "--initial-peers", self.maddr, *self._listen(), "--identity", str(identity),
-                "--role", "replica", "--throughput", "5000", "--bandwidth", "1e8", "--reachability", "public",
-                "--threads", str(self.cfg.threads), "--out-dir", str(out_dir), "--ttl", str(self.cfg.ttl_s),
-                "--rounds", str(self.cfg.rounds if rounds is None else rounds), *extra]
-        replica = Replica(name, identity, out_dir, self._spawn(name, args, program), old.peer_id if old else "")
-        self.replicas[name] = replica
-        return replica
+                "--bandwidth", "1e8", "--reachability", "public", "--threads", str(self.cfg.threads),
+                "--out-dir", str(out_dir), "--ttl", str(self.cfg.ttl_s), *role_flags]
+        peer = Replica(name, identity, out_dir, self._spawn(name, args, program), old.peer_id if old else "")
+        self.replicas[name] = peer
+        return peer
+
+    def add(self, name: str, *extra: str, rounds: int | None = None, program: Sequence[str] | None = None) -> Replica:
+        """Start (or restart, reusing its identity and out-dir) replica ``name`` with extra ``hlbp join`` flags.
+
+        ``program`` replaces the command that runs ``join`` (a fault test's entry point with a fault hook)."""
+        return self._join(name, ["--role", "replica", "--throughput", "5000",
+                                 "--rounds", str(self.cfg.rounds if rounds is None else rounds), *extra], program)
 
     def add_stage(self, name: str, stage: int, *extra: str, max_steps: int | None = None,
                   program: Sequence[str] | None = None) -> Replica:
         """Start (or restart) stage peer ``name`` holding ``stage`` (stage 0 drives its swarm); ``max_steps``: the
         driver leaves after that many inner steps, a server after applying that many."""
-        old = self.replicas.get(name)
-        identity = old.identity if old else self.workdir / f"{name}.key"
-        out_dir = old.out_dir if old else self.workdir / name
         steps = ["--max-steps", str(max_steps)] if max_steps is not None else []
-        args = ["join", "--initial-peers", self.maddr, *self._listen(), "--identity", str(identity),
-                "--role", "stage", "--stage", str(stage), "--throughput", "1000", "--bandwidth", "1e8",
-                "--reachability", "public", "--threads", str(self.cfg.threads), "--out-dir", str(out_dir),
-                "--ttl", str(self.cfg.ttl_s), *steps, *extra]
-        peer = Replica(name, identity, out_dir, self._spawn(name, args, program), old.peer_id if old else "")
-        self.replicas[name] = peer
-        return peer
+        return self._join(name, ["--role", "stage", "--stage", str(stage), "--throughput", "1000", *steps, *extra],
+                          program)
 
     def records(self) -> dict[str, list[dict[str, Any]]]:
         """Every replica's round records so far, by replica name."""
