@@ -19,7 +19,7 @@ $(VENV)/.hlbp-installed: pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	# Install the CPU build of torch explicitly when none is present, so no multi-GB CUDA build is pulled.
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "torch==$(TORCH_VERSION)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
-	$(PY) -m pip install -q -e ".[dev,hf,plots]"
+	$(PY) -m pip install -q -e ".[dev,hf,plots,libp2p]"
 	touch $@
 
 demo: setup

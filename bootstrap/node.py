@@ -101,6 +101,7 @@ def start_bootstrap(cfg: BootstrapConfig) -> BootstrapNode:
     plane = ControlPlane.connect(cfg.net, cfg.identity, run_ids=(manifest.run_id,), identity=identity)
     try:
         plane.serve_artifacts({manifest.tokenizer_hash: tokenizer_path})
+        plane.serve_snapshot(manifest.run_id)
         record = Announcement(
             run_id=manifest.run_id, role="bootstrap", software=software_version(), reachability="public",
             maddrs=tuple(plane.maddrs()[:8]), artifacts=(manifest.tokenizer_hash,),

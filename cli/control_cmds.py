@@ -1,7 +1,7 @@
-"""``hlbp bootstrap``, ``hlbp join`` and ``hlbp status``: the control-plane commands.
+"""``hlbp bootstrap``, ``hlbp join``, ``hlbp status`` and ``hlbp fetch``: the control-plane commands.
 
 A thin shell: flags (each also an HLBP_* variable) become config dataclasses, hlbp.bootstrap and hlbp.peer do the
-work. ``register(app)`` adds the three commands to the main typer app. Heavy imports (hivemind, torch) happen
+work. ``register(app)`` adds the four commands to the main typer app. Heavy imports (hivemind, torch) happen
 inside the commands, so ``hlbp --help`` stays fast.
 """
 
@@ -20,6 +20,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from hlbp.cli.light_cmds import fetch
 from hlbp.cli.options import bind, make_console, opt, run_app
 from hlbp.peer.common.errors import UserInputError
 
@@ -253,18 +254,34 @@ def status(
                                  help="Seconds to keep retrying the initial peers."),
     manifest_timeout: float = opt(10.0, "--manifest-timeout", env="MANIFEST_TIMEOUT",
                                   help="Seconds to wait for the run manifest."),
+    light: bool = opt(False, "--light/--no-light", env="LIGHT",
+                      help="Read one initial peer's snapshot over py-libp2p and verify every record here: no p2pd, "
+                           "no hivemind in this process (pip install 'hlbp[libp2p]')."),
 ) -> None:
-    """Show the run's peers from the DHT: role, swarm, stage, version, throughput, bandwidth, last seen."""
-    import tempfile
+    """Show the run's peers from the DHT: role, swarm, stage, version, throughput, bandwidth, last seen.
 
-    from hlbp.peer.net.control import ControlPlane, NetworkConfig
-    from hlbp.peer.net.records import dht_time
-    from hlbp.peer.node.join import trusted_signers
-
+    With --light, from one peer's snapshot of the signed records instead; records that do not verify are listed
+    as rejected and never shown as peers.
+    """
     _setup_logging()
     peers_list = _split(initial_peers)
     if not peers_list:
         raise UserInputError("pass --initial-peers (or HLBP_INITIAL_PEERS): the multiaddr of any peer of the run")
+    if light:
+        from hlbp.cli.light_cmds import light_report, print_light_report
+
+        report = light_report(peers_list, _split(manifest_signer), show_offline, connect_timeout)
+        if as_json:
+            print(json.dumps(report, indent=1), flush=True)
+        else:
+            print_light_report(report)
+        return
+    import tempfile
+
+    from hlbp.peer.light.trust import trusted_signers
+    from hlbp.peer.net.control import ControlPlane, NetworkConfig
+    from hlbp.peer.net.records import dht_time
+
     # A client-mode node on loopback: status only dials out, so it opens no port to the outside.
     net = NetworkConfig(initial_peers=peers_list, host_maddrs=["/ip4/127.0.0.1/tcp/0"], client_mode=True,
                         connect_timeout_s=connect_timeout)
@@ -365,6 +382,7 @@ def register(app: typer.Typer, faults: Any = None) -> None:
     app.command()(bootstrap)
     app.command()(bind(join, faults=faults))
     app.command()(status)
+    app.command()(fetch)
 
 
 def main(faults: Any = None) -> None:

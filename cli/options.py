@@ -10,6 +10,7 @@ from typing import Any
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 
 def make_console(stderr: bool = True) -> Console:
@@ -46,7 +47,8 @@ def run_app(app: typer.Typer, console: Console) -> None:
     try:
         app()
     except (UserInputError, ProtocolError) as exc:
-        console.print(f"[bold red]error:[/] {exc}")
+        # soft_wrap: a long message stays one line (addresses in it paste whole); its own newlines are kept
+        console.print(f"[bold red]error:[/] {escape(str(exc))}", soft_wrap=True)
         sys.exit(2)
     except KeyboardInterrupt:
         console.print("interrupted")

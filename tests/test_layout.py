@@ -19,11 +19,12 @@ LOWER = {
     "common": set(),
     "data": {"common"},
     "model": {"common"},
+    "light": {"common"},  # the light client runs without hivemind, so it may not import net (hivemind) or above
     "train": {"common", "data", "model"},
     "net": {"common", "data", "model"},
     "rounds": {"common", "data", "model", "train", "net"},
     "swarm": {"common", "data", "model", "train", "net"},
-    "node": {"common", "data", "model", "train", "net", "rounds", "swarm"},
+    "node": {"common", "data", "model", "train", "net", "rounds", "swarm", "light"},
     "sim": {"common", "data", "model", "train", "net", "rounds", "swarm"},
     "bench": {"common", "data", "model", "train", "net", "rounds", "swarm", "sim"},
 }

@@ -276,6 +276,12 @@ class ControlPlane:
         artifacts = {sha: str(Path(path).resolve()) for sha, path in artifacts.items()}
         self.run_coroutine(partial(install_handler, artifacts=artifacts))
 
+    def serve_snapshot(self, run_id: str) -> None:
+        """Serve the run's signed records to light clients from now on (:mod:`hlbp.peer.net.snapshot`)."""
+        from hlbp.peer.net.snapshot import install_snapshot_handler
+
+        self.run_coroutine(partial(install_snapshot_handler, run_id=run_id))
+
     def request(self, peer_id: str, header: dict[str, Any], max_size: int, timeout: float = REQUEST_TIMEOUT_S,
                 save_to: Path | None = None, keep_body: bool = True) -> tuple[dict[str, Any], bytes, float]:
         return self.run_coroutine(

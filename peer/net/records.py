@@ -36,6 +36,7 @@ from hlbp.protocol.records import (
     decode_manifest,
     peers_key,
 )
+from hlbp.protocol.snapshot import choose_manifest  # noqa: F401 - re-exported: the control plane's choice too
 
 logger = logging.getLogger(__name__)
 
@@ -212,11 +213,3 @@ class RecordReader:
                     continue  # expiry is the normal end of a record, not an attack
                 self.log_once(_entry_key(subkey, value), logging.WARNING, "ignoring a peer record: %s", exc)
         return out
-
-
-def choose_manifest(manifests: list[SignedManifest], trusted: set[str]) -> SignedManifest | None:
-    """The newest manifest among those signed by a trusted peer id (ties: smallest signer, for determinism)."""
-    candidates = [m for m in manifests if m.signer in trusted]
-    if not candidates:
-        return None
-    return max(candidates, key=lambda m: (m.manifest.issued_at, [-ord(c) for c in m.signer]))

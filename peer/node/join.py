@@ -24,13 +24,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hlbp.peer.common.errors import UserInputError
+from hlbp.peer.light.trust import trusted_signers
 from hlbp.peer.net.control import ControlPlane, NetworkConfig, software_version
 from hlbp.peer.net.heartbeat import Heartbeat
 from hlbp.peer.net.records import load_or_create_identity
 from hlbp.peer.node.capacity import measure, measure_bandwidth, measure_throughput, model_warmup
 from hlbp.peer.node.roles import Capacity, PeerView, Role, Thresholds, choose_role
-from hlbp.protocol import ProtocolError
-from hlbp.protocol.identity import public_key_from_peer_id, sha256_hex
+from hlbp.protocol.identity import sha256_hex
 from hlbp.protocol.records import Announcement, SignedManifest
 
 logger = logging.getLogger(__name__)
@@ -89,18 +89,6 @@ def _cache_dir(cfg: JoinConfig) -> Path:
     from hlbp.peer.data.streams import default_cache_dir
 
     return default_cache_dir()
-
-
-def trusted_signers(initial_peers: list[str], manifest_signers: list[str]) -> tuple[set[str], bool]:
-    """(signers, explicit): --manifest-signer ids if given, else the peer ids inside the initial multiaddrs."""
-    if manifest_signers:
-        for signer in manifest_signers:
-            try:
-                public_key_from_peer_id(signer)
-            except ProtocolError:
-                raise UserInputError(f"--manifest-signer {signer!r} is not a peer id like 12D3KooW...") from None
-        return set(manifest_signers), True
-    return {a.rstrip("/").split("/p2p/")[-1] for a in initial_peers if "/p2p/" in a}, False
 
 
 def check_reachability(plane: ControlPlane, helpers: list[str]) -> tuple[str, list[str]]:
@@ -205,6 +193,7 @@ def join(cfg: JoinConfig, echo: Callable[[str], None]) -> JoinedPeer:
         sources = _sources(plane, signed, anchors, m.tokenizer_hash)
         tokenizer_path = _fetch_tokenizer(plane, signed, sources, cache)
         plane.serve_artifacts({m.tokenizer_hash: tokenizer_path})
+        plane.serve_snapshot(m.run_id)
 
         thresholds = thresholds_for(signed)
         probe_peer = sources[0] if sources else signed.signer
