@@ -256,7 +256,7 @@ def status(
                                   help="Seconds to wait for the run manifest."),
     light: bool = opt(False, "--light/--no-light", env="LIGHT",
                       help="Read one initial peer's snapshot over py-libp2p and verify every record here: no p2pd, "
-                           "no hivemind in this process (pip install 'hlbp[libp2p]')."),
+                           "no hivemind in this process (pip install 'hlbp\\[libp2p]')."),
 ) -> None:
     """Show the run's peers from the DHT: role, swarm, stage, version, throughput, bandwidth, last seen.
 

@@ -75,10 +75,10 @@ def fetch(
     initial_peers: list[str] = opt([], "--initial-peers", env="INITIAL_PEERS", help=_INITIAL_PEERS_HELP,
                                    metavar="MULTIADDR"),
     manifest_signer: list[str] = opt([], "--manifest-signer", env="MANIFEST_SIGNER", metavar="PEER_ID",
-                                     help="Peer ids trusted to sign the manifest [default: the initial peers]."),
+                                     help="Peer ids trusted to sign the manifest \\[default: the initial peers]."),
     light: bool = opt(False, "--light/--no-light", env="LIGHT",
-                      help="Use py-libp2p: no p2pd, no hivemind in this process (pip install 'hlbp[libp2p]')."),
-    out: Path = opt(None, "--out", env="FETCH_OUT", help="Where to save it [default: ./<artifact name>]."),
+                      help="Use py-libp2p: no p2pd, no hivemind in this process (pip install 'hlbp\\[libp2p]')."),
+    out: Path = opt(None, "--out", env="FETCH_OUT", help="Where to save it \\[default: ./<artifact name>]."),
     connect_timeout: float = opt(20.0, "--connect-timeout", env="CONNECT_TIMEOUT",
                                  help="Seconds to reach the initial peers."),
     manifest_timeout: float = opt(10.0, "--manifest-timeout", env="MANIFEST_TIMEOUT",
@@ -110,7 +110,7 @@ def fetch(
 
 
 def _fetch_with_p2pd(peers_list: list[str], signers: list[str], wanted: str, out: Path | None,
-                     connect_timeout: float, manifest_timeout: float) -> tuple[str, float, Any, Path]:
+                     connect_timeout: float, manifest_timeout: float) -> tuple[str | None, float, Any, Path]:
     """``hlbp fetch`` without --light: a client-mode DHT node, the verified manifest, then any announcing peer."""
     import tempfile
 
@@ -133,6 +133,6 @@ def _fetch_with_p2pd(peers_list: list[str], signers: list[str], wanted: str, out
             sources = list(dict.fromkeys([*sorted(anchors), signed.signer, *serving]))
             started = time.perf_counter()
             plane.fetch_artifact(art, sources, dest)
-            return "", time.perf_counter() - started, art, dest  # the control plane tries sources in turn
+            return None, time.perf_counter() - started, art, dest  # the control plane tries sources in turn
         finally:
             plane.shutdown()

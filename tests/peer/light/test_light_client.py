@@ -72,13 +72,16 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
         ids = [r.proc.wait_for(r"^connected as (\S+)", 90).group(1) for r in replicas]
         for r in replicas:
             r.proc.wait_for("^announced in", 90)
-        yield Run(swarm, maddr, maddr.split("/p2p/")[1], ids, tok.read_bytes(), swarm.env)
+        run = Run(swarm, maddr, maddr.split("/p2p/")[1], ids, tok.read_bytes(), swarm.env)
+        everyone = {run.boot_id, *ids}
+        poll(lambda: {p["peer_id"] for p in light_json(run, maddr)[0]["peers"]} == everyone, 30,
+             "the bootstrap's snapshot to hold all three peers")
+        yield run
 
 
 def test_light_status_shows_the_peers_that_status_shows_and_never_loads_hivemind(run: Run):
     everyone = {run.boot_id, *run.replica_ids}
-    light, modules = poll(lambda: (r := light_json(run, run.maddr)) and
-                          {p["peer_id"] for p in r[0]["peers"]} == everyone and r, 30, "all three peers")
+    light, modules = light_json(run, run.maddr)
     assert "hivemind" not in modules and {"libp2p", "trio"} <= modules
     assert light["light"] and light["rejected"] == [] and light["signer"] == run.boot_id
 
@@ -90,7 +93,7 @@ def test_light_status_shows_the_peers_that_status_shows_and_never_loads_hivemind
         return sorted((p["peer_id"], p["role"], p["swarm"], p["stage"], p["online"], p["manifest_current"],
                        p["software"]) for p in r["peers"])
 
-    assert rows(light) == rows(report) and {p["peer_id"] for p in report["peers"]} == everyone
+    assert rows(light) == rows(report) and {p["peer_id"] for p in light["peers"]} == everyone
     for key in ("run_id", "model", "stages", "signer", "manifest_digest", "protocol", "outer", "round"):
         assert light[key] == report[key], key
 
