@@ -1,6 +1,7 @@
-"""The daemon-free light client against real processes on loopback: a bootstrap and two replicas (real p2pd),
-read over py-libp2p by ``hlbp status --light`` and ``hlbp fetch --light`` in processes that never load hivemind,
-a lying node that serves a snapshot with a record changed in transit, and an address where nobody listens."""
+"""The daemon-free light client against real processes on loopback: a bootstrap, two replicas and a stage peer
+(each with its own p2pd), read over py-libp2p by ``hlbp status --light`` and ``hlbp fetch --light`` in processes
+that never load hivemind; a lying node that serves a snapshot with a record changed in transit; and an address
+where nobody listens."""
 
 from __future__ import annotations
 
@@ -37,6 +38,7 @@ class Run:
     maddr: str  # the bootstrap's
     boot_id: str
     replica_ids: list[str]
+    stage_id: str  # a stage peer holding stage 0 of swarm 0
     tokenizer: bytes
     env: dict[str, str]
 
@@ -61,26 +63,28 @@ def light_json(run: Run, maddr: str, *extra: str) -> tuple[dict, set[str]]:
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
-    """``hlbp bootstrap`` and two ``hlbp join --no-train`` replicas, each with its own p2pd on 127.0.0.1."""
+    """``hlbp bootstrap``, two ``hlbp join --no-train`` replicas and a stage peer, each with its own p2pd on
+    127.0.0.1."""
     tmp = tmp_path_factory.mktemp("light")
     tok = tmp / "tokenizer.json"
     tok.write_text('{"model": "stand-in tokenizer for the light client", "pad": "' + "x" * 300_000 + '"}')
     cfg = SimConfig(run_id="light-run", ttl_s=60.0, cache_dir=tmp / "cache", stop_timeout_s=10.0)
     with Swarm(cfg, tmp / "swarm", env={"HLBP_TOKENIZER": str(tok)}) as swarm:
         maddr = swarm.start()
-        replicas = [swarm.add(f"r{i}", "--no-train", "--memory-gb", "8") for i in range(2)]
-        ids = [r.proc.wait_for(r"^connected as (\S+)", 90).group(1) for r in replicas]
-        for r in replicas:
+        joiners = [swarm.add(f"r{i}", "--no-train", "--memory-gb", "8") for i in range(2)]
+        joiners.append(swarm.add_stage("s0", 0, "--no-train", "--memory-gb", "8"))
+        ids = [r.proc.wait_for(r"^connected as (\S+)", 90).group(1) for r in joiners]
+        for r in joiners:
             r.proc.wait_for("^announced in", 90)
-        run = Run(swarm, maddr, maddr.split("/p2p/")[1], ids, tok.read_bytes(), swarm.env)
+        run = Run(swarm, maddr, maddr.split("/p2p/")[1], ids[:2], ids[2], tok.read_bytes(), swarm.env)
         everyone = {run.boot_id, *ids}
         poll(lambda: {p["peer_id"] for p in light_json(run, maddr)[0]["peers"]} == everyone, 30,
-             "the bootstrap's snapshot to hold all three peers")
+             "the bootstrap's snapshot to hold every peer")
         yield run
 
 
 def test_light_status_shows_the_peers_that_status_shows_and_never_loads_hivemind(run: Run):
-    everyone = {run.boot_id, *run.replica_ids}
+    everyone = {run.boot_id, *run.replica_ids, run.stage_id}
     light, modules = light_json(run, run.maddr)
     assert "hivemind" not in modules and {"libp2p", "trio"} <= modules
     assert light["light"] and light["rejected"] == [] and light["signer"] == run.boot_id
@@ -97,11 +101,15 @@ def test_light_status_shows_the_peers_that_status_shows_and_never_loads_hivemind
     for key in ("run_id", "model", "stages", "signer", "manifest_digest", "protocol", "outer", "round"):
         assert light[key] == report[key], key
 
-    # every node serves the snapshot: through a replica, trusting the bootstrap's manifest via the replica's record
-    via = next(p for p in light["peers"] if p["peer_id"] == run.replica_ids[1])["maddrs"][0]
-    through_replica, modules = light_json(run, via)
-    assert rows(through_replica) == rows(light) and through_replica["signer"] == run.boot_id
-    assert "hivemind" not in modules
+    assert [p["role"] for p in light["peers"]] == ["bootstrap", "replica", "replica", "stage"]
+
+    # every node serves the snapshot: through a replica and through a stage peer, trusting the bootstrap's
+    # manifest via the dialled peer's own record
+    for peer_id in (run.replica_ids[1], run.stage_id):
+        via = next(p for p in light["peers"] if p["peer_id"] == peer_id)["maddrs"][0]
+        through, modules = light_json(run, via)
+        assert rows(through) == rows(light) and through["signer"] == run.boot_id and through["source"] == via
+        assert "hivemind" not in modules
 
 
 def test_light_fetch_downloads_the_tokenizer_and_checks_its_hash(run: Run, tmp_path: Path):
@@ -127,7 +135,7 @@ def test_a_record_tampered_in_transit_is_rejected_never_shown(run: Run):
         assert "hivemind" not in modules
         assert [(r["kind"], r["author"]) for r in report["rejected"]] == [("announcement", victim)]
         assert "bad signature" in report["rejected"][0]["reason"]
-        assert {p["peer_id"] for p in report["peers"]} == {run.boot_id, run.replica_ids[1]}
+        assert {p["peer_id"] for p in report["peers"]} == {run.boot_id, run.replica_ids[1], run.stage_id}
 
         table = hlbp(run, "status", "--light", "--initial-peers", liar_maddr, "--manifest-signer", run.boot_id)
         assert table.returncode == 0, table.stderr
