@@ -32,6 +32,21 @@ MAX_NAME = 256
 _LEN = struct.Struct(">I")
 
 
+
+async def own_p2p(dht: Any) -> Any:
+    """A client of the DHT's p2pd for the calling event loop alone.
+
+    hivemind's ``DHT.replicate_p2p`` caches one replica per process, bound to the event loop of its first caller.
+    The blob transport and the stage links each run their own loop thread: sharing that replica put one
+    component's stream handlers and write tasks on the other's loop, where wake-ups from its own thread were lost
+    (a stage server's answers sat unsent), and closing one shut the other's client down.
+    """
+    from hivemind.dht import DHT
+    from hivemind.p2p import P2P
+
+    maddr = dht.run_coroutine(DHT._get_p2p_daemon_listen_maddr)
+    return await P2P.replicate(maddr)
+
 class TransportError(ConnectionError):
     """A fetch failed: the peer is unreachable, timed out, does not have the blob, or sent something malformed."""
 
@@ -95,7 +110,7 @@ class P2PBlobTransport:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
 
     async def _start(self, dht: Any) -> Any:
-        p2p = await dht.replicate_p2p()
+        p2p = await own_p2p(dht)
         await p2p.add_binary_stream_handler(HANDLER, self._handle)
         return p2p
 

@@ -21,6 +21,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from hlbp.peer.net.transport import own_p2p
 from hlbp.protocol import ProtocolError
 from hlbp.protocol.stagewire import LENGTH, StageMessage, body_length, decode_header, header_length
 
@@ -109,7 +110,7 @@ class StageLinks:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
     async def _start(self, dht: Any) -> Any:
-        p2p = await dht.replicate_p2p()
+        p2p = await own_p2p(dht)
         await p2p.add_binary_stream_handler(HANDLER, self._handle)
         return p2p
 
