@@ -8,7 +8,6 @@ The summary is a pure function of the peers' ``metrics.jsonl`` records, so it is
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
@@ -16,7 +15,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,7 +23,21 @@ from typing import Any
 from typing_extensions import Self
 
 from hlbp.peer.net.wanlink import WanEmulator, free_port
+from hlbp.peer.sim.report import checksums_agree, count_params, states_agree, summarize
 from hlbp.peer.train.metricslog import read_metrics
+
+__all__ = [
+    "PeerProcess",
+    "Replica",
+    "SimConfig",
+    "Swarm",
+    "checksums_agree",
+    "count_params",
+    "poll",
+    "run_simulation",
+    "states_agree",
+    "summarize",
+]  # the report functions live in hlbp.peer.sim.report
 
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 HLBP_PROGRAM = (sys.executable, "-m", "hlbp.cli.control_cmds")  # what runs `bootstrap` and `join` by default
@@ -313,112 +326,6 @@ def poll(fn: Callable[[], Any], timeout: float, what: str, interval: float = 0.2
 # ---------------------------------------------------------------------------------------------------------------
 # The summary: a pure function of the metrics records
 # ---------------------------------------------------------------------------------------------------------------
-
-
-def checksums_agree(records: Iterable[dict[str, Any]]) -> bool:
-    """True when every in-sync record of one round carries the same shard checksums (and there is at least one)."""
-    seen = {json.dumps(r.get("checksums", {}), sort_keys=True) for r in records if r.get("in_sync", True)}
-    return len(seen) == 1
-
-
-def states_agree(records: Iterable[dict[str, Any]]) -> bool:
-    """True when the in-sync records of one round describe the same parameters: equal checksums, or (a dense
-    run, whose all-reduce leaves ulp-level differences) fingerprints that agree within float rounding."""
-    from hlbp.peer.rounds.statesync import fingerprints_agree
-
-    recs = [r for r in records if r.get("in_sync", True)]
-    if checksums_agree(recs):
-        return True
-    prints = [r.get("fingerprints") or {} for r in recs]
-    if not recs or not all(prints) or any(p.keys() != prints[0].keys() for p in prints):
-        return False
-    return all(fingerprints_agree(tuple(p[k]), tuple(prints[0][k])) for p in prints for k in p)
-
-
-def summarize(records: dict[str, Sequence[dict[str, Any]]], n_params: int | None = None,
-              target_rounds: int | None = None) -> dict[str, Any]:
-    """The run's report from each peer's round records (``metrics.jsonl``, event ``round``).
-
-    Per round: validation loss (mean over peers), whether the checksums of all in-sync peers are equal, bytes sent
-    and received per peer, and the time split into compute, communication and waiting. ``utilization`` is
-    compute / (compute + communication): waiting for the deadline is the protocol's slack, not a transfer cost.
-    With ``n_params`` the dense fp32 equivalent (every peer shipping all parameters as float32) is compared with
-    the measured bytes.
-    """
-    by_round: dict[int, dict[str, dict[str, Any]]] = {}
-    for peer, recs in records.items():
-        for rec in recs:
-            by_round.setdefault(int(rec["round"]), {})[peer] = rec
-    rounds = []
-    for r in sorted(by_round):
-        peers = by_round[r]
-        vals = [p["val_loss"] for p in peers.values() if p.get("val_loss") is not None]
-        compute = sum(p["compute_s"] for p in peers.values())
-        comm = sum(p["comm_s"] for p in peers.values())
-        wait = sum(p["wait_s"] for p in peers.values())
-        n = len(peers)
-        rounds.append({
-            "round": r,
-            "peers": n,
-            "members": max(p.get("members", 0) for p in peers.values()),
-            "accepted": sorted(name for name, p in peers.items() if p.get("accepted")),
-            "val_loss": sum(vals) / len(vals) if vals else None,
-            "checksums_equal": checksums_agree(peers.values()),
-            "states_agree": states_agree(peers.values()),
-            "in_sync": all(p.get("in_sync", True) for p in peers.values()),
-            "bytes_sent": {name: p["bytes_sent"] for name, p in sorted(peers.items())},
-            "bytes_received": {name: p["bytes_received"] for name, p in sorted(peers.items())},
-            "compute_s": compute / n,
-            "comm_s": comm / n,
-            "wait_s": wait / n,
-            "utilization": compute / (compute + comm) if compute + comm > 0 else None,
-        })
-    complete = [r for r in rounds if target_rounds is None or r["peers"] == len(records)]
-    out: dict[str, Any] = {
-        "peers": sorted(records),
-        "rounds_completed": len(complete),
-        "rounds": rounds,
-        "val_loss": [r["val_loss"] for r in rounds],
-        "checksums_equal": [r["checksums_equal"] for r in rounds],
-        "states_agree": [r["states_agree"] for r in rounds],
-    }
-    total_compute = sum(r["compute_s"] for r in rounds)
-    total_comm = sum(r["comm_s"] for r in rounds)
-    out["time_s"] = {"compute": total_compute, "comm": total_comm, "wait": sum(r["wait_s"] for r in rounds)}
-    out["utilization"] = total_compute / (total_compute + total_comm) if total_compute + total_comm > 0 else None
-    sent = [b for r in rounds for b in r["bytes_sent"].values()]
-    recv = [b for r in rounds for b in r["bytes_received"].values()]
-    out["bytes_per_peer_round"] = {"sent": sum(sent) / len(sent) if sent else 0.0,
-                                   "received": sum(recv) / len(recv) if recv else 0.0}
-    if n_params is not None:
-        dense = 4 * n_params  # one fp32 pseudo-gradient over all shards, sent by every peer every round
-        measured = out["bytes_per_peer_round"]["sent"]
-        out["n_params"] = n_params
-        out["dense_fp32_bytes_per_peer_round"] = dense
-        out["compression_ratio"] = dense / measured if measured else None
-        # what the dense baseline really moves: hivemind's butterfly all-reduce, each way, per member
-        members = max((r["members"] for r in rounds), default=0)
-        allreduce = round(2 * (members - 1) / members * dense) if members > 1 else 0
-        traffic = max(out["bytes_per_peer_round"]["sent"], out["bytes_per_peer_round"]["received"])
-        out["dense_allreduce_bytes_per_peer_round"] = allreduce
-        out["allreduce_ratio"] = allreduce / traffic if traffic and allreduce else None
-    return out
-
-
-def count_params(checkpoint: Path) -> int:
-    """Parameters in a replica checkpoint (its ``anchor.*`` tensors: the model as the rounds agree on it)."""
-    from safetensors import safe_open
-
-    total = 0
-    with safe_open(str(checkpoint), framework="pt") as f:
-        for key in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-            if key.startswith("anchor."):
-                shape = f.get_slice(key).get_shape()
-                n = 1
-                for d in shape:
-                    n *= int(d)
-                total += n
-    return total
 
 
 def run_simulation(cfg: SimConfig, workdir: Path, timeout_s: float,
