@@ -72,6 +72,37 @@ def wait_for_replicas(count: Callable[[], int], want: int, timeout_s: float, sto
     return have >= want
 
 
+def round_settings(m: Any, checkpoint_every_s: float) -> tuple[OuterConfig, RoundConfig]:
+    """The outer optimizer and round protocol settings of run manifest ``m``: the same on every peer of the run,
+    full replica or stage peer."""
+    hp = m.hparams
+    outer = OuterConfig(kind=hp.outer, k=hp.k, beta=hp.beta, alpha=hp.alpha,  # type: ignore[arg-type]
+                        outer_lr=hp.outer_lr, momentum=hp.momentum, clip_median=hp.clip_median,
+                        aggregation=hp.aggregation,  # type: ignore[arg-type]
+                        token_weighted=hp.weighting == "tokens")
+    rcfg = RoundConfig(run_id=m.run_id, inner_steps=hp.inner_steps, deadline_s=hp.round_deadline_s,
+                       min_deadline_s=hp.min_deadline_s, max_deadline_s=hp.max_deadline_s,
+                       min_contributors=hp.min_contributors, checkpoint_every_s=checkpoint_every_s,
+                       guard=GuardConfig(max_contribution_ratio=hp.max_contribution_ratio,
+                                         max_update_ratio=hp.max_update_ratio, max_loss_jump=hp.max_loss_jump),
+                       allowed_peers=frozenset(m.allowed_peers))
+    return outer, rcfg
+
+
+def expected_contributors(announcements: dict[str, Any], m: Any) -> int:
+    """How many contributions a round of run ``m`` can expect from the announced peers (peer -> announcement):
+    every online full replica, and every stage peer of a swarm that has an online peer at each stage (one per
+    stage: a standby does not train, so it does not contribute). The coordinator closes early once that many
+    arrived, instead of waiting out its window."""
+    full = sum(1 for p, a in announcements.items() if a.role == "replica" and a.online and m.may_contribute(p))
+    stages: dict[int, set[int]] = {}
+    for p, a in announcements.items():
+        if a.role == "stage" and a.online and m.may_contribute(p) and a.swarm is not None and a.stage is not None:
+            stages.setdefault(a.swarm, set()).add(a.stage)
+    n_stages = len(m.stages)
+    return full + sum(n_stages for held in stages.values() if len(held) == n_stages)
+
+
 def replica_train_hook(ctx: TrainContext, options: ReplicaOptions, echo: Any = print) -> dict[str, Any]:
     """Train with outer rounds until stopped; returns (and writes to summary.json) what happened."""
     if options.threads:
@@ -95,16 +126,7 @@ def replica_train_hook(ctx: TrainContext, options: ReplicaOptions, echo: Any = p
     trainer = InnerTrainer(model, optim, micro_batches(stream, 1), device)
     val = val_batches(data.val, hp.seq_len, hp.batch_size, options.eval_batches) if options.eval_batches else []
     guard_batch = val_batches(data.val, hp.seq_len, hp.batch_size, 1)  # the same on every peer of the run
-    outer = OuterConfig(kind=hp.outer, k=hp.k, beta=hp.beta, alpha=hp.alpha,  # type: ignore[arg-type]
-                        outer_lr=hp.outer_lr, momentum=hp.momentum, clip_median=hp.clip_median,
-                        aggregation=hp.aggregation,  # type: ignore[arg-type]
-                        token_weighted=hp.weighting == "tokens")
-    rcfg = RoundConfig(run_id=m.run_id, inner_steps=hp.inner_steps, deadline_s=hp.round_deadline_s,
-                       min_deadline_s=hp.min_deadline_s, max_deadline_s=hp.max_deadline_s,
-                       min_contributors=hp.min_contributors, checkpoint_every_s=options.checkpoint_every_s,
-                       guard=GuardConfig(max_contribution_ratio=hp.max_contribution_ratio,
-                                         max_update_ratio=hp.max_update_ratio, max_loss_jump=hp.max_loss_jump),
-                       allowed_peers=frozenset(m.allowed_peers))
+    outer, rcfg = round_settings(m, options.checkpoint_every_s)
     if not m.may_contribute(peer.plane.peer_id):
         echo(f"warning: this peer ({peer.plane.peer_id}) is not in run {m.run_id}'s allow-list: every other peer "
              "ignores its contributions and records and refuses to serve it, so it cannot take part. Ask the run's "
@@ -120,8 +142,7 @@ def replica_train_hook(ctx: TrainContext, options: ReplicaOptions, echo: Any = p
         except Exception as exc:  # noqa: BLE001 - a failed read only means we wait for the window instead
             logger.debug("reading peers failed: %s", exc)
             return 0
-        return sum(1 for p, a in peers.items()
-                   if a.announcement.role == "replica" and a.announcement.online and m.may_contribute(p))
+        return expected_contributors({p: a.announcement for p, a in peers.items()}, m)
 
     exporter = None
     if options.metrics_port is not None:

@@ -106,11 +106,12 @@ class RoundStats:
 
 
 class ReplicaBase(ABC):
-    """What every full replica's round loop shares, whatever its exchange: the anchor, the outer optimizers, the
-    inner phase, DHT records, checkpoints, agreement checks and state sync. Subclasses implement ``run_round``.
+    """What every round loop shares: the anchor, outer optimizers, inner phase, DHT records, checkpoints, agreement
+    checks and state sync. Subclasses implement ``run_round``.
 
-    ``shards`` lists the parameter names of each shard (the manifest's stage partition). ``expected`` returns how
-    many contributors to wait for before closing early (the live replicas the control plane knows of).
+    ``shards``: parameter names per shard (the manifest's partition). ``held``: the shards this peer contributes
+    and checks, all for a full replica; a stage peer holds one, its model has only that shard, and it passes
+    ``shapes`` (every shard's) to decode others' contributions. ``expected``: contributors to wait for.
     """
 
     def __init__(
@@ -131,13 +132,19 @@ class ReplicaBase(ABC):
         faults: FaultHook = NO_FAULTS,
         guard_loss: Callable[[], float] | None = None,
         protect: Callable[[dict[str, tuple[str, int]]], None] | None = None,
+        held: Sequence[int] | None = None,
+        shapes: Sequence[dict[str, tuple[int, ...]]] | None = None,
     ) -> None:
         self.dht, self.identity, self.transport, self.trainer = dht, identity, transport, trainer
         self.me = identity.peer_id
         self.outer_cfg, self.cfg, self.stop = outer, cfg, stop
         self.shards = [list(s) for s in shards]
-        self.outers = [make_outer(outer) for _ in self.shards]
-        self.shapes = [{n: tuple(self._param(n).shape) for n in s} for s in self.shards]
+        self.held = sorted(set(held)) if held is not None else list(range(len(self.shards)))
+        if not self.held or not set(self.held) <= set(range(len(self.shards))):
+            raise ValueError(f"held shards {held} are not shards of a {len(self.shards)}-shard partition")
+        self.outers = {s: make_outer(outer) for s in self.held}
+        self.shapes = [dict(x) for x in shapes] if shapes is not None else \
+            [{n: tuple(self._param(n).shape) for n in s} for s in self.shards]
         self.anchor = {n: p.detach().float().cpu().clone() for n, p in trainer.model.named_parameters()}
         self.checkpoint, self.metrics = checkpoint, metrics or MetricsLog(None)
         self.expected = expected
@@ -170,11 +177,8 @@ class ReplicaBase(ABC):
                                     return_future=True), f"store under {key}")
 
     def _result(self, future: Any, what: str) -> Any:
-        """A DHT call's result, or None (logged) if it outlasts ``dht_timeout_s``.
-
-        A dead DHT process never answers, so the wait checks every second that it still runs and raises
-        ConnectionError if not: the peer then saves its checkpoint and exits instead of hanging.
-        """
+        """A DHT call's result, or None (logged) if it outlasts ``dht_timeout_s``. A dead DHT process never
+        answers: the wait checks every second that it runs, else raises ConnectionError (save and exit, not hang)."""
         deadline = time.monotonic() + self.cfg.dht_timeout_s
         while True:
             try:
@@ -189,12 +193,8 @@ class ReplicaBase(ABC):
                     return None
 
     def _read(self, *keys: str) -> list[dict[str, Any]]:
-        """The entries (subkey -> value) under each key, looked up side by side.
-
-        Each lookup costs one or two network round trips, so a poll that needs two keys asks for both at once
-        instead of paying those trips twice. A lookup that outlasts ``dht_timeout_s`` reads as empty, which the
-        round logic treats like a record not there yet.
-        """
+        """The entries (subkey -> value) under each key, looked up side by side (a poll of two keys pays its round
+        trips once). A lookup that outlasts ``dht_timeout_s`` reads as empty, like a record not there yet."""
         futures = [self.dht.get(key, latest=True, return_future=True) for key in keys]
         out = []
         for key, future in zip(keys, futures):
@@ -252,9 +252,9 @@ class ReplicaBase(ABC):
     def _publish_state(self, mine: ShardChecks) -> None:
         """Serve our state after round ``mine.round`` and publish its checksums (and fingerprints)."""
         r = mine.round
-        for s in range(len(self.shards)):
+        for s in self.held:
             self.transport.put(state_name(r, s), encode_state(self.anchor, self.shards[s], self.outers[s].state_tensors()))
-        self.transport.drop([state_name(r - 2, s) for s in range(len(self.shards))])
+        self.transport.drop([state_name(r - 2, s) for s in self.held])
         self._store(checks_key(self.cfg.run_id), mine.to_body(self.cfg.run_id), KIND_CHECKS)
 
     # -- agreement: exact checksums here; the dense runner compares fingerprints ------------------------------
@@ -266,31 +266,30 @@ class ReplicaBase(ABC):
     def _agreed(self, checks: Sequence[ShardChecks], r: int) -> tuple[list[str], dict[str, dict[int, str]]] | None:
         """The peers holding the agreed state after round r and the checksum to expect from each, or None."""
         want = majority_checksums(checks, r)
-        if len(want) != len(self.shards):
+        if any(s not in want for s in self.held):
             return None
-        donors = [c.peer for c in checks if c.round == r and c.checksums == want]
-        return donors, {d: want for d in donors}
+        expect = {c.peer: {s: want[s] for s in self.held if c.checksums.get(s) == want[s]}
+                  for c in checks if c.round == r}
+        donors = [p for p, held in expect.items() if held]  # a donor serves the agreed shards it holds
+        return donors, {d: expect[d] for d in donors}
 
     def _agrees(self, checks: Sequence[ShardChecks], mine: ShardChecks) -> bool:
         """Whether our state after ``mine.round`` is the one most peers hold."""
         want = majority_checksums([*checks, mine], mine.round)
-        if want != mine.checksums:
-            bad = [s for s in mine.checksums if want.get(s) != mine.checksums[s]]
+        bad = [s for s in mine.checksums if want.get(s) != mine.checksums[s]]
+        if bad:
             logger.warning("round %d: shard checksums %s differ from the majority of %d peers", mine.round, bad,
                            len([c for c in checks if c.round == mine.round]) + 1)
             return False
         return True
 
     def _my_checks(self, r: int) -> ShardChecks:
-        checks = {s: shard_checksum(self.anchor, names, self.outers[s].state_tensors())
-                  for s, names in enumerate(self.shards)}
+        checks = {s: shard_checksum(self.anchor, self.shards[s], self.outers[s].state_tensors()) for s in self.held}
         return ShardChecks(self.me, r, checks, self._fingerprints())
 
     def sync(self, attempts: int = 3) -> bool:
-        """Load the newest agreed state from peers: shards in parallel from different donors, verified by checksum.
-
-        Returns False if no agreed state exists yet (a fresh run) or every bounded attempt failed.
-        """
+        """Load the newest agreed state of the held shards from peers, in parallel from different donors, verified
+        by checksum. False if no agreed state exists yet (a fresh run) or every bounded attempt failed."""
         for _attempt in range(attempts):
             checks = [c for c in self.latest_checks() if c.peer != self.me]
             if not checks:
@@ -305,14 +304,14 @@ class ReplicaBase(ABC):
             random.Random(f"{self.me}|{latest}").shuffle(donors)
 
             try:
-                states, n_bytes = fetch_state(self.transport, donors, latest, self.shapes, expect,
-                                              self.cfg.max_payload_bytes, self.cfg.fetch_timeout_s,
+                states, n_bytes = fetch_state(self.transport, donors, latest, {s: self.shapes[s] for s in self.held},
+                                              expect, self.cfg.max_payload_bytes, self.cfg.fetch_timeout_s,
                                               self.cfg.fetch_workers)
             except TransportError as exc:
                 logger.warning("state sync for round %d failed (%s); retrying", latest, exc)
                 continue
             self._bytes_in += n_bytes
-            for s, state in enumerate(states):
+            for s, state in states.items():
                 self.anchor.update({n: t.clone() for n, t in state.params.items()})
                 fresh = make_outer(self.outer_cfg)
                 fresh.load_state(state.outer)
@@ -325,8 +324,7 @@ class ReplicaBase(ABC):
         return False
 
     def save_if_due(self) -> None:
-        """Save when ``checkpoint_every_s`` has passed since the last save: a 1B-parameter replica's checkpoint is
-        over 20 GB, too much to write every round; SIGTERM and the end of the run always save."""
+        """Save when ``checkpoint_every_s`` has passed (a 1B model's checkpoint is over 20 GB); exits always save."""
         if time.monotonic() - self._saved_at >= self.cfg.checkpoint_every_s:
             self.save()
 
@@ -341,7 +339,7 @@ class ReplicaBase(ABC):
             return
         tensors, header = self.trainer.state_tensors()
         tensors.update({f"anchor.{n}": t for n, t in self.anchor.items()})
-        for s, o in enumerate(self.outers):
+        for s, o in self.outers.items():
             tensors.update({f"outer{s}.{k}": v for k, v in o.state_tensors().items()})
         save_checkpoint(self.checkpoint, tensors, {**header, "round": self.round, "in_sync": self.in_sync,
                                                    "run": self.cfg.run_id})
@@ -368,7 +366,7 @@ class ReplicaBase(ABC):
                                  "round; move it away (the peer then syncs from the others)")
         self.trainer.load_state(tensors, header)
         self.anchor = anchor
-        for s, o in enumerate(self.outers):
+        for s, o in self.outers.items():
             prefix = f"outer{s}."
             o.load_state({k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)})
         self.round = round_
@@ -446,6 +444,10 @@ class ReplicaBase(ABC):
                 logger.info("round %d is already being announced by others: taking its result with weight 0 and "
                             "starting the next round with them", r)
                 return 0, 0
+        return self._train_phase(r)
+
+    def _train_phase(self, r: int) -> tuple[int, int]:
+        """The inner steps of round r: H AdamW steps of the local trainer (a stage peer's are its swarm's)."""
         tokens0 = self.trainer.tokens
         steps, last_check = 0, 0.0
         for _ in range(self.cfg.inner_steps):

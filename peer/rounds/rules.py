@@ -8,7 +8,8 @@ clock, which is also what lets ``tests/peer/rounds/test_rules.py`` pin them down
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from collections.abc import Set as AbstractSet
 
 from hlbp.peer.rounds.statesync import fingerprints_agree
 from hlbp.protocol.roundrecords import AcceptedSet, ShardChecks
@@ -17,6 +18,15 @@ from hlbp.protocol.roundrecords import AcceptedSet, ShardChecks
 def coordinator_order(round_: int, peers: Sequence[str]) -> list[str]:
     """Rendezvous ranking of ``peers`` for a round: every peer computes the same order from the same set."""
     return sorted(set(peers), key=lambda p: hashlib.sha256(f"{round_}|{p}".encode()).digest())
+
+
+def coordinator_ranking(round_: int, shards_of: Mapping[str, AbstractSet[int]], n_shards: int) -> list[str]:
+    """The coordinator order of a round whose contributors hold different shards (``shards_of``: peer -> the
+    shards its notice names): peers that contributed every shard first, then the others, each group in rendezvous
+    order. A full replica holds every shard's anchor, so it can bound every contribution before accepting it; a
+    stage peer coordinates only when no full replica contributed."""
+    full = [p for p, held in shards_of.items() if len(held) == n_shards]
+    return coordinator_order(round_, full) + coordinator_order(round_, [p for p in shards_of if p not in set(full)])
 
 
 def adapt_window(offsets: Sequence[float], lo: float, hi: float, current: float) -> float:
@@ -100,7 +110,7 @@ def round_standing(checks: Sequence[ShardChecks]) -> dict[str, dict[str, int | b
     if any(c.fingerprints for c in newest):
         agreeing = {c.peer for c in fingerprint_cluster(newest, latest)}
     else:
-        want = majority_checksums(newest, latest)
-        agreeing = {c.peer for c in newest if c.checksums == want}
+        want = majority_checksums(newest, latest)  # per shard: a stage peer agrees on the one shard it holds
+        agreeing = {c.peer for c in newest if all(want.get(s) == d for s, d in c.checksums.items())}
     return {c.peer: {"round": c.round, "agrees": c.peer in agreeing} for c in checks}
 

@@ -42,6 +42,7 @@ from hlbp.peer.rounds.rules import (
     adapt_window,
     close_verdict,
     coordinator_order,
+    coordinator_ranking,
     payload_limit,
     pick_accepted,
 )
@@ -97,8 +98,8 @@ class RoundRunner(ReplicaBase):
         self.guard = self.cfg.guard
         self.last_ratios: dict[str, float] = {}  # the last applied round's largest norm ratios (guard)
         self.last_copies: list[dict[str, Any]] = []  # the last applied round's evidence of copied contributions
-        self._reuse = [copies.ReuseLog() for _ in self.shards]
-        self._scales: list[float] = []  # ‖θ_s‖ of the round's anchor, per shard (set when the round's exchange starts)
+        self._reuse = {s: copies.ReuseLog() for s in self.held}
+        self._scales: dict[int, float] = {}  # ‖θ_s‖ of the round's anchor per held shard (set as its exchange starts)
 
     def _round_records(self, r: int) -> tuple[dict[str, ContribNotice], list[AcceptedSet]]:
         """Round r's contribution notices (by sender) and published accepted sets, read in one concurrent poll."""
@@ -119,12 +120,13 @@ class RoundRunner(ReplicaBase):
         r = self.round
         stats, steps, tokens, served_before = self._begin_round(r)
         t1 = time.perf_counter()
-        self._scales = [guard.scale({n: self.anchor[n] for n in names}) for names in self.shards]
+        self._scales = {s: guard.scale({n: self.anchor[n] for n in self.shards[s]}) for s in self.held}
         local = {n: p.detach() for n, p in self.trainer.model.named_parameters()}
-        mine: list[Contribution] = []
+        mine: dict[int, Contribution] = {}
         if steps and self.in_sync:
             digests, sizes = {}, {}
-            for s, names in enumerate(self.shards):
+            for s in self.held:
+                names = self.shards[s]
                 c = self.outers[s].contribute({n: self.anchor[n] for n in names}, {n: local[n] for n in names},
                                               self.me, tokens)
                 sent = self.faults.contribution(r, s, c)
@@ -132,7 +134,7 @@ class RoundRunner(ReplicaBase):
                                            self.limits[s])
                 self.transport.put(f"c/{r}/{s}/{self.me}", blob)
                 digests[s], sizes[s] = sha256_hex(blob), len(blob)
-                mine.append(c)
+                mine[s] = c
             if not self.stop.is_set():
                 # no look-up first whether the round already closed (a round trip on every round's critical path):
                 # a late notice is harmless, _close then finds the round closed and withdraws our contribution
@@ -158,7 +160,7 @@ class RoundRunner(ReplicaBase):
             stats.guard = dict(self.last_ratios)
             stats.copies = list(self.last_copies) if outcome == "applied" else []
         if mine and not stats.accepted:
-            for s, c in enumerate(mine):
+            for s, c in mine.items():
                 self.outers[s].withdraw(c)  # left out, or the round refused: it stays in the error-feedback buffer
         self._load_anchor_into_model()
         mine = self._my_checks(r)
@@ -208,7 +210,8 @@ class RoundRunner(ReplicaBase):
             notices, sets = self._round_records(r)
             for sender in notices:
                 arrivals.setdefault(sender, now)
-            order = coordinator_order(r, [p for p in notices if not self._refused_by_all(p, r)])
+            order = coordinator_ranking(r, {p: set(n.digests) for p, n in notices.items()
+                                            if not self._refused_by_all(p, r)}, len(self.shards))
             accepted = self._accepted(r, sets, order)
             if accepted is not None:
                 for peer, until in accepted.banned:  # bans travel with the accepted set: every coordinator honours them
@@ -262,8 +265,8 @@ class RoundRunner(ReplicaBase):
         checked in parallel: the round closes for everybody only when the coordinator is done."""
         candidates = {}
         for sender, notice in notices.items():
-            if (self._banned(sender, r) or set(notice.digests) != set(range(len(self.shards)))
-                    or (r, sender) in self._unreachable):
+            if (self._banned(sender, r) or not notice.digests
+                    or not set(notice.digests) <= set(range(len(self.shards))) or (r, sender) in self._unreachable):
                 continue
             over = [s for s, size in notice.sizes.items() if size > self.limits[s]]
             if over:  # its own signed notice claims more bytes than any honest payload: refuse without fetching
@@ -277,7 +280,9 @@ class RoundRunner(ReplicaBase):
                 for s, digest in candidates[sender].digests.items():
                     if (r, sender, s) not in self._verified:
                         c = self._decode(r, s, sender, digest, [])
-                        over = guard.oversized({sender: guard.contribution_norm(c)}, self._scales[s], self.guard)
+                        # a shard this peer does not hold has no anchor here to bound it by: its holders do that
+                        over = guard.oversized({sender: guard.contribution_norm(c)}, self._scales[s], self.guard) \
+                            if s in self._scales else {}
                         if over:
                             raise BadPayload(f"shard {s}'s contribution norm is {over[sender]:.3g}x the shard's "
                                              f"parameter norm (bound {self.guard.max_contribution_ratio:g}x)")
@@ -362,13 +367,9 @@ class RoundRunner(ReplicaBase):
         refuses alike, bans the same senders and keeps its parameters); or ``"failed"`` when an accepted payload
         could not be had (this peer alone is then out of sync).
         """
-        jobs = []
-        for sender, _tokens, digests in accepted.members:
-            for s in range(len(self.shards)):
-                if s not in digests:
-                    logger.warning("round %d: accepted member %s lacks shard %d", r, sender[:12], s)
-                    return "failed"
-                jobs.append((sender, s, digests[s]))
+        # each held shard takes the members that contributed to it (a stage peer contributes its own shard only)
+        jobs = [(sender, s, digests[s]) for sender, _tokens, digests in accepted.members for s in self.held
+                if s in digests]
         holders = accepted.senders()
 
         def get(job: tuple[str, int, str]) -> tuple[str, int, Contribution | BadPayload]:
@@ -390,12 +391,13 @@ class RoundRunner(ReplicaBase):
         bad = {sender: str(c) for sender, _s, c in got if isinstance(c, BadPayload)}
         if bad:
             return self._refuse(r, bad, "an accepted contribution does not decode")
-        per_shard: dict[int, list[Contribution]] = {s: [] for s in range(len(self.shards))}
+        per_shard: dict[int, list[Contribution]] = {s: [] for s in self.held}
         for _sender, s, c in sorted(got, key=lambda g: (g[1], g[0])):
             per_shard[s].append(c)  # type: ignore[arg-type]
         new: dict[str, torch.Tensor] = {}
         ratios = {"contribution": 0.0, "update": 0.0}  # the largest of the round, reported to measure the bounds
-        for s, names in enumerate(self.shards):
+        for s in self.held:
+            names = self.shards[s]
             norms = {c.sender: guard.contribution_norm(c) for c in per_shard[s]}
             ratios["contribution"] = max([ratios["contribution"], *(n / self._scales[s] for n in norms.values())])
             over = guard.oversized(norms, self._scales[s], self.guard)

@@ -150,24 +150,26 @@ def fetch_state(
     transport: BlobTransport,
     donors: Sequence[str],
     round_: int,
-    shapes: Sequence[dict[str, tuple[int, ...]]],
+    shapes: Mapping[int, dict[str, tuple[int, ...]]],
     checksums: Mapping[str, Mapping[int, str]],
     max_bytes: int,
     timeout: float,
     workers: int,
-) -> tuple[list[ShardState], int]:
-    """Every shard's state after ``round_``, each from a different donor first, verified against the checksum
-    the donor is expected to hold (``checksums[donor][shard]``: the majority's in a sparse run, the donor's own in
-    a dense run, whose donors were chosen by fingerprint).
+) -> tuple[dict[int, ShardState], int]:
+    """The state after ``round_`` of every shard in ``shapes`` (shard -> its tensor shapes), each from a different
+    donor first, verified against the checksum the donor is expected to hold (``checksums[donor][shard]``: the
+    majority's in a sparse run, the donor's own in a dense run, whose donors were chosen by fingerprint). A donor
+    with no checksum for a shard (a stage peer holds one shard) is not asked for it.
 
-    Returns the states and the bytes fetched; raises :class:`TransportError` if some shard could be had from no
-    donor (each donor is tried once per shard, so the work is bounded).
+    Returns the states by shard and the bytes fetched; raises :class:`TransportError` if some shard could be had
+    from no donor (each donor is tried once per shard, so the work is bounded).
     """
-    fetched = [0] * len(shapes)
+    fetched = dict.fromkeys(shapes, 0)
 
     def one(s: int) -> ShardState:
         errors = []
-        for donor in [*donors[s % len(donors):], *donors[: s % len(donors)]]:
+        holders = [d for d in donors if s in checksums.get(d, {})]
+        for donor in [*holders[s % max(1, len(holders)):], *holders[: s % max(1, len(holders))]]:
             try:
                 blob = transport.fetch(donor, state_name(round_, s), max_bytes, timeout)
                 fetched[s] += len(blob)
@@ -177,8 +179,9 @@ def fetch_state(
                 return state
             except (TransportError, ProtocolError) as exc:
                 errors.append(f"{donor[:12]}…: {exc}")
-        raise TransportError(f"shard {s}: " + "; ".join(errors[:3]))
+        raise TransportError(f"shard {s}: " + ("; ".join(errors[:3]) or "no donor holds it"))
 
-    with ThreadPoolExecutor(max(1, min(len(shapes), workers))) as pool:
-        states = list(pool.map(one, range(len(shapes))))
-    return states, sum(fetched)
+    order = list(shapes)
+    with ThreadPoolExecutor(max(1, min(len(order), workers))) as pool:
+        states = dict(zip(order, pool.map(one, order)))
+    return states, sum(fetched.values())

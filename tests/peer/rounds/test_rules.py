@@ -78,3 +78,23 @@ def test_round_standing_for_status() -> None:
              ShardChecks("p3", 2, {0: b}, {0: (2.0, 5.0)})]
     assert [round_standing(dense)[p]["agrees"] for p in ("p1", "p2", "p3")] == [True, True, False]
     assert round_standing([]) == {}
+
+
+def test_coordinators_that_contributed_every_shard_rank_before_stage_peers() -> None:
+    from hlbp.peer.rounds.rules import coordinator_ranking
+
+    shards = {"stage-a": {1}, "full-b": {0, 1}, "stage-c": {0}, "full-d": {0, 1}}
+    order = coordinator_ranking(7, shards, 2)
+    assert order[:2] == coordinator_order(7, ["full-b", "full-d"])
+    assert order[2:] == coordinator_order(7, ["stage-a", "stage-c"])
+    assert coordinator_ranking(7, {"stage-a": {1}, "stage-c": {0}}, 2) == coordinator_order(7, ["stage-a", "stage-c"])
+
+
+def test_round_standing_counts_a_stage_peer_that_agrees_on_its_one_shard() -> None:
+    checks = [ShardChecks("full-1", 3, {0: "a", 1: "b"}), ShardChecks("full-2", 3, {0: "a", 1: "b"}),
+              ShardChecks("stage-1", 3, {1: "b"}), ShardChecks("stage-0", 3, {0: "x"})]
+    from hlbp.peer.rounds.rules import round_standing
+
+    standing = round_standing(checks)
+    assert standing["stage-1"]["agrees"] and standing["full-1"]["agrees"]
+    assert not standing["stage-0"]["agrees"]
