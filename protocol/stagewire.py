@@ -28,7 +28,7 @@ import torch
 
 from hlbp.protocol.activations import HEADER, HEADER_SIZE
 from hlbp.protocol.errors import ProtocolError
-from hlbp.protocol.fields import _float, _int, _str
+from hlbp.protocol.fields import _bool, _float, _int, _str
 from hlbp.protocol.untrusted import unpack_msgpack
 
 OPS = ("fwd", "bwd", "eval", "loss", "finish", "done", "fail", "abort", "ping", "pong")
@@ -69,6 +69,8 @@ class StageMessage:
     peer: str = ""  # fail: the peer that failed
     reason: str = ""  # fail/abort: why, for the log
     busy: tuple[float, ...] = field(default=())  # bwd/loss: seconds each stage computed for this micro-batch
+    tokens: int = 0  # finish/done: tokens of the step (what a stage's round contribution is weighted by)
+    round_end: bool = False  # finish/done: the swarm's last inner step of the round; stages contribute after it
 
 
 def _route(body: dict[str, Any]) -> tuple[str, ...]:
@@ -110,6 +112,8 @@ def parse_header(obj: Any) -> StageMessage:
         peer=_str(obj, "peer", 128, "", pattern=re.compile(r"|" + _PEER.pattern)),
         reason=_str(obj, "reason", 200, ""),
         busy=_busy(obj),
+        tokens=_int(obj, "tokens", 0, 1 << 40, 0),
+        round_end=_bool(obj, "round_end", False),
     )
 
 

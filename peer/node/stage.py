@@ -34,7 +34,9 @@ from hlbp.peer.model.decoder import load_from_full, preset, split
 from hlbp.peer.model.pipeline import initial_state, run_model_config
 from hlbp.peer.model.subspace import CodecConfig, make_codec
 from hlbp.peer.node.join import TrainContext, data_rank
+from hlbp.peer.node.stagerounds import PhaseStopped, make_stage_rounds, serve_phase
 from hlbp.peer.swarm.driver import Driver, DriverConfig, StepAbandoned
+from hlbp.peer.swarm.gate import RoundGate
 from hlbp.peer.swarm.routing import Candidate
 from hlbp.peer.swarm.server import StageServer
 from hlbp.peer.swarm.worker import StageWorker
@@ -60,7 +62,7 @@ class StageOptions:
     in_flight: int | None = None  # driver: most micro-batches in the chain at once (None: all of a step's)
     deadline_s: float | None = None  # driver: fixed per-micro-batch deadline (None: from measured latency)
     eval_every: int = 10  # driver: validation loss every this many steps (0: never)
-    eval_batches: int = 2
+    eval_batches: int = 4  # as a full replica's, so a swarm's and a replica's validation losses compare
     total_steps: int = 1000  # driver: length of the learning-rate schedule
     threads: int | None = None
     device: str = "auto"
@@ -178,16 +180,26 @@ def stage_train_hook(ctx: TrainContext, options: StageOptions, echo: Callable[[s
     echo(f"{where}: {sum(p.numel() for p in worker.stage.parameters()):,} parameters, codec {codec_config(ctx.peer.manifest.manifest).label(config.d_model)}"
          + (f", resumed from step {info['resumed_step']}" if info["resumed_step"] is not None else ""))
     if role.stage == 0:
-        summary = _drive(ctx, options, worker, codec, vocab, view, echo, info["resumed_step"] or 0)
+        summary = _drive(ctx, options, worker, codec, vocab, view, echo, info["resumed_step"] or 0, config)
     else:
-        summary = _serve(ctx, options, worker, codec, vocab, view, echo)
+        summary = _serve(ctx, options, worker, codec, vocab, view, echo, config)
     atomic_write_bytes(ctx.out_dir / "summary.json", json.dumps(summary, indent=1).encode())
     return summary
 
 
+def _round_echo(echo: Callable[[str], None], stage: int) -> Callable[[Any, float | None], None]:
+    def on_round(stats: Any, val_loss: float | None) -> None:
+        share = "accepted" if stats.accepted else ("left out" if stats.contributed else "weight 0")
+        echo(f"round {stats.round}: {stats.members} contributions, ours {share}"
+             + (f", val {val_loss:.4f}" if val_loss is not None else "")
+             + f", shard {stage} {stats.checksums.get(stage, '')[:10]}" + ("" if stats.in_sync else ", out of sync"))
+    return on_round
+
+
 def _serve(ctx: TrainContext, options: StageOptions, worker: StageWorker, codec: Any, vocab: int, view: SwarmView,
-           echo: Callable[[str], None]) -> dict[str, Any]:
+           echo: Callable[[str], None], config: Any) -> dict[str, Any]:
     m = ctx.peer.manifest.manifest
+    stage = ctx.peer.role.stage or 0
     last = {"step": 0, "saved": time.monotonic(), "echo": 0.0}
     done = threading.Event()
 
@@ -204,22 +216,51 @@ def _serve(ctx: TrainContext, options: StageOptions, worker: StageWorker, codec:
         if ctx.max_steps is not None and server.counters.steps_applied >= ctx.max_steps:
             done.set()
 
+    gate = RoundGate()
+    metrics = MetricsLog(ctx.out_dir / "metrics.jsonl")
+    phase: list[Callable[[int], tuple[int, int]]] = []
+    runner, transport = make_stage_rounds(ctx, worker, config, lambda r: phase[0](r), metrics,
+                                          options.checkpoint_every_s, on_round=_round_echo(echo, stage))
+    phase.append(serve_phase(runner, gate, worker, ctx.stop, dead_step_s=30.0))
+    echo(f"rounds: {runner.start()}; at round {runner.round}")
+
+    def rounds() -> None:
+        try:
+            while not ctx.stop.is_set() and not done.is_set():
+                try:
+                    runner.history.append(runner.run_round())
+                finally:
+                    gate.open()
+        except PhaseStopped:
+            pass
+        except Exception:  # a round loop that fails leaves the stage serving; the log says why
+            logger.exception("the round loop of stage %d stopped", stage)
+
     server = StageServer(ctx.peer.plane.dht, worker, codec, vocab,
-                         lambda p: view.may_call(p, ctx.peer.role.stage or 0),
-                         max_tokens=m.hparams.batch_size * m.hparams.seq_len, on_step=on_step)
-    echo(f"serving stage {ctx.peer.role.stage} as {server.peer_id}")
+                         lambda p: view.may_call(p, stage),
+                         max_tokens=m.hparams.batch_size * m.hparams.seq_len, on_step=on_step, gate=gate)
+    echo(f"serving stage {stage} as {server.peer_id}")
+    thread = threading.Thread(target=rounds, name="hlbp-stage-rounds", daemon=True)
+    thread.start()
     try:
         while not ctx.stop.is_set() and not done.is_set():
             ctx.stop.wait(0.5)
     finally:
         server.close()
+        thread.join(timeout=30)
+        runner.save()
+        runner.close()
+        transport.close()
+        metrics.close()
         save_stage(ctx, worker, last["step"])
     c = server.counters
-    echo(f"stage {ctx.peer.role.stage}: {c.steps_applied} steps applied, {c.forwards} forwards, {c.backwards} "
-         f"backwards, {c.frames_refused} frames refused, busy {server.busy_fraction():.0%}")
-    return {"peer": ctx.peer.plane.peer_id, "role": "stage", "stage": ctx.peer.role.stage,
+    echo(f"stage {stage}: {c.steps_applied} steps applied, {c.forwards} forwards, {c.backwards} "
+         f"backwards, {c.frames_refused} frames refused, busy {server.busy_fraction():.0%}, "
+         f"{len(runner.history)} rounds")
+    return {"peer": ctx.peer.plane.peer_id, "role": "stage", "stage": stage,
             "swarm": ctx.peer.role.swarm, **{k: v for k, v in dataclasses.asdict(c).items() if k != "started"},
-            "busy_fraction": server.busy_fraction()}
+            "busy_fraction": server.busy_fraction(), "rounds": [dataclasses.asdict(r) for r in runner.history],
+            "final_round": runner.round - 1, "in_sync": runner.in_sync}
 
 
 def _is_driver(view: SwarmView, me: str) -> bool:
@@ -228,7 +269,7 @@ def _is_driver(view: SwarmView, me: str) -> bool:
 
 
 def _drive(ctx: TrainContext, options: StageOptions, worker: StageWorker, codec: Any, vocab: int, view: SwarmView,
-           echo: Callable[[str], None], start_step: int) -> dict[str, Any]:
+           echo: Callable[[str], None], start_step: int, config: Any) -> dict[str, Any]:
     peer = ctx.peer
     m = peer.manifest.manifest
     me = peer.plane.peer_id
@@ -237,8 +278,9 @@ def _drive(ctx: TrainContext, options: StageOptions, worker: StageWorker, codec:
         ctx.stop.wait(5.0)
     data = prepare_data(m.data_recipe, ctx.cache_dir, tokenizer_path=peer.tokenizer_path)
     stream = TokenStream(data.train, m.hparams.seq_len, m.hparams.batch_size, seed=m.seed, rank=data_rank(me))
+    # the validation batches every replica of the run scores (the full replicas' too, so losses compare)
     val = val_batches(data.val, m.hparams.seq_len, m.hparams.batch_size, options.eval_batches) \
-        if options.eval_every else []
+        if options.eval_batches else []
     n_stages = len(m.stages)
 
     def candidates() -> list[list[Candidate]]:
@@ -249,51 +291,91 @@ def _drive(ctx: TrainContext, options: StageOptions, worker: StageWorker, codec:
                     max_tokens=m.hparams.batch_size * m.hparams.seq_len, stop=ctx.stop)
     metrics = MetricsLog(ctx.out_dir / "metrics.jsonl")
     optim = driver_optim(m.hparams.lr, options.total_steps)
-    opt_step, seq, start = start_step, start_step, time.perf_counter()
+    state = {"opt_step": start_step, "seq": start_step, "saved": time.monotonic()}
+    start = time.perf_counter()
     val_losses: list[float] = []
-    last_save = time.monotonic()
-    echo(f"driving swarm {peer.role.swarm}: {n_stages} stages, {cfg.micro_batches} micro-batches per step")
+    inner = m.hparams.inner_steps
+
+    def step_once(round_end: bool) -> bool:
+        """One inner step through the chain, logged; False if it was abandoned."""
+        x, y = stream.batch(state["seq"])
+        state["seq"] += 1
+        opt_step = state["opt_step"]
+        record: dict[str, Any] = {"event": "step", "step": opt_step, "seq": state["seq"] - 1}
+        try:
+            result = driver.train_step(x, y, opt_step, lr_at(opt_step, optim), round_end=round_end)
+        except StepAbandoned as exc:
+            record.update(abandoned=str(exc))
+        else:
+            state["opt_step"] = opt_step = opt_step + 1
+            record.update(loss=result.loss, seconds=result.seconds, retried=result.retried, chain=result.chain)
+            if options.eval_every and val and opt_step % options.eval_every == 0:
+                v = driver.evaluate(val)
+                if v is not None:
+                    val_losses.append(v)
+                    record["val_loss"] = v
+            echo(f"step {opt_step - 1}: loss {result.loss:.4f} in {result.seconds:.2f} s"
+                 + (f", {result.retried} micro-batches retried" if result.retried else "")
+                 + (f", val {record['val_loss']:.4f}" if "val_loss" in record else ""))
+        c = driver.counters
+        record.update(tokens=c.tokens, microbatches=c.microbatches, microbatches_retried=c.microbatches_retried,
+                      microbatches_abandoned=c.microbatches_abandoned, steps_abandoned=c.steps_abandoned)
+        metrics.write(**record)
+        if time.monotonic() - state["saved"] >= options.checkpoint_every_s:
+            save_stage(ctx, worker, state["opt_step"])
+            state["saved"] = time.monotonic()
+        return "abandoned" not in record
+
+    def phase(r: int) -> tuple[int, int]:
+        """The swarm's inner phase of round r: up to H steps, the last marked as the round's end, cut short when
+        the round closes without the swarm."""
+        driver.wait_ready(60.0)  # the chain has loaded the last round's result
+        steps = tokens = 0
+        checked = time.monotonic()
+        while steps < inner:
+            if ctx.stop.is_set() or (ctx.max_steps is not None and state["opt_step"] >= start_step + ctx.max_steps):
+                raise PhaseStopped("stopping" if ctx.stop.is_set() else "--max-steps reached")
+            if time.monotonic() - checked > 0.5:
+                checked = time.monotonic()
+                if runner._round_closed(r):
+                    echo(f"round {r} closed after {steps} of the swarm's {inner} steps; taking its result")
+                    break
+            if step_once(round_end=steps + 1 == inner):
+                steps += 1
+                tokens += m.hparams.batch_size * m.hparams.seq_len
+        return steps, tokens
+
+    def evaluate() -> float | None:
+        driver.wait_ready(60.0)
+        return driver.evaluate(val)
+
+    runner, transport = make_stage_rounds(ctx, worker, config, phase, metrics, options.checkpoint_every_s,
+                                          evaluate=evaluate if val else None, on_round=_round_echo(echo, 0))
+    echo(f"driving swarm {peer.role.swarm}: {n_stages} stages, {cfg.micro_batches} micro-batches per step, "
+         f"{inner} steps per round; rounds: {runner.start()}; at round {runner.round}")
     try:
         if val:
             first = driver.evaluate(val)
             if first is not None:
                 val_losses.append(first)
                 echo(f"validation loss before training: {first:.4f}")
-        while not ctx.stop.is_set() and (ctx.max_steps is None or opt_step < start_step + ctx.max_steps):
-            x, y = stream.batch(seq)
-            seq += 1
-            record: dict[str, Any] = {"event": "step", "step": opt_step, "seq": seq - 1}
+        while not ctx.stop.is_set():
             try:
-                result = driver.train_step(x, y, opt_step, lr_at(opt_step, optim))
-            except StepAbandoned as exc:
-                record.update(abandoned=str(exc))
-            else:
-                opt_step += 1
-                record.update(loss=result.loss, seconds=result.seconds, retried=result.retried,
-                              chain=result.chain)
-                if options.eval_every and val and opt_step % options.eval_every == 0:
-                    v = driver.evaluate(val)
-                    if v is not None:
-                        val_losses.append(v)
-                        record["val_loss"] = v
-                echo(f"step {opt_step - 1}: loss {result.loss:.4f} in {result.seconds:.2f} s"
-                     + (f", {result.retried} micro-batches retried" if result.retried else "")
-                     + (f", val {record['val_loss']:.4f}" if "val_loss" in record else ""))
-            c = driver.counters
-            record.update(tokens=c.tokens, microbatches=c.microbatches, microbatches_retried=c.microbatches_retried,
-                          microbatches_abandoned=c.microbatches_abandoned, steps_abandoned=c.steps_abandoned)
-            metrics.write(**record)
-            if time.monotonic() - last_save >= options.checkpoint_every_s:
-                save_stage(ctx, worker, opt_step)
-                last_save = time.monotonic()
-        if val and (not val_losses or opt_step % max(1, options.eval_every)):
+                runner.history.append(runner.run_round())
+            except PhaseStopped:
+                break
+        if val and (not val_losses or state["opt_step"] % max(1, options.eval_every)):
             v = driver.evaluate(val)
             if v is not None:
                 val_losses.append(v)
     finally:
         driver.close()
+        runner.save()
+        runner.close()
+        transport.close()
         metrics.close()
-        save_stage(ctx, worker, opt_step)
+        save_stage(ctx, worker, state["opt_step"])
+    opt_step = state["opt_step"]
     wall = time.perf_counter() - start
     c = driver.counters
     echo(f"driver: {c.steps} steps, {c.steps_abandoned} abandoned, {c.microbatches} micro-batches done, "
@@ -305,4 +387,6 @@ def _drive(ctx: TrainContext, options: StageOptions, worker: StageWorker, codec:
             "microbatches_abandoned": c.microbatches_abandoned, "failures": c.failures, "tokens": c.tokens,
             "seconds": wall, "tokens_per_s": c.tokens / max(wall, 1e-9), "val_losses": val_losses,
             "busy_fractions": driver.busy_fractions(wall), "opt_step": opt_step, "data_rank": data_rank(me),
-            "busy_s": dict(c.busy_s), "stream_bytes": driver.links.byte_totals()}
+            "busy_s": dict(c.busy_s), "stream_bytes": driver.links.byte_totals(),
+            "rounds": [dataclasses.asdict(r) for r in runner.history], "final_round": runner.round - 1,
+            "in_sync": runner.in_sync}

@@ -157,8 +157,26 @@ class Driver:
                 announced_once = True
             time.sleep(0.5)
 
-    def _ping(self, peers: Sequence[str]) -> list[str]:
-        """The peers of ``peers`` that do not answer a ping in time."""
+    def wait_ready(self, timeout: float) -> bool:
+        """Wait (at most ``timeout`` seconds) until no peer of the current chain is exchanging an outer round.
+
+        A stage peer answers a ping with ``reason="round"`` while its round gate is closed (hlbp.peer.swarm.gate);
+        the next step's micro-batches would wait there and run into their deadline, so the driver waits here
+        instead. Returns whether the chain was ready in time (a silent peer counts as ready: the step finds it)."""
+        chain = list(self.chain or [])
+        deadline = time.monotonic() + timeout
+        while chain and time.monotonic() < deadline:
+            if self.stop is not None and self.stop.is_set():
+                return False
+            _silent, exchanging = self._ping(chain)
+            if not exchanging:
+                return True
+            time.sleep(0.2)
+        return not chain
+
+    def _ping(self, peers: Sequence[str]) -> tuple[list[str], list[str]]:
+        """The peers of ``peers`` that do not answer a ping in time, and those that answer that they are
+        exchanging an outer round."""
         for peer in peers:
             try:
                 self.links.dial(peer, self.cfg.ping_timeout_s).send(
@@ -166,6 +184,7 @@ class Driver:
             except ConnectionError:
                 continue
         answered: set[str] = set()
+        exchanging: set[str] = set()
         deadline = time.monotonic() + self.cfg.ping_timeout_s
         requeue = []
         while time.monotonic() < deadline and len(answered) < len(peers):
@@ -176,11 +195,13 @@ class Driver:
             kind, conn, msg, _ = item
             if kind == "msg" and msg.op == "pong":
                 answered.add(conn.peer)
+                if msg.reason == "round":
+                    exchanging.add(conn.peer)
             else:
                 requeue.append(item)
         for item in requeue:
             self._inbox.put(item)
-        return [p for p in peers if p not in answered]
+        return [p for p in peers if p not in answered], [p for p in peers if p in exchanging]
 
     # --- one step ----------------------------------------------------------------------------------------------------
 
@@ -208,8 +229,12 @@ class Driver:
         logger.warning("step %d abandoned (%d micro-batches): %s", self.step_seq, len(step_mbs), reason)
         return StepAbandoned(reason)
 
-    def train_step(self, x: torch.Tensor, y: torch.Tensor, opt_step: int, lr: float) -> StepResult:
-        """One inner step on the batch (x, y) [batch, seq]; raises :class:`StepAbandoned` if it can't finish."""
+    def train_step(self, x: torch.Tensor, y: torch.Tensor, opt_step: int, lr: float,
+                   round_end: bool = False) -> StepResult:
+        """One inner step on the batch (x, y) [batch, seq]; raises :class:`StepAbandoned` if it can't finish.
+
+        ``round_end`` marks the swarm's last inner step of an outer round: every stage of the chain then stops
+        starting steps and contributes its shard's pseudo-gradient (hlbp.peer.swarm.gate)."""
         start = time.perf_counter()
         self.step_seq += 1
         n = min(self.cfg.micro_batches, x.shape[0])
@@ -241,7 +266,7 @@ class Driver:
                 if failed is None and all(m.done for m in mbs):
                     finishing = True
                     finish_at = time.monotonic()
-                    self._send_finish(chain, len(mbs), opt_step, lr)
+                    self._send_finish(chain, len(mbs), opt_step, lr, int(y.numel()), round_end)
             kind = "none" if failed is not None else "timeout"
             deadline = self.latency.deadline()
             oldest = min((mbs[i].sent_at for i in inflight if mbs[i].sent_at), default=None)
@@ -257,8 +282,13 @@ class Driver:
                 pass
             elif kind == "timeout":
                 if oldest is not None and time.monotonic() > oldest + deadline:
-                    silent = self._ping(chain)
+                    silent, exchanging = self._ping(chain)
                     failed = silent[0] if silent else None
+                    if failed is None and exchanging:  # waiting at a stage's round gate, not lost: a new deadline
+                        for i in inflight:
+                            mbs[i].sent_at = time.monotonic()
+                        finish_at = time.monotonic()
+                        continue
                     if failed is None:  # everyone answers: the micro-batches were lost; run them again
                         stale = [i for i in inflight if not mbs[i].done]
                         if finishing or any(mbs[i].attempt + 1 >= self.cfg.max_attempts for i in stale):
@@ -332,10 +362,11 @@ class Driver:
             logger.warning("re-running %d micro-batches of step %d through %s", len(sent), self.step_seq,
                            " -> ".join(p[:12] for p in chain))
 
-    def _send_finish(self, chain: list[str], count: int, opt_step: int, lr: float) -> None:
+    def _send_finish(self, chain: list[str], count: int, opt_step: int, lr: float, tokens: int,
+                     round_end: bool) -> None:
         msg = StageMessage("finish", session=self.session, step=self.step_seq, count=count, opt_step=opt_step,
                            lr=lr, max_norm=self.cfg.max_norm, sumsq=min(self.worker.sumsq(), 1e300),
-                           route=tuple(chain[1:]))
+                           route=tuple(chain[1:]), tokens=tokens, round_end=round_end)
         try:
             self.links.dial(chain[0]).send(encode_message(msg))
         except ConnectionError:

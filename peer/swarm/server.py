@@ -31,6 +31,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from hlbp.peer.model.subspace import ActivationCodec
+from hlbp.peer.swarm.gate import RoundGate
 from hlbp.peer.swarm.links import Conn, StageLinks
 from hlbp.peer.swarm.routing import Bans
 from hlbp.peer.swarm.worker import StageStateError, StageWorker, clip_scale
@@ -75,8 +76,10 @@ class StageServer:
 
     def __init__(self, dht: Any, worker: StageWorker, codec: ActivationCodec, vocab_size: int,
                  accept: Callable[[str], bool], max_tokens: int, bans: Bans | None = None,
-                 on_step: Callable[[StageMessage, bool], None] | None = None) -> None:
+                 on_step: Callable[[StageMessage, bool], None] | None = None, gate: RoundGate | None = None,
+                 gate_timeout_s: float = 600.0) -> None:
         self.worker, self.codec, self.vocab_size = worker, codec, vocab_size
+        self.gate, self.gate_timeout_s = gate, gate_timeout_s  # steps wait here while a round is exchanged
         self.is_last = worker.stage.is_last
         self.bans = bans or Bans()
         self.on_step = on_step
@@ -118,7 +121,8 @@ class StageServer:
             self._on_bad(conn.peer, f"a {msg.op} message on a stream where only {sorted(allowed)} belong")
             return
         if msg.op == "ping":
-            conn.send(encode_message(StageMessage("pong", session=msg.session)))
+            exchanging = self.gate is not None and self.gate.closed  # the driver waits before its next step
+            conn.send(encode_message(StageMessage("pong", session=msg.session, reason="round" if exchanging else "")))
         elif msg.op in ("fwd", "eval"):
             with self._lock:
                 if msg.session != self._session:
@@ -196,6 +200,9 @@ class StageServer:
         if msg.op == "eval":
             self._eval(conn, msg, received, targets_bytes, shape)
             return
+        new_step = (msg.session, msg.step) != (self.worker.session, self.worker.step)
+        if self.gate is not None and new_step and not self.gate.enter(self.gate_timeout_s):
+            logger.warning("the round exchange took over %.0f s; serving the next step anyway", self.gate_timeout_s)
         self.worker.begin(msg.session, msg.step)
         if self.is_last:
             targets = decode_targets(targets_bytes, shape, self.vocab_size)
@@ -277,7 +284,8 @@ class StageServer:
         scale = clip_scale(total, msg.max_norm)
         done = StageMessage("done", session=msg.session, step=msg.step, opt_step=msg.opt_step, lr=msg.lr,
                             sumsq=min(total, 1e300) if math.isfinite(total) else 1e300,
-                            scale=scale if math.isfinite(scale) else 0.0)
+                            scale=scale if math.isfinite(scale) else 0.0, tokens=msg.tokens,
+                            round_end=msg.round_end)
         self._apply(done)
         self._send_up(done)
 
@@ -290,12 +298,16 @@ class StageServer:
         self.counters.steps_applied += ok
         self.counters.steps_skipped += not ok
         self.worker.step = -1  # applied: the next fwd of this session starts the next step afresh
+        if self.gate is not None:
+            self.gate.leave(ok, msg.tokens, msg.round_end)
         if self.on_step is not None:
             self.on_step(msg, ok)
 
     def _abort(self, msg: StageMessage) -> None:
         if msg.session == self.worker.session:
             self.worker.reset()
+            if self.gate is not None:
+                self.gate.leave(False)
         if msg.route:
             try:
                 self.links.dial(msg.route[0], timeout=3).send(encode_message(replace(msg, route=msg.route[1:])))

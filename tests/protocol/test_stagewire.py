@@ -103,3 +103,18 @@ def test_structured_fuzz_only_raises_protocol_error() -> None:
         except ProtocolError:
             continue
         assert msg.op == "fwd" and len(frame) + len(targets) == len(raw)
+
+
+def test_round_end_and_tokens_travel_and_are_bounded() -> None:
+    import msgpack
+    import pytest as _pytest
+
+    from hlbp.protocol import ProtocolError
+    from hlbp.protocol.stagewire import StageMessage, decode_header, encode_message, parse_header
+
+    msg = StageMessage("finish", session=1, step=2, count=4, tokens=256, round_end=True)
+    data = encode_message(msg)
+    assert decode_header(data[4:4 + int.from_bytes(data[:4], "big")]) == msg
+    for bad in ({"op": "done", "tokens": -1}, {"op": "done", "tokens": 1 << 41}, {"op": "done", "round_end": 1}):
+        with _pytest.raises(ProtocolError):
+            parse_header(msgpack.unpackb(msgpack.packb(bad)))

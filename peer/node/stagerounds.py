@@ -1,0 +1,133 @@
+"""A stage peer's part in the run's SparseLoCo rounds: its own shard, beside the full replicas.
+
+A full replica contributes every shard of the manifest's partition; a stage peer of stage s contributes shard s
+(its stage's parameters) and applies, checks and resyncs that shard alone, with the same round records, accepted
+sets and checksums as everybody else (hlbp.peer.rounds.sparseloco with ``held=[s]``). What differs is the inner
+phase: a stage peer does not step on its own, its swarm does.
+
+- The driver (stage 0) runs the phase itself: up to H steps through its chain, the last one marked ``round_end``
+  (hlbp.protocol.stagewire), cut short when the round closes without the swarm; before the next phase it waits
+  until the chain's stage peers have loaded the round's result (:meth:`hlbp.peer.swarm.driver.Driver.wait_ready`).
+- A stage server's phase ends when its round gate (hlbp.peer.swarm.gate) sees the driver's mark, or when the round
+  closes without the swarm (its driver is gone or behind): then the gate closes between two steps. Either way the
+  server contributes the steps it applied (a straggler's go back into its error-feedback buffer), loads the
+  round's result, and opens the gate.
+
+A stage peer whose swarm lacks a stage, or whose driver has left, takes every round's result with weight 0 and
+stays current, so the swarm contributes again as soon as it is whole.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from hlbp.peer.model.decoder import split
+from hlbp.peer.net.transport import P2PBlobTransport
+from hlbp.peer.node.replica import expected_contributors, round_settings
+from hlbp.peer.rounds.sparseloco import RoundRunner
+from hlbp.peer.swarm.gate import RoundGate
+from hlbp.peer.swarm.worker import StageWorker
+
+logger = logging.getLogger(__name__)
+
+
+class PhaseStopped(Exception):
+    """The inner phase ended with no round to exchange: the peer is leaving, or reached its ``--max-steps``.
+
+    The steps of the unfinished phase stay in the stage's parameters (and its stage checkpoint), not in the
+    error-feedback buffer: a restart resumes at the last round's result."""
+
+
+class StageTrainer:
+    """What the round loop needs of a trainer, for a stage: the stage module and its AdamW state.
+
+    The stage's weights and AdamW moments are saved in the stage checkpoint (hlbp.peer.node.stage.save_stage), so
+    the round checkpoint holds only the round state (anchor, error feedback, round number)."""
+
+    def __init__(self, worker: StageWorker) -> None:
+        self.worker = worker
+        self.model = worker.stage
+        self.optimizer = worker.optimizer
+        self.tokens = 0
+
+    def state_tensors(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        return {}, {}
+
+    def load_state(self, tensors: dict[str, Any], header: dict[str, Any]) -> None:
+        """Nothing: the stage checkpoint restores the weights and AdamW state."""
+
+    def train_step(self) -> None:
+        raise RuntimeError("a stage peer's inner steps come from its swarm's driver")
+
+
+class StageRounds(RoundRunner):
+    """The round loop of one stage peer: ``held`` is its stage's shard, ``phase(r)`` runs or awaits the swarm's
+    inner steps of round r and returns (steps, tokens), or raises :class:`PhaseStopped`."""
+
+    def __init__(self, *args: Any, phase: Callable[[int], tuple[int, int]], worker: StageWorker,
+                 **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.phase, self.worker = phase, worker
+
+    def _train_phase(self, r: int) -> tuple[int, int]:
+        return self.phase(r)
+
+    def _load_anchor_into_model(self) -> None:
+        super()._load_anchor_into_model()
+        if self.worker.constraint is not None:
+            self.worker.constraint.sync()  # variant A: later steps project their changes relative to this state
+
+
+def serve_phase(runner: StageRounds, gate: RoundGate, worker: StageWorker, stop: Any,
+                dead_step_s: float) -> Callable[[int], tuple[int, int]]:
+    """A stage server's inner phase: wait for the driver's end-of-round mark, or for the round to close without
+    the swarm (checked every half second); in the second case close the gate between two steps, dropping a step
+    that has been under way ``dead_step_s`` seconds (its driver left mid-step)."""
+
+    def phase(r: int) -> tuple[int, int]:
+        while not stop.is_set():
+            if gate.wait_ended(0.5):
+                return gate.take()
+            if runner._round_closed(r):
+                if not gate.close_between_steps(dead_step_s):
+                    worker.reset()
+                return gate.take()
+        raise PhaseStopped("stopping")
+
+    return phase
+
+
+def make_stage_rounds(ctx: Any, worker: StageWorker, config: Any, phase: Callable[[int], tuple[int, int]],
+                      metrics: Any, checkpoint_every_s: float, evaluate: Callable[[], float | None] | None = None,
+                      on_round: Callable[[Any, float | None], None] | None = None) -> tuple[StageRounds, Any]:
+    """The round loop of this stage peer (``ctx``: its join context) and the blob transport it serves its
+    payloads and shard state on; the caller closes both."""
+    peer = ctx.peer
+    m = peer.manifest.manifest
+    bounds = [tuple(s) for s in m.stages]
+    with torch.device("meta"):
+        stages = split(config, len(bounds), bounds)
+    shards = [[n for n, _ in s.named_parameters()] for s in stages]
+    shapes = [{n: tuple(p.shape) for n, p in s.named_parameters()} for s in stages]
+    outer, rcfg = round_settings(m, checkpoint_every_s)
+    transport = P2PBlobTransport(peer.plane.dht, cancel=ctx.stop,
+                                 allowed=m.may_contribute if m.allowed_peers else None)
+
+    def expected() -> int:
+        try:
+            peers = peer.plane.read_peers(m.run_id)
+        except Exception as exc:  # noqa: BLE001 - a failed read only means we wait for the window instead
+            logger.debug("reading peers failed: %s", exc)
+            return 0
+        return expected_contributors({p: a.announcement for p, a in peers.items()}, m)
+
+    runner = StageRounds(peer.plane.dht, peer.plane.identity, transport, StageTrainer(worker), outer, shards, rcfg,
+                         ctx.stop, checkpoint=ctx.out_dir / "rounds.safetensors", metrics=metrics,
+                         expected=expected, on_round=on_round, evaluate=evaluate, protect=peer.plane.protect,
+                         held=[peer.role.stage], shapes=shapes, phase=phase, worker=worker)
+    return runner, transport
+
