@@ -1,5 +1,6 @@
 # Two commands for a fresh machine:
-#   make demo   set everything up, then run a 4-replica swarm on loopback on the built-in corpus
+#   make demo   set everything up, then run a heterogeneous swarm on loopback on the built-in corpus:
+#               2 full replicas and a pipeline swarm of 2 stage peers in the same SparseLoCo rounds
 #   make test   set everything up, then run the test suite (what .ci/run calls)
 # TORCH_INDEX: pip index for torch when none is installed, e.g. https://download.pytorch.org/whl/cpu
 # (leave empty where `pip install torch==2.13.0` already resolves to a CPU build).
@@ -23,7 +24,7 @@ $(VENV)/.hlbp-installed: pyproject.toml
 	touch $@
 
 demo: setup
-	$(HLBP) simulate --full 4 --rounds 5 --out runs/simulate.json
+	$(HLBP) simulate --full 2 --swarms 1 --stages 2 --rounds 8 --out runs/simulate.json
 
 test: setup
 	$(PY) -m pytest -q -p no:cacheprovider

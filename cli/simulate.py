@@ -44,14 +44,22 @@ def summary_table(report: dict[str, Any]) -> Table:
     table = Table(title=f"{report['rounds_completed']} rounds completed", title_justify="left")
     dense = report.get("config", {}).get("outer") == "diloco"
     agree_col = "states agree" if dense else "checksums equal"
-    for col in ("round", "members", "val loss", agree_col, "sent B/peer", "recv B/peer", "compute s",
+    swarms = any(r.get("swarm_val_loss") or any(n.startswith("sw") for n in r["bytes_sent"]) for r in report["rounds"])
+    val_cols = ("full val", "swarm val") if swarms else ("val loss",)
+    for col in ("round", "members", *val_cols, agree_col, "sent B/peer", "recv B/peer", "compute s",
                 "comm s", "wait s", "utilization"):
         table.add_column(col, justify="right")
     for r in report["rounds"]:
         sent, recv = r["bytes_sent"].values(), r["bytes_received"].values()
         util = r["utilization"]
+        if swarms:
+            full = r.get("full_val_loss")
+            vals = [f"{full:.4f}" if full is not None else "-",
+                    " ".join(f"{v:.4f}" for v in r.get("swarm_val_loss", {}).values()) or "-"]
+        else:
+            vals = [f"{r['val_loss']:.4f}" if r["val_loss"] is not None else "-"]
         table.add_row(
-            str(r["round"]), str(r["members"]), f"{r['val_loss']:.4f}" if r["val_loss"] is not None else "-",
+            str(r["round"]), str(r["members"]), *vals,
             ("yes" if r["checksums_equal"] else "to fp rounding" if r["states_agree"] else "[red]NO[/]"), f"{sum(sent) / len(sent):,.0f}",
             f"{sum(recv) / len(recv):,.0f}", f"{r['compute_s']:.2f}", f"{r['comm_s']:.2f}", f"{r['wait_s']:.2f}",
             f"{util:.1%}" if util is not None else "-",
@@ -61,6 +69,17 @@ def summary_table(report: dict[str, Any]) -> Table:
 
 def simulate(
     full: int = opt(4, "--full", env="SIM_FULL", help="Full replicas to start on loopback."),
+    swarms: int = opt(0, "--swarms", env="SIM_SWARMS",
+                      help="Pipeline swarms to start beside the full replicas, each of --stages stage peers; every "
+                           "stage peer contributes its own shard to the same SparseLoCo rounds."),
+    stages: int = opt(2, "--stages", env="SIM_STAGES",
+                      help="Stages of the run's partition: the shards of every round, and the stage peers per swarm."),
+    codec: str = opt("dense", "--codec", env="SIM_CODEC",
+                     help="Activation codec of the swarms' stage boundaries: dense, subspace-a, subspace-b or "
+                          "subspace-a-drift (full replicas never compress activations)."),
+    codec_k: int = opt(0, "--codec-k", env="SIM_CODEC_K", help="Rank k of a subspace codec (0: d/32)."),
+    micro_batches: int = opt(2, "--micro-batches", env="SIM_MICRO_BATCHES",
+                             help="Micro-batches per inner step of each swarm's driver."),
     rounds: int = opt(5, "--rounds", env="SIM_ROUNDS", help="Outer rounds every replica runs."),
     model: str = opt("tiny", "--model", env="SIM_MODEL", help="Model preset of the simulated run."),
     inner_steps: int = opt(10, "--inner-steps", env="SIM_INNER_STEPS", help="Inner steps per round (H)."),
@@ -82,6 +101,11 @@ def simulate(
                                    "this many ms (round trip: twice this)."),
     wan_mbps: float = opt(None, "--wan-mbps", env="SIM_WAN_MBPS",
                           help="Emulate a WAN: each peer's link carries at most this many Mbit/s each way."),
+    swarm_wan_delay_ms: float = opt(None, "--swarm-wan-delay-ms", env="SIM_SWARM_WAN_DELAY_MS",
+                                    help="The stage peers' one-way delay, when it differs from --wan-delay-ms."),
+    swarm_wan_mbps: float = opt(None, "--swarm-wan-mbps", env="SIM_SWARM_WAN_MBPS",
+                                help="The stage peers' link rate, when it differs from --wan-mbps (weak peers "
+                                     "sit behind slower links)."),
     timeout: float = opt(600.0, "--timeout", env="SIM_TIMEOUT", help="Stop everything after this many seconds."),
     workdir: Path = opt(None, "--workdir", env="SIM_WORKDIR",
                         help="Logs, keys, checkpoints and metrics of the peers (default: a new temporary directory)."),
@@ -90,7 +114,10 @@ def simulate(
     quick: bool = opt(False, "--quick/--no-quick", env="SIM_QUICK",
                       help="A fast smoke run: 2 replicas, 2 rounds, 5 inner steps."),
 ) -> None:
-    """Start a bootstrap and N full replicas on 127.0.0.1, run R outer rounds, and report what they cost.
+    """Start a bootstrap, N full replicas and M pipeline swarms on 127.0.0.1, run R outer rounds, and report.
+
+    Full replicas contribute every shard, stage peers their own stage's shard, to the same SparseLoCo rounds;
+    only the swarms' stage boundaries compress activations (--codec).
 
     The report shows the validation loss per round, whether every peer ended each round with the same parameter
     checksums, the bytes each peer sent and received, the round time split into compute, communication and
@@ -107,16 +134,27 @@ def simulate(
         raise UserInputError(f"--outer must be sparseloco or diloco, got {outer!r}")
     if aggregation not in ("selectors", "mean"):
         raise UserInputError(f"--aggregation must be selectors or mean, got {aggregation!r}")
-    if full < 1 or rounds < 1 or inner_steps < 1 or batch_size < 1 or seq_len < 2 or threads < 1:
-        raise UserInputError("--full, --rounds, --inner-steps, --batch-size and --threads must be >= 1")
+    if full < 0 or swarms < 0 or full + swarms < 1:
+        raise UserInputError("--full and --swarms must be >= 0, and together start at least one peer")
+    if swarms and outer != "sparseloco":
+        raise UserInputError("pipeline swarms take part in sparseloco rounds only; use --outer sparseloco")
+    if stages < 1 or swarms and stages < 2:
+        raise UserInputError("--stages must be >= 1, and >= 2 for pipeline swarms")
+    for flag, value in (("--swarm-wan-delay-ms", swarm_wan_delay_ms), ("--swarm-wan-mbps", swarm_wan_mbps)):
+        if value is not None and (value < 0 or flag.endswith("mbps") and value <= 0):
+            raise UserInputError(f"{flag} must be positive")
+    if rounds < 1 or inner_steps < 1 or batch_size < 1 or seq_len < 2 or threads < 1 or micro_batches < 1:
+        raise UserInputError("--rounds, --inner-steps, --batch-size, --micro-batches and --threads must be >= 1")
     cfg = SimConfig(n_full=full, rounds=rounds, model=model, inner_steps=inner_steps, batch_size=batch_size,
                     seq_len=seq_len, round_deadline_s=deadline, min_deadline_s=min(1.0, deadline),
                     max_deadline_s=max(30.0, deadline), seed=seed, outer=outer, threads=threads, cache_dir=cache_dir,
                     aggregation=aggregation, clip_median=clip,
-                    wan_delay_ms=wan_delay_ms, wan_mbps=wan_mbps)
+                    wan_delay_ms=wan_delay_ms, wan_mbps=wan_mbps, n_stages=stages, n_swarms=swarms,
+                    micro_batches=micro_batches, codec=codec, codec_k=codec_k,
+                    swarm_wan_delay_ms=swarm_wan_delay_ms, swarm_wan_mbps=swarm_wan_mbps)
     work = workdir or Path(tempfile.mkdtemp(prefix="hlbp-simulate-"))
-    console.print(f"simulating {full} full replicas x {rounds} {outer} rounds of {model} on 127.0.0.1; "
-                  f"logs in {work}")
+    who = f"{full} full replicas" + (f" and {swarms} pipeline swarms of {stages} stage peers" if swarms else "")
+    console.print(f"simulating {who} x {rounds} {outer} rounds of {model} on 127.0.0.1; logs in {work}")
     with Live(progress_table({}, rounds), console=console, refresh_per_second=2) as live:
         report = run_simulation(cfg, work, timeout,
                                 on_progress=lambda recs: live.update(progress_table(recs, rounds)))
@@ -133,6 +171,18 @@ def simulate(
                       f"comm {t['comm'] / max(1, len(report['rounds'])):.2f} s, "
                       f"wait {t['wait'] / max(1, len(report['rounds'])):.2f} s; "
                       f"utilization {util:.1%}" if util is not None else "no rounds finished")
+    rs = report["rounds"]
+    if rs and any(r.get("swarm_val_loss") for r in rs):
+        first, last = rs[0], rs[-1]
+        parts = []
+        if first.get("full_val_loss") is not None and last.get("full_val_loss") is not None:
+            parts.append(f"full replicas {first['full_val_loss']:.4f} -> {last['full_val_loss']:.4f}")
+        for name in last.get("swarm_val_loss", {}):
+            seen = [r["swarm_val_loss"][name] for r in rs if name in r.get("swarm_val_loss", {})]
+            parts.append(f"swarm driven by {name} {seen[0]:.4f} -> {seen[-1]:.4f}")
+        util = last.get("utilization_by_role", {})
+        out_console.print("validation loss: " + "; ".join(parts) + "; utilization by role: "
+                          + ", ".join(f"{k} {v:.0%}" for k, v in util.items() if v is not None))
     bpr = report["bytes_per_peer_round"]
     if report.get("n_params"):
         ratio = report["compression_ratio"]

@@ -132,10 +132,13 @@ class WanEmulator:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def add(self, target_port: int, listen_port: int | None = None) -> int:
-        """Start a proxy that forwards to ``127.0.0.1:target_port``; returns the port it listens on."""
+    def add(self, target_port: int, listen_port: int | None = None, delay_s: float | None = None,
+            rate_mbps: float | None = None) -> int:
+        """Start a proxy that forwards to ``127.0.0.1:target_port``; returns the port it listens on. ``delay_s``
+        and ``rate_mbps`` override the emulator's own for this link (a slower peer behind the same emulator)."""
         port = listen_port or free_port()
-        proxy = _Proxy(target_port, self.delay_s, Link(self.rate), Link(self.rate))
+        rate = self.rate if rate_mbps is None else rate_mbps * 1e6 / 8
+        proxy = _Proxy(target_port, self.delay_s if delay_s is None else delay_s, Link(rate), Link(rate))
 
         async def handle(client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
             try:

@@ -23,7 +23,7 @@ from typing import Any
 from typing_extensions import Self
 
 from hlbp.peer.net.wanlink import WanEmulator, free_port
-from hlbp.peer.sim.report import checksums_agree, count_params, states_agree, summarize
+from hlbp.peer.sim.report import checksums_agree, count_params, stage_name, states_agree, summarize
 from hlbp.peer.train.metricslog import read_metrics
 
 __all__ = [
@@ -75,6 +75,10 @@ class SimConfig:
     codec_k: int = 0  # its k for the subspace codecs
     codec_dtype: str = ""  # its wire dtype ("": the codec's default)
     max_peers_per_stage: int = 1  # stage peers per stage of a swarm before a new swarm opens (standbys: 2)
+    n_swarms: int = 0  # pipeline swarms of n_stages stage peers each, in the same rounds as the full replicas
+    micro_batches: int = 2  # micro-batches per inner step of each swarm's driver
+    swarm_wan_delay_ms: float | None = None  # the swarms' stage peers' links (None: as the full replicas')
+    swarm_wan_mbps: float | None = None
 
     def run_toml(self) -> str:
         """The run config the bootstrap signs into the manifest."""
@@ -237,7 +241,8 @@ class Swarm:
             self.env["HLBP_CACHE"] = str(self.cfg.cache_dir)
         run = self.workdir / "run.toml"
         run.write_text(self.cfg.run_toml(), encoding="utf-8")
-        if self.cfg.wan_delay_ms > 0 or self.cfg.wan_mbps is not None:
+        if (self.cfg.wan_delay_ms > 0 or self.cfg.wan_mbps is not None or self.cfg.swarm_wan_delay_ms is not None
+                or self.cfg.swarm_wan_mbps is not None):
             self.wan = WanEmulator(self.cfg.wan_delay_ms / 1000, self.cfg.wan_mbps)
         self.bootstrap = self._spawn("bootstrap", [
             "bootstrap", *self._listen(), "--identity", str(self.workdir / "bootstrap.key"),
@@ -245,13 +250,17 @@ class Swarm:
         self.maddr = self.bootstrap.wait_for(r"hlbp join --initial-peers (\S+)", self.cfg.startup_timeout_s).group(1)
         return self.maddr
 
-    def _listen(self) -> list[str]:
-        """Listen flags of a new process: any loopback port, or a private port behind a WAN-emulating proxy."""
+    def _listen(self, stage: bool = False) -> list[str]:
+        """Listen flags of a new process: any loopback port, or a private port behind a WAN-emulating proxy (a
+        stage peer's with the swarms' link settings where they are set)."""
         if self.wan is None:
             return ["--host-maddrs", LOOPBACK]
         port = free_port()
+        delay = self.cfg.swarm_wan_delay_ms if stage and self.cfg.swarm_wan_delay_ms is not None \
+            else self.cfg.wan_delay_ms
+        rate = self.cfg.swarm_wan_mbps if stage and self.cfg.swarm_wan_mbps is not None else self.cfg.wan_mbps
         return ["--host-maddrs", f"/ip4/127.0.0.1/tcp/{port}",
-                "--announce-maddrs", f"/ip4/127.0.0.1/tcp/{self.wan.add(port)}"]
+                "--announce-maddrs", f"/ip4/127.0.0.1/tcp/{self.wan.add(port, delay_s=delay / 1000, rate_mbps=rate)}"]
 
     def _spawn(self, name: str, args: list[str], program: Sequence[str] | None = None) -> PeerProcess:
         proc = PeerProcess(name, args, self.env, log=self.workdir / f"{name}.log", program=program)
@@ -263,7 +272,7 @@ class Swarm:
         old = self.replicas.get(name)
         identity = old.identity if old else self.workdir / f"{name}.key"
         out_dir = old.out_dir if old else self.workdir / name
-        args = ["join", "--initial-peers", self.maddr, *self._listen(), "--identity", str(identity),
+        args = ["join", "--initial-peers", self.maddr, *self._listen("--stage" in role_flags), "--identity", str(identity),
                 "--bandwidth", "1e8", "--reachability", "public", "--threads", str(self.cfg.threads),
                 "--out-dir", str(out_dir), "--ttl", str(self.cfg.ttl_s), *role_flags]
         peer = Replica(name, identity, out_dir, self._spawn(name, args, program), old.peer_id if old else "")
@@ -335,12 +344,21 @@ def run_simulation(cfg: SimConfig, workdir: Path, timeout_s: float,
     started = time.monotonic()
     with Swarm(cfg, workdir) as swarm:
         swarm.start()
+        contributors = cfg.n_full + cfg.n_swarms * cfg.n_stages
+        # servers first, so each driver finds its chain; one at a time, so the role policy fills swarm m before
+        # it opens swarm m + 1 (it gives a joiner the missing stage of an existing swarm first)
+        for m in range(cfg.n_swarms):
+            for stage in range(1, cfg.n_stages):
+                swarm.add_stage(stage_name(m, stage), stage).proc.wait_for("^announced", cfg.startup_timeout_s)
         for i in range(cfg.n_full):  # they start round 0 together, not each as it finishes joining
-            swarm.add(f"peer{i}", "--wait-replicas", str(cfg.n_full))
+            swarm.add(f"peer{i}", "--wait-replicas", str(contributors))
+        for m in range(cfg.n_swarms):
+            swarm.add_stage(stage_name(m, 0), 0, "--micro-batches", str(cfg.micro_batches),
+                            "--eval-every", "0").proc.wait_for("^announced", cfg.startup_timeout_s)
         deadline = started + timeout_s
         timed_out = False
         while True:
-            records = swarm.records()
+            records = {n: recs[:cfg.rounds] for n, recs in swarm.records().items()}
             if on_progress is not None:
                 on_progress(records)
             finished = [len(recs) >= cfg.rounds or not swarm.replicas[n].proc.alive for n, recs in records.items()]
@@ -350,6 +368,9 @@ def run_simulation(cfg: SimConfig, workdir: Path, timeout_s: float,
                 timed_out = True
                 break
             time.sleep(0.5)  # the polling interval of the progress display, bounded by the deadline above
+        for name, replica in swarm.replicas.items():  # stage peers serve until stopped: stop them now
+            if name.startswith("sw") and replica.proc.alive:
+                replica.proc.popen.send_signal(signal.SIGTERM)
         for replica in swarm.replicas.values():  # let finished peers save and leave on their own
             try:
                 replica.proc.popen.wait(timeout=max(0.1, min(cfg.stop_timeout_s, deadline - time.monotonic())))
@@ -363,7 +384,7 @@ def run_simulation(cfg: SimConfig, workdir: Path, timeout_s: float,
                    "proxied_bytes": sum(p.inbound + p.outbound for p in carried),
                    "connections": sum(p.connections for p in carried)}
         paths = {n: r.metrics_path() for n, r in swarm.replicas.items()}
-    records = swarm.records()
+    records = {n: recs[:cfg.rounds] for n, recs in swarm.records().items()}
     n_params = None
     for path in paths.values():
         if path is not None and (path.parent / "checkpoint.safetensors").exists():

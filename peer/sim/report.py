@@ -3,16 +3,21 @@ whether the checksums agree, bytes per peer and the time split; and the dense ba
 
 from __future__ import annotations
 
-import json
+import re
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 
 def checksums_agree(records: Iterable[dict[str, Any]]) -> bool:
-    """True when every in-sync record of one round carries the same shard checksums (and there is at least one)."""
-    seen = {json.dumps(r.get("checksums", {}), sort_keys=True) for r in records if r.get("in_sync", True)}
-    return len(seen) == 1
+    """True when, shard by shard, every in-sync record of one round that holds the shard carries the same checksum
+    (a full replica holds every shard, a stage peer its own), and there is at least one such record."""
+    per_shard: dict[str, set[str]] = {}
+    for r in records:
+        if r.get("in_sync", True):
+            for shard, digest in r.get("checksums", {}).items():
+                per_shard.setdefault(str(shard), set()).add(digest)
+    return bool(per_shard) and all(len(v) == 1 for v in per_shard.values())
 
 
 def states_agree(records: Iterable[dict[str, Any]]) -> bool:
@@ -47,6 +52,15 @@ def summarize(records: dict[str, Sequence[dict[str, Any]]], n_params: int | None
     for r in sorted(by_round):
         peers = by_round[r]
         vals = [p["val_loss"] for p in peers.values() if p.get("val_loss") is not None]
+        full_vals = [p["val_loss"] for n, p in peers.items() if not is_stage(n) and p.get("val_loss") is not None]
+        swarm_vals = {n: p["val_loss"] for n, p in sorted(peers.items())
+                      if is_stage(n) and p.get("val_loss") is not None}
+        roles = {}
+        for role, members in (("full", [p for n, p in peers.items() if not is_stage(n)]),
+                              ("stage", [p for n, p in peers.items() if is_stage(n)])):
+            c, m = sum(p["compute_s"] for p in members), sum(p["comm_s"] for p in members)
+            if members:
+                roles[role] = c / (c + m) if c + m > 0 else None
         compute = sum(p["compute_s"] for p in peers.values())
         comm = sum(p["comm_s"] for p in peers.values())
         wait = sum(p["wait_s"] for p in peers.values())
@@ -57,6 +71,10 @@ def summarize(records: dict[str, Sequence[dict[str, Any]]], n_params: int | None
             "members": max(p.get("members", 0) for p in peers.values()),
             "accepted": sorted(name for name, p in peers.items() if p.get("accepted")),
             "val_loss": sum(vals) / len(vals) if vals else None,
+            "full_val_loss": sum(full_vals) / len(full_vals) if full_vals else None,
+            "swarm_val_loss": swarm_vals,  # per swarm driver (it scores the swarm's whole model through its chain)
+            "utilization_by_role": roles,
+            "shards": {n: sorted(p.get("checksums", {})) for n, p in sorted(peers.items())},
             "checksums_equal": checksums_agree(peers.values()),
             "states_agree": states_agree(peers.values()),
             "in_sync": all(p.get("in_sync", True) for p in peers.values()),
@@ -113,3 +131,13 @@ def count_params(checkpoint: Path) -> int:
                     n *= int(d)
                 total += n
     return total
+
+
+def is_stage(name: str) -> bool:
+    """Whether a simulation peer name is a stage peer's (:func:`stage_name`)."""
+    return re.fullmatch(r"sw\d+s\d+", name) is not None
+
+
+def stage_name(swarm: int, stage: int) -> str:
+    """The simulation's name of stage peer ``stage`` of swarm ``swarm`` (full replicas are ``peer<i>``)."""
+    return f"sw{swarm}s{stage}"

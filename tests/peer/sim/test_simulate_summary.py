@@ -40,3 +40,18 @@ def test_dense_allreduce_baseline_counts_both_ways() -> None:
     # 2 (N-1)/N x 4 B x params with N = 4 members, against the larger of sent and received (200 B)
     assert report["dense_allreduce_bytes_per_peer_round"] == 6000
     assert report["allreduce_ratio"] == 30
+
+
+def test_checksums_agree_shard_by_shard_with_stage_peers_holding_one_shard() -> None:
+    full = [_rec(0, {"0": "a", "1": "b"}, 1.0, 1), _rec(0, {"0": "a", "1": "b"}, 1.0, 1)]
+    assert checksums_agree([*full, _rec(0, {"1": "b"}, 1.0, 1), _rec(0, {"0": "a"}, 1.0, 1)])
+    assert not checksums_agree([*full, _rec(0, {"1": "other"}, 1.0, 1)])
+
+
+def test_report_splits_validation_and_utilization_by_role() -> None:
+    records = {"peer0": [_rec(0, {"0": "a", "1": "b"}, 9.0, 10)], "sw0s0": [_rec(0, {"0": "a"}, 9.5, 10)],
+               "sw0s1": [{**_rec(0, {"1": "b"}, 1.0, 10), "val_loss": None}]}
+    r = summarize(records)["rounds"][0]
+    assert r["full_val_loss"] == 9.0 and r["swarm_val_loss"] == {"sw0s0": 9.5}
+    assert set(r["utilization_by_role"]) == {"full", "stage"}
+    assert r["shards"] == {"peer0": ["0", "1"], "sw0s0": ["0"], "sw0s1": ["1"]}
