@@ -103,6 +103,21 @@ def expected_contributors(announcements: dict[str, Any], m: Any) -> int:
     return full + sum(n_stages for held in stages.values() if len(held) == n_stages)
 
 
+def contributors_counter(plane: Any, m: Any) -> Callable[[], int]:
+    """A function that reads the run's announcements and returns :func:`expected_contributors` (0 when the read
+    fails: the round then waits out its window instead of closing early)."""
+
+    def expected() -> int:
+        try:
+            peers = plane.read_peers(m.run_id)
+        except Exception as exc:  # noqa: BLE001 - a failed read only means we wait for the window instead
+            logger.debug("reading peers failed: %s", exc)
+            return 0
+        return expected_contributors({p: a.announcement for p, a in peers.items()}, m)
+
+    return expected
+
+
 def replica_train_hook(ctx: TrainContext, options: ReplicaOptions, echo: Any = print) -> dict[str, Any]:
     """Train with outer rounds until stopped; returns (and writes to summary.json) what happened."""
     if options.threads:
@@ -136,13 +151,7 @@ def replica_train_hook(ctx: TrainContext, options: ReplicaOptions, echo: Any = p
     ctx.out_dir.mkdir(parents=True, exist_ok=True)
     metrics = MetricsLog(ctx.out_dir / "metrics.jsonl")
 
-    def expected() -> int:
-        try:
-            peers = peer.plane.read_peers(m.run_id)
-        except Exception as exc:  # noqa: BLE001 - a failed read only means we wait for the window instead
-            logger.debug("reading peers failed: %s", exc)
-            return 0
-        return expected_contributors({p: a.announcement for p, a in peers.items()}, m)
+    expected = contributors_counter(peer.plane, m)
 
     exporter = None
     if options.metrics_port is not None:

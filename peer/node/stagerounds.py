@@ -27,7 +27,7 @@ import torch
 
 from hlbp.peer.model.decoder import split
 from hlbp.peer.net.transport import P2PBlobTransport
-from hlbp.peer.node.replica import expected_contributors, round_settings
+from hlbp.peer.node.replica import contributors_counter, round_settings
 from hlbp.peer.rounds.sparseloco import RoundRunner
 from hlbp.peer.swarm.gate import RoundGate
 from hlbp.peer.swarm.worker import StageWorker
@@ -117,14 +117,7 @@ def make_stage_rounds(ctx: Any, worker: StageWorker, config: Any, phase: Callabl
     transport = P2PBlobTransport(peer.plane.dht, cancel=ctx.stop,
                                  allowed=m.may_contribute if m.allowed_peers else None)
 
-    def expected() -> int:
-        try:
-            peers = peer.plane.read_peers(m.run_id)
-        except Exception as exc:  # noqa: BLE001 - a failed read only means we wait for the window instead
-            logger.debug("reading peers failed: %s", exc)
-            return 0
-        return expected_contributors({p: a.announcement for p, a in peers.items()}, m)
-
+    expected = contributors_counter(peer.plane, m)
     runner = StageRounds(peer.plane.dht, peer.plane.identity, transport, StageTrainer(worker), outer, shards, rcfg,
                          ctx.stop, checkpoint=ctx.out_dir / "rounds.safetensors", metrics=metrics,
                          expected=expected, on_round=on_round, evaluate=evaluate, protect=peer.plane.protect,
