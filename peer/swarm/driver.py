@@ -245,6 +245,7 @@ class Driver:
             raise self._abandon(mbs, "no complete chain of stage peers")
         self.worker.begin(self.session, self.step_seq)
         retried = 0
+        waits = 0  # deadlines renewed because a stage said it is exchanging a round (bounded: a peer may lie)
         finishing = False
         while True:
             if self.stop is not None and self.stop.is_set():
@@ -284,11 +285,14 @@ class Driver:
                 if oldest is not None and time.monotonic() > oldest + deadline:
                     silent, exchanging = self._ping(chain)
                     failed = silent[0] if silent else None
-                    if failed is None and exchanging:  # waiting at a stage's round gate, not lost: a new deadline
+                    if failed is None and exchanging and waits < self.cfg.max_attempts:
+                        waits += 1  # waiting at a stage's round gate, not lost: a new deadline, a few times
                         for i in inflight:
                             mbs[i].sent_at = time.monotonic()
                         finish_at = time.monotonic()
                         continue
+                    if failed is None and exchanging:
+                        failed = exchanging[0]  # says "round" past every renewed deadline: treat it as failed
                     if failed is None:  # everyone answers: the micro-batches were lost; run them again
                         stale = [i for i in inflight if not mbs[i].done]
                         if finishing or any(mbs[i].attempt + 1 >= self.cfg.max_attempts for i in stale):

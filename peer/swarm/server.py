@@ -80,6 +80,7 @@ class StageServer:
                  gate_timeout_s: float = 600.0) -> None:
         self.worker, self.codec, self.vocab_size = worker, codec, vocab_size
         self.gate, self.gate_timeout_s = gate, gate_timeout_s  # steps wait here while a round is exchanged
+        self.max_tokens = max_tokens  # a step has at most this many tokens, whatever its driver claims
         self.is_last = worker.stage.is_last
         self.bans = bans or Bans()
         self.on_step = on_step
@@ -299,7 +300,8 @@ class StageServer:
         self.counters.steps_skipped += not ok
         self.worker.step = -1  # applied: the next fwd of this session starts the next step afresh
         if self.gate is not None:
-            self.gate.leave(ok, msg.tokens, msg.round_end)
+            # the driver's count weighs this stage's contribution in token-weighted runs: never above a batch
+            self.gate.leave(ok, min(msg.tokens, self.max_tokens), msg.round_end)
         if self.on_step is not None:
             self.on_step(msg, ok)
 
