@@ -70,6 +70,7 @@ class SimConfig:
     stop_timeout_s: float = 20.0  # SIGTERM, then SIGKILL after this long
     aggregation: str = "selectors"  # SparseLoCo aggregation of the run (manifest hparams)
     clip_median: bool = True  # median-norm clipping of the run (manifest hparams)
+    weighting: str = "equal"  # contributions weighted equally or by their "tokens" (manifest hparams)
     allowed_peers: tuple[str, ...] = ()  # closed run: the peer ids that may contribute (empty: anyone)
     codec: str = "dense"  # activation codec of the pipeline swarms' stage boundaries (manifest [codec])
     codec_k: int = 0  # its k for the subspace codecs
@@ -88,7 +89,8 @@ class SimConfig:
                 f"seq_len = {self.seq_len}\nround_deadline_s = {self.round_deadline_s}\n"
                 f"min_deadline_s = {self.min_deadline_s}\nmax_deadline_s = {self.max_deadline_s}\n"
                 f'outer = "{self.outer}"\nmin_contributors = {self.min_contributors}\n'
-                f'aggregation = "{self.aggregation}"\nclip_median = {str(self.clip_median).lower()}\n'
+                f'aggregation = "{self.aggregation}"\nweighting = "{self.weighting}"\n'
+                f'clip_median = {str(self.clip_median).lower()}\n'
                 f'[codec]\nname = "{self.codec}"\nk = {self.codec_k}\n'
                 + (f'dtype = "{self.codec_dtype}"\n' if self.codec_dtype else "")
                 + f"[placement]\nmax_peers_per_stage = {self.max_peers_per_stage}\n")
