@@ -5,13 +5,16 @@ bytes of :mod:`hlbp.protocol.activations`, so the loss reflects exactly what sta
 boundary's meter counts the bytes that would cross it in each direction. :class:`hlbp.peer.sim.pipeline.PipelineReplica`
 trains one with its own AdamW state, so it takes part in :func:`hlbp.peer.sim.engine.run_outer_simulation` beside
 full replicas. A one-stage pipeline has no boundary and is a full replica; variant-A runs use it for their full
-replicas because those must keep the same constraint (see :func:`run_model_config`).
+replicas because those must keep the same constraint (see :func:`run_model_config`). In a network run the full
+replicas (hlbp.peer.node.replica) build the same model with :func:`initial_model`, so every replica of a run starts
+from the same weights bit for bit, constrained or not.
 
 Keeping T_fixed in step across peers: after each outer step every stage needs the anchor table of
 :func:`hlbp.peer.model.subspace.anchor_table`. For A it is fixed by the seed. For B and A+drift it is a function of the
-synchronized embedding, so in a network run every stage peer, not only stage 0, follows the embedding's shard of
-each round (it applies the same accepted contributions to ``embed.weight``); here that is simply the replica's own
-stage-0 embedding after ``load_params``.
+synchronized embedding: here that is simply the replica's own stage-0 embedding after ``load_params``; in a network
+run stage 0 holds it and every other stage peer follows the embedding's shard of each round (it applies the same
+accepted contributions to a copy of it, hlbp.peer.rounds.follow), and each rebuilds its codec's table from it with
+:meth:`hlbp.peer.model.subspace.ActivationCodec.rebuild_table` before the next step.
 """
 
 from __future__ import annotations
@@ -105,8 +108,18 @@ def build_pipeline(
     return PipelineModel(stages, codecs)
 
 
-def initial_state(config: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
-    """The whole model's initial parameters from ``seed``, as every replica of a run starts (same as
-    :func:`hlbp.peer.sim.engine.make_full_replicas`); the subspace fields of ``config`` do not change them."""
+def initial_model(config: ModelConfig, seed: int) -> Stage:
+    """The whole model ``config`` with the run's initial parameters from ``seed``: what a full replica trains.
+
+    The subspace fields of ``config`` do not change the parameters (U and T_fixed come from their own seeded
+    generators), so a run's constrained and plain models start from the same weights.
+    """
     torch.manual_seed(seed)
-    return {n: t.detach().clone() for n, t in build_model(config).state_dict().items()}
+    return build_model(config)
+
+
+def initial_state(config: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
+    """The whole model's initial parameters from ``seed``, as every replica of a run starts (a stage peer loads
+    its stage's slice): exactly :func:`initial_model`'s, and the same as
+    :func:`hlbp.peer.sim.engine.make_full_replicas`."""
+    return {n: t.detach().clone() for n, t in initial_model(config, seed).state_dict().items()}

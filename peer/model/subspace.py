@@ -22,6 +22,7 @@ Variants, which differ only in the model they run on and in how T_fixed is kept 
 
 from __future__ import annotations
 
+import hashlib
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
@@ -55,6 +56,8 @@ VARIANTS = ("subspace-a", "subspace-b", "subspace-a-drift")
 """The subspace codecs."""
 CONSTRAINED = ("subspace-a", "subspace-a-drift")
 """Variants that run on the constrained model of ALGORITHMS.md §3 (A)."""
+REBUILT = ("subspace-b", "subspace-a-drift")
+"""Variants whose T_fixed is a function of the synchronized embedding, rebuilt after every outer step."""
 SHORT_NAMES = {"dense": "dense", "subspace-a": "A", "subspace-b": "B", "subspace-a-drift": "A+drift"}
 """Labels for tables."""
 
@@ -280,6 +283,12 @@ class ActivationCodec(nn.Module, ABC):
         ids = self.forward_spec.id_size
         return {"forward": per + ids + HEADER_SIZE / tokens, "backward": per + HEADER_SIZE / tokens}
 
+    def rebuild_table(self, embed: torch.Tensor) -> bool:
+        """Rebuild T_fixed from the synchronized embedding ``embed`` after an outer step, for the codecs whose
+        table follows it (B, A+drift); returns whether this codec has such a table (dense and A: no, nothing
+        changes)."""
+        return False
+
 
 class DenseCodec(ActivationCodec):
     """d_model values per token each way in the wire dtype; no token ids travel."""
@@ -313,12 +322,13 @@ def _finite(t: torch.Tensor, direction: str) -> torch.Tensor:
 class SubspaceCodec(ActivationCodec):
     """k values per token each way plus the token ids forward (ALGORITHMS.md §3); see the module docstring.
 
-    ``table`` is T_fixed [vocab_size, d_model]; the pipeline replaces it with :meth:`set_table` after every outer
-    step for the variants that rebuild it (B, A+drift).
+    ``table`` is T_fixed [vocab_size, d_model]; the pipeline replaces it with :meth:`set_table` (or
+    :meth:`rebuild_table`, from the synchronized embedding and ``base``, the seed's table of the variants A) after
+    every outer step for the variants that rebuild it (B, A+drift).
     """
 
     def __init__(self, variant: str, basis: torch.Tensor, table: torch.Tensor, wire_dtype: str = "fp32",
-                 max_seq_len: int = 1 << 16, max_tokens: int = 1 << 20) -> None:
+                 max_seq_len: int = 1 << 16, max_tokens: int = 1 << 20, base: torch.Tensor | None = None) -> None:
         if variant not in VARIANTS:
             raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
         d_model, k = basis.shape
@@ -326,6 +336,7 @@ class SubspaceCodec(ActivationCodec):
             raise ValueError(f"T_fixed must be [vocab, {d_model}], got {tuple(table.shape)}")
         super().__init__(d_model, k, wire_dtype, table.shape[0], max_seq_len, max_tokens)
         self.variant = variant
+        self.base = base  # the seed's T_fixed (A+drift builds its table on it); a plain attribute, kept where it is
         self.register_buffer("basis", basis, persistent=False)
         self.register_buffer("table", table, persistent=False)
 
@@ -335,6 +346,17 @@ class SubspaceCodec(ActivationCodec):
         if table.shape != self.table.shape:
             raise ValueError(f"T_fixed must keep shape {tuple(self.table.shape)}, got {tuple(table.shape)}")
         self.table = table.detach().to(self.table.device, self.table.dtype)
+
+    @torch.no_grad()
+    def rebuild_table(self, embed: torch.Tensor) -> bool:
+        if self.variant not in REBUILT:
+            return False
+        self.set_table(anchor_table(self.variant, self.base, embed.detach(), self.basis))
+        return True
+
+    def table_digest(self) -> str:
+        """sha256 of T_fixed's float32 bytes: two peers with equal digests decode each other's frames alike."""
+        return hashlib.sha256(self.table.detach().to("cpu", torch.float32).contiguous().numpy().tobytes()).hexdigest()
 
     def _math(self, x: torch.Tensor) -> torch.Tensor:
         # at least float32: variant A is only lossless if the subtraction of T_fixed[x] loses nothing under autocast
@@ -396,7 +418,7 @@ def make_codec(
         raise ValueError(f"codec {cfg.kind} needs the synchronized embedding to build T_fixed")
     else:
         table = anchor_table(cfg.kind, base_table, embed, basis)
-    return SubspaceCodec(cfg.kind, basis, table, cfg.dtype, max_seq_len, max_tokens)
+    return SubspaceCodec(cfg.kind, basis, table, cfg.dtype, max_seq_len, max_tokens, base_table)
 
 
 def constrained_model_config(base: ModelConfig, cfg: CodecConfig, constrained_layers: int) -> ModelConfig:

@@ -3,6 +3,11 @@
 ``replica_train_hook`` is what ``hlbp join`` runs after the peer has announced itself as a full replica. It builds
 everything from the signed manifest (so every replica starts from identical weights), then hands over to
 :class:`hlbp.peer.rounds.sparseloco.RoundRunner` until stopped or until ``rounds`` rounds are done, and leaves a summary.
+
+The model is the run's (:func:`replica_model`): in a run whose activation codec is a variant A the full replicas
+train the constrained network the stage peers train, with its constraint re-projected after every inner step, so
+that every replica of the run optimizes one function (ALGORITHMS.md §3 A); full replicas never compress
+activations, only the swarms' links do.
 """
 
 from __future__ import annotations
@@ -20,7 +25,9 @@ import torch
 
 from hlbp.peer.common.files import atomic_write_bytes
 from hlbp.peer.data.streams import TokenStream, prepare_data, val_batches
-from hlbp.peer.model.decoder import build_model, preset, split
+from hlbp.peer.model.decoder import ModelConfig, Stage, preset, split
+from hlbp.peer.model.pipeline import initial_model, run_model_config
+from hlbp.peer.model.subspace import CodecConfig, SubspaceConstraint
 from hlbp.peer.net.prometheus import MetricsServer, PeerMetrics
 from hlbp.peer.net.transport import P2PBlobTransport
 from hlbp.peer.node.join import TrainContext, data_rank
@@ -70,6 +77,28 @@ def wait_for_replicas(count: Callable[[], int], want: int, timeout_s: float, sto
         stop.wait(0.5)
         have = count()
     return have >= want
+
+
+def codec_config(m: Any) -> CodecConfig:
+    """The run's activation codec (manifest ``codec``) as a :class:`CodecConfig`."""
+    return CodecConfig(kind=m.codec.name, rank=str(m.codec.k) if m.codec.k else "1/32",
+                       wire_dtype=m.codec.dtype or None, seed=m.seed)
+
+
+def replica_model(m: Any, vocab_size: int) -> tuple[ModelConfig, Stage, SubspaceConstraint | None]:
+    """The whole model a full replica of run ``m`` trains, with the run's initial weights, and its constraint.
+
+    The model is :func:`hlbp.peer.model.pipeline.run_model_config` of the manifest's preset, codec and partition
+    (the constrained network for the variants A, the plain one otherwise), and its weights are
+    :func:`hlbp.peer.model.pipeline.initial_model`'s: bit for bit the ``initial_state`` every stage peer loads its
+    stage from. The constraint (variants A only, else None) re-projects after each inner step.
+    """
+    bounds = [tuple(s) for s in m.stages]
+    base = preset(m.model, **dict(m.model_overrides), vocab_size=vocab_size)
+    config = run_model_config(base, codec_config(m), len(bounds), bounds)
+    model = initial_model(config, m.seed)
+    constraint = SubspaceConstraint(dict(model.named_parameters()), config) if config.subspace_rank else None
+    return config, model, constraint
 
 
 def round_settings(m: Any, checkpoint_every_s: float) -> tuple[OuterConfig, RoundConfig]:
@@ -127,9 +156,7 @@ def replica_train_hook(ctx: TrainContext, options: ReplicaOptions, echo: Any = p
     hp = m.hparams
     device = pick_device(options.device)
     data = prepare_data(m.data_recipe, ctx.cache_dir, tokenizer_path=peer.tokenizer_path)
-    config = preset(m.model, **dict(m.model_overrides), vocab_size=data.vocab_size)
-    torch.manual_seed(m.seed)  # every replica builds bit-identical initial weights
-    model = build_model(config)
+    config, model, constraint = replica_model(m, data.vocab_size)  # every replica: bit-identical initial weights
     bounds = [tuple(s) for s in m.stages]
     with torch.device("meta"):
         stages = split(config, len(bounds), bounds)
@@ -138,7 +165,7 @@ def replica_train_hook(ctx: TrainContext, options: ReplicaOptions, echo: Any = p
     stream = TokenStream(data.train, hp.seq_len, hp.batch_size, seed=m.seed, rank=rank)
     total = (options.rounds or 1000) * hp.inner_steps
     optim = OptimConfig(lr=hp.lr, warmup_steps=min(30, max(1, total // 10)), total_steps=total)
-    trainer = InnerTrainer(model, optim, micro_batches(stream, 1), device)
+    trainer = InnerTrainer(model, optim, micro_batches(stream, 1), device, constraint=constraint)
     val = val_batches(data.val, hp.seq_len, hp.batch_size, options.eval_batches) if options.eval_batches else []
     guard_batch = val_batches(data.val, hp.seq_len, hp.batch_size, 1)  # the same on every peer of the run
     outer, rcfg = round_settings(m, options.checkpoint_every_s)

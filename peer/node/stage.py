@@ -7,8 +7,9 @@ and the same codec:
   its stage split, and the seed's initial parameters of this stage (or this peer's own stage checkpoint, if it has
   one for the same swarm and stage);
 - the activation codec the manifest names, with its basis U and anchor table T_fixed from the seed (and, for B and
-  A+drift, from the seed's embedding: pipeline swarms do not take part in outer rounds yet, so the synchronized
-  embedding is still the initial one).
+  A+drift, from the seed's embedding). In B and A+drift runs the table follows the synchronized embedding: after
+  every round each stage peer rebuilds it from the round's embedding, which stage 0 holds and every later stage
+  follows (hlbp.peer.node.stagerounds, hlbp.peer.rounds.follow), so both sides of a boundary keep the same table.
 
 Stage 0 drives when it has the lowest peer id among the swarm's online stage-0 peers (the others wait as
 standbys for that role); stages 1..S-1 serve. A stage accepts streams only from online peers of its own swarm at
@@ -32,8 +33,9 @@ from hlbp.peer.common.files import atomic_write_bytes
 from hlbp.peer.data.streams import TokenStream, load_tokenizer, prepare_data, val_batches
 from hlbp.peer.model.decoder import load_from_full, preset, split
 from hlbp.peer.model.pipeline import initial_state, run_model_config
-from hlbp.peer.model.subspace import CodecConfig, make_codec
+from hlbp.peer.model.subspace import make_codec
 from hlbp.peer.node.join import TrainContext, data_rank
+from hlbp.peer.node.replica import codec_config  # the run's codec: shared with full replicas (their model)
 from hlbp.peer.node.stagerounds import PhaseStopped, make_stage_rounds, serve_phase
 from hlbp.peer.swarm.driver import Driver, DriverConfig, StepAbandoned
 from hlbp.peer.swarm.gate import RoundGate
@@ -67,12 +69,6 @@ class StageOptions:
     threads: int | None = None
     device: str = "auto"
     checkpoint_every_s: float = 60.0
-
-
-def codec_config(m: Any) -> CodecConfig:
-    """The run's activation codec (manifest ``codec``) as a :class:`CodecConfig`."""
-    return CodecConfig(kind=m.codec.name, rank=str(m.codec.k) if m.codec.k else "1/32",
-                       wire_dtype=m.codec.dtype or None, seed=m.seed)
 
 
 def driver_optim(lr: float, total_steps: int) -> OptimConfig:
@@ -220,7 +216,7 @@ def _serve(ctx: TrainContext, options: StageOptions, worker: StageWorker, codec:
     metrics = MetricsLog(ctx.out_dir / "metrics.jsonl")
     phase: list[Callable[[int], tuple[int, int]]] = []
     runner, transport = make_stage_rounds(ctx, worker, config, lambda r: phase[0](r), metrics,
-                                          options.checkpoint_every_s, on_round=_round_echo(echo, stage))
+                                          options.checkpoint_every_s, on_round=_round_echo(echo, stage), codec=codec)
     phase.append(serve_phase(runner, gate, worker, ctx.stop, dead_step_s=30.0))
     echo(f"rounds: {runner.start()}; at round {runner.round}")
 
@@ -350,7 +346,8 @@ def _drive(ctx: TrainContext, options: StageOptions, worker: StageWorker, codec:
         return driver.evaluate(val)
 
     runner, transport = make_stage_rounds(ctx, worker, config, phase, metrics, options.checkpoint_every_s,
-                                          evaluate=evaluate if val else None, on_round=_round_echo(echo, 0))
+                                          evaluate=evaluate if val else None, on_round=_round_echo(echo, 0),
+                                          codec=codec)
     echo(f"driving swarm {peer.role.swarm}: {n_stages} stages, {cfg.micro_batches} micro-batches per step, "
          f"{inner} steps per round; rounds: {runner.start()}; at round {runner.round}")
     try:

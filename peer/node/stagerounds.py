@@ -15,6 +15,13 @@ phase: a stage peer does not step on its own, its swarm does.
 
 A stage peer whose swarm lacks a stage, or whose driver has left, takes every round's result with weight 0 and
 stays current, so the swarm contributes again as soon as it is whole.
+
+The activation codec's anchor table: in B and A+drift runs T_fixed is a function of the synchronized embedding,
+which lives in shard 0. Stage 0 holds it; every other stage peer follows shard 0 (hlbp.peer.rounds.follow: it
+applies the accepted contributions to its own copy, bit-identical to the holders', and fetches the holders' state
+where it is off). Whenever a stage peer loads a round's result it rebuilds its codec's table from that embedding,
+before the round gate opens, so both sides of every boundary use the same table from the next step on; each
+round's table digest goes to ``metrics.jsonl`` (event ``table``).
 """
 
 from __future__ import annotations
@@ -26,9 +33,11 @@ from typing import Any
 import torch
 
 from hlbp.peer.model.decoder import split
+from hlbp.peer.model.pipeline import initial_state
+from hlbp.peer.model.subspace import REBUILT, ActivationCodec
 from hlbp.peer.net.transport import P2PBlobTransport
 from hlbp.peer.node.replica import contributors_counter, round_settings
-from hlbp.peer.rounds.sparseloco import RoundRunner
+from hlbp.peer.rounds.sparseloco import RoundRunner, RoundStats
 from hlbp.peer.swarm.gate import RoundGate
 from hlbp.peer.swarm.worker import StageWorker
 
@@ -54,6 +63,15 @@ class StageTrainer:
         self.optimizer = worker.optimizer
         self.tokens = 0
 
+    @torch.no_grad()
+    def load_params(self, params: dict[str, torch.Tensor]) -> None:
+        """Load the stage's slice of ``params`` (a round's global parameters); variant A's constraint then
+        projects later steps' changes from them."""
+        for n, p in self.model.named_parameters():
+            p.copy_(params[n])
+        if self.worker.constraint is not None:
+            self.worker.constraint.sync()
+
     def state_tensors(self) -> tuple[dict[str, Any], dict[str, Any]]:
         return {}, {}
 
@@ -66,20 +84,28 @@ class StageTrainer:
 
 class StageRounds(RoundRunner):
     """The round loop of one stage peer: ``held`` is its stage's shard, ``phase(r)`` runs or awaits the swarm's
-    inner steps of round r and returns (steps, tokens), or raises :class:`PhaseStopped`."""
+    inner steps of round r and returns (steps, tokens), or raises :class:`PhaseStopped`. ``codec``: the stage's
+    activation codec, whose table follows the synchronized embedding where the variant says so (``follow`` then
+    names shard 0 on stages after the first)."""
 
     def __init__(self, *args: Any, phase: Callable[[int], tuple[int, int]], worker: StageWorker,
-                 **kwargs: Any) -> None:
+                 codec: ActivationCodec | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.phase, self.worker = phase, worker
+        self.phase, self.worker, self.codec = phase, worker, codec
 
     def _train_phase(self, r: int) -> tuple[int, int]:
         return self.phase(r)
 
     def _load_anchor_into_model(self) -> None:
         super()._load_anchor_into_model()
-        if self.worker.constraint is not None:
-            self.worker.constraint.sync()  # variant A: later steps project their changes relative to this state
+        if self.codec is not None and "embed.weight" in self.anchor:
+            self.codec.rebuild_table(self.anchor["embed.weight"])  # B, A+drift: T_fixed of the loaded embedding
+
+    def run_round(self) -> RoundStats:
+        stats = super().run_round()
+        if self.codec is not None and getattr(self.codec, "variant", None) in REBUILT:
+            self.metrics.write(event="table", round=stats.round, table=self.codec.table_digest())
+        return stats
 
 
 def serve_phase(runner: StageRounds, gate: RoundGate, worker: StageWorker, stop: Any,
@@ -103,9 +129,14 @@ def serve_phase(runner: StageRounds, gate: RoundGate, worker: StageWorker, stop:
 
 def make_stage_rounds(ctx: Any, worker: StageWorker, config: Any, phase: Callable[[int], tuple[int, int]],
                       metrics: Any, checkpoint_every_s: float, evaluate: Callable[[], float | None] | None = None,
-                      on_round: Callable[[Any, float | None], None] | None = None) -> tuple[StageRounds, Any]:
+                      on_round: Callable[[Any, float | None], None] | None = None,
+                      codec: ActivationCodec | None = None) -> tuple[StageRounds, Any]:
     """The round loop of this stage peer (``ctx``: its join context) and the blob transport it serves its
-    payloads and shard state on; the caller closes both."""
+    payloads and shard state on; the caller closes both.
+
+    ``codec``: the stage's activation codec. In a B or A+drift run its table is rebuilt from the synchronized
+    embedding after every round, and a stage after the first follows shard 0 for it, starting from the seed's
+    initial parameters (the whole model is built once more for them)."""
     peer = ctx.peer
     m = peer.manifest.manifest
     bounds = [tuple(s) for s in m.stages]
@@ -118,9 +149,14 @@ def make_stage_rounds(ctx: Any, worker: StageWorker, config: Any, phase: Callabl
                                  allowed=m.may_contribute if m.allowed_peers else None)
 
     expected = contributors_counter(peer.plane, m)
+    follow: dict[int, dict[str, torch.Tensor]] = {}
+    if peer.role.stage != 0 and getattr(codec, "variant", None) in REBUILT:
+        full = initial_state(config, m.seed)
+        follow = {0: {n: full[n] for n in shards[0]}}
     runner = StageRounds(peer.plane.dht, peer.plane.identity, transport, StageTrainer(worker), outer, shards, rcfg,
                          ctx.stop, checkpoint=ctx.out_dir / "rounds.safetensors", metrics=metrics,
                          expected=expected, on_round=on_round, evaluate=evaluate, protect=peer.plane.protect,
-                         held=[peer.role.stage], shapes=shapes, phase=phase, worker=worker)
+                         held=[peer.role.stage], shapes=shapes, phase=phase, worker=worker, codec=codec,
+                         follow=follow)
     return runner, transport
 

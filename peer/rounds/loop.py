@@ -245,9 +245,7 @@ class ReplicaBase(ABC):
     # -- state -----------------------------------------------------------------------------------------------
 
     def _load_anchor_into_model(self) -> None:
-        with torch.no_grad():
-            for n, p in self.trainer.model.named_parameters():
-                p.copy_(self.anchor[n])
+        self.trainer.load_params(self.anchor)  # a variant-A trainer's constraint then projects from these
 
     def _publish_state(self, mine: ShardChecks) -> None:
         """Serve our state after round ``mine.round`` and publish its checksums (and fingerprints)."""

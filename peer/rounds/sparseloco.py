@@ -27,7 +27,7 @@ import math
 import random
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -36,8 +36,9 @@ import torch
 from hlbp.peer.net.transport import TransportError
 from hlbp.peer.rounds import copies, guard
 from hlbp.peer.rounds.contribution import contribution_from_bytes, contribution_to_bytes
+from hlbp.peer.rounds.follow import FollowedShards, follow_anchor
 from hlbp.peer.rounds.loop import ReplicaBase, RoundConfig, RoundStats
-from hlbp.peer.rounds.outer import Contribution
+from hlbp.peer.rounds.outer import Contribution, make_outer
 from hlbp.peer.rounds.rules import (
     adapt_window,
     close_verdict,
@@ -77,15 +78,22 @@ def _reason(exc: BaseException) -> str:
     return text if len(text) <= 2000 else text[:2000] + "…"
 
 
-class RoundRunner(ReplicaBase):
+class RoundRunner(FollowedShards, ReplicaBase):
     """A full replica's SparseLoCo rounds: payloads on the blob transport, an accepted set in the DHT.
 
     ``shards`` lists the parameter names of each shard (the manifest's stage partition). ``expected`` returns how
     many contributors to wait for before closing early (the live replicas the control plane knows of).
+    ``follow``: shards this peer does not hold but keeps a bit-identical copy of, by their initial parameters
+    (:mod:`hlbp.peer.rounds.follow`; a stage peer of a B or A+drift run follows the embedding's shard).
     """
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, follow: Mapping[int, Mapping[str, torch.Tensor]] | None = None,
+                 **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self.anchor.update(follow_anchor(self.shards, self.shapes, self.held, follow or {}))
+        self.follow = sorted(follow or {})
+        self.outers.update({s: make_outer(self.outer_cfg) for s in self.follow})
+        self.applied = sorted({*self.held, *self.follow})  # the shards whose accepted contributions we apply
         # the largest contribution a shard can honestly need: fp32 values and 16-bit indices for every parameter,
         # plus headers; real SparseLoCo payloads are about 1/150 of this, so it only stops floods
         self.limits = [min(self.cfg.max_payload_bytes, payload_limit(sum(math.prod(v) for v in shape.values())))
@@ -120,7 +128,7 @@ class RoundRunner(ReplicaBase):
         r = self.round
         stats, steps, tokens, served_before = self._begin_round(r)
         t1 = time.perf_counter()
-        self._scales = {s: guard.scale({n: self.anchor[n] for n in self.shards[s]}) for s in self.held}
+        self._scales = {s: guard.scale({n: self.anchor[n] for n in self.shards[s]}) for s in self.applied}
         local = {n: p.detach() for n, p in self.trainer.model.named_parameters()}
         mine: dict[int, Contribution] = {}
         if steps and self.in_sync:
@@ -171,6 +179,8 @@ class RoundRunner(ReplicaBase):
             self._publish_state(mine)
             t5 = time.perf_counter()
             self.in_sync = self._verify(r, set(accepted.senders()), mine)
+            if self.in_sync:
+                self._check_followed(r)
             stats.phases.update(publish=t5 - t4, verify=time.perf_counter() - t5)
         self.transport.drop_prefix(f"c/{r - 2}/")
         self._verified = {k: v for k, v in self._verified.items() if k[0] > r}
@@ -367,12 +377,13 @@ class RoundRunner(ReplicaBase):
         refuses alike, bans the same senders and keeps its parameters); or ``"failed"`` when an accepted payload
         could not be had (this peer alone is then out of sync).
         """
-        # each held shard takes the members that contributed to it (a stage peer contributes its own shard only)
-        jobs = [(sender, s, digests[s]) for sender, _tokens, digests in accepted.members for s in self.held
+        # each held (or followed) shard takes the members that contributed to it (a stage peer contributes its own
+        # shard only)
+        jobs = [(sender, s, digests[s]) for sender, _tokens, digests in accepted.members for s in self.applied
                 if s in digests]
         holders = accepted.senders()
 
-        def get(job: tuple[str, int, str]) -> tuple[str, int, Contribution | BadPayload]:
+        def get(job: tuple[str, int, str]) -> tuple[str, int, Contribution | BadPayload | None]:
             sender, s, digest = job
             cached = self._verified.pop((r, sender, s), None)
             if cached is not None:
@@ -381,6 +392,12 @@ class RoundRunner(ReplicaBase):
                 return sender, s, self._decode(r, s, sender, digest, holders)
             except BadPayload as exc:
                 return sender, s, exc
+            except (TransportError, ProtocolError) as exc:
+                if s in self.held:
+                    raise
+                logger.warning("round %d: could not fetch the contribution of %s to followed shard %d (%s); that "
+                               "shard waits for its holders' state", r, sender[:16], s, _reason(exc))
+                return sender, s, None
 
         try:
             with ThreadPoolExecutor(self.cfg.fetch_workers) as pool:
@@ -391,21 +408,23 @@ class RoundRunner(ReplicaBase):
         bad = {sender: str(c) for sender, _s, c in got if isinstance(c, BadPayload)}
         if bad:
             return self._refuse(r, bad, "an accepted contribution does not decode")
-        per_shard: dict[int, list[Contribution]] = {s: [] for s in self.held}
+        missing = {s for _sender, s, c in got if c is None}  # followed shards only: they are fetched whole later
+        per_shard: dict[int, list[Contribution]] = {s: [] for s in self.applied if s not in missing}
         for _sender, s, c in sorted(got, key=lambda g: (g[1], g[0])):
-            per_shard[s].append(c)  # type: ignore[arg-type]
+            if s in per_shard:
+                per_shard[s].append(c)  # type: ignore[arg-type]
         new: dict[str, torch.Tensor] = {}
         ratios = {"contribution": 0.0, "update": 0.0}  # the largest of the round, reported to measure the bounds
-        for s in self.held:
+        for s, contributions in per_shard.items():
             names = self.shards[s]
-            norms = {c.sender: guard.contribution_norm(c) for c in per_shard[s]}
+            norms = {c.sender: guard.contribution_norm(c) for c in contributions}
             ratios["contribution"] = max([ratios["contribution"], *(n / self._scales[s] for n in norms.values())])
             over = guard.oversized(norms, self._scales[s], self.guard)
             if over:
                 return self._refuse(r, {p: f"shard {s}'s contribution norm is {v:.3g}x the shard's parameter norm"
                                         for p, v in over.items()}, "a contribution breaks the norm bound")
             old = {n: self.anchor[n] for n in names}
-            shard_new = self.outers[s].apply(old, per_shard[s])
+            shard_new = self.outers[s].apply(old, contributions)
             ratio = guard.update_ratio(old, shard_new)
             ratios["update"] = max(ratios["update"], ratio)
             self.last_ratios = ratios
@@ -428,7 +447,7 @@ class RoundRunner(ReplicaBase):
                 return self._refuse(r, {p: "largest contribution of a round whose loss exploded"
                                         for p in guard.culprits(norms)}, reason)
             self.last_guard_loss = loss
-        self.last_copies = self._copies(r, per_shard)
+        self.last_copies = self._copies(r, {s: per_shard[s] for s in self.held})
         return "applied"
 
     def _copies(self, r: int, per_shard: dict[int, list[Contribution]]) -> list[dict[str, Any]]:

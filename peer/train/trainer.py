@@ -10,13 +10,14 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from hlbp.peer.common.errors import UserInputError
+from hlbp.peer.model.subspace import SubspaceConstraint
 from hlbp.peer.train.checkpoint import optimizer_from_tensors, optimizer_to_tensors
 
 
@@ -94,15 +95,23 @@ class InnerTrainer:
 
     ``batch_fn(step, micro)`` returns the (inputs, targets) micro-batch for a step; it must be deterministic so
     that a resumed run sees exactly the data an uninterrupted one would have seen.
+
+    ``constraint``: variant A's :class:`~hlbp.peer.model.subspace.SubspaceConstraint` over ``model``'s parameters
+    (a full replica of an A run trains the constrained network as the stage peers do): every step is followed by
+    its ``reproject``, and whoever loads new global parameters into the model calls its ``sync``.
     """
 
-    def __init__(self, model: nn.Module, cfg: OptimConfig, batch_fn: BatchFn, device: torch.device) -> None:
+    def __init__(self, model: nn.Module, cfg: OptimConfig, batch_fn: BatchFn, device: torch.device,
+                 constraint: SubspaceConstraint | None = None) -> None:
         cfg.validate()
         self.model = model.to(device)
         self.cfg = cfg
         self.batch_fn = batch_fn
         self.device = device
         self.optimizer = make_adamw(self.model, cfg)
+        self.constraint = constraint
+        if constraint is not None:
+            constraint.sync()  # its references now live where the model does
         self.step = 0  # optimizer steps taken so far
         self.tokens = 0  # training tokens consumed so far
 
@@ -126,8 +135,19 @@ class InnerTrainer:
         if self.cfg.grad_clip > 0:
             nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
         self.optimizer.step()
+        if self.constraint is not None:
+            self.constraint.reproject()
         self.step += 1
         return total
+
+    @torch.no_grad()
+    def load_params(self, params: Mapping[str, torch.Tensor]) -> None:
+        """Copy ``params`` (name -> tensor, at least every parameter of the model: a round's global parameters)
+        into the model; with a constraint, later steps keep their changes in span(U) relative to these."""
+        for n, p in self.model.named_parameters():
+            p.copy_(params[n])
+        if self.constraint is not None:
+            self.constraint.sync()
 
     @torch.no_grad()
     def evaluate(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
@@ -156,6 +176,8 @@ class InnerTrainer:
             raise UserInputError("checkpoint header lacks the optimizer description; delete it")
         optimizer_from_tensors(self.optimizer, tensors, desc)
         self.step, self.tokens = step, tokens
+        if self.constraint is not None:
+            self.constraint.sync()  # later steps keep their changes in span(U) relative to the restored weights
 
 
 @torch.no_grad()
