@@ -81,7 +81,8 @@ def activations(
 def heterogeneous(
     quick: bool = opt(False, "--quick", env="BENCH_QUICK", help=QUICK_HELP),
     out: Path | None = opt(None, "--out", env="BENCH_OUT", help=OUT_HELP),
-    replicas: int = opt(4, "--replicas", env="BENCH_REPLICAS", help="Replicas R (half of them compress in 'half')."),
+    replicas: int | None = opt(None, "--replicas", env="BENCH_REPLICAS",
+                               help="Replicas R, half of them compress in 'half' (default 4; --network --quick 2)."),
     stages: int = opt(2, "--stages", env="BENCH_STAGES", help="Stages of each pipeline replica."),
     rounds: int | None = opt(None, "--rounds", env="BENCH_ROUNDS", help="Outer rounds (default 12; quick 2)."),
     inner_steps: int | None = opt(None, "--inner-steps", env="BENCH_INNER_STEPS", help="H (default 15; quick 4)."),
@@ -96,9 +97,31 @@ def heterogeneous(
         None, "--wire-dtype", env="BENCH_WIRE_DTYPE", help="Activation wire dtype fp32/bf16/fp16 (default fp32)."
     ),
     seed: int = opt(0, "--seed", env="SEED", help="Seed for init, data, U and T_fixed."),
-    threads: int | None = opt(None, "--threads", env="THREADS", help="torch CPU threads."),
+    threads: int | None = opt(None, "--threads", env="THREADS",
+                              help="torch CPU threads (--network: per peer process, default 1)."),
+    network: bool = opt(False, "--network", env="BENCH_NETWORK",
+                        help="Real processes on loopback instead: all uncompressed, heterogeneous (R/2 full "
+                             "replicas + R/2 compressed swarms) and all compressed, at equal tokens."),
+    variant: str | None = opt(None, "--variant", env="BENCH_VARIANT",
+                              help="--network: the swarms' codec (default subspace-b; subspace-a, "
+                                   "subspace-a-drift)."),
+    ratio: str | None = opt(None, "--ratio", env="BENCH_RATIO", help="--network: the codec's k/d (default 1/32)."),
+    weighting: str | None = opt(
+        None, "--weighting", env="BENCH_WEIGHTING",
+        help="--network: manifest weighting equal|tokens, or both (also runs the heterogeneous arm "
+             "free-running with each); default equal.",
+    ),
+    swarm_wan_delay_ms: float | None = opt(None, "--swarm-wan-delay-ms", env="BENCH_SWARM_WAN_DELAY_MS",
+                                           help="--network: the stage peers' emulated one-way delay."),
+    swarm_wan_mbps: float | None = opt(None, "--swarm-wan-mbps", env="BENCH_SWARM_WAN_MBPS",
+                                       help="--network: the stage peers' emulated link rate, Mbit/s each way."),
+    plot: Path | None = opt(None, "--plot", env="BENCH_PLOT",
+                            help="--network: write the PNG here (default: beside --out)."),
+    cache_dir: Path | None = opt(None, "--cache-dir", env="CACHE", help="--network: corpus and tokenizer cache."),
 ) -> None:
-    """SparseLoCo with some replicas as compressed pipelines: variant x k/d x {none, half, all} compressed."""
+    """SparseLoCo with some replicas as compressed pipelines: variant x k/d x {none, half, all} compressed.
+
+    With --network: the three arms on real processes (bench/hetnet.py), and the paper's claim checked."""
     import dataclasses
 
     import torch
@@ -106,10 +129,25 @@ def heterogeneous(
     from hlbp.peer.bench.heterogeneous import HeterogeneousBenchConfig, run_heterogeneous_bench
     from hlbp.peer.model.subspace import CodecConfig
 
+    network_only = {"--variant": variant, "--ratio": ratio, "--weighting": weighting, "--plot": plot,
+                    "--swarm-wan-delay-ms": swarm_wan_delay_ms, "--swarm-wan-mbps": swarm_wan_mbps,
+                    "--cache-dir": cache_dir}
+    if network:
+        given = [f for f, v in {"--ratios": ratios, "--variants": variants, "--wire-dtype": wire_dtype}.items() if v]
+        if given:
+            raise UserInputError(f"{', '.join(given)} belong to the in-process benchmark; with --network use "
+                                 "--variant and --ratio")
+        _heterogeneous_network(quick, out, replicas, stages, rounds, inner_steps, seed, threads, network_only)
+        return
+    given = [f for f, v in network_only.items() if v is not None]
+    if given:
+        raise UserInputError(f"{', '.join(given)} need --network")
     if threads:
         torch.set_num_threads(threads)
     cfg = HeterogeneousBenchConfig.quick() if quick else HeterogeneousBenchConfig()
-    changes: dict = {"replicas": replicas, "stages": stages, "seed": seed, "wire_dtype": wire_dtype}
+    changes: dict = {"stages": stages, "seed": seed, "wire_dtype": wire_dtype}
+    if replicas is not None:
+        changes["replicas"] = replicas
     if rounds is not None:
         changes["rounds"] = rounds
     if inner_steps is not None:
@@ -121,6 +159,24 @@ def heterogeneous(
         for v in changes["variants"]:
             CodecConfig(v)  # rejects unknown names with a clear message before any work
     run_heterogeneous_bench(dataclasses.replace(cfg, **changes), out, console)
+
+
+def _heterogeneous_network(quick: bool, out: Path | None, replicas: int | None, stages: int, rounds: int | None,
+                           inner_steps: int | None, seed: int, threads: int | None, flags: dict) -> None:
+    """``bench heterogeneous --network``: the flags become a HetNetBenchConfig (quick: R = 2, 3 rounds)."""
+    import dataclasses
+
+    from hlbp.peer.bench.hetnet import HetNetBenchConfig, run_hetnet_bench
+
+    cfg = HetNetBenchConfig.quick() if quick else HetNetBenchConfig()
+    changes: dict = {"seed": seed, "stages": stages, "swarm_wan_delay_ms": flags["--swarm-wan-delay-ms"],
+                     "swarm_wan_mbps": flags["--swarm-wan-mbps"], "cache_dir": flags["--cache-dir"]}
+    for name, value in (("replicas", replicas), ("rounds", rounds), ("inner_steps", inner_steps), ("threads", threads),
+                        ("variant", flags["--variant"]), ("ratio", flags["--ratio"]),
+                        ("weighting", flags["--weighting"])):
+        if value is not None:
+            changes[name] = value
+    run_hetnet_bench(dataclasses.replace(cfg, **changes), out, flags["--plot"], console)
 
 
 @bench_app.command("codec")
