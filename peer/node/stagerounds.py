@@ -21,7 +21,8 @@ which lives in shard 0. Stage 0 holds it; every other stage peer follows shard 0
 applies the accepted contributions to its own copy, bit-identical to the holders', and fetches the holders' state
 where it is off). Whenever a stage peer loads a round's result it rebuilds its codec's table from that embedding,
 before the round gate opens, so both sides of every boundary use the same table from the next step on; each
-round's table digest goes to ``metrics.jsonl`` (event ``table``).
+round's table digest goes to ``metrics.jsonl`` (event ``table``, with how often the followed copy had to be
+fetched because it differed from the holders').
 """
 
 from __future__ import annotations
@@ -104,7 +105,8 @@ class StageRounds(RoundRunner):
     def run_round(self) -> RoundStats:
         stats = super().run_round()
         if self.codec is not None and getattr(self.codec, "variant", None) in REBUILT:
-            self.metrics.write(event="table", round=stats.round, table=self.codec.table_digest())
+            self.metrics.write(event="table", round=stats.round, table=self.codec.table_digest(),
+                               follow_fetches=self.follow_fetches)
         return stats
 
 

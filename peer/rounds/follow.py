@@ -88,6 +88,7 @@ class FollowedShards:
     cfg: Any
     outer_cfg: Any
     _bytes_in: int
+    follow_fetches: int
 
     def start(self) -> str:
         how = super().start()  # type: ignore[misc]
@@ -125,6 +126,7 @@ class FollowedShards:
             self.outers[s] = make_outer(self.outer_cfg)
             self.outers[s].load_state(states[s].outer)
             fetched = True
+            self.follow_fetches += 1
             logger.info("round %d: fetched followed shard %d from %d holders (our copy differed)", r, s, len(donors))
         if fetched:
             self._load_anchor_into_model()  # type: ignore[attr-defined]

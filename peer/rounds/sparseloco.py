@@ -92,6 +92,7 @@ class RoundRunner(FollowedShards, ReplicaBase):
         super().__init__(*args, **kwargs)
         self.anchor.update(follow_anchor(self.shards, self.shapes, self.held, follow or {}))
         self.follow = sorted(follow or {})
+        self.follow_fetches = 0  # followed shards fetched from their holders because our copy differed
         self.outers.update({s: make_outer(self.outer_cfg) for s in self.follow})
         self.applied = sorted({*self.held, *self.follow})  # the shards whose accepted contributions we apply
         # the largest contribution a shard can honestly need: fp32 values and 16-bit indices for every parameter,
@@ -128,7 +129,7 @@ class RoundRunner(FollowedShards, ReplicaBase):
         r = self.round
         stats, steps, tokens, served_before = self._begin_round(r)
         t1 = time.perf_counter()
-        self._scales = {s: guard.scale({n: self.anchor[n] for n in self.shards[s]}) for s in self.applied}
+        self._measure_scales()
         local = {n: p.detach() for n, p in self.trainer.model.named_parameters()}
         mine: dict[int, Contribution] = {}
         if steps and self.in_sync:
@@ -201,6 +202,10 @@ class RoundRunner(FollowedShards, ReplicaBase):
         if accepted is None and self.stop.is_set():
             return stats  # abandoned on SIGTERM: not a round to report
         return self._report(stats, mine, steps)
+
+    def _measure_scales(self) -> None:
+        """‖θ_s‖ of the round's anchor for every shard we apply: the guard's bounds are relative to it."""
+        self._scales = {s: guard.scale({n: self.anchor[n] for n in self.shards[s]}) for s in self.applied}
 
     def _round_closed(self, r: int) -> bool:
         return self._accepted(r) is not None
