@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterable
+from typing import Any
 
 import pytest
 import torch
@@ -23,7 +24,7 @@ from hlbp.peer.rounds.contribution import contribution_to_bytes
 from hlbp.peer.rounds.follow import follow_anchor, resync_plan
 from hlbp.peer.rounds.outer import OuterConfig, SparseLoCo
 from hlbp.peer.rounds.sparseloco import RoundConfig, RoundRunner
-from hlbp.peer.rounds.statesync import shard_checksum
+from hlbp.peer.rounds.statesync import encode_state, shard_checksum, state_name
 from hlbp.peer.train.trainer import InnerTrainer, OptimConfig
 from hlbp.protocol import ProtocolError
 from hlbp.protocol.identity import Identity, sha256_hex
@@ -84,7 +85,7 @@ def _no_batches(step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
     raise AssertionError("these runners never train")
 
 
-def _runner(ident: Identity, registry: dict, held: list[int] | None) -> RoundRunner:
+def _runner(ident: Identity, registry: dict, held: list[int] | None, cls: type[RoundRunner] = RoundRunner) -> Any:
     """A full replica (``held`` None) or a stage-1 peer that follows shard 0 (``held`` [1])."""
     full = initial_state(CONFIG, SEED)
     if held is None:
@@ -96,8 +97,8 @@ def _runner(ident: Identity, registry: dict, held: list[int] | None) -> RoundRun
         follow = {0: {n: full[n] for n in SHARDS[0]}}
     trainer = InnerTrainer(model, OptimConfig(), _no_batches, CPU)
     cfg = RoundConfig(run_id=RUN, inner_steps=1, fetch_timeout_s=1.0)
-    runner = RoundRunner(None, ident, Blobs(registry, ident.peer_id), trainer, OUTER, SHARDS, cfg,
-                         threading.Event(), held=held, shapes=SHAPES, follow=follow)
+    runner = cls(None, ident, Blobs(registry, ident.peer_id), trainer, OUTER, SHARDS, cfg, threading.Event(),
+                 held=held, shapes=SHAPES, follow=follow)
     runner._measure_scales()
     return runner
 
@@ -223,3 +224,37 @@ def test_follow_anchor_checks_what_it_is_given() -> None:
     bad = dict(shard0, **{"embed.weight": torch.zeros(3, 3)})
     with pytest.raises(ValueError, match="has shape"):
         follow_anchor(SHARDS, SHAPES, [1], {0: bad})
+
+
+class _Checked(RoundRunner):
+    """The follower with the holders' published checksums given, instead of read from the DHT."""
+
+    published: list[ShardChecks]
+
+    def latest_checks(self) -> list[ShardChecks]:
+        return list(self.published)
+
+
+def test_a_copy_off_its_holders_is_fetched_from_them_and_verified(round_setup: dict) -> None:
+    ids, registry, accepted = round_setup["ids"], round_setup["registry"], round_setup["accepted"]
+    holder = _runner(ids["h"], registry, None)
+    assert holder._apply(ROUND, accepted) == "applied"
+    want = shard_checksum(holder.anchor, SHARDS[0])
+    # the holder serves its shard-0 state; a lying donor serves another state under the same name
+    registry[ids["h"].peer_id][state_name(ROUND, 0)] = encode_state(holder.anchor, SHARDS[0], {})
+    liar = dict(holder.anchor, **{"embed.weight": holder.anchor["embed.weight"] + 1.0})
+    registry[ids["s0"].peer_id][state_name(ROUND, 0)] = encode_state(liar, SHARDS[0], {})
+    follower = _runner(ids["f"], registry, [1], _Checked)  # never applied the round: its copy is the seed's
+    follower.published = [ShardChecks(ids["h"].peer_id, ROUND, {0: want, 1: "x"}),
+                          ShardChecks(ids["s0"].peer_id, ROUND, {0: want})]  # s0 claims the majority's checksum
+    follower._check_followed(ROUND)
+    assert follower.follow_fetches == 1
+    assert _same(holder.anchor, follower.anchor, SHARDS[0])  # the liar's blob failed the checksum: not taken
+    follower._check_followed(ROUND)  # now equal: nothing more to fetch
+    assert follower.follow_fetches == 1
+    # when no donor serves the agreed state (the liar's fails the checksum, b serves none) the copy stays as it
+    # is, and nothing raises
+    stale = _runner(ids["f"], registry, [1], _Checked)
+    stale.published = [ShardChecks(ids["s0"].peer_id, ROUND, {0: want}), ShardChecks(ids["b"].peer_id, ROUND, {0: want})]
+    stale._check_followed(ROUND)
+    assert stale.follow_fetches == 0 and shard_checksum(stale.anchor, SHARDS[0]) != want
