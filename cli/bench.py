@@ -118,6 +118,8 @@ def heterogeneous(
     plot: Path | None = opt(None, "--plot", env="BENCH_PLOT",
                             help="--network: write the PNG here (default: beside --out)."),
     cache_dir: Path | None = opt(None, "--cache-dir", env="CACHE", help="--network: corpus and tokenizer cache."),
+    workdir: Path | None = opt(None, "--workdir", env="BENCH_WORKDIR",
+                               help="--network: keep every run's peer logs, checkpoints and metrics here."),
 ) -> None:
     """SparseLoCo with some replicas as compressed pipelines: variant x k/d x {none, half, all} compressed.
 
@@ -131,7 +133,7 @@ def heterogeneous(
 
     network_only = {"--variant": variant, "--ratio": ratio, "--weighting": weighting, "--plot": plot,
                     "--swarm-wan-delay-ms": swarm_wan_delay_ms, "--swarm-wan-mbps": swarm_wan_mbps,
-                    "--cache-dir": cache_dir}
+                    "--cache-dir": cache_dir, "--workdir": workdir}
     if network:
         given = [f for f, v in {"--ratios": ratios, "--variants": variants, "--wire-dtype": wire_dtype}.items() if v]
         if given:
@@ -170,7 +172,8 @@ def _heterogeneous_network(quick: bool, out: Path | None, replicas: int | None, 
 
     cfg = HetNetBenchConfig.quick() if quick else HetNetBenchConfig()
     changes: dict = {"seed": seed, "stages": stages, "swarm_wan_delay_ms": flags["--swarm-wan-delay-ms"],
-                     "swarm_wan_mbps": flags["--swarm-wan-mbps"], "cache_dir": flags["--cache-dir"]}
+                     "swarm_wan_mbps": flags["--swarm-wan-mbps"], "cache_dir": flags["--cache-dir"],
+                     "workdir": flags["--workdir"]}
     for name, value in (("replicas", replicas), ("rounds", rounds), ("inner_steps", inner_steps), ("threads", threads),
                         ("variant", flags["--variant"]), ("ratio", flags["--ratio"]),
                         ("weighting", flags["--weighting"])):

@@ -17,9 +17,10 @@ three arms really see the same tokens:
 - Data: replica slot i draws the same windows in every arm (full replica i, or the driver of swarm i - R/2
   or i): the data rank is a function of the peer id, so slot i's identity file is reused in every arm.
 - Lockstep: the manifest's ``min_contributors`` is every contributor of the arm (a full replica, and each stage
-  peer of a swarm, for its own shard), so no round closes before every replica has done its H steps; a round
-  that cannot reach it within ``max_deadline_s`` closes empty and the bench reports the shortfall. The tokens
-  each arm trained are counted from the round records and compared.
+  peer of a swarm, for its own shard), so no round closes before every replica has done its H steps (the
+  swarms' drivers, which start rounds as soon as they are up, wait in round 0 for the rest); a round that cannot
+  reach it within ``max_deadline_s`` closes empty and the bench reports the shortfall. The tokens each arm
+  trained are counted from the round records and compared.
 - Schedule: a swarm driver's inner schedule is fixed by the stage options (warm-up 30 steps, cosine over
   :data:`DRIVER_TOTAL_STEPS` steps) and a full replica's spans ``--rounds`` x H steps, so full replicas are started
   with ``--rounds`` = DRIVER_TOTAL_STEPS / H (the same schedule) and the bench stops them after ``rounds`` rounds.
@@ -38,8 +39,10 @@ Measured per arm:
 
 Token weighting (issue 14 item 1): in lockstep every contribution carries the same tokens, so the manifest's
 ``weighting`` cannot matter there. ``weighting="both"`` therefore also runs the heterogeneous arm twice without
-lockstep (``min_contributors`` 1: a slow swarm is cut short when the round closes), with ``weighting = "equal"``
-and ``"tokens"``, and reports the tokens each role contributed and the final losses of both.
+lockstep, with ``weighting = "equal"`` and ``"tokens"``, and reports the tokens each role contributed and the final
+losses of both. There ``min_contributors`` is the full replicas' count plus one: rounds do not start before the
+full replicas (started last) are up, but a slow swarm is cut short when the round closes without it (slow swarm
+links, ``swarm_wan_delay_ms`` / ``swarm_wan_mbps``, make that happen on loopback).
 """
 
 from __future__ import annotations
@@ -70,7 +73,7 @@ class HetNetBenchConfig:
     ratio: str = "1/32"  # its k/d
     replicas: int = 4  # R: full replicas plus swarms in every arm (even)
     stages: int = 2  # stage peers per swarm, and shards of every round
-    rounds: int = 6
+    rounds: int = 30
     inner_steps: int = 10  # H
     batch_size: int = 4
     seq_len: int = 64
@@ -83,6 +86,7 @@ class HetNetBenchConfig:
     threads: int = 1  # torch threads per peer process
     max_deadline_s: float = 120.0  # lockstep: a round waits this long past its first contribution for the rest
     timeout_s: float = 900.0  # per run
+    workdir: Path | None = None  # keep every run's logs, keys, checkpoints and metrics here (None: a temporary dir)
     eval_batches: int = 4  # as the peers' (hlbp.peer.node.replica / stage defaults)
     cache_dir: Path | None = None
 
@@ -174,8 +178,7 @@ def sim_config(cfg: HetNetBenchConfig, run: Run, n: int) -> Any:
         threads=cfg.threads, run_id=f"hetnet-{run.arm}-{run.weighting}{'' if run.lockstep else '-free'}",
         cache_dir=cfg.cache_dir, codec=cfg.variant if run.swarms else "dense",
         codec_k=cfg.k() if run.swarms else 0, weighting=run.weighting, micro_batches=cfg.micro_batches,
-        min_contributors=n if run.lockstep else 1,
-        max_deadline_s=cfg.max_deadline_s if run.lockstep else 30.0,
+        min_contributors=n if run.lockstep else run.full + 1, max_deadline_s=cfg.max_deadline_s,
         # the full replicas' links stay plain loopback; the swarms' get the emulated ones when asked for
         wan_delay_ms=0.0, wan_mbps=None,
         swarm_wan_delay_ms=(cfg.swarm_wan_delay_ms or 0.0) if wan else None, swarm_wan_mbps=cfg.swarm_wan_mbps)
@@ -217,11 +220,13 @@ def run_once(cfg: HetNetBenchConfig, run: Run, workdir: Path, keys: list[Path], 
         for m in range(run.swarms):  # servers first, one at a time, so the role policy fills swarm m first
             for s in range(1, cfg.stages):
                 sw.add_stage(stage_name(m, s), s).proc.wait_for("^announced", sim.startup_timeout_s)
-        for i in range(run.full):
-            sw.add(f"peer{i}", "--wait-replicas", str(len(names)), rounds=schedule_rounds)
         for m in range(run.swarms):
             sw.add_stage(stage_name(m, 0), 0, "--micro-batches", str(cfg.micro_batches),
                          "--eval-every", "0").proc.wait_for("^announced", sim.startup_timeout_s)
+        # full replicas last, together: the swarms' drivers (which start rounds as soon as they are up) wait in
+        # round 0 for them, held by min_contributors
+        for i in range(run.full):
+            sw.add(f"peer{i}", "--wait-replicas", str(len(names)), rounds=schedule_rounds)
         shown = -1
         while True:
             records = {n: [r for r in sw.replicas[n].rounds() if r["round"] < cfg.rounds] for n in names}
@@ -265,12 +270,13 @@ def run_hetnet_bench(cfg: HetNetBenchConfig, out: Path | None, plot: Path | None
     data = prepare_data("builtin", cfg.cache_dir)  # the bootstrap's default recipe and tokenizer
     results = []
     with tempfile.TemporaryDirectory(prefix="hlbp-bench-hetnet-") as tmp:
-        keys = slot_keys(Path(tmp) / "keys", cfg.replicas)
+        root = Path(cfg.workdir) if cfg.workdir is not None else Path(tmp)
+        keys = slot_keys(root / "keys", cfg.replicas)
         for i, run in enumerate(runs):
             console.print(f"[bold]{run.label}[/]: {run.full} full replicas, {run.swarms} swarms of {cfg.stages} "
                           f"stages ({cfg.variant} k={cfg.k()}), {cfg.rounds} rounds of H={cfg.inner_steps}, "
                           f"weighting {run.weighting}, {'lockstep' if run.lockstep else 'free-running'}")
-            raw = run_once(cfg, run, Path(tmp) / f"run{i}", keys, console)
+            raw = run_once(cfg, run, root / f"run{i}-{run.arm}-{run.weighting}", keys, console)
             results.append(analyse(cfg, raw, data))
     doc_result = print_report(cfg, results, console)
     doc_result["runtime_s"] = time.monotonic() - t_all
