@@ -213,12 +213,12 @@ def _serve(ctx: TrainContext, options: StageOptions, worker: StageWorker, codec:
             done.set()
 
     gate = RoundGate()
+    gate.close_between_steps(0.0)  # no step before this peer holds the round's state (stragglers wait, pinged)
     metrics = MetricsLog(ctx.out_dir / "metrics.jsonl")
     phase: list[Callable[[int], tuple[int, int]]] = []
     runner, transport = make_stage_rounds(ctx, worker, config, lambda r: phase[0](r), metrics,
                                           options.checkpoint_every_s, on_round=_round_echo(echo, stage), codec=codec)
     phase.append(serve_phase(runner, gate, worker, ctx.stop, dead_step_s=30.0))
-    echo(f"rounds: {runner.start()}; at round {runner.round}")
 
     def rounds() -> None:
         try:
@@ -237,14 +237,20 @@ def _serve(ctx: TrainContext, options: StageOptions, worker: StageWorker, codec:
                          max_tokens=m.hparams.batch_size * m.hparams.seq_len, on_step=on_step, gate=gate)
     echo(f"serving stage {stage} as {server.peer_id}")
     thread = threading.Thread(target=rounds, name="hlbp-stage-rounds", daemon=True)
-    thread.start()
     try:
+        # the stream handler is up before the state sync, so a driver that finds this peer already announced
+        # is told to wait ("round" answers to its pings) instead of failing to open a stream and banning it
+        echo(f"rounds: {runner.start()}; at round {runner.round}")
+        gate.open()
+        thread.start()
         while not ctx.stop.is_set() and not done.is_set():
             ctx.stop.wait(0.5)
     finally:
         server.close()
-        thread.join(timeout=30)
-        runner.save()
+        if thread.is_alive():
+            thread.join(timeout=30)
+        if thread.ident is not None:  # started: its round state is worth saving
+            runner.save()
         runner.close()
         transport.close()
         metrics.close()
@@ -257,6 +263,17 @@ def _serve(ctx: TrainContext, options: StageOptions, worker: StageWorker, codec:
             "swarm": ctx.peer.role.swarm, **{k: v for k, v in dataclasses.asdict(c).items() if k != "started"},
             "busy_fraction": server.busy_fraction(), "rounds": [dataclasses.asdict(r) for r in runner.history],
             "final_round": runner.round - 1, "in_sync": runner.in_sync}
+
+
+def _sticky_every(check: Callable[[], bool], seconds: float) -> Callable[[], bool]:
+    """``check()`` asked at most every ``seconds`` (a DHT read each time), and True for good once it was True."""
+    state = {"at": 0.0, "value": False}
+
+    def ask() -> bool:
+        if not state["value"] and time.monotonic() - state["at"] >= seconds:
+            state["value"], state["at"] = bool(check()), time.monotonic()
+        return state["value"]
+    return ask
 
 
 def _is_driver(view: SwarmView, me: str) -> bool:
@@ -292,14 +309,14 @@ def _drive(ctx: TrainContext, options: StageOptions, worker: StageWorker, codec:
     val_losses: list[float] = []
     inner = m.hparams.inner_steps
 
-    def step_once(round_end: bool) -> bool:
+    def step_once(round_end: bool, give_up: Callable[[], bool] | None = None) -> bool:
         """One inner step through the chain, logged; False if it was abandoned."""
         x, y = stream.batch(state["seq"])
         state["seq"] += 1
         opt_step = state["opt_step"]
-        record: dict[str, Any] = {"event": "step", "step": opt_step, "seq": state["seq"] - 1}
+        record: dict[str, Any] = {"event": "step", "step": opt_step, "seq": state["seq"] - 1, "round": runner.round}
         try:
-            result = driver.train_step(x, y, opt_step, lr_at(opt_step, optim), round_end=round_end)
+            result = driver.train_step(x, y, opt_step, lr_at(opt_step, optim), round_end=round_end, give_up=give_up)
         except StepAbandoned as exc:
             record.update(abandoned=str(exc))
         else:
@@ -327,16 +344,21 @@ def _drive(ctx: TrainContext, options: StageOptions, worker: StageWorker, codec:
         the round closes without the swarm."""
         driver.wait_ready(60.0)  # the chain has loaded the last round's result
         steps = tokens = 0
-        checked = time.monotonic()
+        closed = _sticky_every(lambda: runner._round_closed(r), 0.5)
+        waiting = False
         while steps < inner:
             if ctx.stop.is_set() or (ctx.max_steps is not None and state["opt_step"] >= start_step + ctx.max_steps):
                 raise PhaseStopped("stopping" if ctx.stop.is_set() else "--max-steps reached")
-            if time.monotonic() - checked > 0.5:
-                checked = time.monotonic()
-                if runner._round_closed(r):
-                    echo(f"round {r} closed after {steps} of the swarm's {inner} steps; taking its result")
-                    break
-            if step_once(round_end=steps + 1 == inner):
+            if closed():
+                echo(f"round {r} closed after {steps} of the swarm's {inner} steps; taking its result")
+                break
+            if not driver.has_chain():  # a stage has no usable peer: a straggler until one serves it
+                if not waiting:
+                    echo(f"round {r}: no complete chain of stage peers; waiting for one")
+                    waiting = True
+                ctx.stop.wait(0.5)
+                continue
+            if step_once(round_end=steps + 1 == inner, give_up=closed):
                 steps += 1
                 tokens += m.hparams.batch_size * m.hparams.seq_len
         return steps, tokens
@@ -361,7 +383,7 @@ def _drive(ctx: TrainContext, options: StageOptions, worker: StageWorker, codec:
                 runner.history.append(runner.run_round())
             except PhaseStopped:
                 break
-        if val and (not val_losses or state["opt_step"] % max(1, options.eval_every)):
+        if val and (not val_losses or not options.eval_every or state["opt_step"] % options.eval_every):
             v = driver.evaluate(val)
             if v is not None:
                 val_losses.append(v)

@@ -137,19 +137,28 @@ class Driver:
 
     # --- chain ---------------------------------------------------------------------------------------------------
 
-    def _choose(self, tokens: int) -> list[str] | None:
+    def _options(self) -> list[list[Candidate]]:
+        return [[Candidate(c.peer, self.measured.get(c.peer) or c.throughput) for c in stage]
+                for stage in self.candidates()]
+
+    def has_chain(self, tokens: int = 1) -> bool:
+        """Whether a complete chain of unbanned stage peers is announced now (no waiting)."""
+        return choose_chain(self._options(), self.chain, self.bans, time.monotonic(), tokens) is not None
+
+    def _choose(self, tokens: int, give_up: Callable[[], bool] | None = None) -> list[str] | None:
+        """The chain for the next micro-batches; waits up to ``chain_wait_s`` for one (or until ``give_up()``)."""
         deadline = time.monotonic() + self.cfg.chain_wait_s
         announced_once = False
         while True:
-            options = [[Candidate(c.peer, self.measured.get(c.peer) or c.throughput) for c in stage]
-                       for stage in self.candidates()]
+            options = self._options()
             chain = choose_chain(options, self.chain, self.bans, time.monotonic(), tokens)
             if chain is not None:
                 if chain != self.chain:
                     logger.info("pipeline chain: %s", " -> ".join(p[:12] for p in [self.peer_id, *chain]))
                 self.chain = chain
                 return chain
-            if time.monotonic() >= deadline or (self.stop is not None and self.stop.is_set()):
+            if time.monotonic() >= deadline or (self.stop is not None and self.stop.is_set()) \
+                    or (give_up is not None and give_up()):
                 return None
             if not announced_once:
                 missing = [i + 1 for i, o in enumerate(options) if not o]
@@ -162,8 +171,9 @@ class Driver:
 
         A stage peer answers a ping with ``reason="round"`` while its round gate is closed (hlbp.peer.swarm.gate);
         the next step's micro-batches would wait there and run into their deadline, so the driver waits here
-        instead. Returns whether the chain was ready in time (a silent peer counts as ready: the step finds it)."""
-        chain = list(self.chain or [])
+        instead. Returns whether the chain was ready in time (a silent peer counts as ready: the step finds it).
+        Banned peers are not asked: the next step will not use them, and a dead one would cost a ping timeout."""
+        chain = [p for p in self.chain or [] if not self.bans.banned(p, time.monotonic())]
         deadline = time.monotonic() + timeout
         while chain and time.monotonic() < deadline:
             if self.stop is not None and self.stop.is_set():
@@ -230,17 +240,19 @@ class Driver:
         return StepAbandoned(reason)
 
     def train_step(self, x: torch.Tensor, y: torch.Tensor, opt_step: int, lr: float,
-                   round_end: bool = False) -> StepResult:
+                   round_end: bool = False, give_up: Callable[[], bool] | None = None) -> StepResult:
         """One inner step on the batch (x, y) [batch, seq]; raises :class:`StepAbandoned` if it can't finish.
 
         ``round_end`` marks the swarm's last inner step of an outer round: every stage of the chain then stops
-        starting steps and contributes its shard's pseudo-gradient (hlbp.peer.swarm.gate)."""
+        starting steps and contributes its shard's pseudo-gradient (hlbp.peer.swarm.gate). ``give_up()`` is asked
+        while the step waits for a chain (every half second): True abandons the step at once (the outer round it
+        belongs to has closed without the swarm, so waiting longer only puts the swarm further behind)."""
         start = time.perf_counter()
         self.step_seq += 1
         n = min(self.cfg.micro_batches, x.shape[0])
         mbs = [_Mb(a, b, b.numel() / y.numel()) for a, b in zip(torch.tensor_split(x, n), torch.tensor_split(y, n))]
         window = min(n, self.cfg.in_flight or n)
-        chain = self._choose(mbs[0].y.numel())
+        chain = self._choose(mbs[0].y.numel(), give_up)
         if chain is None:
             raise self._abandon(mbs, "no complete chain of stage peers")
         self.worker.begin(self.session, self.step_seq)
@@ -352,7 +364,7 @@ class Driver:
             logger.warning("stage peer %s failed; banned for %.0f s", failed[:12], seconds)
             if failed == self.peer_id:
                 raise self._abandon(mbs, "this driver was named as failed")
-            chain = self._choose(mbs[0].y.numel())
+            chain = self._choose(mbs[0].y.numel(), give_up)
             if chain is None:
                 raise self._abandon(mbs, f"no stage peer can replace {failed[:12]}…")
             sent = [m for m in mbs if m.attempt >= 0]

@@ -1,0 +1,212 @@
+"""Stage peers in SparseLoCo rounds die, leave and come back, as real ``hlbp join`` processes on loopback.
+
+A full replica and a 2-stage pipeline swarm share the rounds (the full replica holds both shards, each stage peer
+its own). Three faults:
+
+- a stage peer is SIGKILLed mid-round while a standby for its stage is present: the round completes, the standby
+  serves the swarm's next steps, its contributions are accepted, and shard 1's checksum is the same on the full
+  replica and the standby after every round;
+- a stage peer is SIGKILLed with no standby: the swarm is a straggler, nothing crashes, the full replica's rounds go
+  on; a new joiner (no stage flag: the role policy picks the missing stage) fills it, and the swarm's
+  contributions are accepted again within 3 rounds;
+- a full replica and a stage peer are SIGTERMed together: both leave cleanly (exit 0), restart from their own
+  checkpoints, and contribute again with checksums equal per shard.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from hlbp.peer.sim.launcher import HLBP_PROGRAM, Replica, SimConfig, Swarm, poll
+from hlbp.peer.train.metricslog import read_metrics
+
+pytestmark = pytest.mark.slow
+
+TIMEOUT_S = 240.0  # a bound on a few rounds of small steps on 2 busy cores, not an expected duration
+H = 6
+
+
+def _cfg(run_id: str, **kw: Any) -> SimConfig:
+    return SimConfig(n_stages=2, inner_steps=H, batch_size=4, seq_len=64, seed=4, run_id=run_id, ttl_s=8.0,
+                     micro_batches=2, **kw)
+
+
+def _records(peer: Replica, event: str = "round") -> list[dict[str, Any]]:
+    path = peer.metrics_path()
+    return [r for r in read_metrics(path) if r.get("event") == event] if path is not None and path.exists() else []
+
+
+def _logs(sw: Swarm) -> str:
+    return "\n".join(f"--- {n}\n{r.proc.output[-2500:]}" for n, r in sw.replicas.items())
+
+
+def _wait(sw: Swarm, fn: Callable[[], Any], what: str) -> Any:
+    try:
+        return poll(fn, TIMEOUT_S, what)
+    except TimeoutError as exc:
+        raise AssertionError(f"{exc}\n{_logs(sw)}") from None
+
+
+def _round(records: list[dict[str, Any]], r: int) -> dict[str, Any] | None:
+    return next((x for x in records if x["round"] == r), None)
+
+
+def _start(sw: Swarm, servers: list[str], n_full: int) -> Replica:
+    """Bootstrap, the stage-1 peers (one at a time, so the policy places them in swarm 0), ``n_full`` full
+    replicas that wait for every contributor, then the driver; returns the driver."""
+    sw.start()
+    for name in servers:
+        sw.add_stage(name, 1).proc.wait_for("^announced", 60)
+    for i in range(n_full):
+        sw.add(f"peer{i}", "--wait-replicas", str(n_full + 2), rounds=1000)
+    driver = sw.add_stage("sw0s0", 0, "--micro-batches", "2", "--eval-every", "0")
+    driver.proc.wait_for("^announced", 60)
+    return driver
+
+
+def _online_at(sw: Swarm, swarm: int, stage: int) -> list[str]:
+    """The peers that the run's records (``hlbp status --json``) show online at ``stage`` of ``swarm``."""
+    out = subprocess.run([*HLBP_PROGRAM, "status", "--initial-peers", sw.maddr, "--json"], env=sw.env,
+                         capture_output=True, text=True, timeout=60, check=True).stdout
+    return [p["peer_id"] for p in json.loads(out)["peers"]
+            if p["role"] == "stage" and p["swarm"] == swarm and p["stage"] == stage]
+
+
+def _serving(sw: Swarm, names: list[str], peer_id: str) -> str:
+    return next(n for n in names if sw.replicas[n].proc.find(f"serving stage 1 as {peer_id}"))
+
+
+def _mid_round_step(driver: Replica, after_round: int) -> dict[str, Any] | None:
+    """A completed step of the driver two or more steps into a round after ``after_round``, not its last step."""
+    steps = [s for s in _records(driver, "step") if "chain" in s and s["round"] > after_round]
+    if not steps or _round(_records(driver), steps[-1]["round"]) is not None:
+        return None
+    n = sum(1 for s in steps if s["round"] == steps[-1]["round"])
+    return steps[-1] if 2 <= n < H - 1 else None
+
+
+def test_sigkill_of_a_stage_peer_mid_round_with_a_standby(tmp_path: Path) -> None:
+    with Swarm(_cfg("fault-standby", max_peers_per_stage=2), tmp_path) as sw:
+        driver = _start(sw, ["sw0s1", "sw1s1"], n_full=1)
+        full = sw.replicas["peer0"]
+        step = _wait(sw, lambda: _mid_round_step(driver, 1), "the driver two steps into round 2")
+        victim = _serving(sw, ["sw0s1", "sw1s1"], step["chain"][0])
+        standby = "sw1s1" if victim == "sw0s1" else "sw0s1"
+        killed_in = step["round"]  # the round the swarm was training when the kill landed
+        sw.replicas[victim].proc.kill()  # main process, its DHT process and p2pd, as a spot instance dies
+        last = killed_in + 3
+        _wait(sw, lambda: all(_round(_records(p), last) for p in (full, sw.replicas[standby], driver)),
+              f"round {last} on the full replica, the standby and the driver")
+        standby_id = sw.replicas[standby].proc.find(r"serving stage 1 as (\S+)")[0].group(1)
+        steps = [s for s in _records(driver, "step") if "chain" in s]
+        logs = _logs(sw)
+        alive = {n: r.proc.alive for n, r in sw.replicas.items()}
+
+    assert alive == {"sw0s1": victim != "sw0s1", "sw1s1": victim != "sw1s1", "peer0": True, "sw0s0": True}, logs
+    # the swarm's steps after the kill went through the standby; none was lost silently
+    assert any(s["chain"] == [standby_id] for s in steps), logs
+    assert "failed; banned" in driver.proc.output
+    fulls, stands, drives = (_records(sw.replicas[n]) for n in ("peer0", standby, "sw0s0"))
+    for r in range(killed_in, last + 1):
+        f, s, d = _round(fulls, r), _round(stands, r), _round(drives, r)
+        assert f is not None and s is not None and d is not None, (r, logs)
+        # every holder of a shard ends every round with the same checksum of it
+        assert s["checksums"]["1"] == f["checksums"]["1"] and d["checksums"]["0"] == f["checksums"]["0"], (r, f, s, d)
+        assert f["in_sync"] and s["in_sync"] and d["in_sync"], (r, f, s, d)
+    # the round of the kill completed; from the next one on the standby's contributions are accepted (it trained)
+    for r in range(killed_in + 1, last + 1):
+        assert _round(stands, r)["accepted"] and _round(drives, r)["accepted"], (r, logs)
+        assert _round(fulls, r)["members"] == 3, (r, _round(fulls, r))
+
+
+def test_sigkill_without_a_standby_makes_a_straggler_until_a_joiner_fills_the_stage(tmp_path: Path) -> None:
+    with Swarm(_cfg("fault-straggler"), tmp_path) as sw:
+        driver = _start(sw, ["sw0s1"], n_full=1)
+        full = sw.replicas["peer0"]
+        step = _wait(sw, lambda: _mid_round_step(driver, 1), "the driver two steps into round 2")
+        sw.replicas["sw0s1"].proc.kill()
+        killed_in = step["round"]
+        # the run goes on without the swarm: the full replica completes rounds on its own, the driver waits
+        _wait(sw, lambda: len(_records(full)) > killed_in + 2, "two rounds of the full replica after the kill")
+        assert driver.proc.alive, driver.proc.output[-3000:]
+        # a new joiner with no stage flag, once the dead peer's record has expired (it cannot say it left): the
+        # policy gives it the missing stage of swarm 0
+        _wait(sw, lambda: not _online_at(sw, 0, 1), "the killed peer's record to expire")
+        joiner = sw._join("sw0s1b", ["--role", "stage", "--throughput", "1000"], None)
+        joiner.proc.wait_for("^announced", 60)
+        joined_at = len(_records(full))
+        def back() -> int | None:
+            """The first round in which both stage peers' contributions were accepted."""
+            drives = {r["round"] for r in _records(driver) if r["accepted"]}
+            return next((r["round"] for r in _records(joiner) if r["accepted"] and r["round"] in drives), None)
+
+        first_back = _wait(sw, back, "a round with both stages of the swarm accepted")
+        stop_at = first_back + 1
+        _wait(sw, lambda: all(_round(_records(p), stop_at) for p in (full, joiner, driver)),
+              f"round {stop_at} on the full replica and both stage peers")
+        fulls, joins, drives = _records(full), _records(joiner), _records(driver)
+        logs = _logs(sw)
+        alive = {n: r.proc.alive for n, r in sw.replicas.items()}
+
+    assert alive == {"sw0s1": False, "peer0": True, "sw0s0": True, "sw0s1b": True}, logs
+    assert "stage 1 is missing from swarm 0" in joiner.proc.output, joiner.proc.output[-3000:]
+    # while stage 1 was missing the swarm was a straggler: the full replica's rounds had it alone
+    assert any(_round(fulls, r)["members"] == 1 for r in range(killed_in + 1, joined_at)), fulls
+    # the swarm contributes again within 3 rounds of the joiner's arrival, both of its stages
+    assert first_back <= joined_at + 3, (joined_at, first_back, logs)
+    for r in range(first_back, stop_at + 1):
+        f, j, d = _round(fulls, r), _round(joins, r), _round(drives, r)
+        assert f is not None and j is not None and d is not None, (r, logs)
+        assert j["checksums"]["1"] == f["checksums"]["1"] and d["checksums"]["0"] == f["checksums"]["0"], (r, f, j, d)
+        assert j["accepted"] and d["accepted"] and f["members"] == 3, (r, f, j, d)
+    # nothing crashed: the driver accounted every step (none lost silently)
+    steps = [s for s in read_metrics(driver.metrics_path()) if s.get("event") == "step"]
+    assert all("chain" in s or "abandoned" in s for s in steps)
+
+
+def test_sigterm_of_a_full_replica_and_a_stage_peer_together_then_both_resume(tmp_path: Path) -> None:
+    with Swarm(_cfg("fault-sigterm"), tmp_path) as sw:
+        driver = _start(sw, ["sw0s1"], n_full=2)
+        step = _wait(sw, lambda: _mid_round_step(driver, 1), "the driver two steps into round 2")
+        leavers = [sw.replicas["peer1"].proc, sw.replicas["sw0s1"].proc]
+        for proc in leavers:  # together, as an operator stopping two machines
+            proc.popen.send_signal(15)
+        exits = [proc.popen.wait(timeout=60) for proc in leavers]
+        outputs = [proc.output for proc in leavers]
+        assert exits == [0, 0], outputs
+        left_at = max(len(_records(sw.replicas[n])) for n in ("peer1", "sw0s1"))
+        full_back = sw.add("peer1", rounds=1000)
+        stage_back = sw.add_stage("sw0s1", 1)
+
+        # both contribute again, accepted, beside the peers that stayed
+        def back() -> int | None:
+            rounds = [{r["round"] for r in _records(sw.replicas[n])[left_at:] if r["accepted"]}
+                      for n in ("peer0", "peer1", "sw0s0", "sw0s1")]
+            common = set.intersection(*rounds)
+            return min(common) if common else None
+
+        first_back = _wait(sw, back, "a round with all four contributions accepted after the restart")
+        last = first_back + 1
+        _wait(sw, lambda: all(_round(_records(r), last) for r in sw.replicas.values() if r.proc.alive),
+              f"round {last} everywhere")
+        recs = {n: _records(r) for n, r in sw.replicas.items()}
+        logs = _logs(sw)
+
+    # both said they left (marked offline) instead of just vanishing
+    assert all("leaving: marking this peer offline" in out for out in outputs), [o[-2000:] for o in outputs]
+    # the stage peer restarted from its own stage checkpoint, the full replica from its checkpoint or peers
+    assert stage_back.proc.find(r"resumed from step \d+"), stage_back.proc.output[-3000:]
+    assert full_back.proc.find(r"^replica: (resumed from checkpoint|synced round)"), full_back.proc.output[-3000:]
+    assert step["round"] < first_back, (step, first_back)
+    for r in range(first_back, last + 1):
+        rows = {n: _round(v, r) for n, v in recs.items()}
+        assert all(rows.values()), (r, logs)
+        assert all(x["accepted"] and x["in_sync"] for x in rows.values()), (r, rows)
+        for shard in ("0", "1"):
+            assert len({x["checksums"][shard] for x in rows.values() if shard in x["checksums"]}) == 1, (r, rows)
