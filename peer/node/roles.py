@@ -6,6 +6,13 @@ A strong peer holds a full replica. A weak one becomes stage s of pipeline swarm
 2. then strengthens the stage with the least summed throughput among stages that still have room,
 3. and only then opens a new swarm at stage 0.
 
+After joining, a stage peer that does no work may move (:func:`propose_move`, :class:`MoveConfirmer`): a spare of
+a stage (another peer holds it in its swarm) or a member of an incomplete swarm moves to the one stage that an
+incomplete swarm lacks, so that swarm starts contributing. A member of an incomplete swarm moves only into a swarm
+with a lower number, so two half swarms merge instead of swapping. A peer that trains never moves, and a move
+happens only when the same proposal was made twice at least one period apart (a record of a dead peer lapses within
+one period, so a gap seen twice is real), with the reason in the log.
+
 Everything the rule needs comes in as arguments (no network, no clock), so each case is a unit test, and every
 peer of a run decides the same way from the same announcements. The thresholds that separate strong from weak come
 from the run manifest (throughput) and the model size (memory), see :meth:`Thresholds.for_model`.
@@ -16,6 +23,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
+MAX_SWARMS = 1 << 16  # swarm ids a peer may ask for with --swarm
 REPLICA_BYTES_PER_PARAM = 24  # fp32 params, grads, two AdamW moments, outer copy of θ(t), error-feedback buffer
 ACTIVATION_OVERHEAD = 1.25  # activations, allocator slack and temporary buffers on top of the states above
 RUNTIME_BASE_GB = 0.5  # torch, hivemind's p2pd and DHT process before any model
@@ -86,11 +94,13 @@ def choose_role(
     *,
     force_role: str | None = None,
     force_stage: int | None = None,
+    force_swarm: int | None = None,
 ) -> Role:
-    """Pick this peer's role; ``force_role`` ("replica" or "stage") and ``force_stage`` are the user's overrides.
+    """Pick this peer's role; ``force_role`` ("replica" or "stage"), ``force_stage`` and ``force_swarm`` are the
+    user's overrides (a forced swarm without a stage gets that swarm's first missing stage, or its weakest).
 
-    Raises ValueError for an override that does not fit the run (unknown role, stage out of range, or a stage
-    together with ``force_role="replica"``); the caller turns it into a user error.
+    Raises ValueError for an override that does not fit the run (unknown role, stage or swarm out of range, or a
+    stage or swarm together with ``force_role="replica"``); the caller turns it into a user error.
     """
     if n_stages < 1:
         raise ValueError("a run has at least one stage")
@@ -98,8 +108,14 @@ def choose_role(
         raise ValueError(f"role must be replica or stage, got {force_role!r}")
     if force_stage is not None and not 0 <= force_stage < n_stages:
         raise ValueError(f"stage must be in 0..{n_stages - 1} for this run, got {force_stage}")
-    if force_role == "replica" and force_stage is not None:
-        raise ValueError("a full replica holds every stage; drop --stage or use --role stage")
+    if force_swarm is not None and not 0 <= force_swarm < MAX_SWARMS:
+        raise ValueError(f"swarm must be in 0..{MAX_SWARMS - 1}, got {force_swarm}")
+    if force_role == "replica" and (force_stage is not None or force_swarm is not None):
+        raise ValueError("a full replica holds every stage; drop --stage/--swarm or use --role stage")
+    if force_swarm is not None:
+        swarm, stage, why = _place_in_swarm(peers, n_stages, force_swarm, force_stage)
+        return Role("stage", swarm=swarm, stage=stage, reason=f"forced by --swarm; {why}",
+                    fits=me.memory_gb >= thresholds.stage_memory_gb)
 
     fits_replica = me.memory_gb >= thresholds.replica_memory_gb
     fast_enough = me.throughput >= thresholds.replica_min_throughput
@@ -121,14 +137,33 @@ def choose_role(
     return Role("stage", swarm=swarm, stage=stage, reason=why, fits=me.memory_gb >= thresholds.stage_memory_gb)
 
 
+def _stage_map(peers: list[PeerView], n_stages: int) -> dict[int, dict[int, list[PeerView]]]:
+    """swarm -> stage -> the stage peers holding it (replicas, bootstraps and out-of-range stages left out)."""
+    swarms: dict[int, dict[int, list[PeerView]]] = defaultdict(lambda: defaultdict(list))
+    for peer in peers:
+        if peer.role == "stage" and peer.swarm is not None and peer.stage is not None and 0 <= peer.stage < n_stages:
+            swarms[peer.swarm][peer.stage].append(peer)
+    return swarms
+
+
+def _place_in_swarm(peers: list[PeerView], n_stages: int, swarm: int, force_stage: int | None) -> tuple[int, int, str]:
+    """(swarm, stage, reason) inside a swarm the user chose: the given stage, else its first missing stage, else
+    its stage with the least summed throughput."""
+    stages = _stage_map(peers, n_stages).get(swarm, {})
+    if force_stage is not None:
+        return swarm, force_stage, f"stage {force_stage} of swarm {swarm} as asked"
+    missing = [s for s in range(n_stages) if not stages.get(s)]
+    if missing:
+        return swarm, missing[0], f"stage {missing[0]} is missing from swarm {swarm}"
+    total, s = min((sum(p.throughput for p in stages[s]), s) for s in range(n_stages))
+    return swarm, s, f"stage {s} of swarm {swarm} has the least throughput ({total:,.0f} tok/s)"
+
+
 def _place_stage(peers: list[PeerView], n_stages: int, max_per_stage: int,
                  force_stage: int | None) -> tuple[int, int, str]:
     """(swarm, stage, reason) for a new stage peer, following the three steps of the module docstring."""
-    # swarm -> stage -> throughputs of the peers holding it
-    swarms: dict[int, dict[int, list[float]]] = defaultdict(lambda: defaultdict(list))
-    for peer in peers:
-        if peer.role == "stage" and peer.swarm is not None and peer.stage is not None and peer.stage < n_stages:
-            swarms[peer.swarm][peer.stage].append(peer.throughput)
+    swarms = {m: {s: [p.throughput for p in held] for s, held in stages.items()}
+              for m, stages in _stage_map(peers, n_stages).items()}
     wanted = range(n_stages) if force_stage is None else (force_stage,)
 
     incomplete = []
@@ -155,3 +190,49 @@ def _place_stage(peers: list[PeerView], n_stages: int, max_per_stage: int,
     s = 0 if force_stage is None else force_stage
     reason = "every swarm is full" if swarms else "no pipeline swarm exists yet"
     return m, s, f"{reason}: opening swarm {m} at stage {s}"
+
+
+def propose_move(me: PeerView, peers: list[PeerView], n_stages: int, idle: bool) -> Role | None:
+    """Where stage peer ``me`` should move, or None (see the module docstring). ``peers``: the other online peers;
+    ``idle``: ``me`` served no step since the last proposal (a peer that trains never moves)."""
+    if not idle or me.role != "stage" or me.swarm is None or me.stage is None:
+        return None
+    swarms = _stage_map([p for p in peers if p.peer_id != me.peer_id] + [me], n_stages)
+    mine = swarms.get(me.swarm, {})
+    spare = any(p.peer_id != me.peer_id for p in mine.get(me.stage, []))
+    incomplete = any(not mine.get(s) for s in range(n_stages))
+    if not spare and not incomplete:
+        return None  # the swarm needs this peer
+    for m in sorted(swarms):
+        if m == me.swarm or (not spare and m > me.swarm):
+            continue
+        missing = [s for s in range(n_stages) if not swarms[m].get(s)]
+        if len(missing) == 1:
+            why = (f"spare of stage {me.stage} in swarm {me.swarm}" if spare
+                   else f"swarm {me.swarm} lacks a stage") + f"; swarm {m} lacks only stage {missing[0]}"
+            return Role("stage", swarm=m, stage=missing[0], reason=why)
+    return None
+
+
+class MoveConfirmer:
+    """A move is made only when the same proposal comes twice at least ``period_s`` apart (pure: the caller
+    passes the clock)."""
+
+    def __init__(self, period_s: float) -> None:
+        self.period_s = period_s
+        self._first: tuple[tuple[int | None, int | None], float] | None = None
+
+    def observe(self, proposal: Role | None, now: float) -> Role | None:
+        """The confirmed move, or None. A different proposal, or none, starts over."""
+        if proposal is None:
+            self._first = None
+            return None
+        key = (proposal.swarm, proposal.stage)
+        if self._first is None or self._first[0] != key:
+            self._first = (key, now)
+            return None
+        seen = now - self._first[1]
+        if seen < self.period_s:
+            return None
+        return Role("stage", swarm=proposal.swarm, stage=proposal.stage,
+                    reason=f"{proposal.reason} (seen for {seen:.0f} s)")

@@ -90,3 +90,54 @@ def test_too_little_memory_for_any_stage_is_reported_not_hidden():
 def test_memory_estimate_grows_with_parameters():
     assert estimate_memory_gb(0) == pytest.approx(0.5)
     assert estimate_memory_gb(1_000_000_000) == pytest.approx(30.5)
+
+
+def test_a_spare_moves_to_the_one_stage_another_swarm_lacks():
+    from hlbp.peer.node.roles import propose_move
+
+    me = stage("spare", 0, 1)
+    peers = [stage("a", 0, 0), stage("b", 0, 1), stage("c", 1, 0)]
+    move = propose_move(me, peers, 2, idle=True)
+    assert (move.swarm, move.stage) == (1, 1) and "spare of stage 1 in swarm 0" in move.reason
+    # a peer that trains never moves; neither does the only holder of a stage of a whole swarm
+    assert propose_move(me, peers, 2, idle=False) is None
+    assert propose_move(stage("b", 0, 1), [stage("a", 0, 0), stage("c", 1, 0)], 2, idle=True) is None
+    # a swarm lacking two stages is no clear gain
+    assert propose_move(me, [stage("a", 0, 0), stage("b", 0, 1), stage("c", 1, 0)], 3, idle=True) is None
+
+
+def test_half_swarms_merge_into_the_lower_one_and_never_swap():
+    from hlbp.peer.node.roles import propose_move
+
+    low, high = stage("x", 0, 0), stage("y", 1, 1)
+    assert propose_move(low, [high], 2, idle=True) is None
+    move = propose_move(high, [low], 2, idle=True)
+    assert (move.swarm, move.stage) == (0, 1) and "swarm 1 lacks a stage" in move.reason
+
+
+def test_a_move_needs_the_same_proposal_twice_a_period_apart():
+    from hlbp.peer.node.roles import MoveConfirmer, Role
+
+    c = MoveConfirmer(period_s=10.0)
+    a, b = Role("stage", 1, 1, "gap"), Role("stage", 2, 0, "other gap")
+    assert c.observe(a, 0.0) is None
+    assert c.observe(a, 9.9) is None  # too soon
+    assert c.observe(b, 12.0) is None  # a different proposal starts over
+    assert c.observe(b, 21.0) is None
+    assert c.observe(None, 23.0) is None  # the gap closed: start over
+    assert c.observe(b, 24.0) is None
+    moved = c.observe(b, 34.5)
+    assert (moved.swarm, moved.stage) == (2, 0) and "seen for 10 s" in moved.reason
+
+
+def test_a_forced_swarm_gets_its_missing_stage():
+    peers = [stage("a", 0, 0), stage("b", 0, 1), stage("c", 1, 1)]
+    role = choose_role(WEAK, peers, 2, T, force_swarm=1)
+    assert (role.kind, role.swarm, role.stage) == ("stage", 1, 0) and "forced by --swarm" in role.reason
+    role = choose_role(WEAK, peers, 2, T, force_swarm=0)
+    assert (role.swarm, role.stage) == (0, 0)
+    assert choose_role(WEAK, peers, 2, T, force_swarm=3, force_stage=1).stage == 1
+    with pytest.raises(ValueError):
+        choose_role(WEAK, peers, 2, T, force_role="replica", force_swarm=1)
+    with pytest.raises(ValueError):
+        choose_role(WEAK, peers, 2, T, force_swarm=-1)
