@@ -124,6 +124,8 @@ def join(
                                           "the signer they follow]."),
     role: str = opt(None, "--role", env="ROLE", help="Force the role: replica or stage."),
     stage: int = opt(None, "--stage", env="STAGE", help="Force this pipeline stage (implies --role stage)."),
+    swarm: int = opt(None, "--swarm", env="SWARM",
+                     help="Join this pipeline swarm (implies --role stage): its missing stage, or --stage."),
     memory_gb: float = opt(None, "--memory-gb", env="MEMORY_GB", help="Announce this memory instead of measuring."),
     throughput: float = opt(None, "--throughput", env="THROUGHPUT",
                             help="Announce these full-model tokens/s instead of a warm-up."),
@@ -168,6 +170,10 @@ def join(
     stage_deadline: float = opt(None, "--stage-deadline", env="STAGE_DEADLINE",
                                 help="Stage 0: seconds a micro-batch may take before the chain is checked "
                                      "[default: 3x the recent p95 round trip, within 5..120 s]."),
+    rebalance_period: float = opt(None, "--rebalance-period", env="REBALANCE_PERIOD",
+                                  help="Stage peer: move to a stage another swarm lacks only when idle and when the "
+                                       "same move was seen twice this many seconds apart [default: the record "
+                                       "lifetime --ttl, at least 30 s; 0: never move]."),
     eval_every: int = opt(10, "--eval-every", env="EVAL_EVERY",
                           help="Stage 0: validation loss through the pipeline every this many steps (0: never)."),
     faults: Any = None,
@@ -176,8 +182,8 @@ def join(
 
     A full replica trains H inner steps per round and merges with the others in SparseLoCo rounds. A stage peer
     serves its stage of a pipeline swarm: stage 0 drives the swarm (data, micro-batches, retries), later stages
-    serve forward and backward over compressed stage streams. Pipeline swarms do not join outer rounds yet.
-    SIGTERM or Ctrl-C marks the peer offline and leaves within seconds.
+    serve forward and backward over compressed stage streams, and each stage peer contributes its stage's shard to
+    the same rounds. An idle stage peer moves to a stage that another swarm lacks (confirmed twice). SIGTERM or Ctrl-C marks the peer offline and leaves within seconds.
     """
     from hlbp.peer.net.control import NetworkConfig
     from hlbp.peer.node.join import JoinConfig, TrainContext, default_train_hook
@@ -192,7 +198,7 @@ def join(
         net=NetworkConfig(initial_peers=_split(initial_peers), host_maddrs=_split(host_maddrs),
                           announce_maddrs=_split(announce_maddrs), connect_timeout_s=connect_timeout,
                           nat_port_map=nat_port_map),
-        identity=identity, manifest_signers=_split(manifest_signer), role=role, stage=stage, memory_gb=memory_gb,
+        identity=identity, manifest_signers=_split(manifest_signer), role=role, stage=stage, swarm=swarm, memory_gb=memory_gb,
         throughput=throughput, bandwidth=bandwidth, ttl=ttl, reachability=reachability,
         manifest_timeout_s=manifest_timeout, cache_dir=cache_dir, probe_bytes=int(probe_mb * (1 << 20)),
         train=train, max_steps=max_steps, out_dir=out_dir,
@@ -210,12 +216,14 @@ def join(
             from hlbp.peer.node.stage import StageOptions, stage_train_hook
 
             if micro_batches < 1 or in_flight is not None and in_flight < 1 or eval_every < 0 \
-                    or stage_deadline is not None and stage_deadline <= 0:
-                raise UserInputError("--micro-batches and --in-flight must be >= 1, --eval-every >= 0 and "
-                                     "--stage-deadline > 0")
+                    or stage_deadline is not None and stage_deadline <= 0 \
+                    or rebalance_period is not None and rebalance_period < 0:
+                raise UserInputError("--micro-batches and --in-flight must be >= 1, --eval-every and "
+                                     "--rebalance-period >= 0 and --stage-deadline > 0")
             stage_train_hook(ctx, StageOptions(micro_batches=micro_batches, in_flight=in_flight,
                                                deadline_s=stage_deadline, eval_every=eval_every, threads=threads,
-                                               checkpoint_every_s=checkpoint_every), _echo)
+                                               checkpoint_every_s=checkpoint_every,
+                                               rebalance_period_s=rebalance_period), _echo)
         elif not local_only and not stop.is_set():
             from hlbp.peer.node.replica import ReplicaOptions, replica_train_hook
 

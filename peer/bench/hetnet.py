@@ -40,9 +40,9 @@ Measured per arm:
 Token weighting (issue 14 item 1): in lockstep every contribution carries the same tokens, so the manifest's
 ``weighting`` cannot matter there. ``weighting="both"`` therefore also runs the heterogeneous arm twice without
 lockstep, with ``weighting = "equal"`` and ``"tokens"``, and reports the tokens each role contributed and the final
-losses of both. There ``min_contributors`` is the full replicas' count plus one: rounds do not start before the
-full replicas (started last) are up, but a slow swarm is cut short when the round closes without it (slow swarm
-links, ``swarm_wan_delay_ms`` / ``swarm_wan_mbps``, make that happen on loopback).
+losses of both. There ``min_contributors`` is :func:`free_running_min`: the swarms that came up first cannot run
+rounds among themselves before the full replicas start, but a slow swarm is cut short when the round closes without
+it (slow swarm links, ``swarm_wan_delay_ms`` / ``swarm_wan_mbps``, make that happen on loopback).
 """
 
 from __future__ import annotations
@@ -167,6 +167,13 @@ def contributor_names(run: Run, stages: int) -> tuple[list[str], list[str]]:
     return full + stage, [stage_name(m, 0) for m in range(run.swarms)]
 
 
+def free_running_min(run: Run, stages: int) -> int:
+    """``min_contributors`` of a free-running run: one more than all swarms but one contribute, so the swarms that
+    came up first cannot run rounds among themselves before the full replicas start, while one slow swarm can
+    still be cut short when a round closes without it."""
+    return stages * max(0, run.swarms - 1) + 1
+
+
 def sim_config(cfg: HetNetBenchConfig, run: Run, n: int) -> Any:
     """The SimConfig (manifest and process settings) of ``run``; ``n``: its contributors."""
     from hlbp.peer.sim.launcher import SimConfig
@@ -178,7 +185,8 @@ def sim_config(cfg: HetNetBenchConfig, run: Run, n: int) -> Any:
         threads=cfg.threads, run_id=f"hetnet-{run.arm}-{run.weighting}{'' if run.lockstep else '-free'}",
         cache_dir=cfg.cache_dir, codec=cfg.variant if run.swarms else "dense",
         codec_k=cfg.k() if run.swarms else 0, weighting=run.weighting, micro_batches=cfg.micro_batches,
-        min_contributors=n if run.lockstep else run.full + 1, max_deadline_s=cfg.max_deadline_s,
+        min_contributors=n if run.lockstep else free_running_min(run, cfg.stages),
+        max_deadline_s=cfg.max_deadline_s,
         # the full replicas' links stay plain loopback; the swarms' get the emulated ones when asked for
         wan_delay_ms=0.0, wan_mbps=None,
         swarm_wan_delay_ms=(cfg.swarm_wan_delay_ms or 0.0) if wan else None, swarm_wan_mbps=cfg.swarm_wan_mbps)
@@ -219,14 +227,13 @@ def run_once(cfg: HetNetBenchConfig, run: Run, workdir: Path, keys: list[Path], 
         sw.start()
         for m in range(run.swarms):  # servers first, one at a time, so the role policy fills swarm m first
             for s in range(1, cfg.stages):
-                sw.add_stage(stage_name(m, s), s).proc.wait_for("^announced", sim.startup_timeout_s)
-        for m in range(run.swarms):
-            sw.add_stage(stage_name(m, 0), 0, "--micro-batches", str(cfg.micro_batches),
-                         "--eval-every", "0").proc.wait_for("^announced", sim.startup_timeout_s)
-        # full replicas last, together: the swarms' drivers (which start rounds as soon as they are up) wait in
-        # round 0 for them, held by min_contributors
+                sw.add_stage(stage_name(m, s), s, swarm=m).proc.wait_for("^announced", sim.startup_timeout_s)
+        # the full replicas wait until every contributor announced; each driver starts rounds once it is up
         for i in range(run.full):
             sw.add(f"peer{i}", "--wait-replicas", str(len(names)), rounds=schedule_rounds)
+        for m in range(run.swarms):
+            sw.add_stage(stage_name(m, 0), 0, "--micro-batches", str(cfg.micro_batches),
+                         "--eval-every", "0", swarm=m).proc.wait_for("^announced", sim.startup_timeout_s)
         shown = -1
         while True:
             records = {n: [r for r in sw.replicas[n].rounds() if r["round"] < cfg.rounds] for n in names}

@@ -47,6 +47,7 @@ class JoinConfig:
     manifest_signers: list[str] = field(default_factory=list)  # trusted signers; empty: the initial peers
     role: str | None = None  # force replica or stage
     stage: int | None = None  # force this stage (implies role stage)
+    swarm: int | None = None  # force this pipeline swarm (implies role stage)
     memory_gb: float | None = None  # force available memory instead of measuring it
     throughput: float | None = None  # force full-model tokens/s instead of a warm-up
     bandwidth: float | None = None  # force bytes/s instead of a probe
@@ -213,14 +214,15 @@ def join(cfg: JoinConfig, echo: Callable[[str], None]) -> JoinedPeer:
             for p, r in peers.items() if r.announcement.online and p != plane.peer_id
         ]
         try:
-            role = choose_role(capacity, views, len(m.stages), thresholds, force_role=cfg.role, force_stage=cfg.stage)
+            role = choose_role(capacity, views, len(m.stages), thresholds, force_role=cfg.role, force_stage=cfg.stage,
+                               force_swarm=cfg.swarm)
         except ValueError as exc:
             raise UserInputError(str(exc)) from None
         if not role.fits:
             need = thresholds.replica_memory_gb if role.kind == "replica" else thresholds.stage_memory_gb
             message = (f"this machine has {capacity.memory_gb:.1f} GB available but a {role.kind} of {m.model} needs "
                        f"about {need:.1f} GB")
-            if cfg.role is None and cfg.stage is None:
+            if cfg.role is None and cfg.stage is None and cfg.swarm is None:
                 raise UserInputError(message + "; free memory, or force a role with --role/--stage")
             echo(f"warning: {message}; continuing because the role was forced")
 

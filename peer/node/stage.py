@@ -35,7 +35,9 @@ from hlbp.peer.model.decoder import load_from_full, preset, split
 from hlbp.peer.model.pipeline import initial_state, run_model_config
 from hlbp.peer.model.subspace import make_codec
 from hlbp.peer.node.join import TrainContext, data_rank
+from hlbp.peer.node.rebalance import Rebalancer
 from hlbp.peer.node.replica import codec_config  # the run's codec: shared with full replicas (their model)
+from hlbp.peer.node.roles import Role
 from hlbp.peer.node.stagerounds import PhaseStopped, make_stage_rounds, serve_phase
 from hlbp.peer.swarm.driver import Driver, DriverConfig, StepAbandoned
 from hlbp.peer.swarm.gate import RoundGate
@@ -69,6 +71,8 @@ class StageOptions:
     threads: int | None = None
     device: str = "auto"
     checkpoint_every_s: float = 60.0
+    rebalance_period_s: float | None = None  # a move needs the same proposal twice this far apart (None: the
+    # announcement lifetime, at least 30 s; 0: never move)
 
 
 def driver_optim(lr: float, total_steps: int) -> OptimConfig:
@@ -165,22 +169,70 @@ def save_stage(ctx: TrainContext, worker: StageWorker, opt_step: int) -> None:
 
 def stage_train_hook(ctx: TrainContext, options: StageOptions, echo: Callable[[str], None] = print) -> dict[str, Any]:
     """Serve (or, at stage 0, drive) this peer's stage until stopped or ``ctx.max_steps`` steps; returns the
-    summary it also writes to ``summary.json``."""
+    summary it also writes to ``summary.json``.
+
+    An idle stage peer may move to a stage another swarm lacks (hlbp.peer.node.rebalance): it then stops its
+    stage, re-announces the new swarm and stage, drops the old role's checkpoints (their shard is somebody
+    else's now) and starts the new stage from the round state it syncs."""
     if options.threads:
         torch.set_num_threads(options.threads)
     ctx.out_dir.mkdir(parents=True, exist_ok=True)
+    moves: list[dict[str, Any]] = []
+    while True:
+        inner = dataclasses.replace(ctx, stop=_linked(ctx.stop))
+        summary, move = _run_role(inner, options, echo)
+        inner.stop.set()
+        summary["moves"] = moves
+        atomic_write_bytes(ctx.out_dir / "summary.json", json.dumps(summary, indent=1).encode())
+        if move is None or ctx.stop.is_set():
+            return summary
+        peer = ctx.peer
+        old = peer.role
+        echo(f"moving from stage {old.stage} of swarm {old.swarm} to stage {move.stage} of swarm {move.swarm}: "
+             f"{move.reason}")
+        moves.append({"from": [old.swarm, old.stage], "to": [move.swarm, move.stage], "reason": move.reason})
+        peer.role = move
+        peer.heartbeat.update(swarm=move.swarm, stage=move.stage)
+        peer.heartbeat.beat()
+        for name in ("stage.safetensors", "rounds.safetensors"):
+            (ctx.out_dir / name).unlink(missing_ok=True)
+
+
+def _linked(outer: threading.Event) -> threading.Event:
+    """An event set when ``outer`` is, that can also be set alone (one role's life inside the process's)."""
+    inner = threading.Event()
+
+    def follow() -> None:
+        while not inner.is_set():
+            if outer.wait(0.5):
+                inner.set()
+
+    threading.Thread(target=follow, name="hlbp-stage-stop", daemon=True).start()
+    return inner
+
+
+def _run_role(ctx: TrainContext, options: StageOptions,
+              echo: Callable[[str], None]) -> tuple[dict[str, Any], Role | None]:
+    """One role's life: build, serve or drive, and the summary plus the confirmed move that ended it (if any)."""
     role = ctx.peer.role
     config, worker, codec, vocab, info = _build(ctx, options)
     view = SwarmView(ctx.peer.plane, ctx.peer.manifest.manifest, role.swarm)
     where = f"stage {role.stage} of swarm {role.swarm}"
     echo(f"{where}: {sum(p.numel() for p in worker.stage.parameters()):,} parameters, codec {codec_config(ctx.peer.manifest.manifest).label(config.d_model)}"
          + (f", resumed from step {info['resumed_step']}" if info["resumed_step"] is not None else ""))
+    moved: list[Role] = []
     if role.stage == 0:
-        summary = _drive(ctx, options, worker, codec, vocab, view, echo, info["resumed_step"] or 0, config)
+        summary = _drive(ctx, options, worker, codec, vocab, view, echo, info["resumed_step"] or 0, config, moved)
     else:
-        summary = _serve(ctx, options, worker, codec, vocab, view, echo, config)
-    atomic_write_bytes(ctx.out_dir / "summary.json", json.dumps(summary, indent=1).encode())
-    return summary
+        summary = _serve(ctx, options, worker, codec, vocab, view, echo, config, moved)
+    return summary, (moved[0] if moved else None)
+
+
+def _rebalancer(ctx: TrainContext, options: StageOptions, view: SwarmView, work: Callable[[], int]) -> Rebalancer:
+    peer = ctx.peer
+    period = options.rebalance_period_s
+    return Rebalancer(peer.plane.peer_id, peer.role, peer.capacity.throughput, len(peer.manifest.manifest.stages),
+                      view, work, period_s=max(peer.heartbeat.ttl, 30.0) if period is None else period)
 
 
 def _round_echo(echo: Callable[[str], None], stage: int) -> Callable[[Any, float | None], None]:
@@ -193,7 +245,7 @@ def _round_echo(echo: Callable[[str], None], stage: int) -> Callable[[Any, float
 
 
 def _serve(ctx: TrainContext, options: StageOptions, worker: StageWorker, codec: Any, vocab: int, view: SwarmView,
-           echo: Callable[[str], None], config: Any) -> dict[str, Any]:
+           echo: Callable[[str], None], config: Any, moved: list[Role]) -> dict[str, Any]:
     m = ctx.peer.manifest.manifest
     stage = ctx.peer.role.stage or 0
     last = {"step": 0, "saved": time.monotonic(), "echo": 0.0}
@@ -243,8 +295,13 @@ def _serve(ctx: TrainContext, options: StageOptions, worker: StageWorker, codec:
         echo(f"rounds: {runner.start()}; at round {runner.round}")
         gate.open()
         thread.start()
+        rebalance = _rebalancer(ctx, options, view, lambda: server.counters.steps_applied)
         while not ctx.stop.is_set() and not done.is_set():
             ctx.stop.wait(0.5)
+            move = rebalance.check()
+            if move is not None:
+                moved.append(move)
+                ctx.stop.set()  # this role's stop only (stage_train_hook links it to the process's)
     finally:
         server.close()
         if thread.is_alive():
@@ -282,13 +339,20 @@ def _is_driver(view: SwarmView, me: str) -> bool:
 
 
 def _drive(ctx: TrainContext, options: StageOptions, worker: StageWorker, codec: Any, vocab: int, view: SwarmView,
-           echo: Callable[[str], None], start_step: int, config: Any) -> dict[str, Any]:
+           echo: Callable[[str], None], start_step: int, config: Any, moved: list[Role]) -> dict[str, Any]:
     peer = ctx.peer
     m = peer.manifest.manifest
     me = peer.plane.peer_id
-    while not _is_driver(view, me) and not ctx.stop.is_set():
+    steps_done: list[Callable[[], int]] = [lambda: 0]  # the driver's step counter, once it drives
+    rebalance = _rebalancer(ctx, options, view, lambda: steps_done[0]())
+    if not _is_driver(view, me):
         echo("another stage-0 peer drives this swarm; standing by")
-        ctx.stop.wait(5.0)
+    while not _is_driver(view, me) and not ctx.stop.is_set():
+        ctx.stop.wait(1.0)
+        move = rebalance.check()
+        if move is not None:
+            moved.append(move)
+            return {"peer": me, "role": "stage", "stage": 0, "swarm": peer.role.swarm, "driver": False}
     data = prepare_data(m.data_recipe, ctx.cache_dir, tokenizer_path=peer.tokenizer_path)
     stream = TokenStream(data.train, m.hparams.seq_len, m.hparams.batch_size, seed=m.seed, rank=data_rank(me))
     # the validation batches every replica of the run scores (the full replicas' too, so losses compare)
@@ -378,10 +442,15 @@ def _drive(ctx: TrainContext, options: StageOptions, worker: StageWorker, codec:
             if first is not None:
                 val_losses.append(first)
                 echo(f"validation loss before training: {first:.4f}")
+        steps_done[0] = lambda: driver.counters.steps
         while not ctx.stop.is_set():
             try:
                 runner.history.append(runner.run_round())
             except PhaseStopped:
+                break
+            move = rebalance.check()
+            if move is not None:
+                moved.append(move)
                 break
         if val and (not val_losses or not options.eval_every or state["opt_step"] % options.eval_every):
             v = driver.evaluate(val)

@@ -289,12 +289,14 @@ class Swarm:
                                  "--rounds", str(self.cfg.rounds if rounds is None else rounds), *extra], program)
 
     def add_stage(self, name: str, stage: int, *extra: str, max_steps: int | None = None,
-                  program: Sequence[str] | None = None) -> Replica:
+                  program: Sequence[str] | None = None, swarm: int | None = None) -> Replica:
         """Start (or restart) stage peer ``name`` holding ``stage`` (stage 0 drives its swarm); ``max_steps``: the
-        driver leaves after that many inner steps, a server after applying that many."""
+        driver leaves after that many inner steps, a server after applying that many; ``swarm``: join that swarm
+        (``--swarm``) instead of where the role policy puts a peer of that stage."""
         steps = ["--max-steps", str(max_steps)] if max_steps is not None else []
-        return self._join(name, ["--role", "stage", "--stage", str(stage), "--throughput", "1000", *steps, *extra],
-                          program)
+        where = ["--swarm", str(swarm)] if swarm is not None else []
+        return self._join(name, ["--role", "stage", "--stage", str(stage), *where, "--throughput", "1000", *steps,
+                                 *extra], program)
 
     def records(self) -> dict[str, list[dict[str, Any]]]:
         """Every replica's round records so far, by replica name."""
@@ -347,16 +349,17 @@ def run_simulation(cfg: SimConfig, workdir: Path, timeout_s: float,
     with Swarm(cfg, workdir) as swarm:
         swarm.start()
         contributors = cfg.n_full + cfg.n_swarms * cfg.n_stages
-        # servers first, so each driver finds its chain; one at a time, so the role policy fills swarm m before
-        # it opens swarm m + 1 (it gives a joiner the missing stage of an existing swarm first)
+        # servers first, so each driver finds its chain; each names its swarm (--swarm), as the report's peer
+        # names do
         for m in range(cfg.n_swarms):
             for stage in range(1, cfg.n_stages):
-                swarm.add_stage(stage_name(m, stage), stage).proc.wait_for("^announced", cfg.startup_timeout_s)
+                swarm.add_stage(stage_name(m, stage), stage, swarm=m).proc.wait_for("^announced",
+                                                                                   cfg.startup_timeout_s)
         for i in range(cfg.n_full):  # they start round 0 together, not each as it finishes joining
             swarm.add(f"peer{i}", "--wait-replicas", str(contributors))
         for m in range(cfg.n_swarms):
-            swarm.add_stage(stage_name(m, 0), 0, "--micro-batches", str(cfg.micro_batches),
-                            "--eval-every", "0").proc.wait_for("^announced", cfg.startup_timeout_s)
+            swarm.add_stage(stage_name(m, 0), 0, "--micro-batches", str(cfg.micro_batches), "--eval-every", "0",
+                            swarm=m).proc.wait_for("^announced", cfg.startup_timeout_s)
         deadline = started + timeout_s
         timed_out = False
         while True:

@@ -210,3 +210,40 @@ def test_sigterm_of_a_full_replica_and_a_stage_peer_together_then_both_resume(tm
         assert all(x["accepted"] and x["in_sync"] for x in rows.values()), (r, rows)
         for shard in ("0", "1"):
             assert len({x["checksums"][shard] for x in rows.values() if shard in x["checksums"]}) == 1, (r, rows)
+
+
+def test_an_idle_spare_moves_to_complete_another_swarm(tmp_path: Path) -> None:
+    with Swarm(_cfg("fault-rebalance", max_peers_per_stage=2), tmp_path) as sw:
+        sw.start()
+        for name in ("sw0s1", "sw2s1"):  # two peers of stage 1 in swarm 0: one will be a spare
+            sw.add_stage(name, 1, "--rebalance-period", "6", swarm=0).proc.wait_for("^announced", 60)
+        sw.add("peer0", "--wait-replicas", "3", rounds=1000)
+        sw.add_stage("sw0s0", 0, "--micro-batches", "2", "--eval-every", "0", swarm=0).proc.wait_for("^announced", 60)
+        # swarm 1 has a driver and lacks only stage 1
+        lone = sw.add_stage("sw1s0", 0, "--micro-batches", "2", "--eval-every", "0", swarm=1)
+        lone.proc.wait_for("^announced", 60)
+        mover = _wait(sw, lambda: next((n for n in ("sw0s1", "sw2s1") if sw.replicas[n].proc.find("^moving from")),
+                                       None), "a spare to move")
+        moved = sw.replicas[mover].proc.find("^moving from")[0].string
+        moved_at = len(_records(sw.replicas["peer0"]))
+
+        def whole() -> int | None:
+            """A round after the move with all five contributions accepted (both swarms and the full replica)."""
+            recs = {n: _records(r) for n, r in sw.replicas.items()}
+            for r in recs["peer0"][moved_at:]:
+                rows = [_round(v, r["round"]) for v in recs.values()]
+                if r["members"] == 5 and all(x is not None and x["accepted"] for x in rows):
+                    return r["round"]
+            return None
+
+        first = _wait(sw, whole, "a round with both swarms whole")
+        recs = {n: _records(r) for n, r in sw.replicas.items()}
+        logs = _logs(sw)
+        alive = {n: r.proc.alive for n, r in sw.replicas.items()}
+
+    assert all(alive.values()), (alive, logs)
+    assert "to stage 1 of swarm 1: spare of stage 1 in swarm 0; swarm 1 lacks only stage 1 (seen for" in moved, moved
+    assert sum(1 for n in ("sw0s1", "sw2s1") if "moving from" in sw.replicas[n].proc.output) == 1, logs
+    rows = {n: _round(v, first) for n, v in recs.items()}
+    for shard in ("0", "1"):
+        assert len({x["checksums"][shard] for x in rows.values() if shard in x["checksums"]}) == 1, rows
