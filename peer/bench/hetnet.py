@@ -47,9 +47,11 @@ it (slow swarm links, ``swarm_wan_delay_ms`` / ``swarm_wan_mbps``, make that hap
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import shutil
 import signal
+import subprocess
 import tempfile
 import time
 from dataclasses import dataclass
@@ -186,7 +188,7 @@ def sim_config(cfg: HetNetBenchConfig, run: Run, n: int) -> Any:
         cache_dir=cfg.cache_dir, codec=cfg.variant if run.swarms else "dense",
         codec_k=cfg.k() if run.swarms else 0, weighting=run.weighting, micro_batches=cfg.micro_batches,
         min_contributors=n if run.lockstep else free_running_min(run, cfg.stages),
-        max_deadline_s=cfg.max_deadline_s,
+        max_deadline_s=cfg.max_deadline_s, stop_timeout_s=60.0,
         # the full replicas' links stay plain loopback; the swarms' get the emulated ones when asked for
         wan_delay_ms=0.0, wan_mbps=None,
         swarm_wan_delay_ms=(cfg.swarm_wan_delay_ms or 0.0) if wan else None, swarm_wan_mbps=cfg.swarm_wan_mbps)
@@ -253,6 +255,10 @@ def run_once(cfg: HetNetBenchConfig, run: Run, workdir: Path, keys: list[Path], 
         for name in names:  # every peer saves and writes its summary on SIGTERM
             if sw.replicas[name].proc.alive:
                 sw.replicas[name].proc.popen.send_signal(signal.SIGTERM)
+        stop_by = time.monotonic() + sim.stop_timeout_s  # a loaded machine may need a while; then Swarm kills
+        for name in names:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                sw.replicas[name].proc.popen.wait(timeout=max(0.1, stop_by - time.monotonic()))
         dirs = {n: (p.parent if (p := sw.replicas[n].metrics_path()) is not None else None) for n in names}
     seconds_total = time.monotonic() - started
     summaries = {}

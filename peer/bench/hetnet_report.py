@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -161,16 +162,30 @@ def analyse(cfg: Any, raw: dict[str, Any], data: Any) -> dict[str, Any]:
     }
 
 
+def round_noise(curve: Sequence[float | None]) -> float | None:
+    """How much one round's loss moves around its trend: the standard deviation of the round-to-round changes
+    over the last third of ``curve`` (at least 3 changes), divided by sqrt(2) (each change holds two rounds'
+    noise). A rough scale for how far apart two final losses must be to mean something."""
+    tail = [v for v in curve[-max(4, len(curve) // 3):] if v is not None]
+    diffs = [b - a for a, b in pairwise(tail)]
+    if len(diffs) < 3:
+        return None
+    mean = sum(diffs) / len(diffs)
+    return (sum((d - mean) ** 2 for d in diffs) / (len(diffs) - 1)) ** 0.5 / 2 ** 0.5
+
+
 def verdict(results: Sequence[dict[str, Any]], variant: str, ratio: str) -> dict[str, Any]:
     """The paper's claim on the lockstep arms: heterogeneous gap over uncompressed <= half the all-compressed
-    gap, with the numbers and a one-line statement."""
+    gap, with the numbers, the round-to-round noise of the uncompressed loss, and a one-line statement."""
     arms = {r["arm"]: r for r in results if r["lockstep"]}
     loss = {a: arms[a]["final_val_loss"] if a in arms else None for a in ("uncompressed", "heterogeneous",
                                                                          "compressed")}
     if None in loss.values():
         return {"holds": None, "line": "no verdict: an arm has no final validation loss", **loss}
     het, comp = loss["heterogeneous"] - loss["uncompressed"], loss["compressed"] - loss["uncompressed"]
-    out = {**loss, "heterogeneous_gap": het, "compressed_gap": comp, "ratio": het / comp if comp else None}
+    noise = round_noise(arms["uncompressed"].get("val_loss_curve", {}).get("full", []))
+    out = {**loss, "heterogeneous_gap": het, "compressed_gap": comp, "ratio": het / comp if comp else None,
+           "noise": noise}
     where = f"{variant} at k/d = {ratio}"
     if comp <= 0:
         out.update(holds=None, line=f"no verdict ({where}): compressing every replica cost nothing "
@@ -183,6 +198,8 @@ def verdict(results: Sequence[dict[str, Any]], variant: str, ratio: str) -> dict
         out.update(holds=False, line=f"claim MISSED ({where}): heterogeneous gap {het:+.4f} > half of the "
                                      f"all-compressed gap {comp:+.4f} ({CLAIM_FACTOR * comp:+.4f}) by "
                                      f"{het - CLAIM_FACTOR * comp:.4f}; ratio {het / comp:.2f}")
+    if noise is not None:
+        out["line"] += f" (round-to-round noise of the uncompressed loss: +-{noise:.4f})"
     return out
 
 
