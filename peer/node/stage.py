@@ -411,8 +411,10 @@ def _drive(ctx: TrainContext, options: StageOptions, worker: StageWorker, codec:
         closed = _sticky_every(lambda: runner._round_closed(r), 0.5)
         waiting = False
         while steps < inner:
-            if ctx.stop.is_set() or (ctx.max_steps is not None and state["opt_step"] >= start_step + ctx.max_steps):
-                raise PhaseStopped("stopping" if ctx.stop.is_set() else "--max-steps reached")
+            if ctx.stop.is_set():
+                break  # the steps so far go into the error-feedback buffer (see PhaseStopped)
+            if ctx.max_steps is not None and state["opt_step"] >= start_step + ctx.max_steps:
+                raise PhaseStopped("--max-steps reached")
             if closed():
                 echo(f"round {r} closed after {steps} of the swarm's {inner} steps; taking its result")
                 break

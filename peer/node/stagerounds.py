@@ -46,10 +46,12 @@ logger = logging.getLogger(__name__)
 
 
 class PhaseStopped(Exception):
-    """The inner phase ended with no round to exchange: the peer is leaving, or reached its ``--max-steps``.
+    """The driver reached its ``--max-steps``: the inner phase ends with no round to exchange, and its steps stay
+    in the stage's parameters (and stage checkpoint) only.
 
-    The steps of the unfinished phase stay in the stage's parameters (and its stage checkpoint), not in the
-    error-feedback buffer: a restart resumes at the last round's result."""
+    A peer that is stopping (SIGTERM, or a move to another stage) does not raise this: its phase returns the
+    steps so far, and the round loop, finding no round to send them to, keeps them in the error-feedback buffer that
+    the round checkpoint saves, so a restart that resumes its checkpoint sends them in its next contribution."""
 
 
 class StageTrainer:
@@ -124,7 +126,11 @@ def serve_phase(runner: StageRounds, gate: RoundGate, worker: StageWorker, stop:
                 if not gate.close_between_steps(dead_step_s):
                     worker.reset()
                 return gate.take()
-        raise PhaseStopped("stopping")
+        # stopping mid-phase: the steps applied so far end the phase, and with no round left to send them to the
+        # round loop keeps them in its error-feedback buffer (saved), as a full replica's stopped phase does
+        if not gate.close_between_steps(2.0):
+            worker.reset()
+        return gate.take()
 
     return phase
 
