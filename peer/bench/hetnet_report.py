@@ -200,7 +200,30 @@ def verdict(results: Sequence[dict[str, Any]], variant: str, ratio: str) -> dict
                                      f"{het - CLAIM_FACTOR * comp:.4f}; ratio {het / comp:.2f}")
     if noise is not None:
         out["line"] += f" (round-to-round noise of the uncompressed loss: +-{noise:.4f})"
+    out["replicates"] = replicates(results, arms["heterogeneous"], loss["uncompressed"], comp)
     return out
+
+
+def replicates(results: Sequence[dict[str, Any]], het: dict[str, Any], base: float, comp_gap: float
+               ) -> dict[str, Any] | None:
+    """The heterogeneous arm's spread over its repeats: the free-running runs in which no swarm was cut short and
+    the tokens equal the lockstep run's compute the same rounds (every contribution in, equal tokens, so either
+    weighting is the equal one), and differ from it only by the float rounding of the network code, which the
+    training then amplifies. Their mean and standard deviation, and the claim judged on the mean."""
+    same = [r for r in results if r["arm"] == "heterogeneous" and r["final_val_loss"] is not None
+            and r["tokens"] == het["tokens"] and (r["lockstep"] or r["swarm_phases_cut_short"] == 0)]
+    if len(same) < 2:
+        return None
+    losses = [r["final_val_loss"] for r in same]
+    mean = sum(losses) / len(losses)
+    std = (sum((x - mean) ** 2 for x in losses) / (len(losses) - 1)) ** 0.5
+    gap = mean - base
+    holds = comp_gap > 0 and gap <= CLAIM_FACTOR * comp_gap
+    line = (f"heterogeneous over {len(same)} runs of the same rounds: {mean:.4f} +- {std:.4f} (sd), gap {gap:+.4f} "
+            f"vs half the all-compressed gap {CLAIM_FACTOR * comp_gap:+.4f}: "
+            + ("holds" if holds else f"missed by {gap - CLAIM_FACTOR * comp_gap:.4f}"))
+    return {"runs": len(same), "losses": losses, "mean": mean, "sd": std, "gap": gap, "holds": holds,
+            "line": line}
 
 
 def weighting_comparison(results: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
@@ -248,7 +271,10 @@ def print_report(cfg: Any, results: Sequence[dict[str, Any]], console: Console) 
         ])
     title = (f"heterogeneous over the network: {cfg.model}, R={cfg.replicas}, {cfg.stages}-stage swarms "
              f"({cfg.variant}, k/d={cfg.ratio}, k={cfg.k()}), {cfg.rounds} rounds x H={cfg.inner_steps} x "
-             f"{cfg.batch_size}x{cfg.seq_len} tokens, {cfg.micro_batches} micro-batches per step")
+             f"{cfg.batch_size}x{cfg.seq_len} tokens, {cfg.micro_batches} micro-batches per step"
+             + (f"; swarm links {cfg.swarm_wan_delay_ms or 0:g} ms one way"
+                + (f", {cfg.swarm_wan_mbps:g} Mbit/s" if cfg.swarm_wan_mbps else "")
+                if cfg.swarm_wan_delay_ms is not None or cfg.swarm_wan_mbps is not None else ""))
     print_table(Console(file=console.file, width=max(console.width, 170)), title,
                 ["run", "full/swarms", "tokens", "final val loss", "gap", "swarm val (chain)",
                  "stage B/tok fwd / bwd", "stage B/arm tok", "kB sent/round full / stage", "agree", "wall s rounds / all"],
@@ -260,6 +286,8 @@ def print_report(cfg: Any, results: Sequence[dict[str, Any]], console: Console) 
                   "last round's records / with start-up and shutdown of every process.")
     v = verdict(results, cfg.variant, cfg.ratio)
     console.print(v["line"])
+    if v.get("replicates"):
+        console.print(v["replicates"]["line"])
     weighting = weighting_comparison(results)
     if weighting and "line" in weighting:
         console.print(weighting["line"])

@@ -139,3 +139,12 @@ def test_round_noise() -> None:
     assert round_noise([7.0, 6.9]) is None
     assert round_noise([7.0, 6.9, 6.8, 6.7, 6.6]) == pytest.approx(0.0, abs=1e-12)  # a straight trend is no noise
     assert round_noise([7.0, 7.1, 7.0, 7.1, 7.0]) > 0.05
+
+
+def test_replicates_of_the_heterogeneous_arm() -> None:
+    runs = [_arm("uncompressed", 7.0), _arm("heterogeneous", 7.03), _arm("compressed", 7.1),
+            _arm("heterogeneous", 7.05, lockstep=False), _arm("heterogeneous", 7.08, lockstep=False, cut=1)]
+    rep = verdict(runs, "b", "1/32")["replicates"]
+    assert rep["runs"] == 2 and rep["mean"] == pytest.approx(7.04)  # the run with a swarm cut short is no repeat
+    assert rep["holds"] is True and "holds" in rep["line"]
+    assert verdict(runs[:3], "b", "1/32")["replicates"] is None
