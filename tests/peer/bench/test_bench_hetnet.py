@@ -85,6 +85,8 @@ def test_verdict() -> None:
     assert missed["holds"] is False and "by 0.0100" in missed["line"]
     flat = verdict([_arm("uncompressed", 7.0), _arm("heterogeneous", 7.0), _arm("compressed", 6.9)], "b", "1/32")
     assert flat["holds"] is None
+    lossless = verdict([_arm("uncompressed", 7.0), _arm("heterogeneous", 7.1), _arm("compressed", 7.1)], "a", "1/32")
+    assert lossless["holds"] is False and "lossless" in lossless["line"]
     # the free-running runs never count for the claim
     extra = [_arm("heterogeneous", 9.0, lockstep=False)]
     assert verdict([_arm("uncompressed", 7.0), _arm("heterogeneous", 7.04), _arm("compressed", 7.1), *extra],
