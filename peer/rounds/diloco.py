@@ -182,7 +182,7 @@ class DenseRoundRunner(ReplicaBase):
         stats.checksums = mine.checksums
         if averaged is not None:
             self._publish_state(mine)
-            self.in_sync = self._verify(r, set(self._last_group), mine)
+            self.in_sync = self._verify(r, dict.fromkeys(self._last_group), mine)
         elif any(c.round >= r for c in self.latest_checks() if c.peer != self.me):
             self.in_sync = False  # the others moved on without us: reload their state
         if not self.stop.is_set() or averaged is not None:

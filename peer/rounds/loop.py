@@ -17,7 +17,8 @@ import random
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,6 +35,7 @@ from hlbp.peer.rounds.guard import GuardConfig
 from hlbp.peer.rounds.outer import OuterConfig, make_outer
 from hlbp.peer.rounds.rules import majority_checksums
 from hlbp.peer.rounds.statesync import encode_state, fetch_state, shard_checksum, state_name
+from hlbp.peer.rounds.verify import wait_for_checks
 from hlbp.peer.train.checkpoint import load_checkpoint, save_checkpoint
 from hlbp.peer.train.metricslog import MetricsLog
 from hlbp.peer.train.trainer import InnerTrainer
@@ -485,14 +487,8 @@ class ReplicaBase(ABC):
     def _bytes_served(self) -> int:
         return self.transport.bytes_served
 
-    def _verify(self, r: int, members: set[str], mine: ShardChecks) -> bool:
-        """Compare our state after round r with the other members' (waiting a bounded time for their records)."""
-        members = members - {self.me}
-        deadline = time.monotonic() + self.cfg.checks_wait_s
-        checks: list[ShardChecks] = []
-        while time.monotonic() < deadline and not self.stop.is_set():
-            checks = [c for c in self.latest_checks() if c.round == r]
-            if members <= {c.peer for c in checks}:
-                break
-            self.stop.wait(self.cfg.poll_s)
+    def _verify(self, r: int, members: Mapping[str, AbstractSet[int] | None], mine: ShardChecks) -> bool:
+        """Compare our state after round r with the other members' (peer -> the shards it contributed, None: all),
+        waiting until the verdict is settled or ``checks_wait_s`` passed (:mod:`hlbp.peer.rounds.verify`)."""
+        checks = wait_for_checks(self, r, members, mine)
         return self._agrees([c for c in checks if c.peer != self.me], mine)

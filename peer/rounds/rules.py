@@ -114,3 +114,34 @@ def round_standing(checks: Sequence[ShardChecks]) -> dict[str, dict[str, int | b
         agreeing = {c.peer for c in newest if all(want.get(s) == d for s, d in c.checksums.items())}
     return {c.peer: {"round": c.round, "agrees": c.peer in agreeing} for c in checks}
 
+
+
+def checks_settled(checks: Sequence[ShardChecks], mine: ShardChecks, members: Mapping[str, AbstractSet[int] | None],
+                   online: AbstractSet[str] | None = None) -> bool:
+    """Whether a peer can stop waiting for the other members' checksums of round ``mine.round`` (``checks``: the
+    records seen so far; ``members``: peer -> the shards it contributed, None for all of them).
+
+    True once every member that may still publish has published (a member that the run's announcements no
+    longer show online, ``online`` given, never will), or once, for every shard we hold, the checksum leading
+    among the records seen (ours included) is ahead of every other by more than the members still to publish
+    that shard could add: the majority that :func:`majority_checksums` would pick, and so our verdict, can no
+    longer change. A tie or a close count keeps waiting, so a peer whose state differs still finds out.
+    """
+    r = mine.round
+    seen = {c.peer: c for c in checks if c.round == r and c.peer != mine.peer}
+    pending = [p for p in members if p != mine.peer and p not in seen and (online is None or p in online)]
+    if not pending:
+        return True
+    if mine.fingerprints:  # a dense run agrees up to float rounding: only a complete set of records decides it
+        return False
+    for shard, digest in mine.checksums.items():
+        votes: dict[str, int] = {digest: 1}
+        for c in seen.values():
+            if shard in c.checksums:
+                votes[c.checksums[shard]] = votes.get(c.checksums[shard], 0) + 1
+        ranked = sorted(votes.values(), reverse=True)
+        lead, second = ranked[0], (ranked[1] if len(ranked) > 1 else 0)
+        still = sum(1 for p in pending if members[p] is None or shard in members[p])  # type: ignore[operator]
+        if lead <= second + still:
+            return False
+    return True

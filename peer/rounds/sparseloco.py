@@ -177,9 +177,10 @@ class RoundRunner(FollowedShards, ReplicaBase):
         t4 = time.perf_counter()
         stats.phases["apply"] = t4 - t3
         if accepted is not None and self.in_sync:
+            self.faults.applied(r)
             self._publish_state(mine)
             t5 = time.perf_counter()
-            self.in_sync = self._verify(r, set(accepted.senders()), mine)
+            self.in_sync = self._verify(r, {p: set(d) for p, _t, d in accepted.members}, mine)
             if self.in_sync:
                 self._check_followed(r)
             stats.phases.update(publish=t5 - t4, verify=time.perf_counter() - t5)

@@ -107,8 +107,22 @@ class Freeze(FaultHook):
         return blob
 
 
+class DieAfterApply(FaultHook):
+    """Applies round ``round_`` (its contribution accepted), stalls two seconds while the others fetch from it,
+    then SIGKILLs itself before it publishes its checksums."""
+
+    def __init__(self, round_: str = "1") -> None:
+        self.round = int(round_)
+
+    def applied(self, round_: int) -> None:
+        if round_ == self.round:
+            print(f"dying after applying round {round_}", flush=True)
+            time.sleep(2.0)  # the fault's own behaviour (a member stalled, then gone), not a synchronisation
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
 FAULTS = {"slow": Slow, "corrupt": Corrupt, "oversize": Oversize, "scale": Scale, "bigtable": BigTable, "nan": NaN,
-          "lying-coordinator": LyingCoordinator, "freeze": Freeze}
+          "lying-coordinator": LyingCoordinator, "freeze": Freeze, "die-after-apply": DieAfterApply}
 
 
 def program(fault: str) -> list[str]:

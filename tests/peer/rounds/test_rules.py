@@ -4,6 +4,7 @@ import torch
 
 from hlbp.peer.rounds.rules import (
     adapt_window,
+    checks_settled,
     coordinator_order,
     majority_checksums,
     pick_accepted,
@@ -98,3 +99,54 @@ def test_round_standing_counts_a_stage_peer_that_agrees_on_its_one_shard() -> No
     standing = round_standing(checks)
     assert standing["stage-1"]["agrees"] and standing["full-1"]["agrees"]
     assert not standing["stage-0"]["agrees"]
+
+
+def _checks(peer: int, digests: dict[int, str], r: int = 3) -> ShardChecks:
+    return ShardChecks(PEERS[peer], r, {s: d * 64 for s, d in digests.items()})
+
+
+def test_checks_settled_when_every_online_member_published():
+    mine = _checks(0, {0: "a", 1: "b"})
+    members = dict.fromkeys(PEERS[:4])  # full replicas: every shard
+    published = [_checks(1, {0: "a", 1: "b"}), _checks(2, {0: "x", 1: "y"})]
+    assert not checks_settled(published, mine, members)  # 2 against 1 with one to come: not decided
+    assert checks_settled([*published, _checks(3, {0: "x", 1: "y"})], mine, members)  # all in
+    # the member still to come is no longer announced online: nothing more will arrive
+    assert checks_settled(published, mine, members, online=set(PEERS[1:3]))
+    assert not checks_settled(published, mine, members, online=set(PEERS[1:4]))
+    # a record of another round, or our own record read back, is not a member's answer
+    assert not checks_settled([*published, _checks(3, {0: "a", 1: "b"}, r=2), _checks(0, {0: "a", 1: "b"})],
+                              mine, members)
+
+
+def test_checks_settled_by_a_majority_the_rest_cannot_overturn():
+    members = dict.fromkeys(PEERS[:5])
+    mine = _checks(0, {0: "a"})
+    # 3 of 5 agree, 2 to come: 3 > 0 + 2, so ours is the majority whatever they publish
+    assert checks_settled([_checks(1, {0: "a"}), _checks(2, {0: "a"})], mine, members)
+    # 2 of 5 agree, 3 to come: they could outvote us
+    assert not checks_settled([_checks(1, {0: "a"})], mine, members)
+    # we differ from a decided majority: settled too, and the majority says we are out of sync
+    odd = _checks(0, {0: "z"})
+    seen = [_checks(i, {0: "a"}) for i in (1, 2, 3)]
+    assert checks_settled(seen, odd, members)  # 3 > 1 + 1
+    assert majority_checksums([*seen, odd], 3)[0] == "a" * 64
+    # a tie that the last member would break keeps waiting
+    assert not checks_settled([_checks(1, {0: "a"}), _checks(2, {0: "b"}), _checks(3, {0: "b"})], mine, members)
+
+
+def test_checks_settled_counts_only_the_members_that_hold_the_shard():
+    mine = _checks(0, {1: "s"})  # a stage peer of shard 1
+    members = {PEERS[0]: {1}, PEERS[1]: {1}, PEERS[2]: {0}, PEERS[3]: {0}, PEERS[4]: {0}}
+    # shard-0 peers never publish shard 1: both shard-1 holders agreeing decides it, whatever shard 0 still owes
+    assert not checks_settled([], mine, members)
+    assert not checks_settled([_checks(2, {0: "q"})], mine, members)
+    assert checks_settled([_checks(1, {1: "s"}), _checks(2, {0: "q"})], mine, members)
+
+
+def test_checks_settled_waits_for_everyone_in_a_dense_run():
+    members = dict.fromkeys(PEERS[:4])
+    mine = ShardChecks(PEERS[0], 3, {0: "a" * 64}, {0: (1.0, 2.0)})
+    seen = [ShardChecks(PEERS[i], 3, {0: "a" * 64}, {0: (1.0, 2.0)}) for i in (1, 2)]
+    assert not checks_settled(seen, mine, members)  # fingerprints agree only up to rounding: no early verdict
+    assert checks_settled(seen, mine, members, online=set(PEERS[1:3]))

@@ -1,0 +1,55 @@
+"""How long a peer waits for the other members' checksums after a round (the verification step).
+
+A member that left or died after its contribution was accepted never publishes its checksums; waiting the whole
+``checks_wait_s`` for it cost every survivor that long (rounds of 12 s instead of 2.5 s under chaos). The wait
+ends instead as soon as :func:`hlbp.peer.rounds.rules.checks_settled` says the verdict is in: every member still
+announced online has published, or the records seen form a per-shard majority the others cannot overturn.
+The announcements come from the same DHT poll as the checksums (one round trip for both).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from collections.abc import Set as AbstractSet
+from typing import Any
+
+from hlbp.peer.rounds.rules import checks_settled
+from hlbp.protocol import ProtocolError
+from hlbp.protocol.records import decode_announcement, peers_key
+from hlbp.protocol.roundrecords import ShardChecks, checks_key, parse_checks
+
+
+def online_members(entries: Mapping[Any, Any], run_id: str, now: float, me: str,
+                   members: AbstractSet[str]) -> set[str] | None:
+    """The ``members`` whose signed announcement of ``run_id`` says online, from raw DHT entries; None when the
+    read tells nothing (our own announcement missing: a failed read, or a runner without announcements), so a
+    lost lookup never reads as "everybody left"."""
+    online: set[str] = set()
+    for subkey, value in entries.items():
+        if not isinstance(subkey, str) or (subkey != me and subkey not in members):
+            continue
+        try:
+            record = decode_announcement(getattr(value, "value", value), now=now, signer=subkey, run_id=run_id)
+        except ProtocolError:
+            continue  # expired, forged or malformed: as good as absent
+        if record.announcement.online:
+            online.add(subkey)
+    return online - {me} if me in online else None
+
+
+def wait_for_checks(runner: Any, r: int, members: Mapping[str, AbstractSet[int] | None],
+                    mine: ShardChecks) -> list[ShardChecks]:
+    """The round-r checksum records seen when the wait ended: settled, ``checks_wait_s`` passed, or stopping.
+    ``runner``: a :class:`hlbp.peer.rounds.loop.ReplicaBase`; ``members``: peer -> shards it contributed."""
+    from hivemind.utils import get_dht_time
+
+    run = runner.cfg.run_id
+    deadline = time.monotonic() + runner.cfg.checks_wait_s
+    while True:
+        raw_checks, raw_peers = runner._read(checks_key(run), peers_key(run))
+        checks = [c for c in runner._records(checks_key(run), parse_checks, raw_checks) if c.round == r]
+        online = online_members(raw_peers, run, get_dht_time(), runner.me, set(members))
+        if checks_settled(checks, mine, members, online) or time.monotonic() >= deadline or runner.stop.is_set():
+            return checks
+        runner.stop.wait(runner.cfg.poll_s)
