@@ -7,6 +7,12 @@ never waits for it, and nothing crosses the DHT process's pipe.
 
 Frames: request = u32 length + msgpack {"name": str}; response = u32 length + msgpack {"size": int} or
 {"error": str}, then ``size`` body bytes. Everything read from a stream is bounded before it is allocated.
+
+A request for a name this peer is itself fetching from its source right now (inside :meth:`P2PBlobTransport.sharing`)
+waits for that fetch, up to ``hold_s`` and with at most :data:`MAX_WAITERS` requests waiting at once, instead of
+answering "not here" and sending the requester on to another holder. Only a fetch from the source is waited on:
+the source always holds the blob, so a chain of waits has at most one hop and two holders can never wait on
+each other.
 """
 
 from __future__ import annotations
@@ -17,7 +23,8 @@ import logging
 import struct
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any, Protocol
 
 import msgpack
@@ -29,6 +36,7 @@ logger = logging.getLogger(__name__)
 HANDLER = "/hlbp/blob/1"
 MAX_HEADER = 4096
 MAX_NAME = 256
+MAX_WAITERS = 64  # requests held open at once while our own fetch of their name finishes
 _LEN = struct.Struct(">I")
 
 
@@ -65,6 +73,8 @@ class BlobTransport(Protocol):
 
     def drop_prefix(self, prefix: str) -> None: ...
 
+    def sharing(self, name: str) -> AbstractContextManager[None]: ...
+
     def fetch(self, peer_id: str, name: str, max_size: int, timeout: float) -> bytes: ...
 
     def close(self) -> None: ...
@@ -92,8 +102,14 @@ class P2PBlobTransport:
     """:class:`BlobTransport` on hivemind's P2P (p2pd); construct with a started ``hivemind.DHT``."""
 
     def __init__(self, dht: Any, request_timeout: float = 10.0, cancel: threading.Event | None = None,
-                 allowed: Callable[[str], bool] | None = None) -> None:
+                 allowed: Callable[[str], bool] | None = None, hold_s: float = 5.0) -> None:
         self.request_timeout = request_timeout
+        # how long a request for a name we are fetching waits for it: under the 6 s a round gives a holder
+        # (RoundConfig.fetch_timeout_s / 5), so the requester still hears "not here" and moves on in time
+        self.hold_s = hold_s
+        self._sharing: dict[str, int] = {}  # name -> our fetches from its source under way (under _lock)
+        self._wakers: dict[str, asyncio.Event] = {}  # name -> event of the requests waiting for it (loop only)
+        self._waiters = 0  # requests waiting right now (loop only)
         self.cancel = cancel  # once set (the peer is leaving), every fetch under way or to come fails at once
         self.allowed = allowed  # closed runs: which peer ids may fetch from us (None: anyone)
         self.bytes_served = 0
@@ -126,6 +142,9 @@ class P2PBlobTransport:
                 raise ProtocolError("request name must be a short string")
             with self._lock:
                 data = self._blobs.get(name)
+                shared = name in self._sharing
+            if data is None and shared and self._waiters < MAX_WAITERS:
+                data = await self._await_shared(name)
             if data is None:
                 writer.write(_frame({"error": "not here"}))
             else:
@@ -139,11 +158,59 @@ class P2PBlobTransport:
         finally:
             writer.close()
 
+    async def _await_shared(self, name: str) -> bytes | None:
+        """The blob ``name`` once our own fetch of it is put, or None when that fetch ends without it or
+        ``hold_s`` passes."""
+        self._waiters += 1
+        try:
+            end = self._loop.time() + self.hold_s
+            while True:
+                with self._lock:
+                    data, shared = self._blobs.get(name), name in self._sharing
+                left = end - self._loop.time()
+                if data is not None or not shared or left <= 0:
+                    return data
+                try:  # no await between the check and here: a wake-up scheduled after it cannot be missed
+                    await asyncio.wait_for(self._wakers.setdefault(name, asyncio.Event()).wait(), left)
+                except asyncio.TimeoutError:
+                    pass
+        finally:
+            self._waiters -= 1
+
+    def _wake(self, name: str) -> None:
+        def wake() -> None:
+            event = self._wakers.pop(name, None)
+            if event is not None:
+                event.set()
+
+        try:
+            self._loop.call_soon_threadsafe(wake)
+        except RuntimeError:  # the loop is closed: nobody is waiting any more
+            pass
+
+    @contextmanager
+    def sharing(self, name: str) -> Iterator[None]:
+        """Mark a fetch of ``name`` from its source (one that always holds it) as under way: requests for it wait
+        (bounded) until it is :meth:`put` or the block ends, instead of hearing "not here"."""
+        with self._lock:
+            self._sharing[name] = self._sharing.get(name, 0) + 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                left = self._sharing.pop(name) - 1
+                if left:
+                    self._sharing[name] = left
+            self._wake(name)
+
     def put(self, name: str, data: bytes) -> None:
         if len(name) > MAX_NAME:
             raise ValueError(f"blob name longer than {MAX_NAME}")
         with self._lock:
             self._blobs[name] = bytes(data)
+            shared = name in self._sharing
+        if shared:
+            self._wake(name)
 
     def get(self, name: str) -> bytes | None:
         with self._lock:

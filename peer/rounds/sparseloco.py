@@ -22,6 +22,7 @@ The decisions (ranking, windows, which set wins, majorities) are pure functions 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import random
@@ -353,27 +354,35 @@ class RoundRunner(FollowedShards, ReplicaBase):
         name = f"c/{r}/{shard}/{sender}"
         others = [h for h in holders if h not in (sender, self.me)]
         random.Random(f"{self.me}|{r}|{shard}|{sender}").shuffle(others)
-        errors = []
+        errors: list[str] = []
         for peer in [*others[:3], sender, sender]:  # the sender twice: one broken transfer is not a verdict
-            timeout = self.cfg.fetch_timeout_s if peer == sender else self.cfg.fetch_timeout_s / 5
-            try:
-                blob = self.transport.fetch(peer, name, self.limits[shard], timeout)
-            except TransportError as exc:
-                errors.append(_reason(exc))
-                continue
-            except ProtocolError as exc:  # the response itself broke the protocol (a body above the limit)
-                if peer == sender:
-                    raise ProtocolError(f"{sender[:12]}… served its contribution out of protocol: {exc}") from None
-                errors.append(f"{peer[:12]}…: {_reason(exc)}")
-                continue
-            if sha256_hex(blob) != digest:
-                errors.append(f"{peer[:12]}… served bytes that do not match the accepted digest")
-                continue
-            with self._count_lock:  # fetches run in parallel threads
-                self._bytes_in += len(blob)
-            self.transport.put(name, blob)  # gossip: serve it onwards, so the sender uploads it about once
-            return blob
+            # while we fetch from the sender, others asking us for it wait for our copy (peer/net/transport.py)
+            with self.transport.sharing(name) if peer == sender else contextlib.nullcontext():
+                blob = self._fetch_from(peer, name, shard, sender, digest, errors)
+                if blob is not None:
+                    with self._count_lock:  # fetches run in parallel threads
+                        self._bytes_in += len(blob)
+                    self.transport.put(name, blob)  # gossip: serve it onwards, so the sender uploads it about once
+                    return blob
         raise TransportError(f"contribution of {sender[:12]}… for round {r} shard {shard}: " + "; ".join(errors))
+
+    def _fetch_from(self, peer: str, name: str, shard: int, sender: str, digest: str, errors: list[str]) -> bytes | None:
+        """One holder's copy of a payload if it matches ``digest``; otherwise None, with why added to ``errors``."""
+        try:
+            blob = self.transport.fetch(peer, name, self.limits[shard],
+                                        self.cfg.fetch_timeout_s if peer == sender else self.cfg.fetch_timeout_s / 5)
+        except TransportError as exc:
+            errors.append(_reason(exc))
+            return None
+        except ProtocolError as exc:  # the response itself broke the protocol (a body above the limit)
+            if peer == sender:
+                raise ProtocolError(f"{sender[:12]}… served its contribution out of protocol: {exc}") from None
+            errors.append(f"{peer[:12]}…: {_reason(exc)}")
+            return None
+        if sha256_hex(blob) != digest:
+            errors.append(f"{peer[:12]}… served bytes that do not match the accepted digest")
+            return None
+        return blob
 
     def _apply(self, r: int, accepted: AcceptedSet) -> str:
         """Fetch, verify, bound and apply the accepted set.
