@@ -97,10 +97,17 @@ class Hyperparameters:
     max_contribution_ratio: float = 8.0  # a contribution whose norm exceeds this times its shard's is refused
     max_loss_jump: float = 10.0  # a round that multiplies the loss on the run's guard batch by more is refused
     max_update_ratio: float = 8.0  # a round whose update norm exceeds this times a shard's norm is refused
+    schedule_steps: int = 0  # inner steps the warm-up + cosine learning-rate schedule spans on every peer (full
+    # replicas and swarm drivers alike); 0: 1000 rounds of H
 
     OUTERS = ("sparseloco", "diloco")
     AGGREGATIONS = ("selectors", "mean")
     WEIGHTINGS = ("equal", "tokens")
+
+    @property
+    def schedule_total(self) -> int:
+        """Inner steps of the learning-rate schedule (``schedule_steps``, or 1000 rounds of H when it is 0)."""
+        return self.schedule_steps or 1000 * self.inner_steps
 
     @classmethod
     def from_body(cls, body: dict[str, Any]) -> Hyperparameters:
@@ -126,6 +133,7 @@ class Hyperparameters:
             max_contribution_ratio=_float(body, "max_contribution_ratio", 1e-6, 1e6, d.max_contribution_ratio),
             max_update_ratio=_float(body, "max_update_ratio", 1e-6, 1e6, d.max_update_ratio),
             max_loss_jump=_float(body, "max_loss_jump", 1.0, 1e9, d.max_loss_jump),
+            schedule_steps=_int(body, "schedule_steps", 0, 1 << 40, d.schedule_steps),
         )
         if not hp.min_deadline_s <= hp.round_deadline_s <= hp.max_deadline_s:
             raise ProtocolError("deadlines must satisfy min_deadline_s <= round_deadline_s <= max_deadline_s")

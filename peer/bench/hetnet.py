@@ -21,9 +21,9 @@ three arms really see the same tokens:
   swarms' drivers, which start rounds as soon as they are up, wait in round 0 for the rest); a round that cannot
   reach it within ``max_deadline_s`` closes empty and the bench reports the shortfall. The tokens each arm
   trained are counted from the round records and compared.
-- Schedule: a swarm driver's inner schedule is fixed by the stage options (warm-up 30 steps, cosine over
-  :data:`DRIVER_TOTAL_STEPS` steps) and a full replica's spans ``--rounds`` x H steps, so full replicas are started
-  with ``--rounds`` = DRIVER_TOTAL_STEPS / H (the same schedule) and the bench stops them after ``rounds`` rounds.
+- Schedule: every peer follows the manifest's inner schedule (``schedule_steps`` = :data:`DRIVER_TOTAL_STEPS`:
+  warm-up 30 steps, cosine over 1000 steps, as the measurements in the README were taken); full replicas are
+  started with ``--rounds`` = DRIVER_TOTAL_STEPS / H and the bench stops them after ``rounds`` rounds.
 
 Measured per arm:
 
@@ -62,7 +62,7 @@ from rich.console import Console
 
 from hlbp.peer.common.errors import UserInputError
 
-DRIVER_TOTAL_STEPS = 1000  # hlbp.peer.node.stage.StageOptions.total_steps: the swarm driver's schedule length
+DRIVER_TOTAL_STEPS = 1000  # the manifest's schedule_steps: the inner schedule's length on every peer
 ARMS = ("uncompressed", "heterogeneous", "compressed")
 WEIGHTINGS = ("equal", "tokens", "both")
 
@@ -182,6 +182,7 @@ def sim_config(cfg: HetNetBenchConfig, run: Run, n: int) -> Any:
 
     wan = cfg.swarm_wan_delay_ms is not None or cfg.swarm_wan_mbps is not None
     return SimConfig(
+        schedule_steps=DRIVER_TOTAL_STEPS,
         n_full=run.full, n_swarms=run.swarms, n_stages=cfg.stages, rounds=cfg.rounds, model=cfg.model,
         inner_steps=cfg.inner_steps, batch_size=cfg.batch_size, seq_len=cfg.seq_len, seed=cfg.seed,
         threads=cfg.threads, run_id=f"hetnet-{run.arm}-{run.weighting}{'' if run.lockstep else '-free'}",

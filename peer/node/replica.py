@@ -101,6 +101,13 @@ def replica_model(m: Any, vocab_size: int) -> tuple[ModelConfig, Stage, Subspace
     return config, model, constraint
 
 
+def inner_schedule(lr: float, total_steps: int) -> OptimConfig:
+    """The inner AdamW schedule of a run: peak ``lr``, warm-up over a tenth of the schedule (at most 30 steps), then
+    cosine. Every full replica and swarm driver builds it from the manifest (``lr``, ``schedule_total``), so the
+    replicas of one round train at the same learning rate (a driver sends each step's rate down its chain)."""
+    return OptimConfig(lr=lr, warmup_steps=min(30, max(1, total_steps // 10)), total_steps=total_steps)
+
+
 def round_settings(m: Any, checkpoint_every_s: float) -> tuple[OuterConfig, RoundConfig]:
     """The outer optimizer and round protocol settings of run manifest ``m``: the same on every peer of the run,
     full replica or stage peer."""
@@ -163,8 +170,7 @@ def replica_train_hook(ctx: TrainContext, options: ReplicaOptions, echo: Any = p
     shards = [[n for n, _ in s.named_parameters()] for s in stages]
     rank = data_rank(peer.plane.peer_id)
     stream = TokenStream(data.train, hp.seq_len, hp.batch_size, seed=m.seed, rank=rank)
-    total = (options.rounds or 1000) * hp.inner_steps
-    optim = OptimConfig(lr=hp.lr, warmup_steps=min(30, max(1, total // 10)), total_steps=total)
+    optim = inner_schedule(hp.lr, hp.schedule_total)
     trainer = InnerTrainer(model, optim, micro_batches(stream, 1), device, constraint=constraint)
     val = val_batches(data.val, hp.seq_len, hp.batch_size, options.eval_batches) if options.eval_batches else []
     guard_batch = val_batches(data.val, hp.seq_len, hp.batch_size, 1)  # the same on every peer of the run

@@ -36,7 +36,7 @@ from hlbp.peer.model.pipeline import initial_state, run_model_config
 from hlbp.peer.model.subspace import make_codec
 from hlbp.peer.node.join import TrainContext, data_rank
 from hlbp.peer.node.rebalance import Rebalancer
-from hlbp.peer.node.replica import codec_config  # the run's codec: shared with full replicas (their model)
+from hlbp.peer.node.replica import codec_config, inner_schedule  # shared with full replicas
 from hlbp.peer.node.roles import Role
 from hlbp.peer.node.stagerounds import PhaseStopped, make_stage_rounds, serve_phase
 from hlbp.peer.swarm.driver import Driver, DriverConfig, StepAbandoned
@@ -51,7 +51,7 @@ from hlbp.peer.train.checkpoint import (
     save_checkpoint,
 )
 from hlbp.peer.train.metricslog import MetricsLog
-from hlbp.peer.train.trainer import OptimConfig, lr_at, pick_device
+from hlbp.peer.train.trainer import lr_at, pick_device
 
 logger = logging.getLogger(__name__)
 
@@ -67,17 +67,11 @@ class StageOptions:
     deadline_s: float | None = None  # driver: fixed per-micro-batch deadline (None: from measured latency)
     eval_every: int = 10  # driver: validation loss every this many steps (0: never)
     eval_batches: int = 4  # as a full replica's, so a swarm's and a replica's validation losses compare
-    total_steps: int = 1000  # driver: length of the learning-rate schedule
     threads: int | None = None
     device: str = "auto"
     checkpoint_every_s: float = 60.0
     rebalance_period_s: float | None = None  # a move needs the same proposal twice this far apart (None: the
     # announcement lifetime, at least 30 s; 0: never move)
-
-
-def driver_optim(lr: float, total_steps: int) -> OptimConfig:
-    """The inner schedule a driver follows (it sends each step's learning rate down its chain)."""
-    return OptimConfig(lr=lr, warmup_steps=min(30, max(1, total_steps // 10)), total_steps=total_steps)
 
 
 class SwarmView:
@@ -127,7 +121,7 @@ def _build(ctx: TrainContext, options: StageOptions) -> tuple[Any, StageWorker, 
     stage = stages[peer.role.stage]
     load_from_full(stage, full)
     device = pick_device(options.device)
-    optim = driver_optim(m.hparams.lr, options.total_steps)
+    optim = inner_schedule(m.hparams.lr, m.hparams.schedule_total)
     worker = StageWorker(stage, optim, device)
     codec = make_codec(cc, config.d_model, config.vocab_size, config.max_seq_len,
                        getattr(stages[0], "fixed_table", None), full["embed.weight"],
@@ -367,7 +361,7 @@ def _drive(ctx: TrainContext, options: StageOptions, worker: StageWorker, codec:
     driver = Driver(peer.plane.dht, worker, codec, vocab, cfg, candidates,
                     max_tokens=m.hparams.batch_size * m.hparams.seq_len, stop=ctx.stop)
     metrics = MetricsLog(ctx.out_dir / "metrics.jsonl")
-    optim = driver_optim(m.hparams.lr, options.total_steps)
+    optim = inner_schedule(m.hparams.lr, m.hparams.schedule_total)
     state = {"opt_step": start_step, "seq": start_step, "saved": time.monotonic()}
     start = time.perf_counter()
     val_losses: list[float] = []

@@ -80,6 +80,12 @@ class SimConfig:
     micro_batches: int = 2  # micro-batches per inner step of each swarm's driver
     swarm_wan_delay_ms: float | None = None  # the swarms' stage peers' links (None: as the full replicas')
     swarm_wan_mbps: float | None = None
+    schedule_steps: int | None = None  # the inner lr schedule's length on every peer (None: rounds x H, the run)
+
+    @property
+    def schedule_total(self) -> int:
+        """Inner steps of the run's learning-rate schedule (the manifest's ``schedule_steps``)."""
+        return self.schedule_steps if self.schedule_steps is not None else self.rounds * self.inner_steps
 
     def run_toml(self) -> str:
         """The run config the bootstrap signs into the manifest."""
@@ -90,7 +96,7 @@ class SimConfig:
                 f"min_deadline_s = {self.min_deadline_s}\nmax_deadline_s = {self.max_deadline_s}\n"
                 f'outer = "{self.outer}"\nmin_contributors = {self.min_contributors}\n'
                 f'aggregation = "{self.aggregation}"\nweighting = "{self.weighting}"\n'
-                f'clip_median = {str(self.clip_median).lower()}\n'
+                f'clip_median = {str(self.clip_median).lower()}\nschedule_steps = {self.schedule_total}\n'
                 f'[codec]\nname = "{self.codec}"\nk = {self.codec_k}\n'
                 + (f'dtype = "{self.codec_dtype}"\n' if self.codec_dtype else "")
                 + f"[placement]\nmax_peers_per_stage = {self.max_peers_per_stage}\n")

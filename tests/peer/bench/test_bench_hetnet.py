@@ -38,10 +38,15 @@ def test_lockstep_manifest() -> None:
     assert sim_config(cfg, free, 6).min_contributors == 3  # more than one swarm of 2 stages
 
 
-def test_driver_schedule_constant_matches_the_stage_options() -> None:
-    from hlbp.peer.node.stage import StageOptions
+def test_every_arm_signs_the_same_inner_schedule_into_its_manifest() -> None:
+    from hlbp.peer.bench.hetnet import Run, sim_config
 
-    assert StageOptions().total_steps == DRIVER_TOTAL_STEPS
+    cfg = HetNetBenchConfig()
+    for run in (Run("u", "uncompressed", 4, 0, "equal"), Run("h", "heterogeneous", 2, 2, "equal"),
+                Run("c", "compressed", 0, 4, "equal")):
+        sim = sim_config(cfg, run, 4)
+        assert sim.schedule_total == DRIVER_TOTAL_STEPS
+        assert f"schedule_steps = {DRIVER_TOTAL_STEPS}\n" in sim.run_toml()
 
 
 def test_bad_settings_are_refused() -> None:

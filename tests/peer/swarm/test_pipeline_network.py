@@ -22,7 +22,7 @@ from hlbp.peer.data.streams import PreparedData, TokenStream
 from hlbp.peer.model.decoder import build_model, preset
 from hlbp.peer.model.pipeline import initial_state, run_model_config
 from hlbp.peer.model.subspace import CodecConfig
-from hlbp.peer.node.stage import driver_optim
+from hlbp.peer.node.replica import inner_schedule
 from hlbp.peer.sim.launcher import Replica, SimConfig, Swarm, poll
 from hlbp.peer.sim.pipeline import make_replica
 from hlbp.peer.train.checkpoint import load_checkpoint
@@ -60,11 +60,20 @@ def _finish(sw: Swarm, driver: str, servers: list[str]) -> None:
         assert p.stop() == 0, p.output[-3000:]
 
 
-def _stage_params(sw: Swarm, names: list[str]) -> dict[str, torch.Tensor]:
-    out: dict[str, torch.Tensor] = {}
-    for n in names:
-        tensors, _ = load_checkpoint(_out(sw.replicas[n], "stage.safetensors"))
-        out.update({k[6:]: v for k, v in tensors.items() if k.startswith("model.")})
+def _stage_params(sw: Swarm, driver: str, servers: list[str]) -> dict[str, torch.Tensor]:
+    """The parameters each stage trained. The driver left at ``--max-steps``: its stage checkpoint holds them. The
+    servers were stopped mid-round (SIGTERM): they moved that round's steps into their error-feedback buffer, as
+    a stopped full replica does, and hold the round's anchor, so what they trained is anchor - error feedback (no
+    round has been exchanged yet, so the buffer is exactly the pseudo-gradient anchor - trained)."""
+    tensors, _ = load_checkpoint(_out(sw.replicas[driver], "stage.safetensors"))
+    out = {k[6:]: v for k, v in tensors.items() if k.startswith("model.")}
+    for n in servers:
+        tensors, _ = load_checkpoint(_out(sw.replicas[n], "rounds.safetensors"))
+        ef = {k.split(".ef.", 1)[1]: v for k, v in tensors.items() if k.startswith("outer") and ".ef." in k}
+        stage, _ = load_checkpoint(_out(sw.replicas[n], "stage.safetensors"))
+        for name in (k[6:] for k in stage if k.startswith("model.")):
+            assert name in ef and bool(ef[name].abs().sum() > 0), f"{n}: no error feedback for {name}"
+            out[name] = tensors[f"anchor.{name}"] - ef[name]
     return out
 
 
@@ -83,7 +92,7 @@ def _run(tmp: Path, codec: str, k: int, data: PreparedData) -> tuple[dict[str, t
         _start(sw, [("s1", 1), ("s2", 2)], ["--eval-every", "4"], STEPS, None)
         _finish(sw, "s0", ["s1", "s2"])
         summary = json.loads(_out(sw.replicas["s0"], "summary.json").read_text())
-        return _stage_params(sw, ["s0", "s1", "s2"]), summary, cfg
+        return _stage_params(sw, "s0", ["s1", "s2"]), summary, cfg
 
 
 def _compare(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], init: dict[str, torch.Tensor]) -> float:
@@ -111,7 +120,7 @@ def test_dense_fp32_swarm_equals_the_whole_model(tmp_path: Path, builtin_data: P
     init = initial_state(config, cfg.seed)
     model.load_state_dict(init)
     stream = TokenStream(builtin_data.train, cfg.seq_len, cfg.batch_size, seed=cfg.seed, rank=summary["data_rank"])
-    optim = dataclasses.replace(driver_optim(LR, 1000), grad_accum=MICRO)
+    optim = dataclasses.replace(inner_schedule(LR, cfg.schedule_total), grad_accum=MICRO)
     trainer = InnerTrainer(model, optim, _micro(stream), torch.device("cpu"))
     for _ in range(STEPS):
         trainer.train_step()
@@ -125,7 +134,7 @@ def test_subspace_a_swarm_equals_the_in_process_pipeline(tmp_path: Path, builtin
     codec = CodecConfig(kind="subspace-a", rank="4", wire_dtype="fp32", seed=cfg.seed)
     config = run_model_config(preset(cfg.model, vocab_size=builtin_data.vocab_size), codec, 3)
     stream = TokenStream(builtin_data.train, cfg.seq_len, cfg.batch_size, seed=cfg.seed, rank=summary["data_rank"])
-    optim = dataclasses.replace(driver_optim(LR, 1000), grad_accum=MICRO)
+    optim = dataclasses.replace(inner_schedule(LR, cfg.schedule_total), grad_accum=MICRO)
     init = initial_state(config, cfg.seed)
     replica = make_replica("ref", config, codec, 3, init, optim, _micro(stream), torch.device("cpu"))
     replica.train(STEPS)
