@@ -10,8 +10,9 @@ dict), so the round's apply runs without processes. The real data plane is exerc
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import pytest
@@ -58,6 +59,11 @@ class Blobs:
 
     def drop_prefix(self, prefix: str) -> None:
         self.drop([n for n in self.registry[self.peer_id] if n.startswith(prefix)])
+
+    @contextlib.contextmanager
+    def sharing(self, name: str) -> Iterator[None]:
+        """Nothing to wait for: an in-process fetch is complete when it returns."""
+        yield
 
     def fetch(self, peer_id: str, name: str, max_size: int, timeout: float) -> bytes:
         data = self.registry.get(peer_id, {}).get(name)
