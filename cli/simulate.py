@@ -96,6 +96,9 @@ def simulate(
                                 "mean (1/R, zero where not chosen)."),
     clip: bool = opt(True, "--clip/--no-clip", env="SIM_CLIP",
                      help="Median-norm clipping of contributions (the hostile-peer defence)."),
+    small_tensors: str = opt("topk", "--small-tensors", env="SIM_SMALL_TENSORS",
+                             help="SparseLoCo's 1-D and sub-chunk tensors: topk (the run's k) or dense (every "
+                                  "value, 2-bit)."),
     wan_delay_ms: float = opt(0.0, "--wan-delay-ms", env="SIM_WAN_DELAY_MS",
                               help="Emulate a WAN: every peer sits behind a proxy that delays each direction by "
                                    "this many ms (round trip: twice this)."),
@@ -134,6 +137,8 @@ def simulate(
         raise UserInputError(f"--outer must be sparseloco or diloco, got {outer!r}")
     if aggregation not in ("selectors", "mean"):
         raise UserInputError(f"--aggregation must be selectors or mean, got {aggregation!r}")
+    if small_tensors not in ("topk", "dense"):
+        raise UserInputError(f"--small-tensors must be topk or dense, got {small_tensors!r}")
     if full < 0 or swarms < 0 or full + swarms < 1:
         raise UserInputError("--full and --swarms must be >= 0, and together start at least one peer")
     if swarms and outer != "sparseloco":
@@ -148,7 +153,7 @@ def simulate(
     cfg = SimConfig(n_full=full, rounds=rounds, model=model, inner_steps=inner_steps, batch_size=batch_size,
                     seq_len=seq_len, round_deadline_s=deadline, min_deadline_s=min(1.0, deadline),
                     max_deadline_s=max(30.0, deadline), seed=seed, outer=outer, threads=threads, cache_dir=cache_dir,
-                    aggregation=aggregation, clip_median=clip,
+                    aggregation=aggregation, clip_median=clip, small_tensors=small_tensors,
                     wan_delay_ms=wan_delay_ms, wan_mbps=wan_mbps, n_stages=stages, n_swarms=swarms,
                     micro_batches=micro_batches, codec=codec, codec_k=codec_k,
                     swarm_wan_delay_ms=swarm_wan_delay_ms, swarm_wan_mbps=swarm_wan_mbps)

@@ -94,6 +94,7 @@ class Hyperparameters:
     aggregation: str = "selectors"  # SparseLoCo: mean over the replicas that selected a value, or the 1/R "mean"
     weighting: str = "equal"  # contributions weighted equally, or by the "tokens" behind them
     clip_median: bool = True  # scale each contribution to at most the round's median norm (bounded influence)
+    small_tensors: str = "topk"  # SparseLoCo: 1-D and sub-chunk tensors sent with the run's k ("topk") or whole
     max_contribution_ratio: float = 8.0  # a contribution whose norm exceeds this times its shard's is refused
     max_loss_jump: float = 10.0  # a round that multiplies the loss on the run's guard batch by more is refused
     max_update_ratio: float = 8.0  # a round whose update norm exceeds this times a shard's norm is refused
@@ -103,6 +104,7 @@ class Hyperparameters:
     OUTERS = ("sparseloco", "diloco")
     AGGREGATIONS = ("selectors", "mean")
     WEIGHTINGS = ("equal", "tokens")
+    SMALL_TENSORS = ("topk", "dense")
 
     @property
     def schedule_total(self) -> int:
@@ -130,6 +132,7 @@ class Hyperparameters:
             aggregation=_str(body, "aggregation", 16, d.aggregation, choices=cls.AGGREGATIONS),
             weighting=_str(body, "weighting", 16, d.weighting, choices=cls.WEIGHTINGS),
             clip_median=_bool(body, "clip_median", d.clip_median),
+            small_tensors=_str(body, "small_tensors", 16, d.small_tensors, choices=cls.SMALL_TENSORS),
             max_contribution_ratio=_float(body, "max_contribution_ratio", 1e-6, 1e6, d.max_contribution_ratio),
             max_update_ratio=_float(body, "max_update_ratio", 1e-6, 1e6, d.max_update_ratio),
             max_loss_jump=_float(body, "max_loss_jump", 1.0, 1e9, d.max_loss_jump),

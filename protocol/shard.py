@@ -46,7 +46,7 @@ import torch
 
 from hlbp.protocol import indexcodec as ic
 from hlbp.protocol.errors import ProtocolError
-from hlbp.protocol.sparse import CHUNK_SIZE, ChunkLayout, SparseTensor, chunk_layout, decompress
+from hlbp.protocol.sparse import CHUNK_SIZE, ChunkLayout, SparseTensor, chunk_layout, decompress, tensor_k
 from hlbp.protocol.untrusted import unpack_msgpack
 from hlbp.protocol.zstdframe import compress_if_smaller, decompress_bounded
 
@@ -65,6 +65,7 @@ class ShardLimits:
 
     max_bytes: int = 256 * 1024 * 1024  # largest payload accepted, before any parsing
     k: int | None = None  # required k per 4096 (the run manifest's); None accepts any 1..4096
+    small_tensors: str = "topk"  # the run's rule for small tensors: each tensor must use tensor_k(shape, k, rule)
     formats: tuple[str, ...] = INDEX_FORMATS  # index formats accepted
     allow_unquantized: bool = True  # accept float32 values (q = 0) as well as 2-bit codes
 
@@ -190,7 +191,9 @@ def packed12_size(shapes: Mapping[str, tuple[int, ...]], k: int, quant_bits: int
     return size
 
 
-def max_shard_size(shapes: Mapping[str, tuple[int, ...]], k: int, quant_bits: int | None = 2) -> int:
+def max_shard_size(
+    shapes: Mapping[str, tuple[int, ...]], k: int, quant_bits: int | None = 2, small_tensors: str = "topk"
+) -> int:
     """Upper bound on the bytes of any shard body :func:`decode_shard_sparse` accepts for these shapes and ``k``.
 
     A receiver uses it as the limit on the body *before* decompressing or hashing it, so the work an envelope
@@ -200,7 +203,7 @@ def max_shard_size(shapes: Mapping[str, tuple[int, ...]], k: int, quant_bits: in
     n_total, bits = 0, 0
     size = 96  # map header, field names, version, format, q and the section headers
     for name, shape in shapes.items():
-        layout = chunk_layout(tuple(shape), k)
+        layout = chunk_layout(tuple(shape), tensor_k(tuple(shape), k, small_tensors))
         n = layout.nnz
         n_total += n
         bits += n * ic.MAX_RICE_BITS + n + _budget(layout)  # low bits at r = 12 plus unary bits at r = 0
@@ -254,8 +257,9 @@ def _parse_entries(
         seen.add(name)
         if not _is_int(k) or not 1 <= k <= CHUNK_SIZE:
             raise ProtocolError(f"{name}: k must be an integer in 1..{CHUNK_SIZE}")
-        if limits.k is not None and k != limits.k:
-            raise ProtocolError(f"{name}: k = {k}, but this run uses k = {limits.k}")
+        if limits.k is not None and k != (want := tensor_k(tuple(expected[name]), limits.k, limits.small_tensors)):
+            raise ProtocolError(f"{name}: k = {k}, but this run sends it with k = {want} "
+                                f"(k = {limits.k}, small tensors {limits.small_tensors!r})")
         max_r = ic.MAX_RICE_BITS if fmt == "entropy" else 0
         if not _is_int(r) or not 0 <= r <= max_r:
             raise ProtocolError(f"{name}: Rice parameter must be an integer in 0..{max_r}")

@@ -24,6 +24,11 @@ bit. When ``std(c)`` is 0 (all selected values equal, or a single one) every cod
 
 With ``quant_bits=None`` the selected values travel as float32: that mode exists to measure what the 2-bit
 quantiser costs, so it must not add a second rounding of its own.
+
+Small tensors (the run's ``small_tensors`` rule, :func:`tensor_k`): under ``"topk"`` every tensor keeps ``k`` per
+4096, so a 512-value norm weight sends 8 of its values per round at k = 64. Under ``"dense"`` a 1-D tensor, or any
+tensor no larger than one chunk, keeps all of its values (k = 4096, still 2-bit), as the production codec does.
+The rule is part of the run's codec: a receiver derives each tensor's k from its shape and refuses any other.
 """
 
 from __future__ import annotations
@@ -43,6 +48,8 @@ QUANT_LEVELS = 4
 """Number of 2-bit codes and of entries in the lookup table."""
 SCALE_SIGMAS = 1.5
 """Bin width in units of std(c): 4 bins of 1.5 sigma cover a 6 sigma range."""
+SMALL_TENSOR_RULES = ("topk", "dense")
+"""How a run compresses small tensors: the run's k like any other, or every value (see :func:`tensor_k`)."""
 
 
 @dataclass(frozen=True)
@@ -90,6 +97,30 @@ def largest_divisor_at_most(n: int, limit: int = TILE_SIDE) -> int:
 def kept_per_chunk(k: int, chunk_size: int) -> int:
     """Values kept in a chunk of ``chunk_size`` when ``k`` are kept per 4096: density ``k/4096``, at least one."""
     return max(1, min(chunk_size, (k * chunk_size + CHUNK_SIZE // 2) // CHUNK_SIZE))
+
+
+def tensor_k(shape: tuple[int, ...], k: int, small_tensors: str = "topk") -> int:
+    """The k (per 4096) that a tensor of ``shape`` is sent with in a run with ``k`` and rule ``small_tensors``.
+
+    ``"dense"`` sends a 1-D tensor, or one of at most :data:`CHUNK_SIZE` values, whole (k = 4096): norm weights
+    and biases are a tiny share of the values but are starved by a per-chunk top-k of about 1.5 %.
+    """
+    if small_tensors not in SMALL_TENSOR_RULES:
+        raise ValueError(f"small_tensors must be one of {SMALL_TENSOR_RULES}, got {small_tensors!r}")
+    if small_tensors == "dense":
+        numel = 1
+        for d in shape:
+            numel *= int(d)
+        if len(shape) <= 1 or numel <= CHUNK_SIZE:
+            return CHUNK_SIZE
+    return k
+
+
+def transmitted_fraction(shape: tuple[int, ...], k: int, small_tensors: str = "topk") -> float:
+    """Share of a tensor's values sent each round (nnz / numel) under ``k`` and ``small_tensors``."""
+    layout = chunk_layout(tuple(shape), tensor_k(tuple(shape), k, small_tensors))
+    numel = sum(g.n_chunks * g.chunk_size for g in layout.groups)
+    return layout.nnz / numel if numel else 0.0
 
 
 @lru_cache(maxsize=4096)

@@ -115,6 +115,7 @@ def round_settings(m: Any, checkpoint_every_s: float) -> tuple[OuterConfig, Roun
     outer = OuterConfig(kind=hp.outer, k=hp.k, beta=hp.beta, alpha=hp.alpha,  # type: ignore[arg-type]
                         outer_lr=hp.outer_lr, momentum=hp.momentum, clip_median=hp.clip_median,
                         aggregation=hp.aggregation,  # type: ignore[arg-type]
+                        small_tensors=hp.small_tensors,
                         token_weighted=hp.weighting == "tokens")
     rcfg = RoundConfig(run_id=m.run_id, inner_steps=hp.inner_steps, deadline_s=hp.round_deadline_s,
                        min_deadline_s=hp.min_deadline_s, max_deadline_s=hp.max_deadline_s,

@@ -21,7 +21,10 @@ DEFAULT_INDEX_FORMAT = "entropy"
 def codec_of(cfg: OuterConfig, index_format: str = DEFAULT_INDEX_FORMAT) -> tuple[str, dict]:
     """Codec name and parameters that a run's contributions carry and receivers insist on."""
     if cfg.kind == "sparseloco":
-        return "sparseloco", {"k": cfg.k, "q": cfg.quant_bits or 0, "fmt": index_format}
+        params = {"k": cfg.k, "q": cfg.quant_bits or 0, "fmt": index_format}
+        if cfg.small_tensors != "topk":  # named only when not the default, so default runs keep their bytes
+            params["small"] = cfg.small_tensors
+        return "sparseloco", params
     return f"dense-{cfg.wire_dtype}", {}
 
 
@@ -57,7 +60,7 @@ def contribution_from_bytes(
     (and ``max_bytes``), checked before it is decompressed or hashed, so a small frame cannot claim a large body.
     """
     if cfg.kind == "sparseloco":
-        max_body = max_shard_size(expected, cfg.k, cfg.quant_bits)
+        max_body = max_shard_size(expected, cfg.k, cfg.quant_bits, cfg.small_tensors)
     else:
         max_body = dense_max_size(expected, cfg.wire_dtype)
     max_body = min(max_body, max_bytes)
@@ -71,7 +74,8 @@ def contribution_from_bytes(
     if header.codec != codec or any(header.codec_params.get(k) != v for k, v in params.items()):
         raise ProtocolError(f"contribution uses codec {header.codec} {header.codec_params}, the run uses {codec} {params}")
     if cfg.kind == "sparseloco":
-        limits = ShardLimits(max_bytes=max_body, k=cfg.k, allow_unquantized=cfg.quant_bits is None)
+        limits = ShardLimits(max_bytes=max_body, k=cfg.k, allow_unquantized=cfg.quant_bits is None,
+                             small_tensors=cfg.small_tensors)
         tensors = decode_shard_sparse(body, expected, limits)
         quantized = {s.quantized for s in tensors.values()}
         if quantized and quantized != {cfg.quant_bits is not None}:

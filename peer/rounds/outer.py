@@ -23,7 +23,7 @@ from typing import Literal
 import torch
 
 from hlbp.peer.common.errors import UserInputError
-from hlbp.protocol.sparse import SparseTensor, compress, decompress
+from hlbp.protocol.sparse import SMALL_TENSOR_RULES, SparseTensor, compress, decompress, tensor_k
 
 Tensors = Mapping[str, torch.Tensor]
 
@@ -41,6 +41,7 @@ class OuterConfig:
     aggregation: Literal["mean", "selectors"] = "mean"  # paper's 1/R mean, or reference code's mean over selectors
     clip_median: bool = False  # scale each contribution to at most the median contribution norm
     token_weighted: bool = False  # weight contributions by tokens processed instead of equally
+    small_tensors: str = "topk"  # 1-D and sub-chunk tensors: the run's k, or "dense" (every value, 2-bit)
     # DiLoCo
     outer_lr: float = 0.7  # Nesterov SGD learning rate
     momentum: float = 0.9  # Nesterov momentum
@@ -55,6 +56,8 @@ class OuterConfig:
             raise UserInputError("beta and momentum must be in [0, 1)")
         if not (self.alpha > 0 and self.outer_lr > 0):
             raise UserInputError("alpha and outer_lr must be positive")
+        if self.small_tensors not in SMALL_TENSOR_RULES:
+            raise UserInputError(f"small_tensors must be one of {SMALL_TENSOR_RULES}, got {self.small_tensors!r}")
         if self.aggregation not in ("mean", "selectors"):
             raise UserInputError(f"aggregation must be mean or selectors, got {self.aggregation!r}")
         if self.wire_dtype not in ("fp32", "bf16"):
@@ -120,7 +123,7 @@ class SparseLoCo(OuterOptimizer):
         for name, delta in pseudo_gradient(anchor, local).items():
             e = self.ef.get(name)
             e = delta if e is None else e.mul_(self.config.beta).add_(delta)
-            s = compress(e, self.config.k, self.config.quant_bits)
+            s = compress(e, tensor_k(tuple(e.shape), self.config.k, self.config.small_tensors), self.config.quant_bits)
             e.sub_(decompress(s))  # whatever was not sent (including quantisation error) stays for later rounds
             self.ef[name] = e
             sent[name] = s

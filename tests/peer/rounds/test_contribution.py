@@ -83,3 +83,33 @@ def test_small_zstd_frame_claiming_a_huge_body_is_refused_before_decompressing(k
         contribution_from_bytes(forged, cfg, SHAPES)
     assert time.perf_counter() - t0 < 0.1
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0 < 32 << 10  # KiB
+
+
+def test_small_tensor_rule_sends_norms_whole_and_each_side_refuses_the_other():
+    """Under ``small_tensors = "dense"`` a norm weight travels whole (2-bit) and a matrix keeps k; the rule is part
+    of the codec, so a receiver refuses a payload built under the other rule even when its header lies about it."""
+    from hlbp.protocol.shard import max_shard_size
+    from hlbp.protocol.sparse import CHUNK_SIZE, tensor_k, transmitted_fraction
+
+    assert tensor_k((128,), 64, "dense") == CHUNK_SIZE and tensor_k((128,), 64, "topk") == 64
+    assert tensor_k((64, 64), 64, "dense") == CHUNK_SIZE and tensor_k((128, 128), 64, "dense") == 64
+    assert tensor_k((8192,), 64, "dense") == CHUNK_SIZE  # every 1-D tensor, whatever its length
+    assert transmitted_fraction((128,), 64, "topk") == 2 / 128 and transmitted_fraction((128,), 64, "dense") == 1.0
+    with pytest.raises(ValueError):
+        tensor_k((128,), 64, "all")
+    dense, topk = OuterConfig(k=64, small_tensors="dense"), OuterConfig(k=64)
+    c = _contribution(dense)
+    assert c.tensors["norm.weight"].nnz == 128 and c.tensors["blocks.0.attn.wq.weight"].nnz == 4 * 64
+    data = contribution_to_bytes(c, dense, "r", 1, 0)
+    assert len(data) < max_shard_size(SHAPES, 64, 2, "dense") and max_shard_size(SHAPES, 64) < max_shard_size(SHAPES, 64, 2, "dense")
+    back = contribution_from_bytes(data, dense, SHAPES)
+    for n in SHAPES:
+        assert torch.equal(decompress(back.tensors[n]), decompress(c.tensors[n]))
+    with pytest.raises(ProtocolError, match="norm.weight: k = 4096"):  # header names the rule; the body is checked
+        contribution_from_bytes(data, topk, SHAPES)
+    plain = _contribution(topk)
+    with pytest.raises(ProtocolError, match="codec"):  # a topk payload under a dense run's header is refused
+        contribution_from_bytes(contribution_to_bytes(plain, topk, "r", 1, 0), dense, SHAPES)
+    forged = contribution_to_bytes(plain, dense, "r", 1, 0)  # topk body, header claiming the dense rule
+    with pytest.raises(ProtocolError, match="norm.weight: k = 64"):
+        contribution_from_bytes(forged, dense, SHAPES)
