@@ -3,11 +3,21 @@
 Every method starts from the same weights (seed) and sees the same number of tokens: R replicas × rounds × H
 inner steps × batch. The single AdamW run takes R times the batch for rounds × H steps, the data-parallel ideal
 that no low-communication method can beat on loss; it shows what communicating rarely costs.
+
+Two sweeps. The default ("short", 12 rounds) compares k and the two aggregation forms. ``--long`` is the long
+horizon the paper's claims are about: 150 rounds of H = 15 with warm-up over a fraction of the run and cosine to
+0.1x, where each method gets its own small tuning sweep (DiLoCo's outer lr; SparseLoCo's k and inner lr), plus the
+density rule for small tensors and median-norm clipping against their defaults. SparseLoCo runs use the manifest's
+defaults (aggregation, clipping, small-tensor rule) unless a row says otherwise. The JSON holds every method's
+curve; next to it a PNG draws them.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
+import multiprocessing
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -17,15 +27,17 @@ from rich.console import Console
 
 from hlbp.peer.bench.report import print_table, write_result
 from hlbp.peer.data.streams import prepare_data
-from hlbp.peer.model.decoder import preset
+from hlbp.peer.model.decoder import build_model, preset
 from hlbp.peer.rounds.outer import OuterConfig
 from hlbp.peer.sim.engine import SimConfig, make_full_replicas, run_outer_simulation, run_single_adamw
 from hlbp.peer.train.trainer import OptimConfig, pick_device
+from hlbp.protocol.records import Hyperparameters
+from hlbp.protocol.sparse import transmitted_fraction
 
 
 @dataclass
 class ConvergenceBenchConfig:
-    """Settings of the benchmark; ``quick`` shrinks them to a CI-sized smoke run."""
+    """Settings of the benchmark; ``quick`` shrinks them to a CI-sized smoke run, ``long`` is the long horizon."""
 
     model: str = "tiny"
     replicas: int = 4
@@ -33,13 +45,20 @@ class ConvergenceBenchConfig:
     inner_steps: int = 15
     batch_size: int = 8
     seq_len: int = 128
-    lr: float = 3e-3
-    warmup: int = 20
+    lr: float = 3e-3  # inner AdamW peak learning rate (DiLoCo's and the single AdamW run's; see lr_mults)
+    warmup: int = 20  # warm-up steps of the inner schedule ...
+    warmup_frac: float | None = None  # ... or this fraction of the whole run's inner steps (the long horizon)
+    eval_batches: int = 8  # validation batches of batch_size x seq_len, the same for every method
     seed: int = 0
+    sweep: str = "short"  # "short": the k x aggregation grid; "long": every method's small tuning sweep
     ks: tuple[int, ...] = (32, 64, 128)
     aggregations: tuple[str, ...] = ("mean", "selectors")
+    lr_mults: tuple[float, ...] = (1.0, 1.25)  # long sweep: SparseLoCo inner lr as multiples of DiLoCo's
+    diloco_lrs: tuple[float, ...] = (0.6, 0.7)  # long sweep: DiLoCo Nesterov outer learning rates
     alpha: float = 1.0  # SparseLoCo outer learning rate
     beta: float = 0.95  # SparseLoCo error-feedback decay
+    clip_median: bool = Hyperparameters.clip_median  # SparseLoCo median-norm clipping (the manifest's default)
+    small_tensors: str = Hyperparameters.small_tensors  # SparseLoCo's rule for 1-D tensors (the manifest's)
     only: tuple[str, ...] = ()  # run only methods whose label contains one of these substrings (baselines stay)
     diloco_lr: float = 0.7
     diloco_momentum: float = 0.9
@@ -47,6 +66,8 @@ class ConvergenceBenchConfig:
     vocab_size: int = 8192
     cache_dir: Path | None = None
     device: str = "auto"
+    jobs: int = 1  # methods run at once, each in its own process with one torch thread
+    print_every: int = 1  # progress line every this many rounds
     extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -54,18 +75,174 @@ class ConvergenceBenchConfig:
         base = cls(rounds=3, inner_steps=5, batch_size=4, seq_len=64, warmup=5, ks=(64,))
         return dataclasses.replace(base, **overrides)
 
+    @classmethod
+    def long(cls, quick: bool = False, **overrides: Any) -> ConvergenceBenchConfig:
+        """The long horizon: 150 rounds of H = 15, warm-up over 5 % of the run then cosine to 0.1x, and a small
+        tuning sweep per method. Batch 4 x 128 keeps the 4.6M tokens per method near one pass over the built-in
+        corpus (3.2M training tokens) and the whole sweep near an hour on 2 cores. ``quick``: 3 rounds of H = 3."""
+        base = cls(rounds=150, inner_steps=15, batch_size=4, seq_len=128, warmup_frac=0.05, eval_batches=32,
+                   sweep="long", ks=(64, 128), aggregations=("selectors",))
+        if quick:
+            base = dataclasses.replace(base, rounds=3, inner_steps=3, seq_len=64, eval_batches=4, ks=(64,))
+        else:
+            base = dataclasses.replace(base, print_every=10)
+        return dataclasses.replace(base, **overrides)
 
-def methods(cfg: ConvergenceBenchConfig) -> list[tuple[str, OuterConfig | None]]:
-    """(label, outer config) for every run; ``None`` is the single AdamW baseline."""
-    out: list[tuple[str, OuterConfig | None]] = [("adamw (1 replica, R x batch)", None)]
-    out.append(("diloco fp32", OuterConfig(kind="diloco", outer_lr=cfg.diloco_lr, momentum=cfg.diloco_momentum)))
-    for k in cfg.ks:
-        for agg in cfg.aggregations:
-            label = f"sparseloco k={k} {agg}" + (f" a={cfg.alpha:g}" if cfg.alpha != 1.0 else "")
-            out.append((label, OuterConfig(kind="sparseloco", k=k, aggregation=agg, alpha=cfg.alpha, beta=cfg.beta)))
+    @property
+    def warmup_steps(self) -> int:
+        """Warm-up steps of the inner schedule (from ``warmup_frac`` when it is set)."""
+        if self.warmup_frac is None:
+            return self.warmup
+        return max(1, round(self.warmup_frac * self.rounds * self.inner_steps))
+
+
+@dataclass(frozen=True)
+class Method:
+    """One run of the benchmark: its label, outer optimizer (None: the single AdamW baseline) and inner lr."""
+
+    label: str
+    outer: OuterConfig | None
+    lr_mult: float = 1.0
+    family: str = "sparseloco"  # "adamw", "diloco" or "sparseloco": the sweep a method's best is chosen within
+
+
+def _sparseloco(cfg: ConvergenceBenchConfig, k: int, agg: str, **changes: Any) -> OuterConfig:
+    base = OuterConfig(kind="sparseloco", k=k, aggregation=agg, alpha=cfg.alpha, beta=cfg.beta,  # type: ignore[arg-type]
+                       clip_median=cfg.clip_median, small_tensors=cfg.small_tensors)
+    return dataclasses.replace(base, **changes)
+
+
+def methods(cfg: ConvergenceBenchConfig) -> list[Method]:
+    """Every run of the benchmark, baselines first."""
+    out = [Method("adamw (1 replica, R x batch)", None, family="adamw")]
+    a = f" a={cfg.alpha:g}" if cfg.alpha != 1.0 else ""
+    if cfg.sweep == "long":
+        for lr in cfg.diloco_lrs:
+            out.append(Method(f"diloco outer lr {lr:g}", OuterConfig(kind="diloco", outer_lr=lr,
+                                                                    momentum=cfg.diloco_momentum), family="diloco"))
+        agg = cfg.aggregations[0]
+        for k in cfg.ks:
+            for m in cfg.lr_mults:
+                out.append(Method(f"sparseloco k={k} lr x{m:g}{a}", _sparseloco(cfg, k, agg), m))
+        # the density rule for small tensors and median-norm clipping, each against its default at lr x1
+        other = "dense" if cfg.small_tensors == "topk" else "topk"
+        for k in cfg.ks:
+            out.append(Method(f"sparseloco k={k} lr x1 small {other}{a}", _sparseloco(cfg, k, agg, small_tensors=other)))
+        out.append(Method(f"sparseloco k={cfg.ks[0]} lr x1 clip {'off' if cfg.clip_median else 'on'}{a}",
+                          _sparseloco(cfg, cfg.ks[0], agg, clip_median=not cfg.clip_median)))
+    else:
+        out.append(Method("diloco fp32", OuterConfig(kind="diloco", outer_lr=cfg.diloco_lr,
+                                                     momentum=cfg.diloco_momentum), family="diloco"))
+        for k in cfg.ks:
+            for agg in cfg.aggregations:
+                out.append(Method(f"sparseloco k={k} {agg}{a}", _sparseloco(cfg, k, agg)))
+    n_base = sum(1 for m in out if m.family != "sparseloco")
     if cfg.only:
-        out = out[:2] + [m for m in out[2:] if any(o in m[0] for o in cfg.only)]
+        out = out[:n_base] + [m for m in out[n_base:] if any(o in m.label for o in cfg.only)]
     return out
+
+
+def transmitted_fractions(shapes: dict[str, tuple[int, ...]], k: int, small_tensors: str) -> dict[str, Any]:
+    """Per tensor, the share of its values a SparseLoCo contribution carries, and the total over all values."""
+    per = {n: transmitted_fraction(s, k, small_tensors) for n, s in shapes.items()}
+    numel = {n: math.prod(s) for n, s in shapes.items()}
+    total = sum(per[n] * numel[n] for n in shapes) / max(1, sum(numel.values()))
+    return {"per_tensor": per, "total": total, "values": round(total * sum(numel.values()))}
+
+
+def _best(results: dict[str, Any], meths: list[Method], family: str, key: str = "final_val_loss") -> str | None:
+    labels = [m.label for m in meths if m.family == family and m.label in results]
+    return min(labels, key=lambda lab: results[lab][key]) if labels else None
+
+
+def verdict(results: dict[str, Any], meths: list[Method], k_max: int = 128) -> dict[str, Any]:
+    """The issue's bars: best SparseLoCo at k <= ``k_max`` vs the best DiLoCo (<= 0.98x, > 100x fewer bytes) and
+    vs the single AdamW run with R x the batch (within 3 %)."""
+    sl = [m for m in meths if m.family == "sparseloco" and m.outer is not None and m.outer.k <= k_max]
+    best_sl = min((m.label for m in sl if m.label in results), key=lambda lab: results[lab]["final_val_loss"],
+                  default=None)
+    best_dl, adamw = _best(results, meths, "diloco"), _best(results, meths, "adamw")
+    if best_sl is None or best_dl is None:
+        return {}
+    s, d = results[best_sl], results[best_dl]
+    out: dict[str, Any] = {
+        "best_sparseloco": best_sl, "best_diloco": best_dl,
+        "loss_ratio_vs_diloco": s["final_val_loss"] / d["final_val_loss"],
+        "bytes_ratio_vs_diloco": d["bytes_per_round_per_replica"] / max(1.0, s["bytes_per_round_per_replica"]),
+    }
+    if adamw is not None:
+        out["loss_ratio_vs_adamw"] = s["final_val_loss"] / results[adamw]["final_val_loss"]
+    out["line"] = (
+        f"best SparseLoCo ({best_sl}) / best DiLoCo ({best_dl}): {out['loss_ratio_vs_diloco']:.4f} "
+        f"(bar <= 0.98) with {out['bytes_ratio_vs_diloco']:.0f}x fewer bytes (bar > 100x)"
+        + (f"; / single AdamW with R x batch: {out['loss_ratio_vs_adamw']:.4f} (bar <= 1.03)" if adamw else ""))
+    return out
+
+
+def write_plot(path: Path, results: dict[str, Any], meths: list[Method], title: str) -> bool:
+    """Validation loss against tokens for every method; False (nothing written) without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, (a, b) = plt.subplots(1, 2, figsize=(13, 5))
+    palette = plt.get_cmap("tab10").colors
+    for i, m in enumerate(x for x in meths if x.label in results):
+        h = results[m.label]["history"]
+        color = "k" if m.family == "adamw" else palette[i % len(palette)]
+        ls = {"adamw": "-", "diloco": "-."}.get(m.family, "--" if ("small" in m.label or "clip" in m.label) else "-")
+        xs, ys = [r["tokens"] / 1e6 for r in h], [r["val_loss"] for r in h]
+        for ax in (a, b):
+            ax.plot(xs, ys, ls, color=color, lw=1.2, label=m.label)
+    b.set_xlim(left=0.5 * max(r["tokens"] for r in results[meths[0].label]["history"]) / 1e6)
+    tail = [r["val_loss"] for res in results.values() for r in res["history"][len(res["history"]) // 2:]]
+    if tail:
+        b.set_ylim(min(tail) - 0.02, max(tail) + 0.02)
+    for ax, t in ((a, title), (b, "second half")):
+        ax.set_xlabel("tokens (millions, all replicas)")
+        ax.set_ylabel("validation loss")
+        ax.set_title(t, fontsize=9)
+    b.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def run_method(
+    cfg: ConvergenceBenchConfig, m: Method, threads: int | None = None, console: Console | None = None
+) -> dict[str, Any]:
+    """One method's run: its result with the per-round history, best validation loss and what it transmits."""
+    if threads:
+        torch.set_num_threads(threads)
+    console = console or Console(stderr=True)
+    device = pick_device(cfg.device)
+    data = prepare_data(cfg.data, cfg.cache_dir, vocab_size=cfg.vocab_size)
+    model = preset(cfg.model, vocab_size=data.vocab_size, max_seq_len=max(cfg.seq_len, 8))
+    optim = OptimConfig(lr=cfg.lr * m.lr_mult, warmup_steps=cfg.warmup_steps)
+    sim = SimConfig(
+        model=model, outer=m.outer or OuterConfig(), optim=optim, replicas=cfg.replicas, rounds=cfg.rounds,
+        inner_steps=cfg.inner_steps, batch_size=cfg.batch_size, seq_len=cfg.seq_len, seed=cfg.seed,
+        eval_batches=cfg.eval_batches,
+    )
+
+    def show(rec: dict[str, Any]) -> None:
+        if rec["round"] % cfg.print_every == 0 or rec["round"] == cfg.rounds:
+            console.print(f"  {m.label:36s} round {rec['round']:3d}  val {rec['val_loss']:.4f}  {rec['seconds']:7.1f}s")
+
+    if m.outer is None:
+        res = run_single_adamw(sim, data, device, on_round=show)
+    else:
+        res = run_outer_simulation(sim, data, make_full_replicas(sim, data, device), device, on_round=show)
+    res["best_val_loss"] = min(r["val_loss"] for r in res["history"])
+    res["inner_lr"] = optim.lr
+    if m.outer is not None and m.outer.kind == "sparseloco":
+        shapes = {n: tuple(t.shape) for n, t in build_model(model).named_parameters()}
+        res["transmitted"] = transmitted_fractions(shapes, m.outer.k, m.outer.small_tensors)
+    return res
 
 
 def run_convergence_bench(
@@ -73,43 +250,46 @@ def run_convergence_bench(
 ) -> dict[str, Any]:
     """Run every method, print the table and return (and optionally write) the full JSON document."""
     console = console or Console(stderr=True)
-    device = pick_device(cfg.device)
-    data = prepare_data(cfg.data, cfg.cache_dir, vocab_size=cfg.vocab_size)
-    model = preset(cfg.model, vocab_size=data.vocab_size, max_seq_len=max(cfg.seq_len, 8))
-    optim = OptimConfig(lr=cfg.lr, warmup_steps=cfg.warmup)
-    results: dict[str, Any] = {}
-    for label, outer in methods(cfg):
-        sim = SimConfig(
-            model=model, outer=outer or OuterConfig(), optim=optim, replicas=cfg.replicas, rounds=cfg.rounds,
-            inner_steps=cfg.inner_steps, batch_size=cfg.batch_size, seq_len=cfg.seq_len, seed=cfg.seed,
-        )
-
-        def show(rec: dict[str, Any], label: str = label) -> None:
-            console.print(f"  {label:30s} round {rec['round']:3d}  val {rec['val_loss']:.4f}  {rec['seconds']:7.1f}s")
-
-        if outer is None:
-            res = run_single_adamw(sim, data, device, on_round=show)
-        else:
-            res = run_outer_simulation(sim, data, make_full_replicas(sim, data, device), device, on_round=show)
-        results[label] = res
-    dense = results["diloco fp32"]["bytes_per_round_per_replica"]
-    ref = results["diloco fp32"]["final_val_loss"]
+    meths = methods(cfg)
+    if cfg.jobs > 1:
+        # one process per method at a time, one torch thread each: the methods are independent and seeded alike
+        ctx = multiprocessing.get_context("spawn")
+        with ProcessPoolExecutor(max_workers=cfg.jobs, mp_context=ctx) as pool:
+            futures = [pool.submit(run_method, cfg, m, 1) for m in meths]
+            results = {m.label: f.result() for m, f in zip(meths, futures)}
+    else:
+        results = {m.label: run_method(cfg, m, None, console) for m in meths}
+    ref_label = _best(results, meths, "diloco") or meths[0].label
+    dense = max(1.0, results[ref_label]["bytes_per_round_per_replica"])
+    ref = results[ref_label]["final_val_loss"]
     rows = []
     for label, res in results.items():
         b = res["bytes_per_round_per_replica"]
+        sent = res.get("transmitted", {}).get("total")
         rows.append([
-            label, res["final_val_loss"], res["final_val_loss"] / ref, int(b),
-            (dense / b) if b else "-", res.get("bits_per_param", "-"), res["seconds"],
+            label, res["final_val_loss"], res["best_val_loss"], res["final_val_loss"] / ref, int(b),
+            (dense / b) if b else "-", f"{100 * sent:.2f} %" if sent is not None else "-", res["seconds"],
         ])
+    title = (f"convergence: {cfg.model}, R={cfg.replicas}, H={cfg.inner_steps}, {cfg.rounds} rounds, batch "
+             f"{cfg.batch_size}x{cfg.seq_len}, {results[meths[0].label]['tokens']:,} tokens each, warm-up "
+             f"{cfg.warmup_steps} steps then cosine to 0.1x")
     print_table(
-        console,
-        f"convergence: {cfg.model}, R={cfg.replicas}, H={cfg.inner_steps}, {cfg.rounds} rounds, "
-        f"{results['diloco fp32']['tokens']:,} tokens each",
-        ["method", "final val loss", "loss / diloco", "bytes/round/replica", "dense/this", "bits/param", "seconds"],
+        console, title,
+        ["method", "final val loss", "best val loss", f"final / {ref_label}", "bytes/round/replica",
+         "dense/this", "values sent", "seconds"],
         rows,
     )
+    v = verdict(results, meths)
+    if v:
+        console.print(v["line"])
     config = dataclasses.asdict(cfg)
-    config["model_config"] = dataclasses.asdict(model)
+    config["warmup_steps"] = cfg.warmup_steps
+    data = prepare_data(cfg.data, cfg.cache_dir, vocab_size=cfg.vocab_size)
+    config["model_config"] = dataclasses.asdict(preset(cfg.model, vocab_size=data.vocab_size,
+                                                       max_seq_len=max(cfg.seq_len, 8)))
     config["tokenizer_hash"] = data.tokenizer_hash
-    config["torch_threads"] = torch.get_num_threads()
-    return write_result(out, "convergence", config, results)
+    config["torch_threads"] = 1 if cfg.jobs > 1 else torch.get_num_threads()
+    doc = write_result(out, "convergence", config, {"runs": results, "verdict": v})
+    if out is not None and write_plot(Path(out).with_suffix(".png"), results, meths, title):
+        console.print(f"plot: {Path(out).with_suffix('.png')}")
+    return doc

@@ -1,0 +1,46 @@
+"""`hlbp bench convergence --long --quick` as the CLI runs it: every method of the long sweep, its curve, the
+verdict against the issue's bars, the transmitted fraction per tensor, and the plot."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("matplotlib")
+
+
+def test_long_sweep_quick_writes_every_method_curve_verdict_and_plot(tmp_path: Path, builtin_data: object) -> None:
+    out = tmp_path / "conv.json"  # builtin_data: the corpus and tokenizer are cached before the workers start
+    proc = subprocess.run(
+        [sys.executable, "-m", "hlbp.cli.main", "bench", "convergence", "--long", "--quick", "--jobs", "2",
+         "--out", str(out)],
+        check=False, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    runs = doc["result"]["runs"]
+    assert set(runs) == {
+        "adamw (1 replica, R x batch)", "diloco outer lr 0.6", "diloco outer lr 0.7", "sparseloco k=64 lr x1",
+        "sparseloco k=64 lr x1.25", "sparseloco k=64 lr x1 small dense", "sparseloco k=64 lr x1 clip off",
+    }
+    cfg = doc["config"]
+    assert cfg["rounds"] == 3 and cfg["warmup_steps"] == 1 and cfg["torch_threads"] == 1
+    for label, res in runs.items():
+        losses = [r["val_loss"] for r in res["history"]]
+        assert len(losses) == cfg["rounds"] + 1 and losses[-1] < losses[0], label
+        assert res["best_val_loss"] == min(losses)
+    # the two inner learning rates really differ, and the same seed starts every method from the same loss
+    assert runs["sparseloco k=64 lr x1.25"]["inner_lr"] == pytest.approx(1.25 * runs["sparseloco k=64 lr x1"]["inner_lr"])
+    assert len({res["history"][0]["val_loss"] for res in runs.values()}) == 1
+    # the small-tensor rule: a norm weight goes whole under "dense", 2 of 128 values under top-k
+    topk, dense = runs["sparseloco k=64 lr x1"]["transmitted"], runs["sparseloco k=64 lr x1 small dense"]["transmitted"]
+    assert topk["per_tensor"]["norm.weight"] == pytest.approx(2 / 128) and dense["per_tensor"]["norm.weight"] == 1.0
+    assert dense["total"] > topk["total"] and dense["values"] > topk["values"]
+    v = doc["result"]["verdict"]
+    assert v["best_diloco"].startswith("diloco") and v["best_sparseloco"].startswith("sparseloco")
+    assert v["bytes_ratio_vs_diloco"] > 100 and "loss_ratio_vs_adamw" in v
+    assert out.with_suffix(".png").stat().st_size > 10_000
