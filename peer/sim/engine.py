@@ -20,6 +20,7 @@ from hlbp.peer.data.streams import PreparedData, TokenStream, val_batches
 from hlbp.peer.model.decoder import ModelConfig, Stage, build_model
 from hlbp.peer.rounds.contribution import contribution_from_bytes, contribution_to_bytes
 from hlbp.peer.rounds.outer import Contribution, OuterConfig, make_outer
+from hlbp.peer.rounds.overlap import phase_start
 from hlbp.peer.train.trainer import InnerTrainer, OptimConfig, evaluate, micro_batches
 
 
@@ -72,6 +73,7 @@ class SimConfig:
     seq_len: int = 128
     seed: int = 0
     eval_batches: int = 8
+    overlap: str = "none"  # rounds overlapped with the next inner phase: none, naive or eager (rounds.overlap)
 
 
 ReplicaFactory = Callable[[int, Stage, InnerTrainer], Replica]
@@ -96,7 +98,12 @@ def run_outer_simulation(
     device: torch.device,
     on_round: Callable[[dict[str, Any]], None] | None = None,
 ) -> dict[str, Any]:
-    """Run ``cfg.rounds`` outer rounds; returns per-round validation loss and wire bytes of the global model."""
+    """Run ``cfg.rounds`` outer rounds; returns per-round validation loss and wire bytes of the global model.
+
+    Under ``cfg.overlap`` (naive or eager) a round's result reaches the global parameters one round late, as in a
+    network run whose exchange overlaps the next inner phase, so a round's validation loss is that of the global
+    parameters a peer holds then; after the last round the exchange in flight is applied, so every mode ends on the
+    same tokens."""
     torch.manual_seed(cfg.seed)
     anchor = {n: t.detach().float().cpu().clone() for n, t in replicas[0].params().items()}
     for rep in replicas[1:]:
@@ -117,20 +124,33 @@ def run_outer_simulation(
     if on_round:
         on_round(history[-1])
     start = time.perf_counter()
+    starts = [anchor] * len(replicas)  # where each replica's inner phase starts (its own under eager overlap)
+    pending: list[Contribution] = []  # under overlap: the round still being exchanged during the next phase
     for rnd in range(1, cfg.rounds + 1):
         contributions: list[Contribution] = []
         wire = 0
-        for rep, opt in zip(replicas, optimizers):
+        for rep, opt, begin in zip(replicas, optimizers, starts):
             rep.train(cfg.inner_steps)
-            c = opt.contribute(anchor, rep.params(), rep.name, rep.tokens)
+            c = opt.contribute(begin, rep.params(), rep.name, rep.tokens)
             # what the wire carries is what everybody applies: encode, count, decode
             payload = contribution_to_bytes(c, cfg.outer, run="sim", round=rnd, shard=0)
             wire += len(payload)
             contributions.append(contribution_from_bytes(payload, cfg.outer, shapes))
+        own = list(contributions)
         contributions.sort(key=lambda c: c.sender)
-        anchor = applier.apply(anchor, contributions)
-        for rep in replicas:
-            rep.load_params(anchor)
+        if cfg.overlap == "none":
+            anchor = applier.apply(anchor, contributions)
+            starts = [anchor] * len(replicas)
+        else:
+            # round rnd is exchanged while phase rnd+1 trains: the global parameters advance by round rnd-1
+            if pending:
+                anchor = applier.apply(anchor, pending)
+            pending = contributions
+            if rnd == cfg.rounds:  # the last exchange completes after training stops: equal tokens for every mode
+                anchor, pending = applier.apply(anchor, pending), []
+            starts = [phase_start(cfg.overlap, cfg.outer, anchor, c, len(replicas)) for c in own]
+        for rep, begin in zip(replicas, starts):
+            rep.load_params(begin)
         record = {
             "round": rnd,
             "tokens": sum(rep.tokens for rep in replicas),
