@@ -30,6 +30,9 @@ def convergence(
                     help="Comma-separated substrings: run only SparseLoCo variants whose label matches."),
     jobs: int = opt(1, "--jobs", env="BENCH_JOBS",
                     help="Methods run at once, each its own process with one torch thread (use the cores you have)."),
+    overlap: bool = opt(False, "--overlap", env="BENCH_OVERLAP",
+                        help="Overlapped rounds in process: DiLoCo and SparseLoCo each without overlap, with a naive "
+                             "one-round delay and with eager updates (30 rounds of H = 30; --quick: a smoke run)."),
     long: bool = opt(False, "--long", env="BENCH_LONG",
                      help="The long horizon: 150 rounds of H = 15, warm-up then cosine to 0.1x, a tuning sweep per "
                           "method (DiLoCo outer lr 0.6/0.7; SparseLoCo k 64/128 x inner lr 1/1.25x), the small-"
@@ -45,7 +48,11 @@ def convergence(
 
     if threads:
         torch.set_num_threads(threads)
-    if long:
+    if long and overlap:
+        raise UserInputError("--long and --overlap are separate sweeps: choose one")
+    if overlap:
+        cfg = ConvergenceBenchConfig.overlap(quick=quick)
+    elif long:
         cfg = ConvergenceBenchConfig.long(quick=quick)
     else:
         cfg = ConvergenceBenchConfig.quick() if quick else ConvergenceBenchConfig()

@@ -44,3 +44,29 @@ def test_long_sweep_quick_writes_every_method_curve_verdict_and_plot(tmp_path: P
     assert v["best_diloco"].startswith("diloco") and v["best_sparseloco"].startswith("sparseloco")
     assert v["bytes_ratio_vs_diloco"] > 100 and "loss_ratio_vs_adamw" in v
     assert out.with_suffix(".png").stat().st_size > 10_000
+
+
+def test_overlap_sweep_reports_naive_and_eager_against_no_overlap(builtin_data: object) -> None:
+    import io
+
+    import torch
+    from rich.console import Console
+
+    from hlbp.peer.bench.convergence import ConvergenceBenchConfig, run_convergence_bench
+
+    cfg = ConvergenceBenchConfig.overlap(quick=True, rounds=2, inner_steps=2, seq_len=32, replicas=2)
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        doc = run_convergence_bench(cfg, None, Console(file=io.StringIO(), width=200))
+    finally:
+        torch.set_num_threads(before)
+    runs, v = doc["result"]["runs"], doc["result"]["verdict"]
+    assert {label.split(" overlap ")[-1] for label in runs if " overlap " in label} == {"none", "naive", "eager"}
+    assert set(v["diloco"]) == set(v["sparseloco"]) == {"naive", "eager"}
+    for fam in ("diloco", "sparseloco"):
+        none = next(res for label, res in runs.items() if label.startswith(fam) and label.endswith("overlap none"))
+        for mode, ratio in v[fam].items():
+            res = next(r for label, r in runs.items() if label.startswith(fam) and label.endswith(f"overlap {mode}"))
+            assert res["tokens"] == none["tokens"]
+            assert ratio == pytest.approx(res["final_val_loss"] / none["final_val_loss"])
