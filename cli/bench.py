@@ -27,7 +27,8 @@ def convergence(
     threads: int | None = opt(None, "--threads", env="THREADS", help="torch CPU threads."),
     alpha: float = opt(1.0, "--alpha", env="BENCH_ALPHA", help="SparseLoCo outer learning rate."),
     only: str = opt("", "--only", env="BENCH_ONLY",
-                    help="Comma-separated substrings: run only SparseLoCo variants whose label matches."),
+                    help="Comma-separated substrings: run only methods whose label matches (the AdamW baseline "
+                         "always runs, and so does DiLoCo except in --overlap)."),
     jobs: int = opt(1, "--jobs", env="BENCH_JOBS",
                     help="Methods run at once, each its own process with one torch thread (use the cores you have)."),
     overlap: bool = opt(False, "--overlap", env="BENCH_OVERLAP",
