@@ -39,6 +39,13 @@ class PeerMetrics:
     bytes_sent: int = 0
     bytes_received: int = 0
     seconds: dict[str, float] = field(default_factory=lambda: {"compute": 0.0, "comm": 0.0, "wait": 0.0})
+    last_seconds: dict[str, float] = field(default_factory=dict)  # the last round's compute, comm and wait
+
+    @property
+    def utilization(self) -> float | None:
+        """Share of the rounds' time spent computing (compute / (compute + comm + wait)); None before a round."""
+        total = sum(self.seconds.values())
+        return self.seconds["compute"] / total if total > 0 else None
 
     def add(self, stats: Any, val_loss: float | None) -> None:
         """Fold one finished round (a :class:`hlbp.peer.rounds.loop.RoundStats`) into the totals."""
@@ -53,6 +60,7 @@ class PeerMetrics:
         self.bytes_received += stats.bytes_received
         self.seconds = {"compute": self.seconds["compute"] + stats.compute_s,
                         "comm": self.seconds["comm"] + stats.comm_s, "wait": self.seconds["wait"] + stats.wait_s}
+        self.last_seconds = {"compute": stats.compute_s, "comm": stats.comm_s, "wait": stats.wait_s}
 
 
 class _PeerCollector(Collector):
@@ -90,6 +98,18 @@ class _PeerCollector(Collector):
         for part, value in m.seconds.items():
             seconds.add_metric([*values, part], value)
         yield seconds
+        if m.last_seconds:
+            # the last round alone: how long compute stood still for the network (comm + wait) this round
+            last = GaugeMetricFamily("hlbp_last_round_seconds", "Seconds per part of the last finished round.",
+                                     labels=[*names, "part"])
+            for part, value in m.last_seconds.items():
+                last.add_metric([*values, part], value)
+            yield last
+        if m.utilization is not None:
+            util = GaugeMetricFamily("hlbp_utilization",
+                                     "Share of round time spent computing, over every finished round.", labels=names)
+            util.add_metric(values, m.utilization)
+            yield util
         if m.val_loss is not None and math.isfinite(m.val_loss):
             loss = GaugeMetricFamily("hlbp_val_loss", "Validation loss after the last round.", labels=names)
             loss.add_metric(values, m.val_loss)

@@ -26,10 +26,13 @@ def test_render_accumulates_rounds() -> None:
                  f"hlbp_round{labels} 1.0", f"hlbp_bytes_sent_total{labels} 2000.0",
                  f"hlbp_bytes_received_total{labels} 6000.0", f"hlbp_in_sync{labels} 1.0",
                  f"hlbp_val_loss{labels} 8.25",
-                 'hlbp_round_seconds_total{part="comm",peer="12D3KooWabc",run="run\\"x"} 1.0'):
+                 'hlbp_round_seconds_total{part="comm",peer="12D3KooWabc",run="run\\"x"} 1.0',
+                 'hlbp_last_round_seconds{part="wait",peer="12D3KooWabc",run="run\\"x"} 0.25',
+                 f"hlbp_utilization{labels} {2.0 / 2.75!r}"):
         assert line in text.splitlines(), line
     assert "# TYPE hlbp_rounds_total counter" in text
     assert "hlbp_val_loss" not in render(PeerMetrics())  # no loss before the first round
+    assert "hlbp_utilization" not in render(PeerMetrics()) and "hlbp_last_round" not in render(PeerMetrics())
 
 
 def test_scrape_over_http_and_port_errors() -> None:
