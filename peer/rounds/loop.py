@@ -20,7 +20,6 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -30,8 +29,8 @@ from hlbp.peer.common.errors import UserInputError
 from hlbp.peer.common.files import remove_stale_temps
 from hlbp.peer.net.dht import DHT_DIED
 from hlbp.peer.net.transport import BlobTransport, TransportError
+from hlbp.peer.rounds.config import RoundConfig, RoundStats
 from hlbp.peer.rounds.faults import NO_FAULTS, FaultHook
-from hlbp.peer.rounds.guard import GuardConfig
 from hlbp.peer.rounds.outer import OuterConfig, make_outer
 from hlbp.peer.rounds.rules import majority_checksums
 from hlbp.peer.rounds.statesync import encode_state, fetch_state, shard_checksum, state_name
@@ -53,58 +52,9 @@ from hlbp.protocol.roundrecords import (
     sign,
 )
 
+__all__ = ["ReplicaBase", "RoundConfig", "RoundStats"]  # the config and stats live in rounds/config.py
+
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class RoundConfig:
-    """Round protocol settings; the run manifest supplies the first five."""
-
-    run_id: str
-    inner_steps: int  # H
-    deadline_s: float = 30.0  # first collection window after the first contribution arrives
-    min_deadline_s: float = 2.0  # bounds of the adapted window
-    max_deadline_s: float = 600.0
-    takeover_s: float = 3.0  # a k-th ranked coordinator waits k times this past the window before it takes over
-    poll_s: float = 0.1  # DHT polling interval while waiting
-    fetch_timeout_s: float = 30.0  # per payload from its sender; other holders get a fifth of it
-    checks_wait_s: float = 10.0  # how long to wait for the other members' checksums
-    record_ttl_s: float = 900.0  # lifetime of round records in the DHT
-    max_payload_bytes: int = 1 << 31  # largest contribution or state blob fetched
-    fetch_workers: int = 4  # parallel payload fetches
-    min_contributors: int = 1  # a round applies nothing unless at least this many contributions were accepted
-    checkpoint_every_s: float = 300.0  # save at most this often during the run (0: every round); always on exit
-    dht_timeout_s: float = 60.0  # a DHT lookup or store that takes longer is given up (a lookup reads as empty)
-    guard: GuardConfig = field(default_factory=GuardConfig)  # bounds on a contribution and on a round's update
-    allowed_peers: frozenset[str] = frozenset()  # closed run: only these peers' round records count (empty: all)
-
-    def admits(self, peer_id: str) -> bool:
-        """Whether ``peer_id``'s round records count in this run (the manifest's allow-list)."""
-        return not self.allowed_peers or peer_id in self.allowed_peers
-
-
-@dataclass
-class RoundStats:
-    """What one round cost this peer; the simulate summary aggregates these."""
-
-    round: int
-    contributed: bool = False
-    accepted: bool = False
-    members: int = 0
-    compute_s: float = 0.0
-    comm_s: float = 0.0
-    wait_s: float = 0.0
-    bytes_sent: int = 0
-    bytes_received: int = 0
-    bytes_analytic: bool = False  # dense all-reduce: bytes computed from the group size, not counted
-    in_sync: bool = True
-    synced: bool = False
-    checksums: dict[int, str] = field(default_factory=dict)
-    phases: dict[str, float] = field(default_factory=dict)  # seconds per protocol step, to see where comm goes
-    guard: dict[str, float] = field(default_factory=dict)  # largest contribution and update norm ratios seen
-    copies: list[dict[str, Any]] = field(default_factory=list)  # evidence of copied contributions (rounds/copies.py)
-    refused: str = ""  # why the round was refused as a whole (nobody's parameters moved), if it was
-    banned: list[str] = field(default_factory=list)  # peers the round's accepted set says are banned
 
 
 class ReplicaBase(ABC):
