@@ -36,7 +36,8 @@ import torch
 
 from hlbp.peer.net.transport import TransportError
 from hlbp.peer.rounds import copies, guard
-from hlbp.peer.rounds.contribution import contribution_from_bytes, contribution_to_bytes
+from hlbp.peer.rounds.contribution import contribution_from_bytes
+from hlbp.peer.rounds.exchange import RoundExchange
 from hlbp.peer.rounds.follow import FollowedShards, follow_anchor
 from hlbp.peer.rounds.loop import ReplicaBase, RoundConfig, RoundStats
 from hlbp.peer.rounds.outer import Contribution, make_outer
@@ -79,7 +80,7 @@ def _reason(exc: BaseException) -> str:
     return text if len(text) <= 2000 else text[:2000] + "…"
 
 
-class RoundRunner(FollowedShards, ReplicaBase):
+class RoundRunner(FollowedShards, RoundExchange, ReplicaBase):
     """A full replica's SparseLoCo rounds: payloads on the blob transport, an accepted set in the DHT.
 
     ``shards`` lists the parameter names of each shard (the manifest's stage partition). ``expected`` returns how
@@ -130,80 +131,16 @@ class RoundRunner(FollowedShards, ReplicaBase):
         r = self.round
         stats, steps, tokens, served_before = self._begin_round(r)
         t1 = time.perf_counter()
-        self._measure_scales()
-        local = {n: p.detach() for n, p in self.trainer.model.named_parameters()}
-        mine: dict[int, Contribution] = {}
-        if steps and self.in_sync:
-            digests, sizes = {}, {}
-            for s in self.held:
-                names = self.shards[s]
-                c = self.outers[s].contribute({n: self.anchor[n] for n in names}, {n: local[n] for n in names},
-                                              self.me, tokens)
-                sent = self.faults.contribution(r, s, c)
-                blob = self.faults.payload(r, s, contribution_to_bytes(sent, self.outer_cfg, self.cfg.run_id, r, s),
-                                           self.limits[s])
-                self.transport.put(f"c/{r}/{s}/{self.me}", blob)
-                digests[s], sizes[s] = sha256_hex(blob), len(blob)
-                mine[s] = c
-            if not self.stop.is_set():
-                # no look-up first whether the round already closed (a round trip on every round's critical path):
-                # a late notice is harmless, _close then finds the round closed and withdraws our contribution
-                notice = ContribNotice(self.me, r, tokens, digests, sizes)
-                self._store(round_key(self.cfg.run_id, r, KIND_CONTRIB), notice.to_body(self.cfg.run_id), KIND_CONTRIB)
-                stats.contributed = True
-        t2 = time.perf_counter()
-        accepted = self._close(r)
-        stats.wait_s = time.perf_counter() - t2
-        t3 = time.perf_counter()
-        stats.phases = {"encode": t2 - t1, "close": stats.wait_s}
-        outcome = "left out"
-        if accepted is not None:
-            stats.members = len(accepted.members)
-            stats.banned = sorted(p for p, until in accepted.banned if until > r)
-            outcome = self._apply(r, accepted)
-            # "failed": the round's result holds our contribution, and the state we sync next will too
-            stats.accepted = outcome in ("applied", "failed") and self.me in accepted.senders()
-            if outcome == "failed":
-                self.in_sync = False
-            elif outcome.startswith("refused"):
-                stats.refused = outcome
-            stats.guard = dict(self.last_ratios)
-            stats.copies = list(self.last_copies) if outcome == "applied" else []
-        if mine and not stats.accepted:
-            for s, c in mine.items():
-                self.outers[s].withdraw(c)  # left out, or the round refused: it stays in the error-feedback buffer
-        self._load_anchor_into_model()
-        mine = self._my_checks(r)
-        stats.checksums = mine.checksums
-        t4 = time.perf_counter()
-        stats.phases["apply"] = t4 - t3
-        if accepted is not None and self.in_sync:
-            self.faults.applied(r)
-            self._publish_state(mine)
-            t5 = time.perf_counter()
-            self.in_sync = self._verify(r, {p: set(d) for p, _t, d in accepted.members}, mine)
-            if self.in_sync:
-                self._check_followed(r)
-            stats.phases.update(publish=t5 - t4, verify=time.perf_counter() - t5)
-        self.transport.drop_prefix(f"c/{r - 2}/")
-        self._verified = {k: v for k, v in self._verified.items() if k[0] > r}
-        self._unreachable = {k for k in self._unreachable if k[0] > r}
-        if accepted is not None or not self.stop.is_set():
-            self.round = r + 1  # a round abandoned on SIGTERM is not ours to count: a restart syncs past it
-        if not self.in_sync:
-            logger.warning("round %d: this peer is out of sync; reloading state from peers", r)
-            stats.synced = self.sync()
-            if stats.synced:  # report the state we now hold, not the one we discarded
-                mine = self._my_checks(self.round - 1)
-                stats.checksums = mine.checksums
-        stats.in_sync = self.in_sync
-        stats.comm_s = (time.perf_counter() - t3) + (t2 - t1)
+        mine = self._contribute(r, stats, steps, tokens, self.anchor)
+        encode_s = time.perf_counter() - t1
+        checks, closed = self._exchange(r, stats, mine)
+        stats.phases = {"encode": encode_s, **stats.phases}
+        stats.comm_s += encode_s
         stats.bytes_sent = self._bytes_served() - served_before
-        stats.bytes_received = self._bytes_in
         self.save_if_due()
-        if accepted is None and self.stop.is_set():
+        if not closed and self.stop.is_set():
             return stats  # abandoned on SIGTERM: not a round to report
-        return self._report(stats, mine, steps)
+        return self._report(stats, checks, steps)
 
     def _measure_scales(self) -> None:
         """‖θ_s‖ of the round's anchor for every shard we apply: the guard's bounds are relative to it."""
