@@ -99,6 +99,10 @@ def simulate(
     small_tensors: str = opt("topk", "--small-tensors", env="SIM_SMALL_TENSORS",
                              help="SparseLoCo's 1-D and sub-chunk tensors: topk (the run's k) or dense (every "
                                   "value, 2-bit)."),
+    overlap: str = opt("none", "--overlap", env="SIM_OVERLAP",
+                       help="Overlap each round's exchange with the next inner phase: none, naive (one round late) "
+                            "or eager (one round late, plus each peer's own latest contribution). Full replicas "
+                            "only; stage peers run their rounds in turn."),
     wan_delay_ms: float = opt(0.0, "--wan-delay-ms", env="SIM_WAN_DELAY_MS",
                               help="Emulate a WAN: every peer sits behind a proxy that delays each direction by "
                                    "this many ms (round trip: twice this)."),
@@ -137,6 +141,10 @@ def simulate(
         raise UserInputError(f"--outer must be sparseloco or diloco, got {outer!r}")
     if aggregation not in ("selectors", "mean"):
         raise UserInputError(f"--aggregation must be selectors or mean, got {aggregation!r}")
+    if overlap not in ("none", "naive", "eager"):
+        raise UserInputError(f"--overlap must be none, naive or eager, got {overlap!r}")
+    if overlap != "none" and outer != "sparseloco":
+        raise UserInputError("--overlap works with --outer sparseloco only")
     if small_tensors not in ("topk", "dense"):
         raise UserInputError(f"--small-tensors must be topk or dense, got {small_tensors!r}")
     if full < 0 or swarms < 0 or full + swarms < 1:
@@ -153,7 +161,7 @@ def simulate(
     cfg = SimConfig(n_full=full, rounds=rounds, model=model, inner_steps=inner_steps, batch_size=batch_size,
                     seq_len=seq_len, round_deadline_s=deadline, min_deadline_s=min(1.0, deadline),
                     max_deadline_s=max(30.0, deadline), seed=seed, outer=outer, threads=threads, cache_dir=cache_dir,
-                    aggregation=aggregation, clip_median=clip, small_tensors=small_tensors,
+                    aggregation=aggregation, clip_median=clip, small_tensors=small_tensors, overlap=overlap,
                     wan_delay_ms=wan_delay_ms, wan_mbps=wan_mbps, n_stages=stages, n_swarms=swarms,
                     micro_batches=micro_batches, codec=codec, codec_k=codec_k,
                     swarm_wan_delay_ms=swarm_wan_delay_ms, swarm_wan_mbps=swarm_wan_mbps)

@@ -95,6 +95,7 @@ class Hyperparameters:
     weighting: str = "equal"  # contributions weighted equally, or by the "tokens" behind them
     clip_median: bool = True  # scale each contribution to at most the round's median norm (bounded influence)
     small_tensors: str = "topk"  # SparseLoCo: 1-D and sub-chunk tensors sent with the run's k ("topk") or whole
+    overlap: str = "none"  # a round's exchange overlaps the next inner phase: "none", "naive" or "eager"
     max_contribution_ratio: float = 8.0  # a contribution whose norm exceeds this times its shard's is refused
     max_loss_jump: float = 10.0  # a round that multiplies the loss on the run's guard batch by more is refused
     max_update_ratio: float = 8.0  # a round whose update norm exceeds this times a shard's norm is refused
@@ -105,6 +106,7 @@ class Hyperparameters:
     AGGREGATIONS = ("selectors", "mean")
     WEIGHTINGS = ("equal", "tokens")
     SMALL_TENSORS = ("topk", "dense")
+    OVERLAPS = ("none", "naive", "eager")
 
     @property
     def schedule_total(self) -> int:
@@ -133,6 +135,7 @@ class Hyperparameters:
             weighting=_str(body, "weighting", 16, d.weighting, choices=cls.WEIGHTINGS),
             clip_median=_bool(body, "clip_median", d.clip_median),
             small_tensors=_str(body, "small_tensors", 16, d.small_tensors, choices=cls.SMALL_TENSORS),
+            overlap=_str(body, "overlap", 16, d.overlap, choices=cls.OVERLAPS),
             max_contribution_ratio=_float(body, "max_contribution_ratio", 1e-6, 1e6, d.max_contribution_ratio),
             max_update_ratio=_float(body, "max_update_ratio", 1e-6, 1e6, d.max_update_ratio),
             max_loss_jump=_float(body, "max_loss_jump", 1.0, 1e9, d.max_loss_jump),

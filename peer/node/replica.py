@@ -12,12 +12,13 @@ activations, only the swarms' links do.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -108,6 +109,30 @@ def inner_schedule(lr: float, total_steps: int) -> OptimConfig:
     return OptimConfig(lr=lr, warmup_steps=min(30, max(1, total_steps // 10)), total_steps=total_steps)
 
 
+class ParamScorer:
+    """The loss of given parameters on given batches, for the round guard and the per-round evaluation.
+
+    Without overlap it loads them into the trainer's model (the round loop loads them next anyway). With overlap
+    the model is training the next phase meanwhile, so a separate copy scores them (twice the parameter memory)."""
+
+    def __init__(self, trainer: InnerTrainer, device: torch.device, separate: bool) -> None:
+        self.trainer, self.device, self.separate = trainer, device, separate
+        self._copy: torch.nn.Module | None = None
+        self._lock = threading.Lock()
+
+    def __call__(self, params: Mapping[str, torch.Tensor], batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+        if not self.separate:
+            self.trainer.load_params(params)
+            return evaluate(self.trainer.model, batches, self.device)
+        with self._lock:  # the exchange thread (guard) and the main thread (report) may both score
+            if self._copy is None:
+                self._copy = copy.deepcopy(self.trainer.model)
+            with torch.no_grad():
+                for n, p in self._copy.named_parameters():
+                    p.copy_(params[n])
+            return evaluate(self._copy, batches, self.device)
+
+
 def round_settings(m: Any, checkpoint_every_s: float) -> tuple[OuterConfig, RoundConfig]:
     """The outer optimizer and round protocol settings of run manifest ``m``: the same on every peer of the run,
     full replica or stage peer."""
@@ -122,7 +147,7 @@ def round_settings(m: Any, checkpoint_every_s: float) -> tuple[OuterConfig, Roun
                        min_contributors=hp.min_contributors, checkpoint_every_s=checkpoint_every_s,
                        guard=GuardConfig(max_contribution_ratio=hp.max_contribution_ratio,
                                          max_update_ratio=hp.max_update_ratio, max_loss_jump=hp.max_loss_jump),
-                       allowed_peers=frozenset(m.allowed_peers))
+                       allowed_peers=frozenset(m.allowed_peers), overlap=hp.overlap)
     return outer, rcfg
 
 
@@ -176,6 +201,7 @@ def replica_train_hook(ctx: TrainContext, options: ReplicaOptions, echo: Any = p
     val = val_batches(data.val, hp.seq_len, hp.batch_size, options.eval_batches) if options.eval_batches else []
     guard_batch = val_batches(data.val, hp.seq_len, hp.batch_size, 1)  # the same on every peer of the run
     outer, rcfg = round_settings(m, options.checkpoint_every_s)
+    scorer = ParamScorer(trainer, device, separate=rcfg.overlap != "none")
     if not m.may_contribute(peer.plane.peer_id):
         echo(f"warning: this peer ({peer.plane.peer_id}) is not in run {m.run_id}'s allow-list: every other peer "
              "ignores its contributions and records and refuses to serve it, so it cannot take part. Ask the run's "
@@ -205,8 +231,8 @@ def replica_train_hook(ctx: TrainContext, options: ReplicaOptions, echo: Any = p
     runner = runner_cls(
         peer.plane.dht, peer.plane.identity, transport, trainer, outer, shards, rcfg, ctx.stop,
         checkpoint=ctx.out_dir / "checkpoint.safetensors", metrics=metrics, expected=expected, on_round=on_round,
-        evaluate=(lambda: evaluate(trainer.model, val, device)) if val else None, faults=options.faults,
-        guard_loss=lambda: evaluate(trainer.model, guard_batch, device),
+        evaluate=(lambda params: scorer(params, val)) if val else None, faults=options.faults,
+        guard_loss=lambda params: scorer(params, guard_batch),
         protect=peer.plane.protect,
     )
     start = time.perf_counter()

@@ -27,6 +27,7 @@ fetched because it differed from the holders').
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -136,7 +137,7 @@ def serve_phase(runner: StageRounds, gate: RoundGate, worker: StageWorker, stop:
 
 
 def make_stage_rounds(ctx: Any, worker: StageWorker, config: Any, phase: Callable[[int], tuple[int, int]],
-                      metrics: Any, checkpoint_every_s: float, evaluate: Callable[[], float | None] | None = None,
+                      metrics: Any, checkpoint_every_s: float, evaluate: Callable[[Any], float | None] | None = None,
                       on_round: Callable[[Any, float | None], None] | None = None,
                       codec: ActivationCodec | None = None) -> tuple[StageRounds, Any]:
     """The round loop of this stage peer (``ctx``: its join context) and the blob transport it serves its
@@ -153,6 +154,12 @@ def make_stage_rounds(ctx: Any, worker: StageWorker, config: Any, phase: Callabl
     shards = [[n for n, _ in s.named_parameters()] for s in stages]
     shapes = [{n: tuple(p.shape) for n, p in s.named_parameters()} for s in stages]
     outer, rcfg = round_settings(m, checkpoint_every_s)
+    if rcfg.overlap != "none":
+        # a swarm scores the anchor through its chain, whose stage weights the overlapped phase is training: not
+        # built yet, so stage peers take part in an overlapped run's rounds without overlapping their own phase
+        logger.info("the run overlaps rounds (%s); stage peers do not overlap yet and run each round in turn",
+                    rcfg.overlap)
+        rcfg = dataclasses.replace(rcfg, overlap="none")
     transport = P2PBlobTransport(peer.plane.dht, cancel=ctx.stop,
                                  allowed=m.may_contribute if m.allowed_peers else None)
 

@@ -30,6 +30,7 @@ class RoundConfig:
     dht_timeout_s: float = 60.0  # a DHT lookup or store that takes longer is given up (a lookup reads as empty)
     guard: GuardConfig = field(default_factory=GuardConfig)  # bounds on a contribution and on a round's update
     allowed_peers: frozenset[str] = frozenset()  # closed run: only these peers' round records count (empty: all)
+    overlap: str = "none"  # a round's exchange runs during the next inner phase: none, naive or eager (overlap.py)
 
     def admits(self, peer_id: str) -> bool:
         """Whether ``peer_id``'s round records count in this run (the manifest's allow-list)."""

@@ -111,6 +111,9 @@ class DenseRoundRunner(ReplicaBase):
         super().__init__(*args, **kwargs)
         if self.outer_cfg.kind != "diloco":
             raise UserInputError("the dense round runner needs the diloco outer optimizer")
+        if self.cfg.overlap != "none":
+            raise UserInputError("overlapped rounds are built for sparseloco runs only; the dense diloco baseline "
+                                 "runs with overlap = \"none\"")
         self.names = [n for s in self.shards for n in s]
         self.n_params = sum(math.prod(self.shapes[i][n]) for i, s in enumerate(self.shards) for n in s)
         self.buffers = [torch.zeros(self.shapes[i][n]) for i, s in enumerate(self.shards) for n in s]

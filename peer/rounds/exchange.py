@@ -1,7 +1,7 @@
-"""The two halves of a SparseLoCo round after the inner phase, apart so that the second could run in the
-background: :meth:`RoundExchange._contribute` encodes, serves and announces our contribution;
-:meth:`RoundExchange._exchange` closes the round, applies it to the anchor, verifies and resyncs. A mixin of
-:class:`hlbp.peer.rounds.sparseloco.RoundRunner`, whose state it uses.
+"""The two halves of a SparseLoCo round after the inner phase, apart so that an overlapped runner can run the
+second in the background (:mod:`hlbp.peer.rounds.overlapped`): :meth:`RoundExchange._contribute` encodes, serves
+and announces our contribution; :meth:`RoundExchange._exchange` closes the round, applies it to the anchor,
+verifies and resyncs. A mixin of :class:`hlbp.peer.rounds.sparseloco.RoundRunner`, whose state it uses.
 """
 
 from __future__ import annotations
@@ -94,7 +94,7 @@ class RoundExchange:
         self.transport.drop_prefix(f"c/{r - 2}/")
         self._verified = {k: v for k, v in self._verified.items() if k[0] > r}
         self._unreachable = {k for k in self._unreachable if k[0] > r}
-        if accepted is not None or not self.stop.is_set():
+        if not self.overlapping and (accepted is not None or not self.stop.is_set()):
             self.round = r + 1  # a round abandoned on SIGTERM is not ours to count: a restart syncs past it
         if not self.in_sync:
             logger.warning("round %d: this peer is out of sync; reloading state from peers", r)

@@ -80,9 +80,9 @@ class ReplicaBase(ABC):
         metrics: MetricsLog | None = None,
         expected: Callable[[], int] | None = None,
         on_round: Callable[[RoundStats, float | None], None] | None = None,
-        evaluate: Callable[[], float] | None = None,
+        evaluate: Callable[[Mapping[str, torch.Tensor]], float | None] | None = None,
         faults: FaultHook = NO_FAULTS,
-        guard_loss: Callable[[], float] | None = None,
+        guard_loss: Callable[[Mapping[str, torch.Tensor]], float] | None = None,
         protect: Callable[[dict[str, tuple[str, int]]], None] | None = None,
         held: Sequence[int] | None = None,
         shapes: Sequence[dict[str, tuple[int, ...]]] | None = None,
@@ -102,7 +102,7 @@ class ReplicaBase(ABC):
         self.expected = expected
         self.on_round, self.evaluate = on_round, evaluate
         self.faults = faults  # what a fault test makes this replica do wrong; production: nothing
-        self.guard_loss = guard_loss  # the model's loss on the run's fixed guard batch (rounds/guard.py)
+        self.guard_loss = guard_loss  # given parameters' loss on the run's fixed guard batch (rounds/guard.py)
         self.last_guard_loss: float | None = None  # that loss after the last committed round
         self.protect = protect  # registers round keys with our DHT node's record validator
         self.round = 0  # the next round to run; the anchor is the result of round - 1
@@ -115,6 +115,7 @@ class ReplicaBase(ABC):
         self._logged: set[tuple[str, str]] = set()
         self._saved_at = time.monotonic()
         self._just_synced = False  # set by sync(): we arrive mid-run, and the next round may be under way
+        self.overlapping = False  # an exchange runs beside the inner phase: only the main thread loads the model
 
     # -- DHT helpers ---------------------------------------------------------------------------------------------
 
@@ -197,7 +198,13 @@ class ReplicaBase(ABC):
     # -- state -----------------------------------------------------------------------------------------------
 
     def _load_anchor_into_model(self) -> None:
+        if self.overlapping:
+            return  # the model is the main thread's, training the next phase (see rounds/overlapped.py)
         self.trainer.load_params(self.anchor)  # a variant-A trainer's constraint then projects from these
+
+    def phase_base(self) -> Mapping[str, torch.Tensor]:
+        """Where the inner phase under way started: the anchor, or its overlapped start (rounds/overlap.py)."""
+        return self.anchor
 
     def _publish_state(self, mine: ShardChecks) -> None:
         """Serve our state after round ``mine.round`` and publish its checksums (and fingerprints)."""
@@ -340,22 +347,40 @@ class ReplicaBase(ABC):
     # -- one round ---------------------------------------------------------------------------------------------
 
     def run(self, max_rounds: int | None = None) -> list[RoundStats]:
-        done = 0
+        """Run rounds until stopped or ``max_rounds`` were contributed to; returns their reports. Under overlap a
+        report comes one call late, and :meth:`finish_rounds` reports the exchange still in flight at the end."""
+        calls = 0
         try:
-            while not self.stop.is_set() and (max_rounds is None or done < max_rounds):
-                self.history.append(self.run_round())
-                done += 1
+            while not self.stop.is_set() and (max_rounds is None or calls < max_rounds):
+                stats = self.run_round()
+                calls += 1
+                if stats is not None:
+                    self.history.append(stats)
+            last = self.finish_rounds()
+            if last is not None:
+                self.history.append(last)
         finally:
+            self.quiesce_rounds()  # no exchange may still write the anchor while it is saved
             self.save()  # also when the round loop fails (a dead DHT process): the progress so far is kept
         return self.history
 
     @abstractmethod
-    def run_round(self) -> RoundStats:
-        """Run round ``self.round`` to its end (or abandon it on stop) and return what it cost."""
+    def run_round(self) -> RoundStats | None:
+        """Run round ``self.round`` (or abandon it on stop) and return the report of the round that finished, if
+        any: without overlap that round itself."""
 
-    def _report(self, stats: RoundStats, mine: ShardChecks, steps: int) -> RoundStats:
-        """Score the new parameters, write the round's metrics record and tell the caller."""
-        val = self.evaluate() if self.evaluate else None
+    def finish_rounds(self) -> RoundStats | None:
+        """Finish the exchange still under way at the end of the run (none without overlap) and report it."""
+        return None
+
+    def quiesce_rounds(self) -> None:
+        """Wait for any exchange still under way, whatever its outcome (none without overlap)."""
+
+    def _report(self, stats: RoundStats, mine: ShardChecks, steps: int,
+                params: Mapping[str, torch.Tensor] | None = None) -> RoundStats:
+        """Score the new parameters (``params``: a snapshot of them, else the anchor), write the round's metrics
+        record and tell the caller."""
+        val = self.evaluate(params if params is not None else self.anchor) if self.evaluate else None
         extra = {"fingerprints": {str(k): list(v) for k, v in mine.fingerprints.items()}} if mine.fingerprints else {}
         self.metrics.write(event="round", **{k: v for k, v in vars(stats).items() if k != "checksums"},
                            checksums={str(k): v for k, v in mine.checksums.items()}, val_loss=val, steps=steps,
@@ -373,7 +398,8 @@ class ReplicaBase(ABC):
         self._protect(r)
         stats = RoundStats(round=r)
         served_before = self._bytes_served()
-        self._bytes_in = 0
+        if not self.overlapping:
+            self._bytes_in = 0  # under overlap the exchange in flight still counts; it takes a difference instead
         t0 = time.perf_counter()
         steps, tokens = self._inner_phase(r)
         stats.compute_s = time.perf_counter() - t0
@@ -423,7 +449,7 @@ class ReplicaBase(ABC):
         logger.warning("round %d: %s; rolling back to the round's global parameters with fresh AdamW moments and "
                        "sitting this round out", r, exc)
         self.trainer.optimizer.state.clear()
-        self._load_anchor_into_model()
+        self.trainer.load_params(self.phase_base())
         self.rollbacks += 1
 
     @abstractmethod

@@ -41,6 +41,7 @@ from hlbp.peer.rounds.exchange import RoundExchange
 from hlbp.peer.rounds.follow import FollowedShards, follow_anchor
 from hlbp.peer.rounds.loop import ReplicaBase, RoundConfig, RoundStats
 from hlbp.peer.rounds.outer import Contribution, make_outer
+from hlbp.peer.rounds.overlapped import Overlapped
 from hlbp.peer.rounds.rules import (
     adapt_window,
     close_verdict,
@@ -111,6 +112,7 @@ class RoundRunner(FollowedShards, RoundExchange, ReplicaBase):
         self.last_copies: list[dict[str, Any]] = []  # the last applied round's evidence of copied contributions
         self._reuse = {s: copies.ReuseLog() for s in self.held}
         self._scales: dict[int, float] = {}  # ‖θ_s‖ of the round's anchor per held shard (set as its exchange starts)
+        self.overlapped = Overlapped(self) if self.cfg.overlap != "none" else None
 
     def _round_records(self, r: int) -> tuple[dict[str, ContribNotice], list[AcceptedSet]]:
         """Round r's contribution notices (by sender) and published accepted sets, read in one concurrent poll."""
@@ -127,7 +129,21 @@ class RoundRunner(FollowedShards, RoundExchange, ReplicaBase):
         sets = [x for x in sets if not self._refused_by_all(x.coordinator, r)]
         return pick_accepted(sets, order or coordinator_order(r, [s.coordinator for s in sets]))
 
-    def run_round(self) -> RoundStats:
+    def phase_base(self) -> Mapping[str, torch.Tensor]:
+        if self.overlapped is not None and self.overlapped.base is not None:
+            return self.overlapped.base
+        return self.anchor
+
+    def finish_rounds(self) -> RoundStats | None:
+        return self.overlapped.finish() if self.overlapped is not None else None
+
+    def quiesce_rounds(self) -> None:
+        if self.overlapped is not None:
+            self.overlapped.quiesce()
+
+    def run_round(self) -> RoundStats | None:
+        if self.overlapped is not None:
+            return self.overlapped.run_round()
         r = self.round
         stats, steps, tokens, served_before = self._begin_round(r)
         t1 = time.perf_counter()
@@ -389,8 +405,7 @@ class RoundRunner(FollowedShards, RoundExchange, ReplicaBase):
         old = {n: self.anchor[n] for n in new}
         self.anchor.update(new)
         if self.guard_loss is not None:
-            self._load_anchor_into_model()
-            loss = self.guard_loss()
+            loss = self.guard_loss(self.anchor)
             reason = guard.loss_reason(self.last_guard_loss, loss, self.guard)
             if reason:
                 self.anchor.update(old)

@@ -1,0 +1,152 @@
+"""Running a replica's rounds with each exchange in the background, during the next inner phase (issue 16).
+
+Without overlap a round is: inner phase, contribute, exchange (close, apply, verify), and the next phase starts from
+the new anchor. Here the exchange of round r runs in a worker thread while the main thread already trains phase
+r+1, which starts from :func:`hlbp.peer.rounds.overlap.phase_start` (the anchor one round late, moved by our own
+round-r contribution under ``eager``). The main thread never waits for the network except when phase r+1 ends
+before round r's exchange: that wait is the round's ``wait_s``, and ``comm_s`` is only the encoding and announcing
+of our contribution, so ``compute / (compute + comm + wait)`` is the share of time compute was busy.
+
+What each thread may touch. The exchange thread owns the anchor, the outer optimizers' apply side and the round
+records of round r; it must not touch the model, which the main thread trains: the runner's
+``_load_anchor_into_model`` is a no-op while a phase runs, evaluation and the loss guard score parameters on a
+separate scorer, and a resync during the exchange only marks the phase under way as stale. The main thread joins
+the exchange before it contributes the next round, saves a checkpoint or reports, so the error-feedback buffer, the
+anchor and the checkpoint are never read half-updated.
+
+Reports come one round late: the call that trains phase r+1 returns round r's report. The first call returns None
+(nothing has finished yet), and :meth:`Overlapped.finish` reports the last exchange when the peer stops.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from hlbp.peer.rounds.loop import RoundStats
+from hlbp.peer.rounds.outer import Contribution
+from hlbp.peer.rounds.overlap import phase_start
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _InFlight:
+    """A round whose exchange runs in the background."""
+
+    round: int
+    stats: RoundStats
+    steps: int
+    served_before: int
+    future: Future
+    main_comm_s: float = 0.0  # the main thread's part: encoding and announcing our contribution
+
+
+class Overlapped:
+    """The overlapped round loop of a :class:`hlbp.peer.rounds.sparseloco.RoundRunner` (``runner``)."""
+
+    def __init__(self, runner: Any) -> None:
+        self.runner = runner
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hlbp-exchange")
+        self.inflight: _InFlight | None = None
+        self.base: dict[str, Any] | None = None  # where the phase under way started (None: the anchor)
+        self.stale = False  # a resync replaced the anchor while the phase under way trained from the old one
+
+    def _expected(self) -> int:
+        r = self.runner
+        n = r.expected() if r.expected is not None else 0
+        return max(1, n or r.last_members or 1)
+
+    def _join(self) -> RoundStats | None:
+        """Wait for the exchange in flight; its finished stats, with the main thread's comm and wait seconds (None:
+        nothing in flight, or a round abandoned on SIGTERM)."""
+        f = self.inflight
+        if f is None:
+            return None
+        t0 = time.perf_counter()
+        checks, closed = f.future.result()
+        waited = time.perf_counter() - t0
+        self.inflight = None
+        stats = f.stats
+        # the exchange thread's own seconds stay in stats.phases; what compute paid is the main thread's share
+        stats.phases["exchange"] = stats.comm_s + stats.wait_s
+        stats.comm_s, stats.wait_s = f.main_comm_s, waited
+        stats.bytes_sent = self.runner._bytes_served() - f.served_before
+        if stats.synced:
+            self.stale = True  # the phase under way started from parameters we no longer hold
+        if not closed and self.runner.stop.is_set():
+            return None  # abandoned on SIGTERM: not a round to report
+        self._last = (stats, checks, f.steps)
+        return stats
+
+    def run_round(self) -> RoundStats | None:
+        """Train phase ``runner.round``, then hand its exchange to the background; returns the report of the round
+        whose exchange just finished (None on the first call, or when it was abandoned)."""
+        run = self.runner
+        r = run.round
+        if self.base is None:
+            run._load_anchor_into_model()
+        stats, steps, tokens, _ = run._begin_round(r)
+        finished = self._join()
+        snapshot = dict(run.anchor)  # the anchor's tensors are replaced, never changed in place: a safe snapshot
+        t1 = time.perf_counter()
+        base = self.base if self.base is not None else run.anchor
+        if self.stale:
+            # phase r trained from parameters a resync has since replaced: its steps are not a pseudo-gradient of
+            # anything the others hold, so it sits this round out (weight 0), as a freshly synced peer does
+            logger.info("round %d: discarding the inner phase trained before the resync", r)
+            steps = tokens = 0
+            self.stale, base = False, run.anchor
+        run.save_if_due()
+        mine: dict[int, Contribution] = run._contribute(r, stats, steps, tokens, base)
+        own = self._own(mine)
+        self.base = phase_start(run.cfg.overlap, run.outer_cfg, run.anchor, own, self._expected())
+        run.trainer.load_params(self.base)
+        run.overlapping = True  # from here the exchange thread must not touch the model
+        run.round = r + 1  # the main thread owns the round counter (a resync in the exchange may move it further)
+        main_comm_s = time.perf_counter() - t1
+        # bytes served from here to the join: this round's payload and state (the previous round's were counted)
+        served_before = run._bytes_served()
+        self.inflight = _InFlight(r, stats, steps, served_before, self.pool.submit(run._exchange, r, stats, mine),
+                                  main_comm_s)
+        if finished is None:
+            return None
+        return self._report(finished, snapshot)
+
+    def _own(self, mine: dict[int, Contribution]) -> Contribution | None:
+        """Our contribution to the round in flight as one contribution over every held shard (None: none)."""
+        if not mine:
+            return None
+        tensors: dict[str, Any] = {}
+        for c in mine.values():
+            tensors.update(c.tensors)
+        first = next(iter(mine.values()))
+        return Contribution(first.sender, first.tokens, tensors)
+
+    def _report(self, stats: RoundStats, params: dict[str, Any] | None = None) -> RoundStats:
+        _, checks, steps = self._last
+        return self.runner._report(stats, checks, steps, params)
+
+    def quiesce(self) -> None:
+        """Wait for the exchange in flight, if any, ignoring its outcome (the run is ending on an error)."""
+        f, self.inflight = self.inflight, None
+        if f is not None:
+            f.future.exception()
+        self.runner.overlapping = False
+
+    def finish(self) -> RoundStats | None:
+        """Join the exchange in flight (at stop or after the last round) and report it. No phase trains between two
+        calls (each call trains, then contributes), so nothing is left unsent: a phase cut short by SIGTERM was
+        contributed by its call, and its round, abandoned, put it back into the error-feedback buffer."""
+        run = self.runner
+        finished = self._join()
+        run.overlapping = False
+        self.base, self.stale = None, False
+        run._load_anchor_into_model()  # the model (and the checkpoint's copy of it) hold the agreed parameters
+        self.pool.shutdown(wait=True)
+        if finished is None:
+            return None
+        return self._report(finished)
