@@ -337,15 +337,20 @@ def swarm(
                               help="Emulated one-way delay in front of every peer (round trip: twice this)."),
     wan_mbps: float | None = opt(None, "--wan-mbps", env="BENCH_WAN_MBPS",
                                  help="Emulated link rate of every peer, Mbit/s each way."),
+    overlap: str = opt("", "--overlap", env="BENCH_OVERLAP",
+                       help="Comma-separated overlap modes (none,naive,eager): run SparseLoCo once per mode instead "
+                            "of SparseLoCo against DiLoCo, and compare utilization and loss with no overlap."),
 ) -> None:
-    """The same loopback swarm twice (hlbp simulate): SparseLoCo rounds, then hivemind's dense DiLoCo rounds."""
+    """The same loopback swarm twice (hlbp simulate): SparseLoCo rounds, then hivemind's dense DiLoCo rounds; with
+    --overlap, SparseLoCo once per overlap mode."""
     import dataclasses
 
     from hlbp.peer.bench.swarm import SwarmBenchConfig, run_swarm_bench
 
     cfg = SwarmBenchConfig.quick() if quick else SwarmBenchConfig()
     changes: dict = {"model": model, "seed": seed, "threads": threads, "cache_dir": cache_dir,
-                     "wan_delay_ms": wan_delay_ms, "wan_mbps": wan_mbps}
+                     "wan_delay_ms": wan_delay_ms, "wan_mbps": wan_mbps,
+                     "overlaps": tuple(m.strip() for m in overlap.split(",") if m.strip())}
     for name, value in (("full", full), ("rounds", rounds), ("inner_steps", inner_steps)):
         if value is not None:
             changes[name] = value

@@ -42,6 +42,7 @@ class SwarmBenchConfig:
     wan_delay_ms: float = 0.0  # emulated one-way delay in front of every peer (hlbp.peer.net.wanlink)
     wan_mbps: float | None = None  # emulated per-peer link rate, each direction
     cache_dir: Path | None = None
+    overlaps: tuple[str, ...] = ()  # instead of SparseLoCo vs DiLoCo: SparseLoCo once per overlap mode
 
     @classmethod
     def quick(cls, **overrides: Any) -> SwarmBenchConfig:
@@ -51,6 +52,8 @@ class SwarmBenchConfig:
     def check(self) -> None:
         if self.wan_delay_ms < 0 or self.wan_mbps is not None and self.wan_mbps <= 0:
             raise UserInputError("--wan-delay-ms must be >= 0 and --wan-mbps > 0")
+        if any(m not in ("none", "naive", "eager") for m in self.overlaps) or len(set(self.overlaps)) < len(self.overlaps):
+            raise UserInputError("--overlap takes distinct modes among none, naive and eager")
         if self.full < 2 or self.rounds < 1 or self.inner_steps < 1 or self.threads < 1:
             raise UserInputError("--full must be >= 2 (an exchange needs two), --rounds and --inner-steps >= 1")
 
@@ -87,33 +90,53 @@ def compare(sparse: dict[str, Any], dense: dict[str, Any]) -> dict[str, float | 
             "comm_s": ratio("comm_s_per_round"), "val_loss": ratio("final_val_loss")}
 
 
+def overlap_comparison(results: dict[str, Any]) -> dict[str, Any]:
+    """Each overlap mode against no overlap: final loss ratio, utilization, and comm + wait seconds per round."""
+    base = results.get("sparseloco overlap none")
+    out: dict[str, Any] = {}
+    for label, r in results.items():
+        row = {"utilization": r["utilization"], "comm_wait_s": r["comm_s_per_round"] + r["wait_s_per_round"]}
+        if base is not None and base["final_val_loss"] and r["final_val_loss"] is not None:
+            row["val_loss_vs_none"] = r["final_val_loss"] / base["final_val_loss"]
+        out[label.removeprefix("sparseloco overlap ")] = row
+    return out
+
+
 def run_swarm_bench(cfg: SwarmBenchConfig, out: Path | None, console: Console) -> dict[str, Any]:
-    """Run the swarm with each method, print the side-by-side table, and write JSON when ``out`` is set."""
+    """Run the swarm with each method (or each overlap mode), print the side-by-side table, and write JSON when
+    ``out`` is set."""
     from hlbp.peer.sim.launcher import SimConfig, run_simulation
 
     cfg.check()
+    runs = ([(f"sparseloco overlap {m}", "sparseloco", m) for m in cfg.overlaps] if cfg.overlaps
+            else [(method, method, "none") for method in METHODS])
     results: dict[str, Any] = {}
-    for method in METHODS:
+    for label, method, overlap in runs:
         sim = SimConfig(n_full=cfg.full, rounds=cfg.rounds, model=cfg.model, inner_steps=cfg.inner_steps,
                         batch_size=cfg.batch_size, seq_len=cfg.seq_len, seed=cfg.seed, threads=cfg.threads,
-                        outer=method, run_id=f"bench-swarm-{method}", cache_dir=cfg.cache_dir,
-                        wan_delay_ms=cfg.wan_delay_ms, wan_mbps=cfg.wan_mbps)
+                        outer=method, run_id=f"bench-swarm-{method}-{overlap}", cache_dir=cfg.cache_dir,
+                        wan_delay_ms=cfg.wan_delay_ms, wan_mbps=cfg.wan_mbps, overlap=overlap)
         with tempfile.TemporaryDirectory(prefix=f"hlbp-bench-swarm-{method}-") as work:
-            console.print(f"[bold]{method}[/]: {cfg.full} replicas x {cfg.rounds} rounds of {cfg.model}")
+            console.print(f"[bold]{label}[/]: {cfg.full} replicas x {cfg.rounds} rounds of {cfg.model}")
             report = run_simulation(sim, Path(work), cfg.timeout_s)
         if report["rounds_completed"] < cfg.rounds:
-            raise RuntimeError(f"{method}: only {report['rounds_completed']} of {cfg.rounds} rounds completed "
+            raise RuntimeError(f"{label}: only {report['rounds_completed']} of {cfg.rounds} rounds completed "
                                f"(exit codes {report['exit_codes']})")
-        results[method] = {**method_summary(report), "wan": report.get("wan")}
-    ratios = compare(results["sparseloco"], results["diloco"])
+        results[label] = {**method_summary(report), "wan": report.get("wan"), "overlap": overlap}
     rows = []
-    for method, r in results.items():
-        rows.append([method, r["final_val_loss"], r["bytes_sent_per_peer_round"] / 1e3,
+    for label, r in results.items():
+        rows.append([label, r["final_val_loss"], r["bytes_sent_per_peer_round"] / 1e3,
                      r["bytes_received_per_peer_round"] / 1e3, r["comm_s_per_round"], r["wait_s_per_round"],
                      r["utilization"], "bit-exact" if r["bit_identical"] else ("fp rounding" if r["states_agree"]
                                                                               else "NO")])
-    rows.append(["sparse / dense", ratios["val_loss"], ratios["bytes_sent"], ratios["bytes_received"],
-                 ratios["comm_s"], "", "", ""])
+    extra: dict[str, Any] = {}
+    if cfg.overlaps:
+        extra["overlap"] = overlap_comparison(results)
+    else:
+        ratios = compare(results["sparseloco"], results["diloco"])
+        extra["sparse_over_dense"] = ratios
+        rows.append(["sparse / dense", ratios["val_loss"], ratios["bytes_sent"], ratios["bytes_received"],
+                     ratios["comm_s"], "", "", ""])
     print_table(Console(file=console.file, width=max(console.width, 120)),
                 f"swarm on loopback: {cfg.full} x {cfg.model}, {cfg.rounds} rounds, H={cfg.inner_steps}"
                 + ("" if not (cfg.wan_delay_ms or cfg.wan_mbps) else
@@ -121,5 +144,12 @@ def run_swarm_bench(cfg: SwarmBenchConfig, out: Path | None, console: Console) -
                    + (f"{cfg.wan_mbps:g} Mbit/s per peer" if cfg.wan_mbps else "unlimited rate")),
                 ["method", "val loss", "kB sent/peer/round", "kB recv/peer/round", "comm s/round", "wait s/round",
                  "utilization", "replicas agree"], rows)
-    console.print("DiLoCo bytes are analytic (2(N-1)/N x 4 B x params per member); SparseLoCo bytes are counted.")
-    return write_result(out, "swarm", dataclasses.asdict(cfg), {"methods": results, "sparse_over_dense": ratios})
+    if cfg.overlaps:
+        for mode, row in extra["overlap"].items():
+            console.print(f"overlap {mode}: utilization {row['utilization']:.1%}, comm + wait "
+                          f"{row['comm_wait_s']:.2f} s per round"
+                          + (f", final val loss / none {row['val_loss_vs_none']:.4f}" if "val_loss_vs_none" in row
+                             else ""))
+    else:
+        console.print("DiLoCo bytes are analytic (2(N-1)/N x 4 B x params per member); SparseLoCo bytes are counted.")
+    return write_result(out, "swarm", dataclasses.asdict(cfg), {"methods": results, **extra})

@@ -8,7 +8,8 @@ import sys
 
 import pytest
 
-from hlbp.peer.bench.swarm import compare, method_summary
+from hlbp.peer.bench.swarm import SwarmBenchConfig, compare, method_summary, overlap_comparison
+from hlbp.peer.common.errors import UserInputError
 
 
 def _report(sent: float, comm: float, vals: list[float], exact: bool) -> dict:
@@ -25,6 +26,17 @@ def test_summary_and_ratios() -> None:
     ratios = compare(sparse, dense)
     assert ratios["comm_s"] == 0.5 and abs(ratios["bytes_sent"] - 50_000 / 11_600_000) < 1e-12
     assert compare({**sparse, "final_val_loss": None}, dense)["val_loss"] is None
+
+
+def test_overlap_comparison_and_modes() -> None:
+    none = method_summary(_report(50_000.0, 0.25, [9.0, 8.0], True))
+    eager = {**method_summary(_report(50_000.0, 0.05, [9.0, 8.08], True)), "utilization": 0.97}
+    rows = overlap_comparison({"sparseloco overlap none": none, "sparseloco overlap eager": eager})
+    assert rows["none"]["val_loss_vs_none"] == 1.0 and rows["eager"]["val_loss_vs_none"] == pytest.approx(1.01)
+    assert rows["eager"]["comm_wait_s"] == pytest.approx(0.05 + 0.25) and rows["eager"]["utilization"] == 0.97
+    for bad in (("none", "none"), ("late",)):
+        with pytest.raises(UserInputError):
+            SwarmBenchConfig(overlaps=bad).check()
 
 
 @pytest.mark.slow
