@@ -132,6 +132,7 @@ def simulate(
     also on Ctrl-C.
     """
     from hlbp.peer.sim.launcher import SimConfig, run_simulation
+    from hlbp.protocol.records import Hyperparameters
 
     if quick:
         full, rounds, inner_steps = 2, 2, 5
@@ -141,11 +142,11 @@ def simulate(
         raise UserInputError(f"--outer must be sparseloco or diloco, got {outer!r}")
     if aggregation not in ("selectors", "mean"):
         raise UserInputError(f"--aggregation must be selectors or mean, got {aggregation!r}")
-    if overlap not in ("none", "naive", "eager"):
+    if overlap not in Hyperparameters.OVERLAPS:
         raise UserInputError(f"--overlap must be none, naive or eager, got {overlap!r}")
     if overlap != "none" and outer != "sparseloco":
         raise UserInputError("--overlap works with --outer sparseloco only")
-    if small_tensors not in ("topk", "dense"):
+    if small_tensors not in Hyperparameters.SMALL_TENSORS:
         raise UserInputError(f"--small-tensors must be topk or dense, got {small_tensors!r}")
     if full < 0 or swarms < 0 or full + swarms < 1:
         raise UserInputError("--full and --swarms must be >= 0, and together start at least one peer")

@@ -27,6 +27,7 @@ from typing import Any
 from hlbp.protocol.errors import ProtocolError
 from hlbp.protocol.fields import _bool, _float, _int, _opt_int, _str, _str_list
 from hlbp.protocol.identity import Identity, open_envelope, public_key_from_peer_id, seal
+from hlbp.protocol.sparse import SMALL_TENSOR_RULES
 
 PROTOCOL_VERSION = 1  # bumped when peers of different versions can no longer train together
 KIND_MANIFEST = "manifest"
@@ -105,7 +106,7 @@ class Hyperparameters:
     OUTERS = ("sparseloco", "diloco")
     AGGREGATIONS = ("selectors", "mean")
     WEIGHTINGS = ("equal", "tokens")
-    SMALL_TENSORS = ("topk", "dense")
+    SMALL_TENSORS = SMALL_TENSOR_RULES
     OVERLAPS = ("none", "naive", "eager")
 
     @property

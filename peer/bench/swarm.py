@@ -22,6 +22,7 @@ from rich.console import Console
 
 from hlbp.peer.bench.report import print_table, write_result
 from hlbp.peer.common.errors import UserInputError
+from hlbp.peer.rounds.overlap import OVERLAPS
 
 METHODS = ("sparseloco", "diloco")
 
@@ -52,7 +53,7 @@ class SwarmBenchConfig:
     def check(self) -> None:
         if self.wan_delay_ms < 0 or self.wan_mbps is not None and self.wan_mbps <= 0:
             raise UserInputError("--wan-delay-ms must be >= 0 and --wan-mbps > 0")
-        if any(m not in ("none", "naive", "eager") for m in self.overlaps) or len(set(self.overlaps)) < len(self.overlaps):
+        if any(m not in OVERLAPS for m in self.overlaps) or len(set(self.overlaps)) < len(self.overlaps):
             raise UserInputError("--overlap takes distinct modes among none, naive and eager")
         if self.full < 2 or self.rounds < 1 or self.inner_steps < 1 or self.threads < 1:
             raise UserInputError("--full must be >= 2 (an exchange needs two), --rounds and --inner-steps >= 1")

@@ -30,9 +30,10 @@ from collections.abc import Mapping
 import torch
 
 from hlbp.peer.rounds.outer import Contribution, OuterConfig
+from hlbp.protocol.records import Hyperparameters
 from hlbp.protocol.sparse import SparseTensor, decompress
 
-OVERLAPS = ("none", "naive", "eager")
+OVERLAPS = Hyperparameters.OVERLAPS
 """How a run overlaps rounds with training (manifest ``hparams.overlap``)."""
 
 
