@@ -3,7 +3,7 @@
 Like ``test_heterogeneous_run.py`` (2 full replicas, a swarm of 2 stage peers, the same SparseLoCo rounds), with
 the swarm's boundary compressed to k = 16 of d = 128 values per token:
 
-- every variant: all 4 contributions accepted every round, each shard's checksum equal on every peer holding it,
+- each variant run (B and A+drift; see the note on the parametrization): all 4 contributions accepted every round, each shard's checksum equal on every peer holding it,
   and the full replicas' and the swarm's validation losses fall;
 - A and A+drift: the full replicas train the constrained network the stage peers train (the codec is then
   lossless), so the swarm, scoring the global parameters through its compressed chain, gets the full replicas'
@@ -58,7 +58,10 @@ def _expected_digest(workdir: Path, codec: str) -> str:
         torch.set_num_threads(threads)
 
 
-@pytest.mark.parametrize("codec", ["subspace-b", "subspace-a", "subspace-a-drift"])
+# Plain A is not run here, to keep the suite within CI's time: A+drift makes every check A does (the constrained
+# full replicas, the lossless score) plus B's, and plain A's swarm is checked against the in-process pipeline in
+# tests/peer/swarm/test_pipeline_network.py.
+@pytest.mark.parametrize("codec", ["subspace-b", "subspace-a-drift"])
 def test_subspace_swarm_and_full_replicas_agree_and_learn(tmp_path: Path, codec: str) -> None:
     cfg = SimConfig(n_full=2, n_swarms=1, n_stages=2, rounds=ROUNDS, inner_steps=8, batch_size=4, seq_len=64,
                     run_id="hetero-sub", ttl_s=10.0, seed=SEED, codec=codec, codec_k=K)

@@ -52,17 +52,20 @@ def swarm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Swarm, dic
         (workdir / f"{name}.key").write_bytes(ident.to_file_bytes())
         os.chmod(workdir / f"{name}.key", 0o400)
     peer = {name: ident.peer_id for name, ident in ids.items()}
-    cfg = SimConfig(n_full=0, rounds=20, inner_steps=4, batch_size=4, seq_len=64, round_deadline_s=4.0,
+    cfg = SimConfig(n_full=0, rounds=60, inner_steps=4, batch_size=4, seq_len=64, round_deadline_s=4.0,
                     min_deadline_s=2.0, max_deadline_s=10.0, seed=3, threads=1, run_id="closed-test", ttl_s=10.0,
                     allowed_peers=tuple(sorted(peer[x] for x in MEMBERS)), stop_timeout_s=5.0)
     with Swarm(cfg, workdir) as sw:
         sw.start()
         wait = ("--wait-replicas", str(len(MEMBERS)))
+        # The outsider starts first and waits at the gate for the members (it counts only them), so it plays the
+        # same rounds they do however slowly the machine loads the processes.
+        outsider = sw.add("outsider", *wait)
+        outsider.proc.wait_for("before round 0", ROUND_TIMEOUT_S)
         sw.add("a", *wait)
         sw.add("b", *wait)
         sw.add("liar", *wait, program=program("lying-coordinator"))
         sw.add("f", *wait, program=program(f"freeze:{FREEZE_ROUND}"))
-        sw.add("outsider")
         yield sw, peer
 
 
