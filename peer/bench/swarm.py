@@ -73,6 +73,7 @@ def method_summary(report: dict[str, Any]) -> dict[str, Any]:
         "bytes_sent_per_peer_round": report["bytes_per_peer_round"]["sent"],
         "bytes_received_per_peer_round": report["bytes_per_peer_round"]["received"],
         "comm_s_per_round": report["time_s"]["comm"] / n,
+        "phases_s_per_round": report.get("phases_s", {}),
         "wait_s_per_round": report["time_s"]["wait"] / n,
         "compute_s_per_round": report["time_s"]["compute"] / n,
         "utilization": report["utilization"],
@@ -145,6 +146,10 @@ def run_swarm_bench(cfg: SwarmBenchConfig, out: Path | None, console: Console) -
                    + (f"{cfg.wan_mbps:g} Mbit/s per peer" if cfg.wan_mbps else "unlimited rate")),
                 ["method", "val loss", "kB sent/peer/round", "kB recv/peer/round", "comm s/round", "wait s/round",
                  "utilization", "replicas agree"], rows)
+    for label, r in results.items():
+        if r["phases_s_per_round"]:
+            console.print(f"{label}, seconds per peer and round by step: "
+                          + ", ".join(f"{k} {v:.3f}" for k, v in r["phases_s_per_round"].items()))
     if cfg.overlaps:
         for mode, row in extra["overlap"].items():
             console.print(f"overlap {mode}: utilization {row['utilization']:.1%}, comm + wait "

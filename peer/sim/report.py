@@ -98,6 +98,13 @@ def summarize(records: dict[str, Sequence[dict[str, Any]]], n_params: int | None
     total_comm = sum(r["comm_s"] for r in rounds)
     out["time_s"] = {"compute": total_compute, "comm": total_comm, "wait": sum(r["wait_s"] for r in rounds)}
     out["utilization"] = total_compute / (total_compute + total_comm) if total_compute + total_comm > 0 else None
+    # seconds per protocol step (encode, close, apply, publish, verify; rounds/exchange.py), per peer and round
+    peer_rounds = [rec for recs in records.values() for rec in recs]
+    phases: dict[str, float] = {}
+    for rec in peer_rounds:
+        for name, secs in (rec.get("phases") or {}).items():
+            phases[name] = phases.get(name, 0.0) + float(secs)
+    out["phases_s"] = {name: total / len(peer_rounds) for name, total in phases.items()}
     sent = [b for r in rounds for b in r["bytes_sent"].values()]
     recv = [b for r in rounds for b in r["bytes_received"].values()]
     out["bytes_per_peer_round"] = {"sent": sum(sent) / len(sent) if sent else 0.0,

@@ -55,3 +55,10 @@ def test_report_splits_validation_and_utilization_by_role() -> None:
     assert r["full_val_loss"] == 9.0 and r["swarm_val_loss"] == {"sw0s0": 9.5}
     assert set(r["utilization_by_role"]) == {"full", "stage"}
     assert r["shards"] == {"peer0": ["0", "1"], "sw0s0": ["0"], "sw0s1": ["1"]}
+
+
+def test_phases_are_averaged_per_peer_and_round() -> None:
+    a, b = _rec(0, {"0": "x"}, 9.0, 100), _rec(0, {"0": "x"}, 9.0, 100)
+    a["phases"] = {"close": 1.0, "verify": 0.5}
+    b["phases"] = {"close": 3.0}  # a round without a verify step (left out) counts as 0 s of it
+    assert summarize({"p0": [a], "p1": [b]})["phases_s"] == {"close": 2.0, "verify": 0.25}
