@@ -1,0 +1,104 @@
+"""Signed round records in the DHT: store, read, parse and protect them. A mixin of
+:class:`hlbp.peer.rounds.loop.ReplicaBase`, whose state (``dht``, ``identity``, ``cfg``, ``stop``) it uses.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any
+
+from hlbp.peer.net.dht import DHT_DIED
+from hlbp.protocol import ProtocolError
+from hlbp.protocol.roundrecords import (
+    KIND_ACCEPTED,
+    KIND_CHECKS,
+    KIND_CONTRIB,
+    MAX_RECORD_BYTES,
+    ShardChecks,
+    checks_key,
+    parse_checks,
+    round_key,
+    sign,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class RoundRecords:
+    """DHT helpers of a round loop (see the module docstring); ``self`` is a ReplicaBase."""
+
+    def _store(self, key: str, body: dict[str, Any], kind: str) -> None:
+        from hivemind.utils import get_dht_time
+
+        value = sign(kind, body, self.identity)
+        self._result(self.dht.store(key, value, get_dht_time() + self.cfg.record_ttl_s, subkey=self.me,
+                                    return_future=True), f"store under {key}")
+
+    def _result(self, future: Any, what: str) -> Any:
+        """A DHT call's result, or None (logged) if it outlasts ``dht_timeout_s``. A dead DHT process never
+        answers: the wait checks every second that it runs, else raises ConnectionError (save and exit, not hang)."""
+        deadline = time.monotonic() + self.cfg.dht_timeout_s
+        while True:
+            try:
+                return future.result(timeout=max(0.0, min(1.0, deadline - time.monotonic())))
+            except FutureTimeout:  # concurrent.futures' own class on Python 3.10, the builtin from 3.11
+                if not self.dht.is_alive():
+                    raise ConnectionError(DHT_DIED) from None
+                if self.stop.is_set():
+                    return None  # leaving: SIGTERM must end the peer within seconds, whatever the DHT does
+                if time.monotonic() >= deadline:
+                    logger.warning("a DHT %s took over %.0f s; going on without it", what, self.cfg.dht_timeout_s)
+                    return None
+
+    def _read(self, *keys: str) -> list[dict[str, Any]]:
+        """The entries (subkey -> value) under each key, looked up side by side (a poll of two keys pays its round
+        trips once). A lookup that outlasts ``dht_timeout_s`` reads as empty, like a record not there yet."""
+        futures = [self.dht.get(key, latest=True, return_future=True) for key in keys]
+        out = []
+        for key, future in zip(keys, futures):
+            found = self._result(future, f"lookup of {key}")
+            if found is None or not isinstance(found.value, dict):
+                out.append({})
+            else:
+                out.append({k: getattr(v, "value", v) for k, v in found.value.items()})
+        return out
+
+    def _records(self, key: str, parse: Callable[..., Any], entries: dict[str, Any] | None = None,
+                 **kw: Any) -> list[Any]:
+        """The valid records under ``key`` (``entries``: already read), each bad one logged once and skipped."""
+        out = []
+        for subkey, value in (self._read(key)[0] if entries is None else entries).items():
+            if not self.cfg.admits(str(subkey)):
+                tag = ("outsider", str(subkey))
+                if tag not in self._logged:
+                    self._logged.add(tag)
+                    logger.warning("ignoring round records of %s: it is not in the run's allow-list", str(subkey)[:16])
+                continue
+            try:
+                out.append(parse(value, str(subkey), self.cfg.run_id, **kw))
+            except ProtocolError as exc:
+                tag = (key, str(subkey))
+                if tag not in self._logged:  # log each bad record once, not at every poll
+                    self._logged.add(tag)
+                    logger.warning("ignoring a bad round record under %s from %s: %s", key, str(subkey)[:16], exc)
+        return out
+
+    def _protect(self, r: int) -> None:
+        """Have our DHT node refuse unsigned or mis-signed records under this round's keys, so a forgery with a
+        later expiration cannot shadow a real record (hivemind keeps the latest-expiring value per subkey)."""
+        if self.protect is None:
+            return
+        run = self.cfg.run_id
+        keys = {round_key(run, r, KIND_CONTRIB): (KIND_CONTRIB, MAX_RECORD_BYTES),
+                round_key(run, r, KIND_ACCEPTED): (KIND_ACCEPTED, MAX_RECORD_BYTES),
+                checks_key(run): (KIND_CHECKS, MAX_RECORD_BYTES)}
+        try:
+            self.protect(keys)
+        except Exception as exc:  # noqa: BLE001 - readers still verify every record; this is defence in depth
+            logger.warning("could not register round %d keys with the DHT validator: %s", r, exc)
+
+    def latest_checks(self) -> list[ShardChecks]:
+        return self._records(checks_key(self.cfg.run_id), parse_checks)
