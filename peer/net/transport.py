@@ -8,6 +8,11 @@ never waits for it, and nothing crosses the DHT process's pipe.
 Frames: request = u32 length + msgpack {"name": str}; response = u32 length + msgpack {"size": int} or
 {"error": str}, then ``size`` body bytes. Everything read from a stream is bounded before it is allocated.
 
+Pushes go the other way: :meth:`P2PBlobTransport.push` sends a small record (u32 length + msgpack {"key": str,
+"size": int}, then the body; answered by {"ok": true}) to peers in the background, and each receiver hands it,
+with the sender's authenticated peer id, to its ``on_push`` callback. Rounds push their signed records to the
+round's members this way instead of leaving them to find them by polling the DHT (:mod:`hlbp.peer.rounds.inbox`).
+
 A request for a name this peer is itself fetching from its source right now (inside :meth:`P2PBlobTransport.sharing`)
 waits for that fetch, up to ``hold_s`` and with at most :data:`MAX_WAITERS` requests waiting at once, instead of
 answering "not here" and sending the requester on to another holder. Only a fetch from the source is waited on:
@@ -34,6 +39,8 @@ from hlbp.protocol import ProtocolError
 logger = logging.getLogger(__name__)
 
 HANDLER = "/hlbp/blob/1"
+PUSH_HANDLER = "/hlbp/push/1"
+MAX_PUSH = 64 * 1024  # a pushed record's body: round records stay under 48 KiB
 MAX_HEADER = 4096
 MAX_NAME = 256
 MAX_WAITERS = 64  # requests held open at once while our own fetch of their name finishes
@@ -75,6 +82,10 @@ class BlobTransport(Protocol):
 
     def sharing(self, name: str) -> AbstractContextManager[None]: ...
 
+    def push(self, peer_ids: Iterable[str], key: str, body: bytes) -> None: ...
+
+    def set_push_handler(self, handler: Callable[[str, str, bytes], None] | None) -> None: ...
+
     def fetch(self, peer_id: str, name: str, max_size: int, timeout: float) -> bytes: ...
 
     def close(self) -> None: ...
@@ -114,6 +125,9 @@ class P2PBlobTransport:
         self.allowed = allowed  # closed runs: which peer ids may fetch from us (None: anyone)
         self.bytes_served = 0
         self.bytes_fetched = 0
+        self.on_push: Callable[[str, str, bytes], None] | None = None  # (sender, key, body) of each push received
+        self.pushes_sent = 0
+        self.push_failures = 0
         self._blobs: dict[str, bytes] = {}
         self._lock = threading.Lock()
         self._loop = asyncio.new_event_loop()
@@ -128,7 +142,67 @@ class P2PBlobTransport:
     async def _start(self, dht: Any) -> Any:
         p2p = await own_p2p(dht)
         await p2p.add_binary_stream_handler(HANDLER, self._handle)
+        await p2p.add_binary_stream_handler(PUSH_HANDLER, self._handle_push)
         return p2p
+
+    def set_push_handler(self, handler: Callable[[str, str, bytes], None] | None) -> None:
+        """Call ``handler(sender, key, body)`` for every push received (on the transport's thread: keep it short)."""
+        self.on_push = handler
+
+    async def _handle_push(self, info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        sender = str(getattr(info, "peer_id", ""))
+        try:
+            if self.allowed is not None and not self.allowed(sender):
+                logger.debug("refused a push from %s: not in the run's allow-list", sender)
+                return
+            head = await _read_frame(reader, self.request_timeout)
+            key, size = head.get("key"), head.get("size")
+            if not isinstance(key, str) or len(key) > MAX_NAME:
+                raise ProtocolError("push key must be a short string")
+            if not isinstance(size, int) or isinstance(size, bool) or not 0 <= size <= MAX_PUSH:
+                raise ProtocolError(f"push of {size!r} bytes; the limit is {MAX_PUSH}")
+            body = await asyncio.wait_for(reader.readexactly(size), self.request_timeout)
+            handler = self.on_push
+            if handler is not None:
+                handler(sender, key, body)
+            writer.write(_frame({"ok": True}))
+            await writer.drain()
+        except (ProtocolError, asyncio.IncompleteReadError, asyncio.TimeoutError, ConnectionError, struct.error) as e:
+            logger.debug("push from %s failed: %s", sender, e)
+        except Exception as e:  # noqa: BLE001 - a handler's bug must not end the transport's loop
+            logger.warning("handling a push from %s failed: %s: %s", sender[:16], type(e).__name__, e)
+        finally:
+            writer.close()
+
+    def push(self, peer_ids: Iterable[str], key: str, body: bytes, timeout: float = 5.0) -> None:
+        """Send ``body`` under ``key`` to each of ``peer_ids``, in the background: never blocks the caller. A
+        failure is only counted (``push_failures``): whoever relies on a push has the DHT as its fallback."""
+        if len(body) > MAX_PUSH or len(key) > MAX_NAME:
+            raise ValueError(f"a push is at most {MAX_PUSH} bytes under a key of at most {MAX_NAME} characters")
+        for peer in set(peer_ids) - {self.peer_id}:
+            try:
+                asyncio.run_coroutine_threadsafe(self._push(peer, key, bytes(body), timeout), self._loop)
+            except RuntimeError:  # the loop is closed: we are leaving
+                return
+
+    async def _push(self, peer_id: str, key: str, body: bytes, timeout: float) -> None:
+        from hivemind.p2p import PeerID
+
+        try:
+            _, reader, writer = await asyncio.wait_for(
+                self._p2p.call_binary_stream_handler(PeerID.from_base58(peer_id), PUSH_HANDLER), timeout)
+            try:
+                writer.write(_frame({"key": key, "size": len(body)}) + body)
+                await writer.drain()
+                await _read_frame(reader, timeout)  # the receiver has it
+                self.pushes_sent += 1
+            finally:
+                writer.close()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - p2pd, asyncio and the peer all fail in their own types
+            self.push_failures += 1
+            logger.debug("push of %s to %s failed: %s: %s", key, peer_id[:16], type(exc).__name__, exc)
 
     async def _handle(self, info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
@@ -284,6 +358,7 @@ class P2PBlobTransport:
         async def stop() -> None:
             try:
                 await self._p2p.remove_binary_stream_handler(HANDLER)
+                await self._p2p.remove_binary_stream_handler(PUSH_HANDLER)
                 await self._p2p.shutdown()  # a replica owns no daemon: this closes only our client connections
             except Exception as exc:  # noqa: BLE001 - the daemon may already be gone when a peer shuts down
                 logger.debug("closing the blob handler failed: %s", exc)
