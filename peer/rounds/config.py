@@ -25,6 +25,10 @@ class RoundConfig:
     record_ttl_s: float = 900.0  # lifetime of round records in the DHT
     max_payload_bytes: int = 1 << 31  # largest contribution or state blob fetched
     fetch_workers: int = 4  # parallel payload fetches
+    # while a round has at most this many contributions, every member fetches and checks each one as its notice
+    # arrives, before the accepted set: applying then waits on no transfer, but each sender uploads its payload
+    # to every member; in larger rounds payloads are fetched after the accepted set, from holders (gossip)
+    prefetch_up_to: int = 16
     min_contributors: int = 1  # a round applies nothing unless at least this many contributions were accepted
     checkpoint_every_s: float = 300.0  # save at most this often during the run (0: every round); always on exit
     dht_timeout_s: float = 60.0  # a DHT lookup or store that takes longer is given up (a lookup reads as empty)

@@ -85,7 +85,7 @@ class RoundExchange:
         stats.phases["apply"] = t4 - t3
         if accepted is not None and self.in_sync:
             self.faults.applied(r)
-            self._publish_state(checks)
+            self._publish_state(checks, {p for p, _t, _d in accepted.members})
             t5 = time.perf_counter()
             self.in_sync = self._verify(r, {p: set(d) for p, _t, d in accepted.members}, checks)
             if self.in_sync:
@@ -93,6 +93,7 @@ class RoundExchange:
             stats.phases.update(publish=t5 - t4, verify=time.perf_counter() - t5)
         self.transport.drop_prefix(f"c/{r - 2}/")
         self._verified = {k: v for k, v in self._verified.items() if k[0] > r}
+        self._prefetches = {k: v for k, v in self._prefetches.items() if k[0] > r}
         self._unreachable = {k for k in self._unreachable if k[0] > r}
         if not self.overlapping and (accepted is not None or not self.stop.is_set()):
             self.round = r + 1  # a round abandoned on SIGTERM is not ours to count: a restart syncs past it

@@ -1,10 +1,11 @@
 """The one place where a test may make a replica misbehave: a fault hook passed in, never a switch in here.
 
-A replica's round loop calls its :class:`FaultHook` at five points: after every inner step, on each shard's
+A replica's round loop calls its :class:`FaultHook` at six points: after every inner step, on each shard's
 contribution before it is encoded (a well-formed lie: scaled values, an outsized lookup table), on each encoded
 payload before it is served (bytes that do not decode, a payload above the size limit), after a round is applied
 (a member that dies before it publishes its checksums), and, as coordinator, on the set it is about to publish as
-accepted (a coordinator that accepts what it should have refused). Production code runs with :data:`NO_FAULTS`,
+accepted (a coordinator that accepts what it should have refused), and before each DHT store of a round record (a
+peer whose stores are lost, so its records reach the others only by push). Production code runs with :data:`NO_FAULTS`,
 whose methods change nothing. Tests subclass :class:`FaultHook` and start a replica through an entry point that
 accepts one (``hlbp.cli.control_cmds.main(fault_hook=...)``), as torchft's event injector does. The dense
 (DiLoCo) runner has no payloads of its own, so it calls only :meth:`inner_step`.
@@ -40,6 +41,10 @@ class FaultHook:
         """As coordinator: the contributions to publish as accepted (sender -> notice) in place of ``admitted``,
         the ones that passed our checks; ``notices`` are all that arrived (a lying coordinator accepts them all)."""
         return admitted
+
+    def stores(self, key: str) -> bool:
+        """Whether to store our round record under DHT ``key`` (it is pushed to the live members either way)."""
+        return True
 
 
 NO_FAULTS = FaultHook()

@@ -29,6 +29,7 @@ from hlbp.peer.common.files import remove_stale_temps
 from hlbp.peer.net.transport import BlobTransport, TransportError
 from hlbp.peer.rounds.config import RoundConfig, RoundStats
 from hlbp.peer.rounds.faults import NO_FAULTS, FaultHook
+from hlbp.peer.rounds.inbox import DhtPoll, Inbox
 from hlbp.peer.rounds.outer import OuterConfig, make_outer
 from hlbp.peer.rounds.records import RoundRecords
 from hlbp.peer.rounds.rules import majority_checksums
@@ -40,6 +41,7 @@ from hlbp.peer.train.trainer import InnerTrainer
 from hlbp.protocol.identity import Identity
 from hlbp.protocol.roundrecords import (
     KIND_CHECKS,
+    MAX_RECORD_BYTES,
     ShardChecks,
     checks_key,
 )
@@ -108,6 +110,12 @@ class ReplicaBase(RoundRecords, ABC):
         self._saved_at = time.monotonic()
         self._just_synced = False  # set by sync(): we arrive mid-run, and the next round may be under way
         self.overlapping = False  # an exchange runs beside the inner phase: only the main thread loads the model
+        self.inbox = Inbox(MAX_RECORD_BYTES)  # round records their signers pushed to us (rounds/inbox.py)
+        self.inbox.wanted = self._wants
+        self.poller = DhtPoll(dht, self.inbox, cfg.poll_s, cfg.dht_timeout_s, self._stuck)
+        self.live: dict[int, set[str]] = {}  # round -> peers seen in it: who we push our records to
+        self._stores: list[tuple[Any, str, float]] = []  # DHT stores under way (future, key, started)
+        transport.set_push_handler(self.inbox.offer)
 
     # -- DHT helpers ---------------------------------------------------------------------------------------------
 
@@ -125,13 +133,14 @@ class ReplicaBase(RoundRecords, ABC):
         """Where the inner phase under way started: the anchor, or its overlapped start (rounds/overlap.py)."""
         return self.anchor
 
-    def _publish_state(self, mine: ShardChecks) -> None:
-        """Serve our state after round ``mine.round`` and publish its checksums (and fingerprints)."""
+    def _publish_state(self, mine: ShardChecks, to: AbstractSet[str] = frozenset()) -> None:
+        """Serve our state after round ``mine.round`` and publish its checksums (and fingerprints), pushed to
+        the round's members ``to`` as well as the live peers."""
         r = mine.round
         for s in self.held:
             self.transport.put(state_name(r, s), encode_state(self.anchor, self.shards[s], self.outers[s].state_tensors()))
         self.transport.drop([state_name(r - 2, s) for s in self.held])
-        self._store(checks_key(self.cfg.run_id), mine.to_body(self.cfg.run_id), KIND_CHECKS)
+        self._store(checks_key(self.cfg.run_id), mine.to_body(self.cfg.run_id), KIND_CHECKS, to)
 
     # -- agreement: exact checksums here; the dense runner compares fingerprints ------------------------------
 
@@ -315,6 +324,8 @@ class ReplicaBase(RoundRecords, ABC):
         """Protect round r's keys, reset the byte counters and run the inner phase: (stats, steps, tokens, bytes
         served so far)."""
         self._protect(r)
+        self.inbox.prune()  # records of rounds long past
+        self.poller.forget(self._wants)
         stats = RoundStats(round=r)
         served_before = self._bytes_served()
         if not self.overlapping:

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from collections.abc import Set as AbstractSet
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
@@ -30,12 +31,66 @@ logger = logging.getLogger(__name__)
 class RoundRecords:
     """DHT helpers of a round loop (see the module docstring); ``self`` is a ReplicaBase."""
 
-    def _store(self, key: str, body: dict[str, Any], kind: str) -> None:
+    def _store(self, key: str, body: dict[str, Any], kind: str, to: AbstractSet[str] = frozenset()) -> None:
+        """Sign and publish a round record: pushed at once to the live members (and ``to``), kept in our own
+        inbox, and stored in the DHT (the record of truth, for whoever the push missed) without waiting for it."""
         from hivemind.utils import get_dht_time
 
         value = sign(kind, body, self.identity)
-        self._result(self.dht.store(key, value, get_dht_time() + self.cfg.record_ttl_s, subkey=self.me,
-                                    return_future=True), f"store under {key}")
+        self.inbox.offer(self.me, key, value)
+        self.transport.push(self.pushed_to() | set(to), key, value)
+        self._reap_stores()
+        if not self.faults.stores(key):
+            return
+        future = self.dht.store(key, value, get_dht_time() + self.cfg.record_ttl_s, subkey=self.me,
+                                return_future=True)
+        self._stores.append((future, key, time.monotonic()))
+
+    def _reap_stores(self) -> None:
+        """Log the DHT stores that failed or outlasted ``dht_timeout_s``; forget the finished ones."""
+        pending = []
+        for future, key, started in self._stores:
+            if future.done():
+                try:
+                    future.result(timeout=0)
+                except Exception as exc:  # noqa: BLE001 - the pushes went out; the DHT copy is the fallback
+                    logger.warning("a DHT store under %s failed: %s", key, exc)
+            elif time.monotonic() - started > self.cfg.dht_timeout_s:
+                self._stuck(f"store under {key}")
+            else:
+                pending.append((future, key, started))
+        self._stores = pending
+
+    def _stuck(self, what: str) -> None:
+        if not self.dht.is_alive():
+            raise ConnectionError(DHT_DIED)
+        logger.warning("a DHT %s took over %.0f s; going on without it", what, self.cfg.dht_timeout_s)
+
+    def pushed_to(self) -> set[str]:
+        """The peers we push round records to: those seen in the last two rounds, not us."""
+        live = self.live  # replaced whole, never changed in place: safe beside an overlapped exchange's thread
+        return set().union(*(peers for r, peers in live.items() if r >= self.round - 2)) - {self.me}
+
+    def _seen(self, r: int, peers: Iterable[str]) -> None:
+        """Note ``peers`` as live in round r (their notices arrived)."""
+        peers = set(peers)
+        if peers <= self.live.get(r, set()):
+            return
+        live = {k: set(v) for k, v in self.live.items() if k >= r - 2}
+        live.setdefault(r, set()).update(peers)
+        self.live = live
+
+    def _wants(self, key: str) -> bool:
+        """Whether a pushed record under ``key`` is one we can use now: the checksums, or this run's notices
+        and accepted sets of a round near ours."""
+        run = self.cfg.run_id
+        if key == checks_key(run):
+            return True
+        prefix = f"hlbp:{run}:round:"
+        if not key.startswith(prefix):
+            return False
+        r, _, kind = key[len(prefix):].partition(":")
+        return kind in (KIND_CONTRIB, KIND_ACCEPTED) and r.isdigit() and self.round - 2 <= int(r) <= self.round + 2
 
     def _result(self, future: Any, what: str) -> Any:
         """A DHT call's result, or None (logged) if it outlasts ``dht_timeout_s``. A dead DHT process never
@@ -61,9 +116,10 @@ class RoundRecords:
         for key, future in zip(keys, futures):
             found = self._result(future, f"lookup of {key}")
             if found is None or not isinstance(found.value, dict):
-                out.append({})
+                found_entries = {}
             else:
-                out.append({k: getattr(v, "value", v) for k, v in found.value.items()})
+                found_entries = {k: getattr(v, "value", v) for k, v in found.value.items()}
+            out.append({**found_entries, **self.inbox.entries(key)})  # a pushed record is the newer one
         return out
 
     def _records(self, key: str, parse: Callable[..., Any], entries: dict[str, Any] | None = None,

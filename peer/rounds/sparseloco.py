@@ -29,7 +29,8 @@ import random
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
 from typing import Any
 
 import torch
@@ -104,7 +105,9 @@ class RoundRunner(FollowedShards, RoundExchange, ReplicaBase):
                        for shape in self.shapes]
         self.bans: dict[str, tuple[int, int]] = {}  # sender -> (banned until round, strikes so far)
         self.guard_bans: dict[str, int] = {}  # sender -> banned until round, from this peer's own guard refusals
-        self._verified: dict[tuple[int, str, int], Contribution] = {}  # (round, sender, shard) -> checked payload
+        # (round, sender, shard, digest) -> checked payload; the digest too: a prefetch saw the sender's notice, the
+        # apply takes the accepted set's digest, and an equivocating sender could make the two differ
+        self._verified: dict[tuple[int, str, int, str], Contribution] = {}
         self._unreachable: set[tuple[int, str]] = set()  # (round, sender) whose payload could not be fetched
         self._count_lock = threading.Lock()
         self.guard = self.cfg.guard
@@ -112,13 +115,17 @@ class RoundRunner(FollowedShards, RoundExchange, ReplicaBase):
         self.last_copies: list[dict[str, Any]] = []  # the last applied round's evidence of copied contributions
         self._reuse = {s: copies.ReuseLog() for s in self.held}
         self._scales: dict[int, float] = {}  # ‖θ_s‖ of the round's anchor per held shard (set as its exchange starts)
+        self._prefetcher: ThreadPoolExecutor | None = None  # background fetches of notices' payloads (_prefetch)
+        self._prefetches: dict[tuple[int, str], Future[Exception | None]] = {}  # (round, sender) -> its prefetch
         self.overlapped = Overlapped(self) if self.cfg.overlap != "none" else None
 
-    def _round_records(self, r: int) -> tuple[dict[str, ContribNotice], list[AcceptedSet]]:
-        """Round r's contribution notices (by sender) and published accepted sets, read in one concurrent poll."""
+    def _round_records(self, r: int, wait: bool = True) -> tuple[dict[str, ContribNotice], list[AcceptedSet]]:
+        """Round r's contribution notices (by sender) and published accepted sets, read in one concurrent poll
+        (``wait``), or as last polled plus what was pushed since (not waiting on the DHT)."""
         keys = (round_key(self.cfg.run_id, r, KIND_CONTRIB), round_key(self.cfg.run_id, r, KIND_ACCEPTED))
-        contribs, accepted = self._read(*keys)
+        contribs, accepted = self._read(*keys) if wait else self.poller.entries(*keys)
         notices = {n.sender: n for n in self._records(keys[0], parse_contrib, contribs, round_=r)}
+        self._seen(r, notices)
         return notices, self._records(keys[1], parse_accepted, accepted, round_=r)
 
     def _accepted(self, r: int, sets: list[AcceptedSet] | None = None, order: Sequence[str] = ()) -> AcceptedSet | None:
@@ -177,7 +184,8 @@ class RoundRunner(FollowedShards, RoundExchange, ReplicaBase):
         expected = max(1, self.expected() if self.expected else self.last_members)
         while not self.stop.is_set():
             now = time.monotonic()
-            notices, sets = self._round_records(r)
+            notices, sets = self._round_records(r, wait=False)
+            self._prefetch(r, notices)
             for sender in notices:
                 arrivals.setdefault(sender, now)
             order = coordinator_ranking(r, {p: set(n.digests) for p, n in notices.items()
@@ -212,13 +220,14 @@ class RoundRunner(FollowedShards, RoundExchange, ReplicaBase):
                             members = tuple((s, n.tokens, n.digests) for s, n in sorted(admitted.items()))
                             banned = tuple(sorted((p, u) for p, (u, _) in self.bans.items() if u > r))
                             body = AcceptedSet(self.me, r, members, banned).to_body(self.cfg.run_id)
-                            self._store(round_key(self.cfg.run_id, r, KIND_ACCEPTED), body, KIND_ACCEPTED)
+                            self._store(round_key(self.cfg.run_id, r, KIND_ACCEPTED), body, KIND_ACCEPTED,
+                                        set(notices))
                             continue
             if now > give_up:
                 logger.warning("round %d: nobody closed the round within %.0f s; moving on", r,
                                give_up - (first_seen or give_up))
                 return None
-            self.stop.wait(self.cfg.poll_s)
+            self.inbox.wait(self.cfg.poll_s)  # wakes at once for a pushed record or a finished DHT read
         return None
 
     def _banned(self, sender: str, r: int) -> bool:
@@ -246,20 +255,8 @@ class RoundRunner(FollowedShards, RoundExchange, ReplicaBase):
             candidates[sender] = notice
 
         def check(sender: str) -> Exception | None:
-            try:
-                for s, digest in candidates[sender].digests.items():
-                    if (r, sender, s) not in self._verified:
-                        c = self._decode(r, s, sender, digest, [])
-                        # a shard this peer does not hold has no anchor here to bound it by: its holders do that
-                        over = guard.oversized({sender: guard.contribution_norm(c)}, self._scales[s], self.guard) \
-                            if s in self._scales else {}
-                        if over:
-                            raise BadPayload(f"shard {s}'s contribution norm is {over[sender]:.3g}x the shard's "
-                                             f"parameter norm (bound {self.guard.max_contribution_ratio:g}x)")
-                        self._verified[(r, sender, s)] = c
-            except (TransportError, ProtocolError) as exc:
-                return exc
-            return None
+            self._await_prefetch(r, sender)
+            return self._check_payloads(r, sender, candidates[sender].digests)
 
         with ThreadPoolExecutor(max(1, min(len(candidates), self.cfg.fetch_workers))) as pool:
             outcomes = dict(zip(candidates, pool.map(check, list(candidates))))
@@ -278,6 +275,49 @@ class RoundRunner(FollowedShards, RoundExchange, ReplicaBase):
                 # that breaks the transfer protocol (a body above the limit): the sender sent garbage
                 self._ban(r, sender, _reason(exc))
         return admitted
+
+    def _check_payloads(self, r: int, sender: str, digests: Mapping[int, str]) -> Exception | None:
+        """Fetch, decode and bound ``sender``'s payloads for the shards in ``digests`` not yet checked; each good
+        one is kept in ``_verified`` for the apply. Returns the first failure (not raised: the caller decides)."""
+        try:
+            for s, digest in digests.items():
+                if (r, sender, s, digest) not in self._verified:
+                    c = self._decode(r, s, sender, digest, [])
+                    # a shard this peer does not hold has no anchor here to bound it by: its holders do that
+                    over = guard.oversized({sender: guard.contribution_norm(c)}, self._scales[s], self.guard) \
+                        if s in self._scales else {}
+                    if over:
+                        raise BadPayload(f"shard {s}'s contribution norm is {over[sender]:.3g}x the shard's "
+                                         f"parameter norm (bound {self.guard.max_contribution_ratio:g}x)")
+                    self._verified[(r, sender, s, digest)] = c
+        except (TransportError, ProtocolError) as exc:
+            return exc
+        return None
+
+    def _prefetch(self, r: int, notices: Mapping[str, ContribNotice]) -> None:
+        """Start fetching and checking, in the background, the payloads of the round's notices seen so far (the
+        shards we apply), so that applying the accepted set waits on no transfer. Only while the round is small
+        (``prefetch_up_to``); a failure here only means the apply fetches it again (and judges it then)."""
+        if len(notices) > self.cfg.prefetch_up_to or self.stop.is_set():
+            return
+        for sender, notice in notices.items():
+            digests = {s: d for s, d in notice.digests.items() if s in self.applied}
+            if (sender == self.me or (r, sender) in self._prefetches or self._banned(sender, r) or not digests
+                    or any(s >= len(self.limits) or notice.sizes.get(s, 0) > self.limits[s] for s in digests)):
+                continue
+            if self._prefetcher is None:
+                self._prefetcher = ThreadPoolExecutor(self.cfg.fetch_workers, thread_name_prefix="hlbp-prefetch")
+            self._prefetches[(r, sender)] = self._prefetcher.submit(self._check_payloads, r, sender, digests)
+
+    def _await_prefetch(self, r: int, sender: str) -> None:
+        """Let a prefetch of ``sender``'s round-r payloads under way finish, instead of fetching them twice."""
+        pending = self._prefetches.get((r, sender))
+        if pending is not None:
+            wait_futures([pending], timeout=self.cfg.fetch_timeout_s + 5)  # it returns its failure: the caller judges
+    def close(self) -> None:
+        if self._prefetcher is not None:
+            self._prefetcher.shutdown(wait=False, cancel_futures=True)
+        super().close()
 
     def _ban(self, r: int, sender: str, reason: str) -> None:
         """Reject a sender's contribution and ban it for 2, 4, 8, ... rounds; the ban travels in the accepted set."""
@@ -353,7 +393,8 @@ class RoundRunner(FollowedShards, RoundExchange, ReplicaBase):
 
         def get(job: tuple[str, int, str]) -> tuple[str, int, Contribution | BadPayload | None]:
             sender, s, digest = job
-            cached = self._verified.pop((r, sender, s), None)
+            self._await_prefetch(r, sender)
+            cached = self._verified.pop((r, sender, s, digest), None)
             if cached is not None:
                 return sender, s, cached
             try:

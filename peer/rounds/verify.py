@@ -4,7 +4,8 @@ A member that left or died after its contribution was accepted never publishes i
 ``checks_wait_s`` for it cost every survivor that long (rounds of 12 s instead of 2.5 s under chaos). The wait
 ends instead as soon as :func:`hlbp.peer.rounds.rules.checks_settled` says the verdict is in: every member still
 announced online has published, or the records seen form a per-shard majority the others cannot overturn.
-The announcements come from the same DHT poll as the checksums (one round trip for both).
+The announcements come from the same DHT poll as the checksums (one round trip for both); the members also push
+their checksums to each other (:mod:`hlbp.peer.rounds.inbox`), so the wait usually ends without a DHT read.
 """
 
 from __future__ import annotations
@@ -47,9 +48,9 @@ def wait_for_checks(runner: Any, r: int, members: Mapping[str, AbstractSet[int] 
     run = runner.cfg.run_id
     deadline = time.monotonic() + runner.cfg.checks_wait_s
     while True:
-        raw_checks, raw_peers = runner._read(checks_key(run), peers_key(run))
+        raw_checks, raw_peers = runner.poller.entries(checks_key(run), peers_key(run))
         checks = [c for c in runner._records(checks_key(run), parse_checks, raw_checks) if c.round == r]
         online = online_members(raw_peers, run, get_dht_time(), runner.me, set(members))
         if checks_settled(checks, mine, members, online) or time.monotonic() >= deadline or runner.stop.is_set():
             return checks
-        runner.stop.wait(runner.cfg.poll_s)
+        runner.inbox.wait(runner.cfg.poll_s)  # wakes at once for a pushed record or a finished DHT read

@@ -121,8 +121,21 @@ class DieAfterApply(FaultHook):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
+class NoDhtNotices(FaultHook):
+    """From round ``round_`` on, never stores its contribution notices in the DHT: the others learn of them only
+    from its pushes."""
+
+    def __init__(self, round_: str = "1") -> None:
+        self.round = int(round_)
+
+    def stores(self, key: str) -> bool:
+        parts = key.split(":")  # hlbp:<run>:round:<r>:<kind>
+        return not (len(parts) == 5 and parts[4] == "contrib" and int(parts[3]) >= self.round)
+
+
 FAULTS = {"slow": Slow, "corrupt": Corrupt, "oversize": Oversize, "scale": Scale, "bigtable": BigTable, "nan": NaN,
-          "lying-coordinator": LyingCoordinator, "freeze": Freeze, "die-after-apply": DieAfterApply}
+          "lying-coordinator": LyingCoordinator, "freeze": Freeze, "die-after-apply": DieAfterApply,
+          "no-dht-notices": NoDhtNotices}
 
 
 def program(fault: str) -> list[str]:
