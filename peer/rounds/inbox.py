@@ -17,10 +17,30 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from hlbp.peer.net.dht import DHT_DIED
+
+
+@dataclass(frozen=True)
+class Both:
+    """A sender's record as the DHT returned it and as the sender pushed it, when the two differ: the reader parses
+    both and keeps the later round (a push is usually the newer, but a sender that stopped pushing to us, because it
+    no longer sees us live, leaves an old one in our inbox while the DHT moves on)."""
+
+    stored: Any
+    pushed: bytes
+
+
+def merge(stored: Mapping[str, Any], pushed: Mapping[str, bytes]) -> dict[str, Any]:
+    """DHT entries (subkey -> value) with the pushed records added; a sender whose two differ maps to :class:`Both`."""
+    out = dict(stored)
+    for sender, body in pushed.items():
+        old = out.get(sender)
+        out[sender] = body if old is None or old == body else Both(old, body)
+    return out
 
 
 class Inbox:
@@ -86,7 +106,7 @@ class Inbox:
 class DhtPoll:
     """Polls DHT keys without blocking the waiter: at most one read in flight, started at most every
     ``interval_s``; :meth:`entries` returns the last completed read merged with the inbox (a pushed record wins
-    over the DHT's copy of the same sender's: it is the newer one). A read that finishes pokes the inbox, so a
+    with the DHT's copy of the same sender's as :class:`Both`, when they differ). A read that finishes pokes the inbox, so a
     waiter on :meth:`Inbox.wait` wakes for it as for a push.
 
     ``dht``: a started ``hivemind.DHT``; ``on_stuck(what)`` runs when a read outlasts ``timeout_s`` (it raises
@@ -123,7 +143,7 @@ class DhtPoll:
                 future.add_done_callback(lambda _f: self.inbox.poke())
             self._inflight = (keys, futures, now)
             self._started = now
-        return [{**self._cache.get(key, {}), **self.inbox.entries(key)} for key in keys]
+        return [merge(self._cache.get(key, {}), self.inbox.entries(key)) for key in keys]
 
     def forget(self, keep: Callable[[str], bool]) -> None:
         """Drop cached entries of keys no longer wanted."""

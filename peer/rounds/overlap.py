@@ -7,7 +7,7 @@ parameters it can start from are one round late (they include rounds up to r-1):
 - ``"naive"`` starts from those late global parameters as they are. Every replica's own latest progress is missing
   from its start, which costs loss (+12.7 % at H = 30 in Kale et al., arXiv 2502.12996).
 - ``"eager"`` starts from the late global parameters moved by the replica's *own* round-r contribution, at the
-  weight that contribution will have in round r's result (1/R of an equal-weighted mean, times the outer step).
+  weight that contribution is expected to have in round r's result (times the outer step).
   Its own fresh progress stands in for round r until the round's result arrives. With a plain SGD outer step this
   is the paper's eager update: the others' contributions one round late, its own without delay.
 
@@ -17,8 +17,11 @@ pseudo-gradient of phase r+1 is taken against that start, so the proxy never ent
 
 Adapted to SparseLoCo: the proxy is the peer's own *sent* contribution (decompressed, exactly what every receiver
 reconstructs), not its raw pseudo-gradient, because what it did not send stays in its error-feedback buffer and
-enters later rounds. Under the mean over selectors a value's real weight is 1/(number of replicas that selected
-it), which a peer cannot know before the round closes; the proxy uses 1/R, the weight under the 1/R mean. For
+enters later rounds. The weight follows the aggregation. Under the paper's 1/R mean it is 1/R. Under the mean over
+selectors (the default) a coordinate's result is the mean of the values of the replicas that selected it, and a
+peer's own value is its best guess of that mean, so the weight is 1. The 1/R weight there left eager no better
+than naive delay: measured over 30 rounds at 100 ms RTT (tiny, 4 replicas, H = 20), +8.5 % against naive's
++7.7 %, because with top-k at about 1.5 % density most of a peer's coordinates are selected by it alone. For
 DiLoCo the proxy is the Nesterov step of a fresh momentum, ``outer_lr * (1 + momentum) / R`` times the
 pseudo-gradient; the global momentum stays in the late global update.
 """
@@ -42,7 +45,7 @@ def proxy_step(cfg: OuterConfig, own: Contribution, replicas: int) -> dict[str, 
     if replicas < 1:
         raise ValueError(f"replicas must be >= 1, got {replicas}")
     if cfg.kind == "sparseloco":
-        scale = cfg.alpha / replicas
+        scale = cfg.alpha if cfg.aggregation == "selectors" else cfg.alpha / replicas
     else:
         scale = cfg.outer_lr * (1.0 + cfg.momentum) / replicas
     out = {}

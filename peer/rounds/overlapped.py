@@ -56,9 +56,9 @@ class Overlapped:
         self.stale = False  # a resync replaced the anchor while the phase under way trained from the old one
 
     def _expected(self) -> int:
-        r = self.runner
-        n = r.expected() if r.expected is not None else 0
-        return max(1, n or r.last_members or 1)
+        """R for the eager proxy's 1/R weight: the members of the last closed round. Not a read of the live
+        announcements: that is a DHT round trip, and this runs on the main thread between two inner phases."""
+        return max(1, self.runner.last_members or 1)
 
     def _join(self) -> RoundStats | None:
         """Wait for the exchange in flight; its finished stats, with the main thread's comm and wait seconds (None:

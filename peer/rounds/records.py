@@ -12,6 +12,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 from hlbp.peer.net.dht import DHT_DIED
+from hlbp.peer.rounds.inbox import Both, merge
 from hlbp.protocol import ProtocolError
 from hlbp.protocol.roundrecords import (
     KIND_ACCEPTED,
@@ -26,6 +27,20 @@ from hlbp.protocol.roundrecords import (
 )
 
 logger = logging.getLogger(__name__)
+
+
+def _newer(parse: Callable[..., Any], both: Both, signer: str, run_id: str, **kw: Any) -> Any:
+    """The later-round one of a sender's stored and pushed records that parses (the stored one on a tie: the DHT
+    is the record of truth); raises the pushed one's error when neither does."""
+    good, error = [], None
+    for value in (both.stored, both.pushed):
+        try:
+            good.append(parse(value, signer, run_id, **kw))
+        except ProtocolError as exc:
+            error = exc
+    if not good:
+        raise error or ProtocolError("no valid record")
+    return max(good, key=lambda rec: getattr(rec, "round", -1))  # max keeps the first (stored) on a tie
 
 
 class RoundRecords:
@@ -119,7 +134,7 @@ class RoundRecords:
                 found_entries = {}
             else:
                 found_entries = {k: getattr(v, "value", v) for k, v in found.value.items()}
-            out.append({**found_entries, **self.inbox.entries(key)})  # a pushed record is the newer one
+            out.append(merge(found_entries, self.inbox.entries(key)))
         return out
 
     def _records(self, key: str, parse: Callable[..., Any], entries: dict[str, Any] | None = None,
@@ -134,7 +149,8 @@ class RoundRecords:
                     logger.warning("ignoring round records of %s: it is not in the run's allow-list", str(subkey)[:16])
                 continue
             try:
-                out.append(parse(value, str(subkey), self.cfg.run_id, **kw))
+                out.append(_newer(parse, value, str(subkey), self.cfg.run_id, **kw) if isinstance(value, Both)
+                           else parse(value, str(subkey), self.cfg.run_id, **kw))
             except ProtocolError as exc:
                 tag = (key, str(subkey))
                 if tag not in self._logged:  # log each bad record once, not at every poll

@@ -37,3 +37,25 @@ def test_wait_wakes_for_a_record_and_prune_drops_unwanted_keys() -> None:
     box.wanted = lambda key: key == "want2"
     box.prune()
     assert box.entries("want1") == {} and box.entries("want2") == {"p": b"y"}
+
+
+def test_a_stale_push_never_hides_the_newer_dht_record_and_a_newer_push_wins() -> None:
+    """A sender that stopped pushing to us (it no longer sees us live) leaves an old record in the inbox while the
+    DHT moves on: the reader must take the later round of the two, whichever copy holds it."""
+    from hlbp.peer.rounds.inbox import Both, merge
+    from hlbp.peer.rounds.records import _newer
+    from hlbp.protocol.identity import Identity
+    from hlbp.protocol.roundrecords import KIND_CHECKS, ShardChecks, parse_checks, sign
+
+    me = Identity.generate()
+
+    def record(r: int) -> bytes:
+        return sign(KIND_CHECKS, ShardChecks(me.peer_id, r, {0: "ab" * 32}).to_body("run"), me)
+
+    old, new = record(3), record(11)
+    merged = merge({me.peer_id: new}, {me.peer_id: old})
+    assert merged == {me.peer_id: Both(new, old)}
+    assert _newer(parse_checks, merged[me.peer_id], me.peer_id, "run").round == 11
+    assert _newer(parse_checks, Both(old, new), me.peer_id, "run").round == 11
+    assert _newer(parse_checks, Both(b"garbage", new), me.peer_id, "run").round == 11  # a bad copy is skipped
+    assert merge({me.peer_id: new}, {me.peer_id: new}) == {me.peer_id: new}  # the same bytes: no conflict

@@ -21,7 +21,7 @@ def _own(cfg: OuterConfig):
     return anchor, make_outer(cfg).contribute(anchor, local, "me", 10)
 
 
-def test_eager_start_is_the_late_global_moved_by_the_own_sent_contribution_at_weight_alpha_over_r() -> None:
+def test_eager_start_is_the_late_global_moved_by_the_own_sent_contribution_at_its_expected_weight() -> None:
     cfg = OuterConfig(k=64, alpha=0.8)
     late, own = _own(cfg)
     start = phase_start("eager", cfg, late, own, 4)
@@ -31,6 +31,9 @@ def test_eager_start_is_the_late_global_moved_by_the_own_sent_contribution_at_we
         assert all(torch.equal(phase_start(mode, cfg, late, own, 4)[n], late[n]) for n in late)
     assert all(torch.equal(phase_start("eager", cfg, late, None, 4)[n], late[n]) for n in late)  # nothing sent
     assert late["w"].data_ptr() != start["w"].data_ptr()  # the global parameters are never touched
+    # under the mean over selectors a coordinate's result is the mean of its selectors' values: own weight 1
+    sel = OuterConfig(k=64, alpha=0.8, aggregation="selectors")
+    assert torch.equal(proxy_step(sel, own, 4)["w"], 0.8 * decompress(own.tensors["w"]))
     dl = OuterConfig(kind="diloco", outer_lr=0.7, momentum=0.9)
     _, dense = _own(dl)
     assert torch.allclose(proxy_step(dl, dense, 2)["w"], 0.7 * 1.9 / 2 * dense.tensors["w"])
