@@ -223,7 +223,6 @@ def run_once(cfg: HetNetBenchConfig, run: Run, workdir: Path, keys: list[Path], 
     slots = [f"peer{i}" for i in range(run.full)] + drivers  # replica slot i -> the peer that draws its data
     for name, key in zip(slots, keys, strict=True):
         shutil.copy(key, workdir / f"{name}.key")
-    schedule_rounds = max(1, -(-DRIVER_TOTAL_STEPS // cfg.inner_steps))
     started = time.monotonic()
     deadline = started + cfg.timeout_s
     with Swarm(sim, workdir) as sw:
@@ -231,9 +230,11 @@ def run_once(cfg: HetNetBenchConfig, run: Run, workdir: Path, keys: list[Path], 
         for m in range(run.swarms):  # servers first, one at a time, so the role policy fills swarm m first
             for s in range(1, cfg.stages):
                 sw.add_stage(stage_name(m, s), s, swarm=m).proc.wait_for("^announced", sim.startup_timeout_s)
-        # the full replicas wait until every contributor announced; each driver starts rounds once it is up
+        # the full replicas wait until every contributor announced; each driver starts rounds once it is up. They
+        # run exactly cfg.rounds rounds and save on leaving (the schedule's length is the manifest's, not theirs):
+        # stopped from here instead, a fast one could apply one round more first, past the agreed last round
         for i in range(run.full):
-            sw.add(f"peer{i}", "--wait-replicas", str(len(names)), rounds=schedule_rounds)
+            sw.add(f"peer{i}", "--wait-replicas", str(len(names)), rounds=cfg.rounds)
         for m in range(run.swarms):
             sw.add_stage(stage_name(m, 0), 0, "--micro-batches", str(cfg.micro_batches),
                          "--eval-every", "0", swarm=m).proc.wait_for("^announced", sim.startup_timeout_s)
@@ -246,7 +247,7 @@ def run_once(cfg: HetNetBenchConfig, run: Run, workdir: Path, keys: list[Path], 
             shown = max(shown, done)
             if done >= cfg.rounds - 1:
                 break
-            dead = [n for n in names if not sw.replicas[n].proc.alive]
+            dead = [n for n in names if not sw.replicas[n].proc.alive and len(records[n]) < cfg.rounds]
             if dead or time.monotonic() > deadline:
                 tail = "\n".join(sw.replicas[n].proc.output[-2000:] for n in dead[:2])
                 raise RuntimeError(f"{run.label}: {'exited early: ' + ', '.join(dead) if dead else 'timed out'} "
@@ -267,7 +268,7 @@ def run_once(cfg: HetNetBenchConfig, run: Run, workdir: Path, keys: list[Path], 
         path = dirs[n] / "summary.json" if dirs[n] is not None else None
         summaries[n] = json.loads(path.read_text(encoding="utf-8")) if path is not None and path.exists() else None
     return {"run": run, "records": records, "drivers": drivers, "summaries": summaries, "dirs": dirs,
-            "seconds": seconds, "seconds_total": seconds_total, "contributors": len(names), "schedule_rounds": schedule_rounds}
+            "seconds": seconds, "seconds_total": seconds_total, "contributors": len(names)}
 
 
 def run_hetnet_bench(cfg: HetNetBenchConfig, out: Path | None, plot: Path | None,
@@ -297,8 +298,8 @@ def run_hetnet_bench(cfg: HetNetBenchConfig, out: Path | None, plot: Path | None
     config = dataclasses.asdict(cfg)
     config.update(k=cfg.k(), tokenizer_hash=data.tokenizer_hash,
                   inner_schedule={"warmup_steps": 30, "total_steps": DRIVER_TOTAL_STEPS,
-                                  "why": "a swarm driver's fixed schedule; full replicas get --rounds "
-                                         "total_steps / H to match it"})
+                                  "why": "the manifest's schedule_steps: every peer follows it, however many "
+                                         "rounds it runs"})
     doc = write_result(out, "heterogeneous-network", config, doc_result)
     png = plot if plot is not None else (Path(out).with_suffix(".png") if out is not None else None)
     if png is not None:
