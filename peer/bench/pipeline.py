@@ -206,7 +206,10 @@ def run_codec(cfg: PipelineBenchConfig, spec: str, d_model: int, workdir: Path) 
         "proxy_bytes": proxies,  # per peer's proxy: bytes towards it (inbound) and from it, whole run
         "busiest_link_bytes_per_token": max(max(p["inbound"], p["outbound"]) for p in proxies.values()) / tokens,
         "busy": busy, "bottleneck": bottleneck, "bottleneck_busy": busy[bottleneck],
-        "val_losses": summary["val_losses"], "val_loss": summary["val_losses"][-1] if summary["val_losses"] else None,
+        # after the last step, or None: a driver stopped before its final evaluation finished has only the one
+        # before training, which is not a result (a link-bound dense chain can take longer than the stop allows)
+        "val_losses": summary["val_losses"],
+        "val_loss": summary["val_losses"][-1] if len(summary["val_losses"] or []) >= 2 else None,
         "seconds": time.monotonic() - started,
     }
 
@@ -266,7 +269,8 @@ def run_pipeline_bench(cfg: PipelineBenchConfig, out: Path | None, console: Cons
               r["bytes_per_token"]["forward"], r["bytes_per_token"]["backward"],
               f"{r['formula_bytes_per_token']['forward']:g}/{r['formula_bytes_per_token']['backward']:g}",
               r["busiest_link_bytes_per_token"], f"{r['link_use_forward']:.0%} / {r['busiest_link_use']:.0%}",
-              f"{r['bottleneck_busy']:.0%} ({r['bottleneck']})", r["val_loss"]] for r in rows]
+              f"{r['bottleneck_busy']:.0%} ({r['bottleneck']})",
+              "not finished" if r["val_loss"] is None else r["val_loss"]] for r in rows]
     title = (f"pipeline: {cfg.stages} stages of {cfg.model} (d={d_model}), {cfg.steps} steps x "
              f"{cfg.batch_size}x{cfg.seq_len} tokens, {cfg.micro_batches} micro-batches, in flight "
              f"{cfg.in_flight or cfg.micro_batches}; links {cfg.wan_mbps:g} Mbit/s each way, RTT "
