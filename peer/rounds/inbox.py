@@ -105,8 +105,8 @@ class Inbox:
 
 class DhtPoll:
     """Polls DHT keys without blocking the waiter: at most one read in flight, started at most every
-    ``interval_s``; :meth:`entries` returns the last completed read merged with the inbox (a pushed record wins
-    with the DHT's copy of the same sender's as :class:`Both`, when they differ). A read that finishes pokes the inbox, so a
+    ``interval_s``; :meth:`entries` returns the last completed read merged with the inbox (:func:`merge`: a sender
+    whose pushed and stored records differ maps to :class:`Both`). A read that finishes pokes the inbox, so a
     waiter on :meth:`Inbox.wait` wakes for it as for a push.
 
     ``dht``: a started ``hivemind.DHT``; ``on_stuck(what)`` runs when a read outlasts ``timeout_s`` (it raises
@@ -150,12 +150,17 @@ class DhtPoll:
         self._cache = {k: v for k, v in self._cache.items() if keep(k)}
 
 
+def found_entries(found: Any) -> dict[str, Any]:
+    """A DHT lookup's answer as entries (subkey -> value); empty when it found nothing (None or not a dictionary)."""
+    if found is None or not isinstance(found.value, dict):
+        return {}
+    return {k: getattr(v, "value", v) for k, v in found.value.items()}
+
+
 def _entries(future: Any) -> dict[str, Any]:
-    """A finished DHT lookup's entries (subkey -> value); empty when it failed or found nothing."""
+    """A finished DHT lookup's entries; empty when it failed or found nothing."""
     try:
         found = future.result(timeout=0)
     except Exception:  # noqa: BLE001 - a failed lookup reads as "nothing there yet", like a missing record
         return {}
-    if found is None or not isinstance(found.value, dict):
-        return {}
-    return {k: getattr(v, "value", v) for k, v in found.value.items()}
+    return found_entries(found)

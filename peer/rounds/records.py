@@ -12,7 +12,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 from hlbp.peer.net.dht import DHT_DIED
-from hlbp.peer.rounds.inbox import Both, merge
+from hlbp.peer.rounds.inbox import Both, found_entries, merge
 from hlbp.protocol import ProtocolError
 from hlbp.protocol.roundrecords import (
     KIND_ACCEPTED,
@@ -130,11 +130,7 @@ class RoundRecords:
         out = []
         for key, future in zip(keys, futures):
             found = self._result(future, f"lookup of {key}")
-            if found is None or not isinstance(found.value, dict):
-                found_entries = {}
-            else:
-                found_entries = {k: getattr(v, "value", v) for k, v in found.value.items()}
-            out.append(merge(found_entries, self.inbox.entries(key)))
+            out.append(merge(found_entries(found), self.inbox.entries(key)))
         return out
 
     def _records(self, key: str, parse: Callable[..., Any], entries: dict[str, Any] | None = None,
