@@ -78,6 +78,7 @@ def method_summary(report: dict[str, Any]) -> dict[str, Any]:
         "compute_s_per_round": report["time_s"]["compute"] / n,
         "utilization": report["utilization"],
         "seconds": report["seconds"],
+        "landing": report.get("landing"),
     }
 
 
@@ -156,6 +157,11 @@ def run_swarm_bench(cfg: SwarmBenchConfig, out: Path | None, console: Console) -
                           f"{row['comm_wait_s']:.2f} s per round"
                           + (f", final val loss / none {row['val_loss_vs_none']:.4f}" if "val_loss_vs_none" in row
                              else ""))
+        for label, r in results.items():
+            land = r.get("landing") or {}
+            if land.get("mean_steps") is not None:
+                console.print(f"{label}: the round's result landed mid-phase in {land['mid_phase']:.0%} of peer "
+                              f"rounds, on average after {land['mean_steps']:.1f} of {cfg.inner_steps} inner steps")
     else:
         console.print("DiLoCo bytes are analytic (2(N-1)/N x 4 B x params per member); SparseLoCo bytes are counted.")
     return write_result(out, "swarm", dataclasses.asdict(cfg), {"methods": results, **extra})

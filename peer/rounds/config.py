@@ -59,6 +59,9 @@ class RoundStats:
     synced: bool = False
     checksums: dict[int, str] = field(default_factory=dict)
     phases: dict[str, float] = field(default_factory=dict)  # seconds per protocol step, to see where comm goes
+    # under eager overlap: inner steps of the next phase trained before this round's result landed in it (None: it
+    # landed at that phase's end, or there was no overlap)
+    landed_after: int | None = None
     guard: dict[str, float] = field(default_factory=dict)  # largest contribution and update norm ratios seen
     copies: list[dict[str, Any]] = field(default_factory=list)  # evidence of copied contributions (rounds/copies.py)
     refused: str = ""  # why the round was refused as a whole (nobody's parameters moved), if it was

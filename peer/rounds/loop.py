@@ -371,7 +371,11 @@ class ReplicaBase(RoundRecords, ABC):
                 return 0, 0
             steps += 1
             self.faults.inner_step(r, steps)
+            self._between_steps()
         return steps, self.trainer.tokens - tokens0
+
+    def _between_steps(self) -> None:
+        """Called after each inner step on the main thread (an overlapped exchange lands its result here)."""
 
     def _roll_back(self, r: int, exc: FloatingPointError) -> None:
         """The inner loss stopped being finite: go back to the round's global parameters with a fresh inner

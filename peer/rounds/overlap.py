@@ -24,6 +24,13 @@ than naive delay: measured over 30 rounds at 100 ms RTT (tiny, 4 replicas, H = 2
 +7.7 %, because with top-k at about 1.5 % density most of a peer's coordinates are selected by it alone. For
 DiLoCo the proxy is the Nesterov step of a fresh momentum, ``outer_lr * (1 + momentum) / R`` times the
 pseudo-gradient; the global momentum stays in the late global update.
+
+Landing. Under ``eager`` the round's result does not wait for the phase's end: as soon as the exchange finishes
+(typically a third into the next phase), the working parameters move by ``new global - start``
+(:func:`landing_shift`), keeping the inner steps taken so far, and the phase's pseudo-gradient is taken against the
+new global parameters. Only the steps before the landing trained from the late start. This is the merge of
+Streaming DiLoCo (Douillard et al., arXiv 2501.18512) applied to eager's start; naive delay does not land, so it
+stays the paper's one-round baseline.
 """
 
 from __future__ import annotations
@@ -53,6 +60,17 @@ def proxy_step(cfg: OuterConfig, own: Contribution, replicas: int) -> dict[str, 
         dense = decompress(t) if isinstance(t, SparseTensor) else t
         out[name] = scale * dense.detach().float().cpu()
     return out
+
+
+def landing_shift(start: Mapping[str, torch.Tensor], new_global: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """How far to move a phase under way when its round's result lands mid-phase: ``new_global - start``, per
+    parameter (float32, CPU). Added to the working parameters it keeps the inner steps taken so far and replaces the
+    start (late global parameters plus the eager proxy) by the new global parameters, against which the phase's
+    pseudo-gradient is then taken."""
+    missing = set(start) ^ set(new_global)
+    if missing:
+        raise ValueError(f"the start and the new global parameters differ in names: {sorted(missing)[:3]}")
+    return {n: new_global[n].detach().float().cpu() - start[n].detach().float().cpu() for n in start}
 
 
 def phase_start(

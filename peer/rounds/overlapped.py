@@ -28,7 +28,7 @@ from typing import Any
 
 from hlbp.peer.rounds.loop import RoundStats
 from hlbp.peer.rounds.outer import Contribution
-from hlbp.peer.rounds.overlap import phase_start
+from hlbp.peer.rounds.overlap import landing_shift, phase_start
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +43,7 @@ class _InFlight:
     served_before: int
     future: Future
     main_comm_s: float = 0.0  # the main thread's part: encoding and announcing our contribution
+    step0: int = 0  # the trainer's step count when the next phase started (for landed_after)
 
 
 class Overlapped:
@@ -54,6 +55,7 @@ class Overlapped:
         self.inflight: _InFlight | None = None
         self.base: dict[str, Any] | None = None  # where the phase under way started (None: the anchor)
         self.stale = False  # a resync replaced the anchor while the phase under way trained from the old one
+        self._landed: RoundStats | None = None  # an exchange joined mid-phase by land(), not yet reported
 
     def _expected(self) -> int:
         """R for the eager proxy's 1/R weight: the members of the last closed round. Not a read of the live
@@ -82,6 +84,26 @@ class Overlapped:
         self._last = (stats, checks, f.steps)
         return stats
 
+    def land(self) -> None:
+        """Between two inner steps: if the exchange in flight has finished, move the phase under way onto its result
+        now instead of at the phase's end (``eager`` only; naive delay stays the paper's one-round baseline).
+
+        The model moves by ``new anchor - phase start``: its inner progress so far is kept, the proxy (our own
+        contribution's expected share) is swapped for the round's real result, and the phase's pseudo-gradient is
+        then taken against the new anchor. So only the steps trained before the result arrived ran one round late.
+        A resync is not landed: that phase is discarded at its end, as before."""
+        f = self.inflight
+        if f is None or not f.future.done() or self.runner.cfg.overlap != "eager":
+            return
+        self._landed = self._join()
+        if self.stale or self.base is None or self._landed is None:
+            return
+        self._landed.landed_after = self.runner.trainer.step - f.step0
+        run = self.runner
+        anchor = dict(run.anchor)  # its tensors are replaced, never changed in place: a safe snapshot
+        run.trainer.shift_params(landing_shift(self.base, anchor))
+        self.base = anchor
+
     def run_round(self) -> RoundStats | None:
         """Train phase ``runner.round``, then hand its exchange to the background; returns the report of the round
         whose exchange just finished (None on the first call, or when it was abandoned)."""
@@ -90,7 +112,8 @@ class Overlapped:
         if self.base is None:
             run._load_anchor_into_model()
         stats, steps, tokens, _ = run._begin_round(r)
-        finished = self._join()
+        finished = self._join() if self.inflight is not None else self._landed
+        self._landed = None
         snapshot = dict(run.anchor)  # the anchor's tensors are replaced, never changed in place: a safe snapshot
         t1 = time.perf_counter()
         base = self.base if self.base is not None else run.anchor
@@ -111,7 +134,7 @@ class Overlapped:
         # bytes served from here to the join: this round's payload and state (the previous round's were counted)
         served_before = run._bytes_served()
         self.inflight = _InFlight(r, stats, steps, served_before, self.pool.submit(run._exchange, r, stats, mine),
-                                  main_comm_s)
+                                  main_comm_s, run.trainer.step)
         if finished is None:
             return None
         return self._report(finished, snapshot)

@@ -141,6 +141,10 @@ class RoundRunner(FollowedShards, RoundExchange, ReplicaBase):
             return self.overlapped.base
         return self.anchor
 
+    def _between_steps(self) -> None:
+        if self.overlapped is not None:
+            self.overlapped.land()
+
     def finish_rounds(self) -> RoundStats | None:
         return self.overlapped.finish() if self.overlapped is not None else None
 

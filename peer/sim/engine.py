@@ -20,7 +20,7 @@ from hlbp.peer.data.streams import PreparedData, TokenStream, val_batches
 from hlbp.peer.model.decoder import ModelConfig, Stage, build_model
 from hlbp.peer.rounds.contribution import contribution_from_bytes, contribution_to_bytes
 from hlbp.peer.rounds.outer import Contribution, OuterConfig, make_outer
-from hlbp.peer.rounds.overlap import phase_start
+from hlbp.peer.rounds.overlap import landing_shift, phase_start
 from hlbp.peer.train.trainer import InnerTrainer, OptimConfig, evaluate, micro_batches
 
 
@@ -74,6 +74,13 @@ class SimConfig:
     seed: int = 0
     eval_batches: int = 8
     overlap: str = "none"  # rounds overlapped with the next inner phase: none, naive or eager (rounds.overlap)
+    # under eager: the inner step of the next phase after which a round's result lands (0: at that phase's end, the
+    # paper's eager; a network run lands whenever its exchange finishes, rounds/overlap.py "Landing")
+    land_after: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.land_after < max(1, self.inner_steps):
+            raise ValueError(f"land_after must be in [0, inner_steps), got {self.land_after}")
 
 
 ReplicaFactory = Callable[[int, Stage, InnerTrainer], Replica]
@@ -129,8 +136,19 @@ def run_outer_simulation(
     for rnd in range(1, cfg.rounds + 1):
         contributions: list[Contribution] = []
         wire = 0
+        rest = cfg.inner_steps
+        if cfg.overlap == "eager" and cfg.land_after and pending:
+            # round rnd-1's exchange finishes land_after steps into phase rnd: its result lands in every replica
+            rest -= cfg.land_after
+            for rep in replicas:
+                rep.train(cfg.land_after)
+            anchor, pending = applier.apply(anchor, pending), []
+            for i, rep in enumerate(replicas):
+                shift = landing_shift(starts[i], anchor)
+                rep.load_params({n: p.float().cpu() + shift[n] for n, p in rep.params().items()})
+            starts = [anchor] * len(replicas)
         for rep, opt, begin in zip(replicas, optimizers, starts):
-            rep.train(cfg.inner_steps)
+            rep.train(rest)
             c = opt.contribute(begin, rep.params(), rep.name, rep.tokens)
             # what the wire carries is what everybody applies: encode, count, decode
             payload = contribution_to_bytes(c, cfg.outer, run="sim", round=rnd, shard=0)

@@ -84,6 +84,9 @@ def summarize(records: dict[str, Sequence[dict[str, Any]]], n_params: int | None
             "comm_s": comm / n,
             "wait_s": wait / n,
             "utilization": compute / (compute + comm) if compute + comm > 0 else None,
+            # eager overlap: inner steps of the next phase each peer trained before this round's result landed
+            "landed_after": {name: p["landed_after"] for name, p in sorted(peers.items())
+                             if p.get("landed_after") is not None},
         })
     complete = [r for r in rounds if target_rounds is None or r["peers"] == len(records)]
     out: dict[str, Any] = {
@@ -105,6 +108,9 @@ def summarize(records: dict[str, Sequence[dict[str, Any]]], n_params: int | None
         for name, secs in (rec.get("phases") or {}).items():
             phases[name] = phases.get(name, 0.0) + float(secs)
     out["phases_s"] = {name: total / len(peer_rounds) for name, total in phases.items()}
+    landed = [rec["landed_after"] for rec in peer_rounds if rec.get("landed_after") is not None]
+    out["landing"] = {"mid_phase": len(landed) / len(peer_rounds) if peer_rounds else 0.0,
+                      "mean_steps": sum(landed) / len(landed) if landed else None}
     sent = [b for r in rounds for b in r["bytes_sent"].values()]
     recv = [b for r in rounds for b in r["bytes_received"].values()]
     out["bytes_per_peer_round"] = {"sent": sum(sent) / len(sent) if sent else 0.0,

@@ -150,6 +150,16 @@ class InnerTrainer:
             self.constraint.sync()
 
     @torch.no_grad()
+    def shift_params(self, delta: Mapping[str, torch.Tensor]) -> None:
+        """Add ``delta`` (name -> tensor, a subset of the parameters) to the model in place, keeping the optimizer's
+        state: an overlapped round's result landing in the middle of an inner phase (rounds/overlap.py)."""
+        if self.constraint is not None:
+            raise RuntimeError("a constrained (stage) trainer cannot shift its parameters: stage peers do not overlap")
+        params = dict(self.model.named_parameters())
+        for n, d in delta.items():
+            params[n].add_(d.to(device=params[n].device, dtype=params[n].dtype))
+
+    @torch.no_grad()
     def evaluate(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
         """Mean loss over fixed validation batches (token-weighted)."""
         return evaluate(self.model, batches, self.device)

@@ -8,7 +8,7 @@ import torch
 from hlbp.peer.data.streams import PreparedData
 from hlbp.peer.model.decoder import preset
 from hlbp.peer.rounds.outer import OuterConfig, make_outer
-from hlbp.peer.rounds.overlap import phase_start, proxy_step
+from hlbp.peer.rounds.overlap import landing_shift, phase_start, proxy_step
 from hlbp.peer.sim.engine import SimConfig, make_full_replicas, run_outer_simulation
 from hlbp.peer.train.trainer import OptimConfig
 from hlbp.protocol.sparse import decompress
@@ -41,11 +41,29 @@ def test_eager_start_is_the_late_global_moved_by_the_own_sent_contribution_at_it
         phase_start("late", cfg, late, own, 4)
 
 
-def _run(data: PreparedData, overlap: str, replicas: int) -> dict:
+def test_landing_keeps_the_inner_progress_and_replaces_the_start() -> None:
+    """A result landing mid-phase moves the working parameters to new global + the progress made since the start."""
+    g = torch.Generator().manual_seed(2)
+    start = {"w": torch.randn(8, 8, generator=g), "n": torch.randn(8, generator=g)}
+    new = {n: t + torch.randn(t.shape, generator=g) for n, t in start.items()}
+    progress = {n: 0.01 * torch.randn(t.shape, generator=g) for n, t in start.items()}
+    shift = landing_shift(start, new)
+    for n, t in start.items():
+        assert torch.allclose(t + progress[n] + shift[n], new[n] + progress[n], atol=1e-6)
+    with pytest.raises(ValueError, match="differ in names"):
+        landing_shift(start, {"w": new["w"]})
+    with pytest.raises(ValueError, match="land_after"):
+        SimConfig(model=preset("tiny", vocab_size=64, max_seq_len=32), outer=OuterConfig(), inner_steps=2,
+                  land_after=2)
+
+
+def _run(data: PreparedData, overlap: str, replicas: int, rounds: int = 3, inner_steps: int = 2,
+         land_after: int = 0) -> dict:
     model = preset("tiny", vocab_size=data.vocab_size, max_seq_len=32)
     sim = SimConfig(model=model, outer=OuterConfig(k=64, aggregation="selectors"),
-                    optim=OptimConfig(lr=3e-3, warmup_steps=2), replicas=replicas, rounds=3, inner_steps=2,
-                    batch_size=2, seq_len=32, eval_batches=2, overlap=overlap)
+                    optim=OptimConfig(lr=3e-3, warmup_steps=2), replicas=replicas, rounds=rounds,
+                    inner_steps=inner_steps, batch_size=2, seq_len=32, eval_batches=2, overlap=overlap,
+                    land_after=land_after)
     torch.set_num_threads(1)
     return run_outer_simulation(sim, data, make_full_replicas(sim, data, torch.device("cpu")), torch.device("cpu"))
 
@@ -74,3 +92,22 @@ def test_overlap_runs_end_on_every_rounds_contributions(builtin_data: PreparedDa
         res = _run(builtin_data, mode, 2)
         assert res["tokens"] == base["tokens"]
         assert abs(res["final_val_loss"] - base["final_val_loss"]) < 0.05 * base["final_val_loss"], mode
+
+
+def test_eager_landing_mid_phase_recovers_the_delay(builtin_data: PreparedData) -> None:
+    """A round's result landing one step into the next phase (as a network exchange that ends early in the phase
+    does) leaves eager far closer to no overlap than landing at the phase's end (the paper's eager); with R = 1 the
+    proxy is exact, the landing moves nothing, and the run is the no-overlap run value for value."""
+    before = torch.get_num_threads()
+    try:
+        one_none, one_landed = (_run(builtin_data, "eager" if land else "none", 1, land_after=land) for land in (0, 1))
+        none, late, landed = (_run(builtin_data, mode, 4, rounds=4, inner_steps=4, land_after=land)
+                              for mode, land in (("none", 0), ("eager", 0), ("eager", 1)))
+    finally:
+        torch.set_num_threads(before)
+    assert one_landed["final_val_loss"] == one_none["final_val_loss"]
+    assert landed["tokens"] == none["tokens"] == late["tokens"]
+    gap_late = late["final_val_loss"] - none["final_val_loss"]
+    gap_landed = landed["final_val_loss"] - none["final_val_loss"]
+    assert gap_late > 0 and abs(gap_landed) < 0.5 * gap_late, (none["final_val_loss"], late["final_val_loss"],
+                                                               landed["final_val_loss"])
