@@ -26,7 +26,7 @@ DiLoCo the proxy is the Nesterov step of a fresh momentum, ``outer_lr * (1 + mom
 pseudo-gradient; the global momentum stays in the late global update.
 
 Landing. Under ``eager`` the round's result does not wait for the phase's end: as soon as the exchange finishes
-(typically a third into the next phase), the working parameters move by ``new global - start``
+(measured: on average about halfway into the next phase), the working parameters move by ``new global - start``
 (:func:`landing_shift`), keeping the inner steps taken so far, and the phase's pseudo-gradient is taken against the
 new global parameters. Only the steps before the landing trained from the late start. This is the merge of
 Streaming DiLoCo (Douillard et al., arXiv 2501.18512) applied to eager's start; naive delay does not land, so it
