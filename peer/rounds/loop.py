@@ -109,6 +109,7 @@ class ReplicaBase(RoundRecords, ABC):
         self._logged: set[tuple[str, str]] = set()
         self._saved_at = time.monotonic()
         self._just_synced = False  # set by sync(): we arrive mid-run, and the next round may be under way
+        self._catching_up = False  # the next phase starts behind the others' (overlap, after a sit-out)
         self.overlapping = False  # an exchange runs beside the inner phase: only the main thread loads the model
         self.inbox = Inbox(MAX_RECORD_BYTES)  # round records their signers pushed to us (rounds/inbox.py)
         self.inbox.wanted = self._wants
@@ -344,17 +345,26 @@ class ReplicaBase(RoundRecords, ABC):
         takes part. Training for it would finish after it closes, and applying its result that late would leave
         us behind for the next round too; taking the result at once starts the next round with everybody, so the
         peer contributes from its second round on.
+
+        Under overlap "everybody" started that next phase earlier: each replica starts it as soon as it has
+        announced the round we sat out, so we begin it up to a phase behind them, and a late start is never made
+        up (nothing re-aligns phases under overlap). So the phase after a sit-out catches up: it ends, after at
+        least one step, as soon as others announce it, and contributes the steps it made (measured before: a
+        restarted peer was left out of that round too, and of the next).
         """
+        catch_up, self._catching_up = self._catching_up, False
         if self._just_synced:
             self._just_synced = False
             if self._round_started(r):
                 logger.info("round %d is already being announced by others: taking its result with weight 0 and "
                             "starting the next round with them", r)
+                self._catching_up = self.cfg.overlap != "none"
                 return 0, 0
-        return self._train_phase(r)
+        return self._train_phase(r, catch_up)
 
-    def _train_phase(self, r: int) -> tuple[int, int]:
-        """The inner steps of round r: H AdamW steps of the local trainer (a stage peer's are its swarm's)."""
+    def _train_phase(self, r: int, catch_up: bool = False) -> tuple[int, int]:
+        """The inner steps of round r: H AdamW steps of the local trainer (a stage peer's are its swarm's).
+        ``catch_up``: end after the first step once others announce round r (see :meth:`_inner_phase`)."""
         tokens0 = self.trainer.tokens
         steps, last_check = 0, 0.0
         for _ in range(self.cfg.inner_steps):
@@ -364,6 +374,10 @@ class ReplicaBase(RoundRecords, ABC):
                 last_check = time.perf_counter()
                 if self._round_closed(r):
                     break  # the round closed without us: stop computing and take its result
+                if catch_up and steps and self._round_started(r):
+                    logger.info("round %d: others are announcing it; contributing the %d steps made since catching "
+                                "up", r, steps)
+                    break
             try:
                 self.trainer.train_step()
             except FloatingPointError as exc:

@@ -178,7 +178,7 @@ class RoundRunner(FollowedShards, RoundExchange, ReplicaBase):
 
     def _round_started(self, r: int) -> bool:
         notices, sets = self._round_records(r)
-        return bool(sets) or any(sender != self.me for sender in notices)
+        return bool(sets) or any(sender != self.me and not self._banned(sender, r) for sender in notices)
 
     def _close(self, r: int) -> AcceptedSet | None:
         """Wait for round r's accepted set, publishing it ourselves when we are the coordinator in charge."""
@@ -330,14 +330,15 @@ class RoundRunner(FollowedShards, RoundExchange, ReplicaBase):
         logger.warning("round %d: rejected the contribution of %s (%s); banned until round %d", r, sender[:16],
                        reason, self.bans[sender][0])
 
-    def _decode(self, r: int, s: int, sender: str, digest: str, holders: list[str]) -> Contribution:
+    def _decode(self, r: int, s: int, sender: str, digest: str, holders: list[str],
+                coordinator: str = "") -> Contribution:
         """One accepted shard payload, fetched (or our own), digest-checked and decoded."""
         if sender == self.me:
             blob = self._own_blob(r, s)
             if blob is None or sha256_hex(blob) != digest:
                 raise TransportError("our own contribution is gone or differs from the accepted digest")
         else:
-            blob = self._fetch(r, s, sender, digest, holders)
+            blob = self._fetch(r, s, sender, digest, holders, coordinator)
         try:
             c = contribution_from_bytes(blob, self.outer_cfg, self.shapes[s], run=self.cfg.run_id, round=r, shard=s,
                                         max_bytes=self.limits[s])
@@ -347,12 +348,15 @@ class RoundRunner(FollowedShards, RoundExchange, ReplicaBase):
             raise BadPayload(f"payload claims sender {c.sender[:12]}…, accepted for {sender[:12]}…")
         return c
 
-    def _fetch(self, r: int, shard: int, sender: str, digest: str, holders: list[str]) -> bytes:
+    def _fetch(self, r: int, shard: int, sender: str, digest: str, holders: list[str], coordinator: str = "") -> bytes:
+        """A payload from up to three holders, then the coordinator (it fetched every payload it accepted, so it
+        still has a sender's that died right after announcing), then the sender itself."""
         name = f"c/{r}/{shard}/{sender}"
         others = [h for h in holders if h not in (sender, self.me)]
         random.Random(f"{self.me}|{r}|{shard}|{sender}").shuffle(others)
+        tries = [*others[:3], *([coordinator] if coordinator not in (*others[:3], sender, self.me, "") else [])]
         errors: list[str] = []
-        for peer in [*others[:3], sender, sender]:  # the sender twice: one broken transfer is not a verdict
+        for peer in [*tries, sender, sender]:  # the sender twice: one broken transfer is not a verdict
             # while we fetch from the sender, others asking us for it wait for our copy (peer/net/transport.py)
             with self.transport.sharing(name) if peer == sender else contextlib.nullcontext():
                 blob = self._fetch_from(peer, name, shard, sender, digest, errors)
@@ -402,7 +406,7 @@ class RoundRunner(FollowedShards, RoundExchange, ReplicaBase):
             if cached is not None:
                 return sender, s, cached
             try:
-                return sender, s, self._decode(r, s, sender, digest, holders)
+                return sender, s, self._decode(r, s, sender, digest, holders, accepted.coordinator)
             except BadPayload as exc:
                 return sender, s, exc
             except (TransportError, ProtocolError) as exc:
