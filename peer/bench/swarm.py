@@ -162,6 +162,10 @@ def run_swarm_bench(cfg: SwarmBenchConfig, out: Path | None, console: Console) -
             if land.get("mean_steps") is not None:
                 console.print(f"{label}: the round's result landed mid-phase in {land['mid_phase']:.0%} of peer "
                               f"rounds, on average after {land['mean_steps']:.1f} of {cfg.inner_steps} inner steps")
+            if land.get("first_partial_steps") is not None:
+                console.print(f"{label}: a partial result (the contributions fetched so far) landed first in "
+                              f"{land['partial']:.0%} of peer rounds, on average after "
+                              f"{land['first_partial_steps']:.1f} steps")
     else:
         console.print("DiLoCo bytes are analytic (2(N-1)/N x 4 B x params per member); SparseLoCo bytes are counted.")
     return write_result(out, "swarm", dataclasses.asdict(cfg), {"methods": results, **extra})

@@ -62,6 +62,9 @@ class RoundStats:
     # under eager overlap: inner steps of the next phase trained before this round's result landed in it (None: it
     # landed at that phase's end, or there was no overlap)
     landed_after: int | None = None
+    # under eager overlap: inner steps of the next phase trained before each partial result of this round (ours and
+    # the contributions fetched so far) landed in it, ahead of the result itself (rounds/overlapped.py)
+    previews: list[int] = field(default_factory=list)
     guard: dict[str, float] = field(default_factory=dict)  # largest contribution and update norm ratios seen
     copies: list[dict[str, Any]] = field(default_factory=list)  # evidence of copied contributions (rounds/copies.py)
     refused: str = ""  # why the round was refused as a whole (nobody's parameters moved), if it was

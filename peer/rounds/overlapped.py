@@ -21,9 +21,10 @@ Reports come one round late: the call that trains phase r+1 returns round r's re
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from hlbp.peer.rounds.loop import RoundStats
@@ -44,6 +45,10 @@ class _InFlight:
     future: Future
     main_comm_s: float = 0.0  # the main thread's part: encoding and announcing our contribution
     step0: int = 0  # the trainer's step count when the next phase started (for landed_after)
+    mine: dict[int, Contribution] = field(default_factory=dict)  # our contribution per shard (for previews)
+    previewed: frozenset[str] = frozenset()  # the other senders in the last preview offered (exchange thread)
+    previews: list[int] = field(default_factory=list)  # steps before each preview landed (main thread)
+    landed: int | None = None  # steps before the round's result landed (main thread)
 
 
 class Overlapped:
@@ -56,6 +61,8 @@ class Overlapped:
         self.base: dict[str, Any] | None = None  # where the phase under way started (None: the anchor)
         self.stale = False  # a resync replaced the anchor while the phase under way trained from the old one
         self._landed: RoundStats | None = None  # an exchange joined mid-phase by land(), not yet reported
+        self._lock = threading.Lock()
+        self._offer: tuple[int, dict[str, Any], bool] | None = None  # (round, parameters, final) to land next
 
     def _expected(self) -> int:
         """R for the eager proxy's 1/R weight: the members of the last closed round. Not a read of the live
@@ -84,25 +91,83 @@ class Overlapped:
         self._last = (stats, checks, f.steps)
         return stats
 
-    def land(self) -> None:
-        """Between two inner steps: if the exchange in flight has finished, move the phase under way onto its result
-        now instead of at the phase's end (``eager`` only; naive delay stays the paper's one-round baseline).
+    def preview(self, r: int, final: bool = False) -> None:
+        """On the exchange thread of round ``r``, under ``eager``: offer the phase under way a better start than
+        eager's proxy, for :meth:`land` to move onto between two inner steps.
 
-        The model moves by ``new anchor - phase start``: its inner progress so far is kept, the proxy (our own
-        contribution's expected share) is swapped for the round's real result, and the phase's pseudo-gradient is
-        then taken against the new anchor. So only the steps trained before the result arrived ran one round late.
-        A resync is not landed: that phase is discarded at its end, as before."""
+        While the round is open (``final`` False), the start offered is round r's result as far as it is known:
+        the late global parameters advanced by our own contribution and those of the other senders whose payloads
+        we already fetched and checked (prefetch), aggregated as the round will aggregate them. Only for SparseLoCo
+        with the mean over selectors, whose result over a subset is an estimate of the result over the set. Each
+        new sender makes a new offer, so a peer that announced early takes in the others' progress as it arrives
+        instead of all at once when the slowest has announced and the round has closed.
+
+        ``final``: the round is applied (or refused, or closed without us); the offer is the new global parameters,
+        before they are verified. Were they to fail verification, the resync marks the phase stale, and its steps
+        are discarded at its end as before. None of this touches the global parameters or what anyone sends."""
+        run, f = self.runner, self.inflight
+        if run.cfg.overlap != "eager" or f is None or f.round != r or not f.mine:
+            return
+        if final:
+            params = dict(run.anchor)  # its tensors are replaced, never changed in place: a safe snapshot
+        else:
+            if run.outer_cfg.kind != "sparseloco" or run.outer_cfg.aggregation != "selectors":
+                return
+            got: dict[str, dict[int, Contribution]] = {}
+            for (rr, sender, s, _digest), c in list(run._verified.items()):
+                if rr == r and s in f.mine and sender != run.me:
+                    got.setdefault(sender, {})[s] = c
+            senders = frozenset(p for p, cs in got.items() if cs.keys() >= f.mine.keys())
+            if not senders or senders == f.previewed:
+                return
+            f.previewed = senders
+            params = dict(run.anchor)
+            for s, own in f.mine.items():
+                names = run.shards[s]
+                params.update(run.outers[s].apply({n: run.anchor[n] for n in names},
+                                                  [own, *(got[p][s] for p in sorted(senders))]))
+        with self._lock:
+            self._offer = (r, params, final)
+
+    def land(self) -> None:
+        """Between two inner steps, under ``eager``: move the phase under way onto the newest start
+        :meth:`preview` offered, and, once the exchange in flight has finished, join it (landing its result now if
+        no final offer did).
+
+        Each move is by ``new start - current start`` (:func:`landing_shift`): the inner progress so far is kept,
+        the start (at first eager's proxy, our own contribution's expected share) is swapped for a better estimate
+        of the round's result and finally for the result itself, and the phase's pseudo-gradient is then taken
+        against the new global parameters. So only the steps trained before the result arrived ran one round
+        late. A resync is not landed: that phase is discarded at its end, as before. Naive delay does not land: it
+        stays the paper's one-round baseline."""
         f = self.inflight
-        if f is None or not f.future.done() or self.runner.cfg.overlap != "eager":
+        run = self.runner
+        if f is None or run.cfg.overlap != "eager":
+            return
+        with self._lock:
+            offer, self._offer = self._offer, None
+        if offer is not None and offer[0] == f.round and f.landed is None and not self.stale \
+                and self.base is not None:
+            _, params, final = offer
+            run.trainer.shift_params(landing_shift(self.base, params))
+            self.base = params
+            steps = run.trainer.step - f.step0
+            if final:
+                f.landed = steps
+            else:
+                f.previews.append(steps)
+        if not f.future.done():
             return
         self._landed = self._join()
         if self.stale or self.base is None or self._landed is None:
             return
-        self._landed.landed_after = self.runner.trainer.step - f.step0
-        run = self.runner
-        anchor = dict(run.anchor)  # its tensors are replaced, never changed in place: a safe snapshot
-        run.trainer.shift_params(landing_shift(self.base, anchor))
-        self.base = anchor
+        if f.landed is None:
+            f.landed = run.trainer.step - f.step0
+            anchor = dict(run.anchor)
+            run.trainer.shift_params(landing_shift(self.base, anchor))
+            self.base = anchor
+        self._landed.landed_after = f.landed
+        self._landed.previews = list(f.previews)
 
     def run_round(self) -> RoundStats | None:
         """Train phase ``runner.round``, then hand its exchange to the background; returns the report of the round
@@ -112,7 +177,10 @@ class Overlapped:
         if self.base is None:
             run._load_anchor_into_model()
         stats, steps, tokens, _ = run._begin_round(r)
-        finished = self._join() if self.inflight is not None else self._landed
+        f = self.inflight
+        finished = self._join() if f is not None else self._landed
+        if f is not None and finished is not None:  # joined at the phase's end: what landed before it still counts
+            finished.landed_after, finished.previews = f.landed, list(f.previews)
         self._landed = None
         snapshot = dict(run.anchor)  # the anchor's tensors are replaced, never changed in place: a safe snapshot
         t1 = time.perf_counter()
@@ -133,8 +201,11 @@ class Overlapped:
         main_comm_s = time.perf_counter() - t1
         # bytes served from here to the join: this round's payload and state (the previous round's were counted)
         served_before = run._bytes_served()
-        self.inflight = _InFlight(r, stats, steps, served_before, self.pool.submit(run._exchange, r, stats, mine),
-                                  main_comm_s, run.trainer.step)
+        with self._lock:
+            self._offer = None  # an offer of the round just joined that no step was left to land
+        self.inflight = _InFlight(r, stats, steps, served_before, Future(), main_comm_s, run.trainer.step,
+                                  dict(mine))
+        self.inflight.future = self.pool.submit(run._exchange, r, stats, mine)  # set first: preview() reads it
         if finished is None:
             return None
         return self._report(finished, snapshot)

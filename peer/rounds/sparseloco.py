@@ -190,6 +190,8 @@ class RoundRunner(FollowedShards, RoundExchange, ReplicaBase):
             now = time.monotonic()
             notices, sets = self._round_records(r, wait=False)
             self._prefetch(r, notices)
+            if self.overlapped is not None:
+                self.overlapped.preview(r)  # the round's result as far as it is fetched, for the phase under way
             for sender in notices:
                 arrivals.setdefault(sender, now)
             order = coordinator_ranking(r, {p: set(n.digests) for p, n in notices.items()

@@ -87,6 +87,8 @@ def summarize(records: dict[str, Sequence[dict[str, Any]]], n_params: int | None
             # eager overlap: inner steps of the next phase each peer trained before this round's result landed
             "landed_after": {name: p["landed_after"] for name, p in sorted(peers.items())
                              if p.get("landed_after") is not None},
+            # and the steps before each partial result of the round (the contributions fetched so far) landed
+            "previews": {name: p["previews"] for name, p in sorted(peers.items()) if p.get("previews")},
         })
     complete = [r for r in rounds if target_rounds is None or r["peers"] == len(records)]
     out: dict[str, Any] = {
@@ -109,8 +111,12 @@ def summarize(records: dict[str, Sequence[dict[str, Any]]], n_params: int | None
             phases[name] = phases.get(name, 0.0) + float(secs)
     out["phases_s"] = {name: total / len(peer_rounds) for name, total in phases.items()}
     landed = [rec["landed_after"] for rec in peer_rounds if rec.get("landed_after") is not None]
+    # and before it, the first partial result (ours and the contributions fetched so far; rounds/overlapped.py)
+    firsts = [rec["previews"][0] for rec in peer_rounds if rec.get("previews")]
     out["landing"] = {"mid_phase": len(landed) / len(peer_rounds) if peer_rounds else 0.0,
-                      "mean_steps": sum(landed) / len(landed) if landed else None}
+                      "mean_steps": sum(landed) / len(landed) if landed else None,
+                      "partial": len(firsts) / len(peer_rounds) if peer_rounds else 0.0,
+                      "first_partial_steps": sum(firsts) / len(firsts) if firsts else None}
     sent = [b for r in rounds for b in r["bytes_sent"].values()]
     recv = [b for r in rounds for b in r["bytes_received"].values()]
     out["bytes_per_peer_round"] = {"sent": sum(sent) / len(sent) if sent else 0.0,

@@ -28,6 +28,13 @@ def test_eager_overlap_keeps_every_round_agreed_and_the_loss_falling(tmp_path) -
     # machine, but after 1 to H steps whenever it does
     landed = [n for r in report["rounds"] for n in r["landed_after"].values()]
     assert all(1 <= n <= 5 for n in landed), landed
+    # partial results land before the result itself, in step order: a replica that announced before the others
+    # takes in their contributions as it fetches them
+    for r in report["rounds"]:
+        for name, steps in r["previews"].items():
+            assert steps == sorted(steps) and all(1 <= n <= 5 for n in steps), (name, steps)
+            assert r["landed_after"].get(name, 5) >= steps[-1], (name, steps, r["landed_after"])
+    assert report["landing"]["partial"] > 0, report["landing"]
     assert report["landing"]["mid_phase"] == len(landed) / sum(r["peers"] for r in report["rounds"])
     losses = report["val_loss"]
     # every round lowers the loss; by how much varies with load (a loaded run measured 8.86 -> 8.36)
