@@ -185,7 +185,8 @@ class RoundRunner(FollowedShards, RoundExchange, ReplicaBase):
         first_seen: float | None = None
         arrivals: dict[str, float] = {}
         give_up = time.monotonic() + self.cfg.max_deadline_s + 30 * self.cfg.takeover_s
-        expected = max(1, self.expected() if self.expected else self.last_members)
+        # 0 from the announcements means they could not be read: wait out the window rather than close on the first
+        expected = (self.expected() or math.inf) if self.expected else max(1, self.last_members)
         while not self.stop.is_set():
             now = time.monotonic()
             notices, sets = self._round_records(r, wait=False)
