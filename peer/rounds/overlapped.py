@@ -104,7 +104,13 @@ class Overlapped:
 
         ``final``: the round is applied (or refused, or closed without us); the offer is the new global parameters,
         before they are verified. Were they to fail verification, the resync marks the phase stale, and its steps
-        are discarded at its end as before. None of this touches the global parameters or what anyone sends."""
+        are discarded at its end as before. None of this touches the global parameters or what anyone sends.
+
+        A hostile sender: a preview takes only payloads that matched their signed digest, decoded and passed the
+        contribution norm bound (``_check_payloads``), from senders not banned. One the round later refuses (the
+        update or loss guard) moves our private start for a few steps at most: the final landing replaces that
+        start by the real result, and only the steps trained meanwhile keep its bounded influence. Previews are
+        one per new sender, so at most ``prefetch_up_to`` aggregations a round."""
         run, f = self.runner, self.inflight
         if run.cfg.overlap != "eager" or f is None or f.round != r or not f.mine:
             return
