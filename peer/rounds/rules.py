@@ -117,19 +117,21 @@ def round_standing(checks: Sequence[ShardChecks]) -> dict[str, dict[str, int | b
 
 
 def checks_settled(checks: Sequence[ShardChecks], mine: ShardChecks, members: Mapping[str, AbstractSet[int] | None],
-                   online: AbstractSet[str] | None = None) -> bool:
+                   online: AbstractSet[str] | None = None, moved_on: AbstractSet[str] = frozenset()) -> bool:
     """Whether a peer can stop waiting for the other members' checksums of round ``mine.round`` (``checks``: the
     records seen so far; ``members``: peer -> the shards it contributed, None for all of them).
 
     True once every member that may still publish has published (a member that the run's announcements no
-    longer show online, ``online`` given, never will), or once, for every shard we hold, the checksum leading
+    longer show online, ``online`` given, never will; nor will one that already published a later round's,
+    ``moved_on``: a peer's record holds its latest round only), or once, for every shard we hold, the leading
     among the records seen (ours included) is ahead of every other by more than the members still to publish
     that shard could add: the majority that :func:`majority_checksums` would pick, and so our verdict, can no
     longer change. A tie or a close count keeps waiting, so a peer whose state differs still finds out.
     """
     r = mine.round
     seen = {c.peer: c for c in checks if c.round == r and c.peer != mine.peer}
-    pending = [p for p in members if p != mine.peer and p not in seen and (online is None or p in online)]
+    pending = [p for p in members if p != mine.peer and p not in seen and p not in moved_on
+               and (online is None or p in online)]
     if not pending:
         return True
     if mine.fingerprints:  # a dense run agrees up to float rounding: only a complete set of records decides it

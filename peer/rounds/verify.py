@@ -3,7 +3,9 @@
 A member that left or died after its contribution was accepted never publishes its checksums; waiting the whole
 ``checks_wait_s`` for it cost every survivor that long (rounds of 12 s instead of 2.5 s under chaos). The wait
 ends instead as soon as :func:`hlbp.peer.rounds.rules.checks_settled` says the verdict is in: every member still
-announced online has published, or the records seen form a per-shard majority the others cannot overturn.
+announced online has published (or has already published a later round's: a peer's record holds only its latest
+round, so a verifier a round behind, a straggler under overlap, would otherwise wait out the window for records
+that are gone), or the records seen form a per-shard majority the others cannot overturn.
 The announcements come from the same DHT poll as the checksums (one round trip for both); the members also push
 their checksums to each other (:mod:`hlbp.peer.rounds.inbox`), so the wait usually ends without a DHT read.
 """
@@ -49,8 +51,11 @@ def wait_for_checks(runner: Any, r: int, members: Mapping[str, AbstractSet[int] 
     deadline = time.monotonic() + runner.cfg.checks_wait_s
     while True:
         raw_checks, raw_peers = runner.poller.entries(checks_key(run), peers_key(run))
-        checks = [c for c in runner._records(checks_key(run), parse_checks, raw_checks) if c.round == r]
+        latest = runner._records(checks_key(run), parse_checks, raw_checks)
+        checks = [c for c in latest if c.round == r]
+        moved_on = {c.peer for c in latest if c.round > r}  # their round-r records are gone: none will come
         online = online_members(raw_peers, run, get_dht_time(), runner.me, set(members))
-        if checks_settled(checks, mine, members, online) or time.monotonic() >= deadline or runner.stop.is_set():
+        if (checks_settled(checks, mine, members, online, moved_on) or time.monotonic() >= deadline
+                or runner.stop.is_set()):
             return checks
         runner.inbox.wait(runner.cfg.poll_s)  # wakes at once for a pushed record or a finished DHT read

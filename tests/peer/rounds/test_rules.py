@@ -117,6 +117,10 @@ def test_checks_settled_when_every_online_member_published():
     # a record of another round, or our own record read back, is not a member's answer
     assert not checks_settled([*published, _checks(3, {0: "a", 1: "b"}, r=2), _checks(0, {0: "a", 1: "b"})],
                               mine, members)
+    # the member still to come already published a later round's record (which replaced its round-3 one, so a
+    # verifier a round behind would wait for it in vain): nothing more will arrive for round 3
+    assert checks_settled(published, mine, members, moved_on={PEERS[3]})
+    assert not checks_settled(published, mine, members, moved_on={PEERS[4]})  # not a member: still waiting
 
 
 def test_checks_settled_by_a_majority_the_rest_cannot_overturn():
