@@ -78,6 +78,9 @@ class RoundExchange:
         if mine and not stats.accepted:
             for s, c in mine.items():
                 self.outers[s].withdraw(c)  # left out, or the round refused: it stays in the error-feedback buffer
+            if self.overlapping and accepted is not None:
+                # the phase under way started at our notice, which came too late: it catches up (loop._inner_phase)
+                self.catch_up_round = max(self.catch_up_round, r + 1)
         self._load_anchor_into_model()
         if self.overlapped is not None and self.in_sync:
             self.overlapped.preview(r, final=True)  # the phase under way can land the result before it is verified

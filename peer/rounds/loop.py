@@ -50,6 +50,8 @@ __all__ = ["ReplicaBase", "RoundConfig", "RoundStats"]  # the config and stats l
 
 logger = logging.getLogger(__name__)
 
+PHASE_CHECK_S = 0.25  # how often the inner phase looks (without waiting) whether its round closed or started
+
 
 class ReplicaBase(RoundRecords, ABC):
     """What every round loop shares: the anchor, outer optimizers, inner phase, DHT records, checkpoints, agreement
@@ -109,11 +111,16 @@ class ReplicaBase(RoundRecords, ABC):
         self._logged: set[tuple[str, str]] = set()
         self._saved_at = time.monotonic()
         self._just_synced = False  # set by sync(): we arrive mid-run, and the next round may be under way
-        self._catching_up = False  # the next phase starts behind the others' (overlap, after a sit-out)
+        # under overlap: the round whose phase started behind the others' (after a sit-out, or after our notice of
+        # the round before came too late); that phase ends early once others announce it (see _inner_phase)
+        self.catch_up_round = -1
         self.overlapping = False  # an exchange runs beside the inner phase: only the main thread loads the model
         self.inbox = Inbox(MAX_RECORD_BYTES)  # round records their signers pushed to us (rounds/inbox.py)
         self.inbox.wanted = self._wants
         self.poller = DhtPoll(dht, self.inbox, cfg.poll_s, cfg.dht_timeout_s, self._stuck)
+        # the inner phase's own poller: its checks never block a step, and never cancel the reads of an exchange
+        # running beside it (a DhtPoll keeps one read in flight, for one set of keys)
+        self.phase_poller = DhtPoll(dht, self.inbox, cfg.poll_s, cfg.dht_timeout_s, self._stuck)
         self.live: dict[int, set[str]] = {}  # round -> peers seen in it: who we push our records to
         self._stores: list[tuple[Any, str, float]] = []  # DHT stores under way (future, key, started)
         if transport is not None:  # None: a runner that only trains (tests of the inner phase)
@@ -328,6 +335,7 @@ class ReplicaBase(RoundRecords, ABC):
         self._protect(r)
         self.inbox.prune()  # records of rounds long past
         self.poller.forget(self._wants)
+        self.phase_poller.forget(self._wants)
         stats = RoundStats(round=r)
         served_before = self._bytes_served()
         if not self.overlapping:
@@ -350,31 +358,36 @@ class ReplicaBase(RoundRecords, ABC):
         announced the round we sat out, so we begin it up to a phase behind them, and a late start is never made
         up (nothing re-aligns phases under overlap). So the phase after a sit-out catches up: it ends, after at
         least one step, as soon as others announce it, and contributes the steps it made (measured before: a
-        restarted peer was left out of that round too, and of the next).
+        restarted peer was left out of that round too, and of the next). The same holds after a round that
+        closed without our (late) contribution: the phase under way started at that late notice, so the exchange
+        thread marks it (``catch_up_round``) and it ends once others announce it, instead of staying a constant
+        offset behind them round after round.
         """
-        catch_up, self._catching_up = self._catching_up, False
         if self._just_synced:
             self._just_synced = False
             if self._round_started(r):
                 logger.info("round %d is already being announced by others: taking its result with weight 0 and "
                             "starting the next round with them", r)
-                self._catching_up = self.cfg.overlap != "none"
+                if self.cfg.overlap != "none":
+                    self.catch_up_round = r + 1
                 return 0, 0
-        return self._train_phase(r, catch_up)
+        return self._train_phase(r, self.catch_up_round == r)
 
     def _train_phase(self, r: int, catch_up: bool = False) -> tuple[int, int]:
         """The inner steps of round r: H AdamW steps of the local trainer (a stage peer's are its swarm's).
-        ``catch_up``: end after the first step once others announce round r (see :meth:`_inner_phase`)."""
+        ``catch_up``: end after the first step once others announce round r (see :meth:`_inner_phase`); an
+        exchange in the background may also ask for it while the phase runs (``catch_up_round``)."""
         tokens0 = self.trainer.tokens
         steps, last_check = 0, 0.0
         for _ in range(self.cfg.inner_steps):
             if self.stop.is_set():
                 break
-            if time.perf_counter() - last_check > 0.5:
+            if time.perf_counter() - last_check > PHASE_CHECK_S:
+                # what the phase's poller last read plus what was pushed: a step never waits on a DHT lookup
                 last_check = time.perf_counter()
-                if self._round_closed(r):
+                if self._round_closed(r, wait=False):
                     break  # the round closed without us: stop computing and take its result
-                if catch_up and steps and self._round_started(r):
+                if (catch_up or self.catch_up_round == r) and steps and self._round_started(r, wait=False):
                     logger.info("round %d: others are announcing it; contributing the %d steps made since catching "
                                 "up", r, steps)
                     break
@@ -402,11 +415,13 @@ class ReplicaBase(RoundRecords, ABC):
         self.rollbacks += 1
 
     @abstractmethod
-    def _round_closed(self, r: int) -> bool:
-        """Whether round r has already closed without us (the inner phase then stops early)."""
+    def _round_closed(self, r: int, wait: bool = True) -> bool:
+        """Whether round r has already closed without us (the inner phase then stops early). ``wait``: look it
+        up now; else answer from ``phase_poller``'s last read and the records pushed to us."""
 
-    def _round_started(self, r: int) -> bool:
-        """Whether other replicas have already finished their inner phase of round r (none can tell: False)."""
+    def _round_started(self, r: int, wait: bool = True) -> bool:
+        """Whether other replicas have already finished their inner phase of round r (none can tell: False);
+        ``wait`` as for :meth:`_round_closed`."""
         return False
 
     def _bytes_served(self) -> int:

@@ -40,6 +40,7 @@ from hlbp.peer.rounds import copies, guard
 from hlbp.peer.rounds.contribution import contribution_from_bytes
 from hlbp.peer.rounds.exchange import RoundExchange
 from hlbp.peer.rounds.follow import FollowedShards, follow_anchor
+from hlbp.peer.rounds.inbox import DhtPoll
 from hlbp.peer.rounds.loop import ReplicaBase, RoundConfig, RoundStats
 from hlbp.peer.rounds.outer import Contribution, make_outer
 from hlbp.peer.rounds.overlapped import Overlapped
@@ -119,11 +120,12 @@ class RoundRunner(FollowedShards, RoundExchange, ReplicaBase):
         self._prefetches: dict[tuple[int, str], Future[Exception | None]] = {}  # (round, sender) -> its prefetch
         self.overlapped = Overlapped(self) if self.cfg.overlap != "none" else None
 
-    def _round_records(self, r: int, wait: bool = True) -> tuple[dict[str, ContribNotice], list[AcceptedSet]]:
+    def _round_records(self, r: int, wait: bool = True,
+                       poller: DhtPoll | None = None) -> tuple[dict[str, ContribNotice], list[AcceptedSet]]:
         """Round r's contribution notices (by sender) and published accepted sets, read in one concurrent poll
-        (``wait``), or as last polled plus what was pushed since (not waiting on the DHT)."""
+        (``wait``), or as ``poller`` (default: the exchange's) last polled plus what was pushed since."""
         keys = (round_key(self.cfg.run_id, r, KIND_CONTRIB), round_key(self.cfg.run_id, r, KIND_ACCEPTED))
-        contribs, accepted = self._read(*keys) if wait else self.poller.entries(*keys)
+        contribs, accepted = self._read(*keys) if wait else (poller or self.poller).entries(*keys)
         notices = {n.sender: n for n in self._records(keys[0], parse_contrib, contribs, round_=r)}
         self._seen(r, notices)
         return notices, self._records(keys[1], parse_accepted, accepted, round_=r)
@@ -173,11 +175,13 @@ class RoundRunner(FollowedShards, RoundExchange, ReplicaBase):
         """‖θ_s‖ of the round's anchor for every shard we apply: the guard's bounds are relative to it."""
         self._scales = {s: guard.scale({n: self.anchor[n] for n in self.shards[s]}) for s in self.applied}
 
-    def _round_closed(self, r: int) -> bool:
-        return self._accepted(r) is not None
+    def _round_closed(self, r: int, wait: bool = True) -> bool:
+        if wait:
+            return self._accepted(r) is not None
+        return self._accepted(r, self._round_records(r, False, self.phase_poller)[1]) is not None
 
-    def _round_started(self, r: int) -> bool:
-        notices, sets = self._round_records(r)
+    def _round_started(self, r: int, wait: bool = True) -> bool:
+        notices, sets = self._round_records(r, wait, self.phase_poller)
         return bool(sets) or any(sender != self.me and not self._banned(sender, r) for sender in notices)
 
     def _close(self, r: int) -> AcceptedSet | None:
