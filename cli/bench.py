@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import typer
@@ -39,6 +40,13 @@ def convergence(
                           "method (DiLoCo outer lr 0.6/0.7; SparseLoCo k 64/128 x inner lr 1/1.25x), the small-"
                           "tensor rule and clipping against their defaults. About an hour on 2 cores; with --quick "
                           "a smoke run of the same sweep."),
+    diloco_lrs: str = opt("", "--diloco-lrs", env="BENCH_DILOCO_LRS",
+                          help="--long: DiLoCo's Nesterov outer learning rates to sweep, comma-separated "
+                               "(default 0.6,0.7)."),
+    ks: str = opt("", "--ks", env="BENCH_KS",
+                  help="SparseLoCo top-k values per chunk to run, comma-separated (default: the sweep's)."),
+    lr_mults: str = opt("", "--lr-mults", env="BENCH_LR_MULTS",
+                        help="--long: SparseLoCo inner lr as multiples of DiLoCo's, comma-separated (default 1,1.25)."),
 ) -> None:
     """SparseLoCo vs DiLoCo vs one AdamW run with R x the batch, at equal tokens (--long: the long horizon)."""
     import dataclasses
@@ -67,7 +75,24 @@ def convergence(
         changes["rounds"] = rounds
     if inner_steps is not None:
         changes["inner_steps"] = inner_steps
+    for name, text, kind in (("diloco_lrs", diloco_lrs, float), ("ks", ks, int), ("lr_mults", lr_mults, float)):
+        values = _number_list(text, kind, "--" + name.replace("_", "-"))
+        if values:
+            changes[name] = values
+    if (diloco_lrs or lr_mults) and not long:
+        raise UserInputError("--diloco-lrs and --lr-mults shape the --long sweep: add --long")
     run_convergence_bench(dataclasses.replace(cfg, **changes), out, console)
+
+
+def _number_list(text: str, kind: type, flag: str) -> tuple:
+    """A comma-separated list of positive numbers from a flag, or () when it is empty."""
+    try:
+        values = tuple(kind(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise UserInputError(f"{flag} takes comma-separated numbers, e.g. {flag} 0.5,0.6; got {text!r}") from None
+    if any(not (v > 0 and math.isfinite(v)) for v in values):
+        raise UserInputError(f"{flag}: every value must be a finite number > 0; got {text!r}")
+    return values
 
 
 @bench_app.command("activations")

@@ -290,6 +290,9 @@ def run_convergence_bench(
     """Run every method, print the table and return (and optionally write) the full JSON document."""
     console = console or Console(stderr=True)
     meths = methods(cfg)
+    for m in meths:
+        if m.outer is not None:
+            m.outer.validate()  # a bad setting (k outside 1..4096) fails before an hour of runs, not after
     if cfg.jobs > 1:
         # one process per method at a time, one torch thread each: the methods are independent and seeded alike
         ctx = multiprocessing.get_context("spawn")

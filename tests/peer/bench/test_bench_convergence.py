@@ -70,3 +70,33 @@ def test_overlap_sweep_reports_naive_and_eager_against_no_overlap(builtin_data: 
             res = next(r for label, r in runs.items() if label.startswith(fam) and label.endswith(f"overlap {mode}"))
             assert res["tokens"] == none["tokens"]
             assert ratio == pytest.approx(res["final_val_loss"] / none["final_val_loss"])
+
+
+def _bench(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "hlbp.cli.main", "bench", "convergence", *args],
+                          check=False, capture_output=True, text=True, timeout=timeout)
+
+
+def test_sweep_flags_choose_the_long_sweeps_settings(tmp_path: Path, builtin_data: object) -> None:
+    out = tmp_path / "conv.json"
+    proc = _bench("--long", "--quick", "--rounds", "1", "--inner-steps", "1", "--diloco-lrs", "0.5", "--ks", "128",
+                  "--lr-mults", "1.25", "--only", "lr x1.25", "--seed", "3", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert set(doc["result"]["runs"]) == {"adamw (1 replica, R x batch)", "diloco outer lr 0.5",
+                                          "sparseloco k=128 lr x1.25"}
+    cfg = doc["config"]
+    assert (cfg["diloco_lrs"], cfg["ks"], cfg["lr_mults"], cfg["seed"]) == ([0.5], [128], [1.25], 3)
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (("--long", "--quick", "--ks", "9999"), "k must be in 1..4096"),
+    (("--long", "--quick", "--diloco-lrs", "0.5,x"), "--diloco-lrs takes comma-separated numbers"),
+    (("--long", "--quick", "--lr-mults", "nan"), "--lr-mults: every value must be a finite number > 0"),
+    (("--long", "--quick", "--diloco-lrs", "inf"), "--diloco-lrs: every value must be a finite number > 0"),
+    (("--quick", "--diloco-lrs", "0.5"), "add --long"),
+])
+def test_bad_sweep_flags_fail_before_any_run(args: tuple[str, ...], message: str) -> None:
+    proc = _bench(*args, timeout=120)
+    assert proc.returncode != 0 and message in proc.stderr, proc.stderr[-2000:]
+    assert "round" not in proc.stderr  # nothing ran: no progress line was printed
