@@ -97,7 +97,7 @@ class StageRounds(RoundRunner):
         super().__init__(*args, **kwargs)
         self.phase, self.worker, self.codec = phase, worker, codec
 
-    def _train_phase(self, r: int, catch_up: bool = False) -> tuple[int, int]:
+    def _train_phase(self, r: int) -> tuple[int, int]:
         return self.phase(r)  # a swarm's phase ends at its driver's end-of-round mark (no overlap for stages)
 
     def _load_anchor_into_model(self) -> None:

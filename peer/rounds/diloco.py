@@ -153,8 +153,8 @@ class DenseRoundRunner(ReplicaBase):
         return True
 
     def _round_closed(self, r: int, wait: bool = True) -> bool:
-        """Other replicas already published their state after round r: we are too late for it (always looked up:
-        the dense baseline's phase checks are not on a path this benchmark baseline optimizes)."""
+        """Other replicas already published their state after round r: we are too late for it. Always looked up,
+        whatever ``wait`` says: the dense baseline keeps its checks as they were."""
         return any(c.round >= r for c in self.latest_checks() if c.peer != self.me)
 
     # -- one round -----------------------------------------------------------------------------------------

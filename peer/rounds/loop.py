@@ -371,12 +371,12 @@ class ReplicaBase(RoundRecords, ABC):
                 if self.cfg.overlap != "none":
                     self.catch_up_round = r + 1
                 return 0, 0
-        return self._train_phase(r, self.catch_up_round == r)
+        return self._train_phase(r)
 
-    def _train_phase(self, r: int, catch_up: bool = False) -> tuple[int, int]:
-        """The inner steps of round r: H AdamW steps of the local trainer (a stage peer's are its swarm's).
-        ``catch_up``: end after the first step once others announce round r (see :meth:`_inner_phase`); an
-        exchange in the background may also ask for it while the phase runs (``catch_up_round``)."""
+    def _train_phase(self, r: int) -> tuple[int, int]:
+        """The inner steps of round r: H AdamW steps of the local trainer (a stage peer's are its swarm's). When
+        ``catch_up_round`` is r, set before the phase or by the exchange while it runs, the phase ends after at
+        least one step once others announce round r (see :meth:`_inner_phase`)."""
         tokens0 = self.trainer.tokens
         steps, last_check = 0, 0.0
         for _ in range(self.cfg.inner_steps):
@@ -387,7 +387,7 @@ class ReplicaBase(RoundRecords, ABC):
                 last_check = time.perf_counter()
                 if self._round_closed(r, wait=False):
                     break  # the round closed without us: stop computing and take its result
-                if (catch_up or self.catch_up_round == r) and steps and self._round_started(r, wait=False):
+                if self.catch_up_round == r and steps and self._round_started(r, wait=False):
                     logger.info("round %d: others are announcing it; contributing the %d steps made since catching "
                                 "up", r, steps)
                     break
