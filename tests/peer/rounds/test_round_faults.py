@@ -168,6 +168,13 @@ def test_joiner_syncs_and_contributes(swarm: Swarm) -> None:
         assert rec["in_sync"] and rec["checksums"] == recs[rec["round"]]["a"]["checksums"], rec
 
 
+# Rounds within which a restarted peer is accepted again, counting the round it sits out after a state sync.
+# Without overlap: that round and the next. Under overlap the next is a catch-up phase (rounds/loop.py), which ends
+# once others announce it but whose notice waits for the sat-out round's background exchange to be joined; on 8
+# processes sharing 2 cores that made it miss the 2 s window in 3 of 12 runs, and the round after always took it.
+WITHIN = 2 if OVERLAP == "none" else 3
+
+
 def test_restarted_peers_resume_or_sync_and_are_accepted_again(swarm: Swarm) -> None:
     b = swarm.replicas["b"]
     assert b.proc.stop(timeout=30) == 0, b.proc.output[-2000:]
@@ -179,8 +186,12 @@ def test_restarted_peers_resume_or_sync_and_are_accepted_again(swarm: Swarm) -> 
         again = swarm.replicas[name]
         line = again.proc.wait_for(r"^replica: (.*); starting at round (\d+)", ROUND_TIMEOUT_S)
         assert line.group(1).startswith(("resumed", "synced")), line.group(0)
-        poll(lambda r=again, n=before[name]: any(rec["accepted"] for rec in r.rounds()[n:n + 2]), ROUND_TIMEOUT_S,
-             f"{name} to be accepted within 2 rounds of its restart")
+        n = before[name]
+        poll(lambda r=again, n=n: len(r.rounds()) >= n + WITHIN, ROUND_TIMEOUT_S,
+             f"{name}'s first {WITHIN} rounds after its restart")
+        first = again.rounds()[n:n + WITHIN]
+        assert any(rec["accepted"] for rec in first), (f"{name} not accepted within {WITHIN} rounds of its restart",
+                                                        first)
     rounds = _by_round(swarm)
     last = max(r for r, recs in rounds.items() if {"a", "b", "c"} <= set(recs))
     assert checksums_agree([rounds[last][n] for n in ("a", "b", "c")]), rounds[last]
