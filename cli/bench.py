@@ -38,8 +38,8 @@ def convergence(
     long: bool = opt(False, "--long", env="BENCH_LONG",
                      help="The long horizon: 150 rounds of H = 15, warm-up then cosine to 0.1x, a tuning sweep per "
                           "method (DiLoCo outer lr 0.6/0.7; SparseLoCo k 64/128 x inner lr 1/1.25x), the small-"
-                          "tensor rule and clipping against their defaults. About an hour on 2 cores; with --quick "
-                          "a smoke run of the same sweep."),
+                          "tensor rule and clipping against their defaults. 10 runs of about 15 minutes each; with "
+                          "--jobs 2 on 2 cores about 100 minutes. --quick: a smoke run of the same sweep."),
     diloco_lrs: str = opt("", "--diloco-lrs", env="BENCH_DILOCO_LRS",
                           help="--long: DiLoCo's Nesterov outer learning rates to sweep, comma-separated "
                                "(default 0.6,0.7)."),
