@@ -85,6 +85,9 @@ class StageTrainer:
     def train_step(self) -> None:
         raise RuntimeError("a stage peer's inner steps come from its swarm's driver")
 
+    def warm_up(self) -> None:
+        """Nothing to do here: a stage's passes come from its swarm's driver."""
+
 
 class StageRounds(RoundRunner):
     """The round loop of one stage peer: ``held`` is its stage's shard, ``phase(r)`` runs or awaits the swarm's

@@ -140,6 +140,16 @@ class InnerTrainer:
         self.step += 1
         return total
 
+    def warm_up(self) -> None:
+        """One forward and backward pass on the next step's batch, with nothing changed: no optimizer step, no
+        tokens counted, gradients dropped. A process's first pass is slower than the rest (allocations,
+        autograd's first graph: about twice on the tiny model); a peer joining a run under way takes it early."""
+        self.model.train()
+        x, y = (t.to(self.device) for t in self.batch_fn(self.step, 0))
+        with autocast(self.device):
+            self.model.loss(self.model(x), y).backward()
+        self.optimizer.zero_grad(set_to_none=True)
+
     @torch.no_grad()
     def load_params(self, params: Mapping[str, torch.Tensor]) -> None:
         """Copy ``params`` (name -> tensor, at least every parameter of the model: a round's global parameters)

@@ -96,3 +96,22 @@ def test_a_mark_for_another_round_does_not_cut_this_phase() -> None:
     replica = _replica(hook)
     replica.catch_up_round = 4  # a phase already past
     assert replica._inner_phase(5)[0] == STEPS
+
+
+def test_a_peer_that_pushes_its_checksums_is_pushed_our_next_records() -> None:
+    # a restarted peer sits its first round out (no notice) and pushes its checksums to the round's members: from
+    # then on they push it their records, so its catch-up phase hears of the next round's notices at once
+    from hlbp.protocol.roundrecords import KIND_CONTRIB, checks_key, round_key
+
+    replica = _replica(_LateExchange(r=5, at=3, mark=False))
+    replica.round = 6
+    newcomer, other = Identity.generate().peer_id, Identity.generate().peer_id
+    replica._pushed(other, round_key("t", 6, KIND_CONTRIB), b"a notice")  # a notice counts once parsed, not here
+    assert replica.pushed_to() == set()
+    replica._pushed(newcomer, checks_key("t"), b"its checksums")
+    assert replica.pushed_to() == {newcomer} and replica.inbox.entries(checks_key("t")) == {newcomer: b"its checksums"}
+    replica._pushed(replica.me, checks_key("t"), b"ours")  # never ourselves
+    replica._pushed(other, checks_key("other-run"), b"another run's")  # unwanted: not kept, so not live
+    assert replica.pushed_to() == {newcomer}
+    replica.round = 9  # live means seen in the last two rounds
+    assert replica.pushed_to() == set()

@@ -92,3 +92,16 @@ def test_checkpoint_of_another_model_is_a_user_error(builtin_data, tmp_path):
 def test_bad_optimizer_settings(change):
     with pytest.raises(UserInputError):
         dataclasses.replace(OptimConfig(), **change).validate()
+
+
+def test_a_warm_up_pass_changes_nothing(builtin_data):
+    # a peer joining a run under way takes its first (slow) pass early; the steps after it are bit for bit those of
+    # a trainer that never warmed up
+    cold, warm = _trainer(builtin_data), _trainer(builtin_data)
+    warm.warm_up()
+    assert (warm.step, warm.tokens, warm.optimizer.state) == (0, 0, {})
+    assert all(p.grad is None for p in warm.model.parameters())
+    for _ in range(3):
+        assert warm.train_step() == cold.train_step()
+    for (name, a), b in zip(cold.model.state_dict().items(), warm.model.state_dict().values()):
+        assert torch.equal(a, b), name
