@@ -36,8 +36,16 @@ def _split(values: list[str] | None) -> list[str]:
 
 
 def _setup_logging() -> None:
+    """Warnings and errors from everything; ``HLBP_LOG_LEVEL`` (DEBUG, INFO, ...) makes hlbp's own loggers say more
+    (the round loop's decisions: sitting a round out, catching up, resyncing)."""
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    name = os.environ.get("HLBP_LOG_LEVEL", "").upper()
+    if name:
+        level = logging.getLevelName(name)
+        if not isinstance(level, int):
+            raise UserInputError(f"HLBP_LOG_LEVEL must be DEBUG, INFO, WARNING or ERROR, got {name!r}")
+        logging.getLogger("hlbp").setLevel(level)
 
 
 def _echo(line: str) -> None:

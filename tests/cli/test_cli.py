@@ -93,3 +93,8 @@ def test_fault_hooks_are_no_flags():
     assert not re.search(r"\bfaults?\b|inject", join_help, re.IGNORECASE)
     bad = run("join", "--inject-corrupt", "--initial-peers", "/ip4/127.0.0.1/tcp/1/p2p/x")
     assert bad.returncode == 2 and "No such option" in bad.stderr
+
+
+def test_log_level_variable_is_checked():
+    out = run("bootstrap", "--host-maddrs", "/ip4/127.0.0.1/tcp/0", env={"HLBP_LOG_LEVEL": "chatty"})
+    assert out.returncode == 2 and "HLBP_LOG_LEVEL must be" in out.stderr and "Traceback" not in out.stderr
