@@ -16,7 +16,8 @@ train a different run than the operator meant. Example::
                                # outer = "sparseloco" | "diloco", outer_lr, momentum (DiLoCo),
                                # aggregation = "selectors" | "mean", weighting = "equal" | "tokens", clip_median,
                                # small_tensors = "topk" | "dense" (SparseLoCo: 1-D and sub-chunk tensors whole),
-                               # overlap = "none" | "naive" | "eager" (rounds beside the next inner phase),
+                               # overlap = "none" | "naive" | "eager" (rounds beside the next inner phase;
+                               # default eager for sparseloco, none for diloco, which refuses overlap),
                                # max_contribution_ratio, max_update_ratio, max_loss_jump (the round guard's bounds),
                                # schedule_steps (the inner lr schedule's length on every peer; 0: 1000 rounds of H)
     [codec]                    # name = "dense" | "subspace-a" | "subspace-a-drift" | "subspace-b", k = 4, dtype = "fp32"

@@ -99,10 +99,11 @@ def simulate(
     small_tensors: str = opt("topk", "--small-tensors", env="SIM_SMALL_TENSORS",
                              help="SparseLoCo's 1-D and sub-chunk tensors: topk (the run's k) or dense (every "
                                   "value, 2-bit)."),
-    overlap: str = opt("none", "--overlap", env="SIM_OVERLAP",
+    overlap: str = opt("", "--overlap", env="SIM_OVERLAP",
                        help="Overlap each round's exchange with the next inner phase: none, naive (one round late) "
                             "or eager (one round late, plus each peer's own latest contribution). Full replicas "
-                            "only; stage peers run their rounds in turn."),
+                            "only; stage peers run their rounds in turn. Default: the outer's (eager for "
+                            "sparseloco, none for diloco)."),
     wan_delay_ms: float = opt(0.0, "--wan-delay-ms", env="SIM_WAN_DELAY_MS",
                               help="Emulate a WAN: every peer sits behind a proxy that delays each direction by "
                                    "this many ms (round trip: twice this)."),
@@ -132,7 +133,7 @@ def simulate(
     also on Ctrl-C.
     """
     from hlbp.peer.sim.launcher import SimConfig, run_simulation
-    from hlbp.protocol.records import Hyperparameters
+    from hlbp.protocol.records import ActivationCodec, Hyperparameters
 
     if quick:
         full, rounds, inner_steps = 2, 2, 5
@@ -142,10 +143,15 @@ def simulate(
         raise UserInputError(f"--outer must be sparseloco or diloco, got {outer!r}")
     if aggregation not in ("selectors", "mean"):
         raise UserInputError(f"--aggregation must be selectors or mean, got {aggregation!r}")
-    if overlap not in Hyperparameters.OVERLAPS:
+    if overlap and overlap not in Hyperparameters.OVERLAPS:
         raise UserInputError(f"--overlap must be none, naive or eager, got {overlap!r}")
-    if overlap != "none" and outer != "sparseloco":
+    if overlap not in ("", "none") and outer != "sparseloco":
         raise UserInputError("--overlap works with --outer sparseloco only")
+    if overlap not in ("", "none") and codec in ActivationCodec.CONSTRAINED:
+        raise UserInputError(f"--codec {codec} trains constrained full replicas, which do not overlap yet; "
+                             "leave --overlap out or set it to none")
+    # "" leaves it to the manifest: the outer's default, none for a variant-A codec (records.Hyperparameters)
+    mode = overlap or ("none" if codec in ActivationCodec.CONSTRAINED else Hyperparameters.DEFAULT_OVERLAP[outer])
     if small_tensors not in Hyperparameters.SMALL_TENSORS:
         raise UserInputError(f"--small-tensors must be topk or dense, got {small_tensors!r}")
     if full < 0 or swarms < 0 or full + swarms < 1:
@@ -168,7 +174,8 @@ def simulate(
                     swarm_wan_delay_ms=swarm_wan_delay_ms, swarm_wan_mbps=swarm_wan_mbps)
     work = workdir or Path(tempfile.mkdtemp(prefix="hlbp-simulate-"))
     who = f"{full} full replicas" + (f" and {swarms} pipeline swarms of {stages} stage peers" if swarms else "")
-    console.print(f"simulating {who} x {rounds} {outer} rounds of {model} on 127.0.0.1; logs in {work}")
+    console.print(f"simulating {who} x {rounds} {outer} rounds of {model} on 127.0.0.1 (overlap {mode}); logs "
+                  f"in {work}")
     with Live(progress_table({}, rounds), console=console, refresh_per_second=2) as live:
         report = run_simulation(cfg, work, timeout,
                                 on_progress=lambda recs: live.update(progress_table(recs, rounds)))

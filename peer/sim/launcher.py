@@ -72,7 +72,8 @@ class SimConfig:
     clip_median: bool = True  # median-norm clipping of the run (manifest hparams)
     weighting: str = "equal"  # contributions weighted equally or by their "tokens" (manifest hparams)
     small_tensors: str = "topk"  # SparseLoCo's rule for 1-D and sub-chunk tensors (manifest hparams)
-    overlap: str = "none"  # rounds overlapped with the next inner phase: none, naive or eager (manifest hparams)
+    overlap: str = ""  # rounds overlapped with the next inner phase: none, naive or eager (manifest hparams; "":
+    # the outer's default, Hyperparameters.DEFAULT_OVERLAP)
     allowed_peers: tuple[str, ...] = ()  # closed run: the peer ids that may contribute (empty: anyone)
     codec: str = "dense"  # activation codec of the pipeline swarms' stage boundaries (manifest [codec])
     codec_k: int = 0  # its k for the subspace codecs
@@ -98,8 +99,9 @@ class SimConfig:
                 f"min_deadline_s = {self.min_deadline_s}\nmax_deadline_s = {self.max_deadline_s}\n"
                 f'outer = "{self.outer}"\nmin_contributors = {self.min_contributors}\n'
                 f'aggregation = "{self.aggregation}"\nweighting = "{self.weighting}"\n'
-                f'small_tensors = "{self.small_tensors}"\noverlap = "{self.overlap}"\n'
-                f'clip_median = {str(self.clip_median).lower()}\nschedule_steps = {self.schedule_total}\n'
+                f'small_tensors = "{self.small_tensors}"\n'
+                + (f'overlap = "{self.overlap}"\n' if self.overlap else "")
+                + f'clip_median = {str(self.clip_median).lower()}\nschedule_steps = {self.schedule_total}\n'
                 f'[codec]\nname = "{self.codec}"\nk = {self.codec_k}\n'
                 + (f'dtype = "{self.codec_dtype}"\n' if self.codec_dtype else "")
                 + f"[placement]\nmax_peers_per_stage = {self.max_peers_per_stage}\n")

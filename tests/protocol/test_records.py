@@ -218,3 +218,37 @@ def test_round_settings_and_allow_list_travel_in_the_manifest():
     for allowed in ([members[1], members[0]], [members[0], members[0]], ["12D3KooWnot-a-key"]):
         with pytest.raises(ProtocolError):  # unsorted, repeated (two encodings of one set) or not a peer id
             Manifest.from_body({**body, "allowed_peers": allowed})
+
+
+def test_overlap_defaults_to_eager_for_sparseloco_and_none_for_diloco():
+    from hlbp.protocol.records import Hyperparameters
+
+    assert Hyperparameters().overlap == "eager" and Hyperparameters(outer="diloco").overlap == "none"
+    # a body that does not name it gets its outer's default; a manifest always names it (to_body), so a run keeps
+    # the mode it was signed with whatever a later release's default is
+    assert Hyperparameters.from_body({}).overlap == "eager"
+    assert Hyperparameters.from_body({"outer": "diloco"}).overlap == "none"
+    assert Hyperparameters.from_body({"overlap": "none"}).overlap == "none"
+    assert _manifest(hparams=Hyperparameters(overlap="naive")).to_body()["hparams"]["overlap"] == "naive"
+    assert _manifest().to_body()["hparams"]["overlap"] == "eager"
+    for bad in ({"outer": "diloco", "overlap": "eager"}, {"outer": "diloco", "overlap": "naive"},
+                {"overlap": "lazy"}, {"overlap": ""}):
+        with pytest.raises(ProtocolError):  # the dense baseline's all-reduce cannot run beside a phase
+            Hyperparameters.from_body(bad)
+
+
+def test_variant_a_runs_do_not_overlap_their_full_replicas():
+    # their full replicas train the constrained network, whose parameters an overlapped landing cannot shift
+    from hlbp.peer.model.subspace import CONSTRAINED
+    from hlbp.protocol.records import ActivationCodec
+
+    assert ActivationCodec.CONSTRAINED == CONSTRAINED  # the protocol's copy of the model's list
+    body = _manifest().to_body()
+    hparams = {k: v for k, v in body["hparams"].items() if k != "overlap"}
+    for name in ("subspace-a", "subspace-a-drift"):
+        codec = {"name": name, "k": 4}
+        assert Manifest.from_body({**body, "hparams": hparams, "codec": codec}).hparams.overlap == "none"
+        with pytest.raises(ProtocolError, match="subspace-a"):
+            Manifest.from_body({**body, "hparams": {**hparams, "overlap": "eager"}, "codec": codec})
+    codec = {"name": "subspace-b", "k": 4}
+    assert Manifest.from_body({**body, "hparams": hparams, "codec": codec}).hparams.overlap == "eager"

@@ -9,6 +9,12 @@ Two swarms with the same seed, data and honest identities run one after the othe
 
 Every honest replica must finish every round (exit status 0), agree on the checksums, ban each attacker, never
 accept one, and end within 1 % of the honest swarm's validation loss.
+
+Both run each round in turn (overlap "none"), so that they differ only by the attackers: under overlap where a
+phase lands the round's result depends on timing, and the poisoned swarm (7 processes on 2 cores) lands later than
+the honest one (3). Measured under eager: every round of both had the same 3 members accepted and nothing refused,
+yet the last validation losses differed by 2.2 %. A third swarm runs the attack under the run's default (eager),
+where the early landing of partial results is new ground for poison: the same checks, bar the loss comparison.
 """
 
 from __future__ import annotations
@@ -32,9 +38,10 @@ ROUNDS = 6  # round 0, then 5 more
 ROUND_TIMEOUT_S = 240.0  # a bound on 6 rounds of 7 processes on 2 busy cores, not an expected duration
 
 
-def _config() -> SimConfig:
+def _config(overlap: str) -> SimConfig:
     return SimConfig(n_full=0, rounds=ROUNDS, inner_steps=6, batch_size=4, seq_len=64, round_deadline_s=4.0,
-                     min_deadline_s=2.0, max_deadline_s=10.0, seed=7, threads=1, run_id="poison-test", ttl_s=10.0)
+                     min_deadline_s=2.0, max_deadline_s=10.0, seed=7, threads=1, run_id="poison-test", ttl_s=10.0,
+                     overlap=overlap)
 
 
 def _keys(workdir: Path, names: dict[str, Identity]) -> None:
@@ -46,11 +53,12 @@ def _keys(workdir: Path, names: dict[str, Identity]) -> None:
         os.chmod(path, 0o400)
 
 
-def _run(workdir: Path, identities: dict[str, Identity], attackers: dict[str, str]) -> dict[str, Any]:
+def _run(workdir: Path, identities: dict[str, Identity], attackers: dict[str, str],
+         overlap: str = "none") -> dict[str, Any]:
     """One swarm to its end: every replica's round records, exit status and peer id."""
     _keys(workdir, identities)
     n = len(HONEST) + len(attackers)
-    with Swarm(_config(), workdir) as sw:
+    with Swarm(_config(overlap), workdir) as sw:
         sw.start()
         for name in HONEST:
             sw.add(name, "--wait-replicas", str(n))
@@ -72,7 +80,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, dict[st
     identities = {name: Identity.generate() for name in (*HONEST, *ATTACKERS)}
     poisoned = _run(tmp_path_factory.mktemp("poisoned"), identities, ATTACKERS)
     honest = _run(tmp_path_factory.mktemp("honest"), {x: identities[x] for x in HONEST}, {})
-    yield {"poisoned": poisoned, "honest": honest}
+    eager = _run(tmp_path_factory.mktemp("eager"), identities, ATTACKERS, overlap="")  # the default: eager
+    yield {"poisoned": poisoned, "honest": honest, "poisoned, eager": eager}
 
 
 def _by_round(records: dict[str, list[dict[str, Any]]], names: tuple[str, ...]) -> dict[int, dict[str, dict]]:
@@ -83,8 +92,9 @@ def _by_round(records: dict[str, list[dict[str, Any]]], names: tuple[str, ...]) 
     return out
 
 
-def test_honest_replicas_finish_every_round_in_agreement(runs: dict[str, dict[str, Any]]) -> None:
-    poisoned = runs["poisoned"]
+@pytest.mark.parametrize("which", ["poisoned", "poisoned, eager"])
+def test_honest_replicas_finish_every_round_in_agreement(runs: dict[str, dict[str, Any]], which: str) -> None:
+    poisoned = runs[which]
     assert poisoned["exit"] == {x: 0 for x in HONEST}, {x: poisoned["logs"][x][-2000:] for x in HONEST}
     rounds = _by_round(poisoned["records"], HONEST)
     assert sorted(rounds) == list(range(ROUNDS))
@@ -95,8 +105,9 @@ def test_honest_replicas_finish_every_round_in_agreement(runs: dict[str, dict[st
     assert losses[-1] < losses[0] - 0.5, losses
 
 
-def test_every_attacker_is_banned_and_never_accepted(runs: dict[str, dict[str, Any]]) -> None:
-    poisoned = runs["poisoned"]
+@pytest.mark.parametrize("which", ["poisoned", "poisoned, eager"])
+def test_every_attacker_is_banned_and_never_accepted(runs: dict[str, dict[str, Any]], which: str) -> None:
+    poisoned = runs[which]
     ids = poisoned["ids"]
     rounds = _by_round(poisoned["records"], HONEST)
     banned = {p for recs in rounds.values() for rec in recs.values() for p in rec["banned"]}

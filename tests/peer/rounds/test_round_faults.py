@@ -16,6 +16,7 @@ import pytest
 from faulty_peer import program
 
 from hlbp.peer.sim.launcher import Replica, SimConfig, Swarm, checksums_agree, poll
+from hlbp.protocol.records import Hyperparameters
 
 pytestmark = pytest.mark.slow
 
@@ -27,9 +28,9 @@ MAX_DEADLINE_S = 10.0  # the manifest's longest collection window
 MIN_DEADLINE_S = 2.0
 TAKEOVER_S = 3.0  # RoundConfig.takeover_s: how long each further-ranked coordinator waits past the window
 ROUND_TIMEOUT_S = 120.0  # a bound on waiting for a few rounds on 2 busy cores, not an expected duration
-# the run's overlap mode: CI runs the default ("none"); HLBP_TEST_OVERLAP=eager runs every fault with the exchanges
-# overlapped (the suite's 15-minute budget has no room for both)
-OVERLAP = os.environ.get("HLBP_TEST_OVERLAP", "none")
+# the run's overlap mode: CI runs the default (eager, Hyperparameters.DEFAULT_OVERLAP); HLBP_TEST_OVERLAP=none runs
+# every fault with each round in turn (the suite's 15-minute budget has no room for both)
+OVERLAP = os.environ.get("HLBP_TEST_OVERLAP") or Hyperparameters.DEFAULT_OVERLAP["sparseloco"]
 
 
 @pytest.fixture(scope="module")
@@ -169,9 +170,11 @@ def test_joiner_syncs_and_contributes(swarm: Swarm) -> None:
 
 
 # Rounds within which a restarted peer is accepted again, counting the round it sits out after a state sync.
-# Without overlap: that round and the next. Under overlap the next is a catch-up phase (rounds/loop.py), which ends
-# once others announce it but whose notice waits for the sat-out round's background exchange to be joined; on 8
-# processes sharing 2 cores that made it miss the 2 s window in 3 of 12 runs, and the round after always took it.
+# Without overlap: that round and the next. Under overlap the next is a catch-up phase (rounds/loop.py) that ends
+# once others announce its round, and on 8 processes sharing 2 cores its notice can still miss the 2 s window (its
+# first step ran 1.4-1.6 s beside the background apply of the round it sat out). Since a synced peer pushes its
+# checksums (and so hears of the next notices by push), 10 restarts of 10 were accepted in that round (3 of 10
+# before); the bound keeps one round of slack for the loaded box.
 WITHIN = 2 if OVERLAP == "none" else 3
 
 

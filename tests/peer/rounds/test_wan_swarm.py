@@ -19,5 +19,8 @@ def test_rounds_over_emulated_wan_links(tmp_path) -> None:
     payload = sum(sum(r["bytes_received"].values()) for r in report["rounds"])
     assert report["wan"]["proxied_bytes"] >= payload > 0  # the round traffic really crossed the proxies
     assert report["wan"]["connections"] >= 2
-    # every round fetches at least one payload across a 40 ms round trip
-    assert all(r["comm_s"] >= 0.04 for r in report["rounds"]), [r["comm_s"] for r in report["rounds"]]
+    # the work after each close (fetch what was not prefetched, apply, trade checksums across the 40 ms round
+    # trip) is timed; under overlap (the default) it runs beside the next phase, so it shows in the exchange's
+    # phases, not in comm_s (the proxied bytes above are what shows the traffic crossed the links)
+    after_close = sum(report["phases_s"][k] for k in ("apply", "publish", "verify"))
+    assert after_close >= 0.04, report["phases_s"]
