@@ -14,10 +14,13 @@ curve; next to it a PNG draws them.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import multiprocessing
-from concurrent.futures import ProcessPoolExecutor
+import signal
+import threading
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -285,6 +288,23 @@ def run_method(
     return res
 
 
+@contextlib.contextmanager
+def _sigterm_exits() -> Iterator[None]:
+    """While inside, SIGTERM raises SystemExit in the main thread, so ``with`` blocks (a worker pool) clean up."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def _exit(signum: int, _frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, _exit)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def run_convergence_bench(
     cfg: ConvergenceBenchConfig, out: Path | None = None, console: Console | None = None
 ) -> dict[str, Any]:
@@ -297,9 +317,11 @@ def run_convergence_bench(
     if cfg.jobs > 1:
         # one process per method at a time, one torch thread each: the methods are independent and seeded alike
         ctx = multiprocessing.get_context("spawn")
-        with ProcessPoolExecutor(max_workers=cfg.jobs, mp_context=ctx) as pool:
-            futures = [pool.submit(run_method, cfg, m, 1) for m in meths]
-            results = {m.label: f.result() for m, f in zip(meths, futures)}
+        # the pool's exit terminates its workers, also when SIGTERM ends the run (they used to outlive it and keep
+        # two cores busy for an hour)
+        with _sigterm_exits(), ctx.Pool(processes=cfg.jobs) as pool:
+            runs = [pool.apply_async(run_method, (cfg, m, 1)) for m in meths]
+            results = {m.label: r.get() for m, r in zip(meths, runs)}
     else:
         results = {m.label: run_method(cfg, m, None, console) for m in meths}
     ref_label = _best(results, meths, "diloco") or meths[0].label

@@ -100,3 +100,41 @@ def test_bad_sweep_flags_fail_before_any_run(args: tuple[str, ...], message: str
     proc = _bench(*args, timeout=120)
     assert proc.returncode != 0 and message in proc.stderr, proc.stderr[-2000:]
     assert "round" not in proc.stderr  # nothing ran: no progress line was printed
+
+
+def _children(pid: int) -> set[int]:
+    try:
+        return {int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()}
+    except OSError:
+        return set()
+
+
+def _alive(pid: int) -> bool:
+    try:  # a zombie is gone for our purpose: it runs nothing
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[-1][0] != "Z"
+    except OSError:
+        return False
+
+
+def test_sigterm_ends_the_workers_with_the_bench(builtin_data: object) -> None:
+    # the workers used to outlive a stopped bench and keep the cores busy for the rest of their hour-long runs
+    import os
+    import signal
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-m", "hlbp.cli.main", "bench", "convergence", "--long", "--quick",
+                             "--jobs", "2"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while len(_children(proc.pid)) < 3 and time.monotonic() < deadline:  # 2 workers and the resource tracker
+            time.sleep(0.1)
+        workers = _children(proc.pid)
+        assert len(workers) >= 3, workers
+        os.kill(proc.pid, signal.SIGTERM)
+        assert proc.wait(timeout=60) != 0
+        deadline = time.monotonic() + 30
+        while any(_alive(w) for w in workers) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not [w for w in workers if _alive(w)]
+    finally:
+        proc.kill()
