@@ -151,7 +151,7 @@ def simulate(
         raise UserInputError(f"--codec {codec} trains constrained full replicas, which do not overlap yet; "
                              "leave --overlap out or set it to none")
     # "" leaves it to the manifest: the outer's default, none for a variant-A codec (records.Hyperparameters)
-    mode = overlap or ("none" if codec in ActivationCodec.CONSTRAINED else Hyperparameters.DEFAULT_OVERLAP[outer])
+    mode = overlap or Hyperparameters.default_overlap(outer, codec in ActivationCodec.CONSTRAINED)
     if small_tensors not in Hyperparameters.SMALL_TENSORS:
         raise UserInputError(f"--small-tensors must be topk or dense, got {small_tensors!r}")
     if full < 0 or swarms < 0 or full + swarms < 1:

@@ -96,8 +96,7 @@ class Hyperparameters:
     weighting: str = "equal"  # contributions weighted equally, or by the "tokens" behind them
     clip_median: bool = True  # scale each contribution to at most the round's median norm (bounded influence)
     small_tensors: str = "topk"  # SparseLoCo: 1-D and sub-chunk tensors sent with the run's k ("topk") or whole
-    overlap: str = ""  # a round's exchange overlaps the next inner phase: "none", "naive" or "eager"; "" (in code
-    # only: a manifest always names it) is the outer's default, DEFAULT_OVERLAP
+    overlap: str = ""  # exchange beside the next inner phase: none, naive or eager; "" (code only): default_overlap
     max_contribution_ratio: float = 8.0  # a contribution whose norm exceeds this times its shard's is refused
     max_loss_jump: float = 10.0  # a round that multiplies the loss on the run's guard batch by more is refused
     max_update_ratio: float = 8.0  # a round whose update norm exceeds this times a shard's norm is refused
@@ -114,8 +113,12 @@ class Hyperparameters:
     DEFAULT_OVERLAP: ClassVar[dict[str, str]] = {"sparseloco": "eager", "diloco": "none"}
 
     def __post_init__(self) -> None:
-        if not self.overlap:
-            object.__setattr__(self, "overlap", self.DEFAULT_OVERLAP.get(self.outer, "none"))
+        object.__setattr__(self, "overlap", self.overlap or self.default_overlap(self.outer))
+
+    @classmethod
+    def default_overlap(cls, outer: str, constrained: bool = False) -> str:
+        """The overlap a run gets when it names none: DEFAULT_OVERLAP, "none" with constrained full replicas."""
+        return "none" if constrained else cls.DEFAULT_OVERLAP.get(outer, "none")
 
     @property
     def schedule_total(self) -> int:
@@ -124,8 +127,7 @@ class Hyperparameters:
 
     @classmethod
     def from_body(cls, body: dict[str, Any], constrained: bool = False) -> Hyperparameters:
-        """``constrained``: the run's activation codec is a variant A, whose full replicas train the constrained
-        network (:attr:`ActivationCodec.constrains_replicas`); they do not overlap, so the default is "none"."""
+        """``constrained``: the run's full replicas train the constrained network (ActivationCodec, variants A)."""
         d = cls()
         outer = _str(body, "outer", 16, d.outer, choices=cls.OUTERS)
         hp = cls(
@@ -147,8 +149,7 @@ class Hyperparameters:
             weighting=_str(body, "weighting", 16, d.weighting, choices=cls.WEIGHTINGS),
             clip_median=_bool(body, "clip_median", d.clip_median),
             small_tensors=_str(body, "small_tensors", 16, d.small_tensors, choices=cls.SMALL_TENSORS),
-            overlap=_str(body, "overlap", 16, "none" if constrained else cls.DEFAULT_OVERLAP[outer],
-                         choices=cls.OVERLAPS),
+            overlap=_str(body, "overlap", 16, cls.default_overlap(outer, constrained), choices=cls.OVERLAPS),
             max_contribution_ratio=_float(body, "max_contribution_ratio", 1e-6, 1e6, d.max_contribution_ratio),
             max_update_ratio=_float(body, "max_update_ratio", 1e-6, 1e6, d.max_update_ratio),
             max_loss_jump=_float(body, "max_loss_jump", 1.0, 1e9, d.max_loss_jump),
@@ -175,7 +176,6 @@ class ActivationCodec:
 
     NAMES = ("dense", "subspace-a", "subspace-b", "subspace-a-drift")
     CONSTRAINED = ("subspace-a", "subspace-a-drift")  # variants A: every full replica trains the constrained model
-
     @property
     def constrains_replicas(self) -> bool:
         """Whether the run's full replicas train the constrained network (variants A), as its stage peers do."""
