@@ -26,20 +26,28 @@ def convergence(
     inner_steps: int | None = opt(None, "--inner-steps", env="BENCH_INNER_STEPS", help="H (default 15; quick 5)."),
     seed: int = opt(0, "--seed", env="SEED", help="Seed for init and data."),
     threads: int | None = opt(None, "--threads", env="THREADS", help="torch CPU threads."),
-    alpha: float = opt(1.0, "--alpha", env="BENCH_ALPHA", help="SparseLoCo outer learning rate."),
+    alphas: str = opt("", "--alphas", env="BENCH_ALPHAS",
+                      help="SparseLoCo outer learning rates, comma-separated; each is a row of every SparseLoCo "
+                           "setting (default 1, the reference)."),
+    betas: str = opt("", "--betas", env="BENCH_BETAS",
+                     help="SparseLoCo error-feedback decays in (0, 1), comma-separated, likewise (default 0.95)."),
     only: str = opt("", "--only", env="BENCH_ONLY",
                     help="Comma-separated substrings: run only methods whose label matches (the AdamW baseline "
                          "always runs, and so does DiLoCo except in --overlap)."),
     jobs: int = opt(1, "--jobs", env="BENCH_JOBS",
-                    help="Methods run at once, each its own process with one torch thread (use the cores you have)."),
+                    help="Methods run at once, each its own process with one torch thread (use the cores you have; "
+                         "on a GPU they share it: a 16-core H100 box ran 14 at once)."),
     overlap: bool = opt(False, "--overlap", env="BENCH_OVERLAP",
                         help="Overlapped rounds in process: DiLoCo and SparseLoCo each without overlap, with a naive "
                              "one-round delay and with eager updates (30 rounds of H = 30; --quick: a smoke run)."),
     long: bool = opt(False, "--long", env="BENCH_LONG",
                      help="The long horizon: 150 rounds of H = 15, warm-up then cosine to 0.1x, a tuning sweep per "
-                          "method (DiLoCo outer lr 0.6/0.7; SparseLoCo k 64/128 x inner lr 1/1.25x), the small-"
-                          "tensor rule and clipping against their defaults. 10 runs of about 15 minutes each; with "
-                          "--jobs 2 on 2 cores about 100 minutes. --quick: a smoke run of the same sweep."),
+                          "method (DiLoCo outer lr 0.6/0.7; SparseLoCo k 64/128 x inner lr 1/1.25x): 7 runs of about "
+                          "16 minutes each on one core, about an hour with --jobs 2 on 2 cores; on one H100 with "
+                          "--jobs 14, 14 runs took 6 minutes (under CUDA MPS). --quick: a smoke run of the same sweep."),
+    ablations: bool = opt(False, "--ablations", env="BENCH_ABLATIONS",
+                          help="--long: also the small-tensor rule (per k) and median-norm clipping against their "
+                               "defaults, 3 runs more."),
     diloco_lrs: str = opt("", "--diloco-lrs", env="BENCH_DILOCO_LRS",
                           help="--long: DiLoCo's Nesterov outer learning rates to sweep, comma-separated "
                                "(default 0.6,0.7)."),
@@ -65,17 +73,20 @@ def convergence(
         cfg = ConvergenceBenchConfig.long(quick=quick)
     else:
         cfg = ConvergenceBenchConfig.quick() if quick else ConvergenceBenchConfig()
-    if replicas < 1 or alpha <= 0:
-        raise UserInputError("--replicas must be >= 1 and --alpha > 0")
+    if replicas < 1:
+        raise UserInputError("--replicas must be >= 1")
     if jobs < 1:
         raise UserInputError("--jobs must be >= 1")
-    changes = {"replicas": replicas, "seed": seed, "alpha": alpha, "jobs": jobs,
+    if ablations and not long:
+        raise UserInputError("--ablations adds rows to the --long sweep: add --long")
+    changes = {"replicas": replicas, "seed": seed, "jobs": jobs, "ablations": ablations,
                "only": tuple(x.strip() for x in only.split(",") if x.strip())}
     if rounds is not None:
         changes["rounds"] = rounds
     if inner_steps is not None:
         changes["inner_steps"] = inner_steps
-    for name, text, kind in (("diloco_lrs", diloco_lrs, float), ("ks", ks, int), ("lr_mults", lr_mults, float)):
+    for name, text, kind in (("diloco_lrs", diloco_lrs, float), ("ks", ks, int), ("lr_mults", lr_mults, float),
+                             ("alphas", alphas, float), ("betas", betas, float)):
         values = _number_list(text, kind, "--" + name.replace("_", "-"))
         if values:
             changes[name] = values

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -15,13 +16,24 @@ pytest.importorskip("matplotlib")
 
 def test_long_sweep_quick_writes_every_method_curve_verdict_and_plot(tmp_path: Path, builtin_data: object) -> None:
     out = tmp_path / "conv.json"  # builtin_data: the corpus and tokenizer are cached before the workers start
-    proc = subprocess.run(
-        [sys.executable, "-m", "hlbp.cli.main", "bench", "convergence", "--long", "--quick", "--jobs", "2",
-         "--out", str(out)],
-        check=False, capture_output=True, text=True, timeout=300,
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "hlbp.cli.main", "bench", "convergence", "--long", "--quick", "--ablations",
+         "--jobs", "2", "--out", str(out)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
     )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    # each method is written as soon as it finishes: the first version of the file holds some, not all
+    first = None
+    deadline = time.monotonic() + 300
+    while first is None and proc.poll() is None and time.monotonic() < deadline:
+        if out.exists():
+            first = json.loads(out.read_text())
+        else:
+            time.sleep(0.02)
+    _, stderr = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+    assert proc.returncode == 0, stderr[-3000:]
+    assert first is not None and first["result"]["complete"] is False and 1 <= len(first["result"]["runs"]) < 7
     doc = json.loads(out.read_text())
+    assert doc["result"]["complete"] is True
     runs = doc["result"]["runs"]
     assert set(runs) == {
         "adamw (1 replica, R x batch)", "diloco outer lr 0.6", "diloco outer lr 0.7", "sparseloco k=64 lr x1",
@@ -44,6 +56,22 @@ def test_long_sweep_quick_writes_every_method_curve_verdict_and_plot(tmp_path: P
     assert v["best_diloco"].startswith("diloco") and v["best_sparseloco"].startswith("sparseloco")
     assert v["bytes_ratio_vs_diloco"] > 100 and "loss_ratio_vs_adamw" in v
     assert out.with_suffix(".png").stat().st_size > 10_000
+
+
+def test_long_sweep_is_the_issues_seven_runs_and_ablations_add_three() -> None:
+    from hlbp.peer.bench.convergence import ConvergenceBenchConfig, methods
+
+    labels = [m.label for m in methods(ConvergenceBenchConfig.long())]
+    assert labels == ["adamw (1 replica, R x batch)", "diloco outer lr 0.6", "diloco outer lr 0.7",
+                      "sparseloco k=64 lr x1", "sparseloco k=64 lr x1.25", "sparseloco k=128 lr x1",
+                      "sparseloco k=128 lr x1.25"]
+    more = [m.label for m in methods(ConvergenceBenchConfig.long(ablations=True))]
+    assert more == labels + ["sparseloco k=64 lr x1 small dense", "sparseloco k=128 lr x1 small dense",
+                             "sparseloco k=64 lr x1 clip off"]
+    grid = methods(ConvergenceBenchConfig.long(ks=(128,), lr_mults=(1.0,), alphas=(0.8, 1.0), betas=(0.95, 0.98)))
+    assert {m.label: (m.outer.alpha, m.outer.beta) for m in grid if m.family == "sparseloco"} == {
+        "sparseloco k=128 lr x1 a=0.8": (0.8, 0.95), "sparseloco k=128 lr x1 a=0.8 b=0.98": (0.8, 0.98),
+        "sparseloco k=128 lr x1": (1.0, 0.95), "sparseloco k=128 lr x1 b=0.98": (1.0, 0.98)}
 
 
 def test_overlap_sweep_reports_naive_and_eager_against_no_overlap(builtin_data: object) -> None:
@@ -80,13 +108,19 @@ def _bench(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]
 def test_sweep_flags_choose_the_long_sweeps_settings(tmp_path: Path, builtin_data: object) -> None:
     out = tmp_path / "conv.json"
     proc = _bench("--long", "--quick", "--rounds", "1", "--inner-steps", "1", "--diloco-lrs", "0.5", "--ks", "128",
-                  "--lr-mults", "1.25", "--only", "lr x1.25", "--seed", "3", "--out", str(out))
+                  "--lr-mults", "1.25", "--alphas", "0.5,1", "--betas", "0.95,0.98", "--only", "lr x1.25",
+                  "--seed", "3", "--out", str(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
     doc = json.loads(out.read_text())
-    assert set(doc["result"]["runs"]) == {"adamw (1 replica, R x batch)", "diloco outer lr 0.5",
-                                          "sparseloco k=128 lr x1.25"}
+    runs = doc["result"]["runs"]
+    sl = ["sparseloco k=128 lr x1.25 a=0.5", "sparseloco k=128 lr x1.25 a=0.5 b=0.98", "sparseloco k=128 lr x1.25",
+          "sparseloco k=128 lr x1.25 b=0.98"]
+    assert set(runs) == {"adamw (1 replica, R x batch)", "diloco outer lr 0.5", *sl}
     cfg = doc["config"]
     assert (cfg["diloco_lrs"], cfg["ks"], cfg["lr_mults"], cfg["seed"]) == ([0.5], [128], [1.25], 3)
+    assert (cfg["alphas"], cfg["betas"]) == ([0.5, 1.0], [0.95, 0.98])
+    # the outer step really takes α: half the step ends elsewhere than the whole one (β needs a second round)
+    assert runs[sl[0]]["final_val_loss"] != runs[sl[2]]["final_val_loss"]
 
 
 @pytest.mark.parametrize(("args", "message"), [
@@ -95,6 +129,9 @@ def test_sweep_flags_choose_the_long_sweeps_settings(tmp_path: Path, builtin_dat
     (("--long", "--quick", "--lr-mults", "nan"), "--lr-mults: every value must be a finite number > 0"),
     (("--long", "--quick", "--diloco-lrs", "inf"), "--diloco-lrs: every value must be a finite number > 0"),
     (("--quick", "--diloco-lrs", "0.5"), "add --long"),
+    (("--quick", "--betas", "1"), "beta and momentum must be in [0, 1)"),
+    (("--quick", "--ablations"), "add --long"),
+    (("--quick", "--alphas", "0"), "--alphas: every value must be a finite number > 0"),
 ])
 def test_bad_sweep_flags_fail_before_any_run(args: tuple[str, ...], message: str) -> None:
     proc = _bench(*args, timeout=120)
@@ -120,7 +157,6 @@ def test_sigterm_ends_the_workers_with_the_bench(builtin_data: object) -> None:
     # the workers used to outlive a stopped bench and keep the cores busy for the rest of their hour-long runs
     import os
     import signal
-    import time
 
     proc = subprocess.Popen([sys.executable, "-m", "hlbp.cli.main", "bench", "convergence", "--long", "--quick",
                              "--jobs", "2"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
