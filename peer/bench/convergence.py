@@ -8,9 +8,9 @@ Two sweeps. The default ("short", 12 rounds) compares k and the two aggregation 
 horizon the paper's claims are about: 150 rounds of H = 15 with warm-up over a fraction of the run and cosine to
 0.1x, where each method gets its own small tuning sweep (DiLoCo's outer lr; SparseLoCo's k and inner lr, and on
 request its α and β), and with ``--ablations`` the density rule for small tensors and median-norm clipping
-against their defaults. SparseLoCo runs use the manifest's
-defaults (aggregation, clipping, small-tensor rule) unless a row says otherwise. The JSON holds every method's
-curve; next to it a PNG draws them.
+against their defaults. SparseLoCo runs use the manifest's defaults (aggregation, clipping, small-tensor rule)
+unless a row says otherwise. The JSON holds every method's curve, written as each method finishes; next to it a
+PNG draws them.
 """
 
 from __future__ import annotations
@@ -131,9 +131,10 @@ class Method:
 def _sparseloco(cfg: ConvergenceBenchConfig, k: int, agg: str, alpha: float | None = None, beta: float | None = None,
                 **changes: Any) -> OuterConfig:
     """A SparseLoCo setting of the sweep (α and β: the sweep's first unless given)."""
-    base = OuterConfig(kind="sparseloco", k=k, aggregation=agg, alpha=cfg.alphas[0] if alpha is None else alpha,  # type: ignore[arg-type]
-                       beta=cfg.betas[0] if beta is None else beta, clip_median=cfg.clip_median,
-                       small_tensors=cfg.small_tensors)
+    alpha = cfg.alphas[0] if alpha is None else alpha
+    beta = cfg.betas[0] if beta is None else beta
+    base = OuterConfig(kind="sparseloco", k=k, aggregation=agg, alpha=alpha, beta=beta,  # type: ignore[arg-type]
+                       clip_median=cfg.clip_median, small_tensors=cfg.small_tensors)
     return dataclasses.replace(base, **changes)
 
 
