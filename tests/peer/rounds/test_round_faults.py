@@ -8,6 +8,7 @@ out-dir. The tests run in file order and each waits, with a deadline, for the ro
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -193,8 +194,10 @@ def test_restarted_peers_resume_or_sync_and_are_accepted_again(swarm: Swarm) -> 
         poll(lambda r=again, n=n: len(r.rounds()) >= n + WITHIN, ROUND_TIMEOUT_S,
              f"{name}'s first {WITHIN} rounds after its restart")
         first = again.rounds()[n:n + WITHIN]
-        assert any(rec["accepted"] for rec in first), (f"{name} not accepted within {WITHIN} rounds of its restart",
-                                                        first)
+        assert any(rec["accepted"] for rec in first), (
+            f"{name} not accepted within {WITHIN} rounds of its restart:\n"
+            + "\n".join(json.dumps(rec, default=str) for rec in first)
+            + f"\n--- {name}'s log\n{again.proc.output[-6000:]}")
     rounds = _by_round(swarm)
     last = max(r for r, recs in rounds.items() if {"a", "b", "c"} <= set(recs))
     assert checksums_agree([rounds[last][n] for n in ("a", "b", "c")]), rounds[last]
