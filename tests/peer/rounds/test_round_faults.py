@@ -175,8 +175,11 @@ def test_joiner_syncs_and_contributes(swarm: Swarm) -> None:
 # once others announce its round, and on 8 processes sharing 2 cores its notice can still miss the 2 s window (its
 # first step ran 1.4-1.6 s beside the background apply of the round it sat out). Since a synced peer pushes its
 # checksums (and so hears of the next notices by push), 10 restarts of 10 were accepted in that round (3 of 10
-# before); the bound keeps one round of slack for the loaded box.
-WITHIN = 2 if OVERLAP == "none" else 3
+# before). On a slower day of the same box (the whole suite 30 % slower) a restart missed the window in its
+# catch-up round and again in the next, cut short to 4 of 6 steps, then went on (2 fresh-clone failures in about
+# 10 runs, both under eager, none logged a fetch failure: the notice came after the close). The bound keeps three
+# rounds of slack: what it checks is that a restarted peer is taken back, not how fast on 8 processes and 2 cores.
+WITHIN = 2 if OVERLAP == "none" else 5
 
 
 def test_restarted_peers_resume_or_sync_and_are_accepted_again(swarm: Swarm) -> None:
@@ -191,7 +194,9 @@ def test_restarted_peers_resume_or_sync_and_are_accepted_again(swarm: Swarm) -> 
         line = again.proc.wait_for(r"^replica: (.*); starting at round (\d+)", ROUND_TIMEOUT_S)
         assert line.group(1).startswith(("resumed", "synced")), line.group(0)
         n = before[name]
-        poll(lambda r=again, n=n: len(r.rounds()) >= n + WITHIN, ROUND_TIMEOUT_S,
+        # done at its first accepted round, or after WITHIN rounds without one
+        poll(lambda r=again, n=n: len(r.rounds()) >= n + WITHIN
+             or any(rec["accepted"] for rec in r.rounds()[n:n + WITHIN]), ROUND_TIMEOUT_S,
              f"{name}'s first {WITHIN} rounds after its restart")
         first = again.rounds()[n:n + WITHIN]
         assert any(rec["accepted"] for rec in first), (
