@@ -34,7 +34,7 @@ pytestmark = pytest.mark.slow
 
 HONEST = ("a", "b", "c")
 ATTACKERS = {"scaler": "scale:1e6", "bigtable": "bigtable", "nan": "nan"}
-ROUNDS = 6  # round 0, then 5 more
+ROUNDS = 5  # round 0, then 4 more
 ROUND_TIMEOUT_S = 240.0  # a bound on 6 rounds of 7 processes on 2 busy cores, not an expected duration
 
 
