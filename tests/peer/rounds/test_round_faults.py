@@ -2,8 +2,9 @@
 
 One swarm serves every test, to fit a small machine: three honest replicas (a, b, c), two lying ones (liar, serving
 corrupt payloads, and fat, announcing payloads above the size limit) and a straggler (slow, sleeping after every
-inner step) start together; a joiner arrives mid-run; then c is SIGKILLed mid-round, b is stopped with SIGTERM, and both come back with their identity and
-out-dir. The tests run in file order and each waits, with a deadline, for the rounds it inspects.
+inner step) start together; a joiner arrives mid-run; the faulty three leave once their tests are done; then c is
+SIGKILLed mid-round, b is stopped with SIGTERM, and both come back with their identity and out-dir. The tests run in
+file order and each waits, with a deadline, for the rounds it inspects.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from hlbp.protocol.records import Hyperparameters
 pytestmark = pytest.mark.slow
 
 INNER_STEPS = 6
-DELAY_S = 2.0  # the straggler's sleep per inner step: 12 s of inner phase against the honest peers' few seconds
+DELAY_S = 4.0  # the straggler's sleep per inner step: 24 s of inner phase against the honest peers' few seconds
 MAX_DEADLINE_S = 10.0  # the manifest's longest collection window
 # the shortest: 8 processes share 2 cores here, so equal work finishes up to a second apart, and the window must
 # absorb that jitter or honest peers become stragglers (the straggler itself is 10 s behind)
@@ -64,6 +65,15 @@ def _wait_rounds(swarm: Swarm, names: list[str], n: int) -> dict[int, dict[str, 
     return _by_round(swarm)
 
 
+def _rounds_as_of(swarm: Swarm, recs: list[dict[str, Any]]) -> dict[int, dict[str, dict[str, Any]]]:
+    """All records by round, once a has written its record of each round in ``recs`` (a peer writes a round's record
+    when it has applied the round, so a faulty peer's may come first: seen as a KeyError on a loaded box)."""
+    a = swarm.replicas["a"]
+    last = max(rec["round"] for rec in recs)
+    poll(lambda: a.rounds() and a.rounds()[-1]["round"] >= last, ROUND_TIMEOUT_S, f"a to record round {last}")
+    return _by_round(swarm)
+
+
 def _peer_id(r: Replica) -> str:
     return r.proc.wait_for(r"^connected as (\S+)", 60).group(1)
 
@@ -89,9 +99,9 @@ def test_corrupt_payload_is_rejected_and_banned(swarm: Swarm) -> None:
     # the ban travels in the accepted sets: the honest replicas' round records carry it
     poll(lambda: any(liar in rec["banned"] for n in ("a", "b", "c") for rec in swarm.replicas[n].rounds()),
          ROUND_TIMEOUT_S, "the liar's ban to reach the honest replicas")
-    rounds = _by_round(swarm)
     liar_recs = swarm.replicas["liar"].rounds()
     assert liar_recs and not any(rec["accepted"] for rec in liar_recs)
+    rounds = _rounds_as_of(swarm, liar_recs)
     for rec in liar_recs:  # rejected, yet it applies every round's result like everyone else
         if rec["in_sync"]:
             assert rec["checksums"] == rounds[rec["round"]]["a"]["checksums"], rec["round"]
@@ -107,31 +117,43 @@ def test_oversized_payload_is_refused_unfetched_and_banned(swarm: Swarm) -> None
                               , None), ROUND_TIMEOUT_S, "a coordinator to refuse the oversized payload")
     announced, limit = (int(g.replace(",", "")) for g in line.groups())
     assert announced > limit > 1 << 20
-    rounds = _wait_rounds(swarm, ["a"], 3)
+    _wait_rounds(swarm, ["a"], 3)
     fat_recs = swarm.replicas["fat"].rounds()
     assert fat_recs and not any(rec["accepted"] for rec in fat_recs)
+    rounds = _rounds_as_of(swarm, fat_recs)
     for rec in fat_recs:  # refused, yet it applies every round's result like everyone else
-        if rec["in_sync"] and rec["round"] in rounds:
+        if rec["in_sync"]:
             assert rec["checksums"] == rounds[rec["round"]]["a"]["checksums"], rec["round"]
     # nobody downloaded it: an honest peer's received bytes stay far below one oversized payload
     assert max(rec["bytes_received"] for rec in swarm.replicas["a"].rounds()[:3]) < limit
 
 
 def test_straggler_is_left_out_stays_in_sync_and_is_not_waited_for(swarm: Swarm) -> None:
-    rounds = _wait_rounds(swarm, ["slow"], 2)
+    _wait_rounds(swarm, ["slow"], 2)
     slow = swarm.replicas["slow"].rounds()
+    rounds = _rounds_as_of(swarm, slow)
     for rec in slow:
-        assert not rec["accepted"], rec
-        assert rec["steps"] < INNER_STEPS, rec  # its inner phase was cut short when the round closed without it
+        # never a full phase: each is cut short, when the round closes without it (left out) or, in the phase after
+        # a round it missed, once others announce the round (a catch-up: the few steps it made may then make the
+        # window, as a partial contribution; measured in CI: accepted in its round 1 with the 2 s sleep per step)
+        assert rec["steps"] < INNER_STEPS, rec
         assert rec["in_sync"] and rec["checksums"] == rounds[rec["round"]]["a"]["checksums"], rec["round"]
+    assert not all(rec["accepted"] for rec in slow), slow
     honest = [rec for name in ("a", "b", "c") for rec in swarm.replicas[name].rounds()]
-    assert max(rec["wait_s"] for rec in honest) < DELAY_S * INNER_STEPS / 2, [rec["wait_s"] for rec in honest]
+    # no honest wait outlasts the longest window; waiting for the straggler's phase would take it to about 20 s (7 s
+    # was seen with the box's 2 cores also running two busy loops)
+    assert max(rec["wait_s"] for rec in honest) < MAX_DEADLINE_S, [rec["wait_s"] for rec in honest]
 
 
 def test_sigkill_mid_round_survivors_complete_and_agree(swarm: Swarm) -> None:
+    # the faulty peers have shown what they do; they leave now so that the faults that follow play out among honest
+    # peers, whose timing on 2 cores is what the bounds below assume (7 peers' 21 processes were sharing them)
+    for name in ("liar", "fat", "slow"):
+        swarm.replicas[name].proc.kill()
     c = swarm.replicas["c"]
     done = len(c.rounds())
-    poll(lambda: len(c.rounds()) > done, ROUND_TIMEOUT_S, "c to finish one more round")
+    # two rounds: the one under way when they died may have waited for a takeover of its coordinator
+    poll(lambda: len(c.rounds()) > done + 1, ROUND_TIMEOUT_S, "c to finish two more rounds")
     # c is now in this round's inner phase; under overlap it has already announced this round (a record is written
     # when its exchange is joined, after the next contribution), so it dies after its payload may have been
     # accepted: the survivors then fetch it from the coordinator, which checked it before accepting it
@@ -177,8 +199,9 @@ def test_joiner_syncs_and_contributes(swarm: Swarm) -> None:
 # checksums (and so hears of the next notices by push), 10 restarts of 10 were accepted in that round (3 of 10
 # before). On a slower day of the same box (the whole suite 30 % slower) a restart missed the window in its
 # catch-up round and again in the next, cut short to 4 of 6 steps, then went on (2 fresh-clone failures in about
-# 10 runs, both under eager, none logged a fetch failure: the notice came after the close). The bound keeps three
-# rounds of slack: what it checks is that a restarted peer is taken back, not how fast on 8 processes and 2 cores.
+# 10 runs, both under eager, none logged a fetch failure: the notice came after the close; a third in CI missed 5
+# rounds in a row beside the faulty peers, which now leave before the restarts). The bound keeps three rounds of
+# slack: what it checks is that a restarted peer is taken back, not how fast on 2 shared cores.
 WITHIN = 2 if OVERLAP == "none" else 5
 
 
