@@ -225,7 +225,8 @@ def replica_train_hook(ctx: TrainContext, options: ReplicaOptions, echo: Any = p
         share = "accepted" if stats.accepted else ("left out" if stats.contributed else "weight 0")
         echo(f"round {stats.round}: {stats.members} contributions, ours {share}, val {val_loss or float('nan'):.4f}, "
              f"compute {stats.compute_s:.1f}s comm {stats.comm_s:.1f}s wait {stats.wait_s:.1f}s, "
-             f"sent {stats.bytes_sent:,} B recv {stats.bytes_received:,} B, shard 0 {stats.checksums.get(0, '')[:10]}")
+             f"sent {stats.bytes_sent:,} B recv {stats.bytes_received:,} B, shard 0 {stats.checksums.get(0, '')[:10]}"
+             + (f", resynced to round {stats.state_round}" if stats.state_round is not None else ""))
 
     runner_cls = DenseRoundRunner if outer.kind == "diloco" else RoundRunner
     runner = runner_cls(

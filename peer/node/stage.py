@@ -39,6 +39,7 @@ from hlbp.peer.node.rebalance import Rebalancer
 from hlbp.peer.node.replica import codec_config, inner_schedule  # shared with full replicas
 from hlbp.peer.node.roles import Role
 from hlbp.peer.node.stagerounds import PhaseStopped, make_stage_rounds, serve_phase
+from hlbp.peer.rounds.config import RoundStats
 from hlbp.peer.swarm.driver import Driver, DriverConfig, StepAbandoned
 from hlbp.peer.swarm.gate import RoundGate
 from hlbp.peer.swarm.routing import Candidate
@@ -229,12 +230,13 @@ def _rebalancer(ctx: TrainContext, options: StageOptions, view: SwarmView, work:
                       view, work, period_s=max(peer.heartbeat.ttl, 30.0) if period is None else period)
 
 
-def _round_echo(echo: Callable[[str], None], stage: int) -> Callable[[Any, float | None], None]:
-    def on_round(stats: Any, val_loss: float | None) -> None:
+def _round_echo(echo: Callable[[str], None], stage: int) -> Callable[[RoundStats, float | None], None]:
+    def on_round(stats: RoundStats, val_loss: float | None) -> None:
         share = "accepted" if stats.accepted else ("left out" if stats.contributed else "weight 0")
         echo(f"round {stats.round}: {stats.members} contributions, ours {share}"
              + (f", val {val_loss:.4f}" if val_loss is not None else "")
-             + f", shard {stage} {stats.checksums.get(stage, '')[:10]}" + ("" if stats.in_sync else ", out of sync"))
+             + f", shard {stage} {stats.checksums.get(stage, '')[:10]}" + ("" if stats.in_sync else ", out of sync")
+             + (f", resynced to round {stats.state_round}" if stats.state_round is not None else ""))
     return on_round
 
 

@@ -57,6 +57,9 @@ class RoundStats:
     bytes_analytic: bool = False  # dense all-reduce: bytes computed from the group size, not counted
     in_sync: bool = True
     synced: bool = False
+    # after a resync in this round: the (later) round whose state the checksums and the validation loss describe;
+    # a peer that fell behind loads the swarm's latest state, not this round's
+    state_round: int | None = None
     checksums: dict[int, str] = field(default_factory=dict)
     phases: dict[str, float] = field(default_factory=dict)  # seconds per protocol step, to see where comm goes
     # under eager overlap: inner steps of the next phase trained before this round's result landed in it (None: it

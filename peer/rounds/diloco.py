@@ -194,7 +194,8 @@ class DenseRoundRunner(ReplicaBase):
         if not self.in_sync:
             stats.synced = self.sync()
             if stats.synced:  # report the state we now hold, not the one we discarded
-                mine = self._my_checks(self.round - 1)
+                stats.state_round = self.round - 1
+                mine = self._my_checks(stats.state_round)
                 stats.checksums = mine.checksums
         stats.in_sync = self.in_sync
         stats.comm_s = time.perf_counter() - t1 - stats.wait_s

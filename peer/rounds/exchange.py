@@ -106,7 +106,8 @@ class RoundExchange:
             logger.warning("round %d: this peer is out of sync; reloading state from peers", r)
             stats.synced = self.sync()
             if stats.synced:  # report the state we now hold, not the one we discarded
-                checks = self._my_checks(self.round - 1)
+                stats.state_round = self.round - 1
+                checks = self._my_checks(stats.state_round)
                 stats.checksums = checks.checksums
         stats.in_sync = self.in_sync
         stats.comm_s = time.perf_counter() - t3
