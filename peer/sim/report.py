@@ -9,12 +9,19 @@ from pathlib import Path
 from typing import Any
 
 
+def of_its_round(rec: dict[str, Any]) -> bool:
+    """Whether a round record's checksums and validation loss describe its own round: not when the peer resynced
+    in that round, which loads the swarm's latest state (``state_round``, a later round)."""
+    return rec.get("state_round") in (None, rec.get("round"))
+
+
 def checksums_agree(records: Iterable[dict[str, Any]]) -> bool:
     """True when, shard by shard, every in-sync record of one round that holds the shard carries the same checksum
-    (a full replica holds every shard, a stage peer its own), and there is at least one such record."""
+    (a full replica holds every shard, a stage peer its own), and there is at least one such record. A record of a
+    resync, which describes a later round's state, is not compared."""
     per_shard: dict[str, set[str]] = {}
     for r in records:
-        if r.get("in_sync", True):
+        if r.get("in_sync", True) and of_its_round(r):
             for shard, digest in r.get("checksums", {}).items():
                 per_shard.setdefault(str(shard), set()).add(digest)
     return bool(per_shard) and all(len(v) == 1 for v in per_shard.values())
@@ -25,7 +32,7 @@ def states_agree(records: Iterable[dict[str, Any]]) -> bool:
     run, whose all-reduce leaves ulp-level differences) fingerprints that agree within float rounding."""
     from hlbp.peer.rounds.statesync import fingerprints_agree
 
-    recs = [r for r in records if r.get("in_sync", True)]
+    recs = [r for r in records if r.get("in_sync", True) and of_its_round(r)]
     if checksums_agree(recs):
         return True
     prints = [r.get("fingerprints") or {} for r in recs]
@@ -38,8 +45,9 @@ def summarize(records: dict[str, Sequence[dict[str, Any]]], n_params: int | None
               target_rounds: int | None = None) -> dict[str, Any]:
     """The run's report from each peer's round records (``metrics.jsonl``, event ``round``).
 
-    Per round: validation loss (mean over peers), whether the checksums of all in-sync peers are equal, bytes sent
-    and received per peer, and the time split into compute, communication and waiting. ``utilization`` is
+    Per round: validation loss (mean over peers), whether the checksums of all in-sync peers are equal (both over
+    the records that describe that round: a peer that resynced in it reports the later round it loaded, listed
+    under ``resynced``), bytes sent and received per peer, and the time split into compute, communication and waiting. ``utilization`` is
     compute / (compute + communication): waiting for the deadline is the protocol's slack, not a transfer cost.
     With ``n_params`` the dense fp32 equivalent (every peer shipping all parameters as float32) is compared with
     the measured bytes.
@@ -51,10 +59,10 @@ def summarize(records: dict[str, Sequence[dict[str, Any]]], n_params: int | None
     rounds = []
     for r in sorted(by_round):
         peers = by_round[r]
-        vals = [p["val_loss"] for p in peers.values() if p.get("val_loss") is not None]
-        full_vals = [p["val_loss"] for n, p in peers.items() if not is_stage(n) and p.get("val_loss") is not None]
-        swarm_vals = {n: p["val_loss"] for n, p in sorted(peers.items())
-                      if is_stage(n) and p.get("val_loss") is not None}
+        scored = {n: p for n, p in peers.items() if p.get("val_loss") is not None and of_its_round(p)}
+        vals = [p["val_loss"] for p in scored.values()]
+        full_vals = [p["val_loss"] for n, p in scored.items() if not is_stage(n)]
+        swarm_vals = {n: p["val_loss"] for n, p in sorted(scored.items()) if is_stage(n)}
         roles = {}
         for role, members in (("full", [p for n, p in peers.items() if not is_stage(n)]),
                               ("stage", [p for n, p in peers.items() if is_stage(n)])):
@@ -78,6 +86,8 @@ def summarize(records: dict[str, Sequence[dict[str, Any]]], n_params: int | None
             "checksums_equal": checksums_agree(peers.values()),
             "states_agree": states_agree(peers.values()),
             "in_sync": all(p.get("in_sync", True) for p in peers.values()),
+            # peers that resynced in this round, and the later round whose state each loaded
+            "resynced": {n: p["state_round"] for n, p in sorted(peers.items()) if not of_its_round(p)},
             "bytes_sent": {name: p["bytes_sent"] for name, p in sorted(peers.items())},
             "bytes_received": {name: p["bytes_received"] for name, p in sorted(peers.items())},
             "compute_s": compute / n,

@@ -34,6 +34,17 @@ def test_out_of_sync_records_do_not_count_against_agreement() -> None:
     assert not checksums_agree([])
 
 
+def test_a_resync_record_describes_a_later_round_and_is_not_compared_with_its_own() -> None:
+    # a straggler that could no longer fetch round 1 loaded round 3: its round-1 record holds round 3's state
+    late = {**_rec(1, {"0": "round3"}, 7.0, 0), "synced": True, "state_round": 3}
+    records = {"p0": [_rec(1, {"0": "round1"}, 9.0, 100)], "p1": [_rec(1, {"0": "round1"}, 8.0, 100)], "slow": [late]}
+    r = summarize(records)["rounds"][0]
+    assert r["checksums_equal"] and r["states_agree"]
+    assert r["val_loss"] == 8.5 and r["resynced"] == {"slow": 3}
+    assert not checksums_agree([_rec(1, {"0": "round1"}, 9.0, 1), {**late, "state_round": None}])
+    assert not checksums_agree([late])  # nothing left to compare
+
+
 def test_dense_allreduce_baseline_counts_both_ways() -> None:
     records = {f"p{i}": [{**_rec(0, {"0": "x"}, 9.0, 100), "members": 4}] for i in range(4)}
     report = summarize(records, n_params=1000)
