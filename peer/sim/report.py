@@ -47,8 +47,9 @@ def summarize(records: dict[str, Sequence[dict[str, Any]]], n_params: int | None
 
     Per round: validation loss (mean over peers), whether the checksums of all in-sync peers are equal (both over
     the records that describe that round: a peer that resynced in it reports the later round it loaded, listed
-    under ``resynced``), bytes sent and received per peer, and the time split into compute, communication and waiting. ``utilization`` is
-    compute / (compute + communication): waiting for the deadline is the protocol's slack, not a transfer cost.
+    under ``resynced``), bytes sent and received per peer, and the time split into compute, communication and
+    waiting. ``utilization`` is compute / (compute + communication): waiting for the deadline is the protocol's
+    slack, not a transfer cost.
     With ``n_params`` the dense fp32 equivalent (every peer shipping all parameters as float32) is compared with
     the measured bytes.
     """
