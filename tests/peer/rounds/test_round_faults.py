@@ -26,7 +26,7 @@ INNER_STEPS = 6
 DELAY_S = 4.0  # the straggler's sleep per inner step: 24 s of inner phase against the honest peers' few seconds
 MAX_DEADLINE_S = 10.0  # the manifest's longest collection window
 # the shortest: 8 processes share 2 cores here, so equal work finishes up to a second apart, and the window must
-# absorb that jitter or honest peers become stragglers (the straggler itself is 10 s behind)
+# absorb that jitter or honest peers become stragglers (the straggler itself is about 20 s behind)
 MIN_DEADLINE_S = 2.0
 TAKEOVER_S = 3.0  # RoundConfig.takeover_s: how long each further-ranked coordinator waits past the window
 ROUND_TIMEOUT_S = 120.0  # a bound on waiting for a few rounds on 2 busy cores, not an expected duration
