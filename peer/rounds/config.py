@@ -52,6 +52,9 @@ class RoundStats:
     compute_s: float = 0.0
     comm_s: float = 0.0
     wait_s: float = 0.0
+    # the collection window this peer held for the round (rules.adapt_window, widen_for_late): how long a
+    # coordinator waits past the first contribution for the rest, when one is missing
+    window_s: float = 0.0
     bytes_sent: int = 0
     bytes_received: int = 0
     bytes_analytic: bool = False  # dense all-reduce: bytes computed from the group size, not counted

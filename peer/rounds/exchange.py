@@ -60,6 +60,7 @@ class RoundExchange:
         t2 = time.perf_counter()
         accepted = self._close(r)
         stats.wait_s = time.perf_counter() - t2
+        stats.window_s = self.close_window
         t3 = time.perf_counter()
         stats.phases = {"close": stats.wait_s}
         outcome = "left out"

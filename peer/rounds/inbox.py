@@ -52,6 +52,7 @@ class Inbox:
         self.max_bytes_per_key = max_bytes_per_key
         self.wanted: Callable[[str], bool] = lambda _key: False  # which keys are taken now (set by the runner)
         self._records: dict[str, dict[str, bytes]] = {}
+        self._arrived: dict[str, dict[str, float]] = {}  # key -> sender -> when its record landed (monotonic)
         self._cond = threading.Condition()
         self._version = 0
         self._seen = 0
@@ -72,6 +73,7 @@ class Inbox:
                 self.refused += 1
                 return False
             held[sender] = bytes(body)
+            self._arrived.setdefault(key, {})[sender] = time.monotonic()
             self._version += 1
             self._cond.notify_all()
         return True
@@ -80,6 +82,11 @@ class Inbox:
         """The records pushed under ``key``, by sender."""
         with self._cond:
             return dict(self._records.get(key, {}))
+
+    def arrived(self, key: str) -> dict[str, float]:
+        """When each sender's record under ``key`` landed (``time.monotonic()``): how late a peer was."""
+        with self._cond:
+            return dict(self._arrived.get(key, {}))
 
     def poke(self) -> None:
         """Wake :meth:`wait` without a record (for example: a DHT read finished)."""
@@ -101,6 +108,7 @@ class Inbox:
         with self._cond:
             for key in [k for k in self._records if not self.wanted(k)]:
                 del self._records[key]
+                self._arrived.pop(key, None)
 
 
 class DhtPoll:

@@ -29,15 +29,37 @@ def coordinator_ranking(round_: int, shards_of: Mapping[str, AbstractSet[int]], 
     return coordinator_order(round_, full) + coordinator_order(round_, [p for p in shards_of if p not in set(full)])
 
 
+WINDOW_SHRINK = 0.75  # a window shrinks by at most a quarter a round
+
+
 def adapt_window(offsets: Sequence[float], lo: float, hi: float, current: float) -> float:
     """Next round's collection window from this round's arrival offsets (seconds after the first arrival).
 
-    1.5x the latest on-time arrival plus one second, within the manifest's bounds; with no spread observed the
-    window keeps its current value, so a single peer does not shrink it to the floor.
+    1.5x the latest on-time arrival plus one second, within the manifest's bounds. It grows at once but shrinks by
+    at most a quarter a round: a few rounds in lockstep would otherwise take it to the floor in one step, and the
+    first hiccup of an honest peer on a busy machine (a garbage collection, a slow store) then left it out. The
+    window costs nothing while everybody is on time (the coordinator closes once every expected contribution is
+    in); it is waited out only for a member that is missing. With no spread observed the window keeps its value,
+    so a single peer does not shrink it.
     """
     if len(offsets) < 2:
         return min(max(current, lo), hi)
-    return min(max(1.5 * max(offsets) + 1.0, lo), hi)
+    return min(max(1.5 * max(offsets) + 1.0, WINDOW_SHRINK * current, lo), hi)
+
+
+def widen_for_late(current: float, closed_window: float, late: Sequence[float], hi: float) -> float:
+    """The window after contributions of a closed round landed ``late`` (seconds after that round's first
+    arrival), when it was ``closed_window`` long.
+
+    A peer that missed the close by less than one more window (offset within twice the window: one catching up
+    after a restart, or a moment slower than the others) widens the next window to take it, as if it had been on
+    time; a later one is a straggler, and a straggler is left out, never waited for. A lying peer gains nothing
+    from this that arriving at the end of a window does not already give it: both are bounded by ``hi``.
+    """
+    near = [t for t in late if 0.0 <= t <= 2.0 * closed_window]
+    if not near:
+        return current
+    return max(current, min(1.5 * max(near) + 1.0, hi))
 
 
 def pick_accepted(sets: Sequence[AcceptedSet], order: Sequence[str]) -> AcceptedSet | None:

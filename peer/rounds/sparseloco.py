@@ -51,6 +51,7 @@ from hlbp.peer.rounds.rules import (
     coordinator_ranking,
     payload_limit,
     pick_accepted,
+    widen_for_late,
 )
 from hlbp.protocol import ProtocolError
 from hlbp.protocol.identity import sha256_hex
@@ -119,6 +120,10 @@ class RoundRunner(FollowedShards, RoundExchange, ReplicaBase):
         self._prefetcher: ThreadPoolExecutor | None = None  # background fetches of notices' payloads (_prefetch)
         self._prefetches: dict[tuple[int, str], Future[Exception | None]] = {}  # (round, sender) -> its prefetch
         self.overlapped = Overlapped(self) if self.cfg.overlap != "none" else None
+        # the last closed round as we saw it close: (round, its first arrival, its window, the accepted senders),
+        # for _widen_for_late
+        self._closed_at: tuple[int, float, float, frozenset[str]] | None = None
+        self.close_window = self.window  # the window of the round _close last waited for
 
     def _round_records(self, r: int, wait: bool = True,
                        poller: DhtPoll | None = None) -> tuple[dict[str, ContribNotice], list[AcceptedSet]]:
@@ -191,6 +196,8 @@ class RoundRunner(FollowedShards, RoundExchange, ReplicaBase):
         give_up = time.monotonic() + self.cfg.max_deadline_s + 30 * self.cfg.takeover_s
         # 0 from the announcements means they could not be read: wait out the window rather than close on the first
         expected = (self.expected() or math.inf) if self.expected else max(1, self.last_members)
+        self._widen_for_late()
+        self.close_window = self.window
         while not self.stop.is_set():
             now = time.monotonic()
             notices, sets = self._round_records(r, wait=False)
@@ -209,6 +216,7 @@ class RoundRunner(FollowedShards, RoundExchange, ReplicaBase):
                         self.bans[peer] = (until, self.bans.get(peer, (0, 0))[1] + 1)
                 on_time = [arrivals[s] for s in accepted.senders() if s in arrivals]
                 if on_time:
+                    self._closed_at = (r, min(on_time), self.window, frozenset(accepted.senders()))
                     self.window = adapt_window([t - min(on_time) for t in on_time], self.cfg.min_deadline_s,
                                                self.cfg.max_deadline_s, self.window)
                 self.last_members = len(accepted.members)
@@ -240,6 +248,32 @@ class RoundRunner(FollowedShards, RoundExchange, ReplicaBase):
                 return None
             self.inbox.wait(self.cfg.poll_s)  # wakes at once for a pushed record or a finished DHT read
         return None
+
+    def _widen_for_late(self) -> None:
+        """Let the next window take back a peer that missed the last close by a little (rules.widen_for_late).
+
+        Its notice still lands after the close, pushed to us (the inbox notes when), and it is parsed and checked
+        like any other. The adaptive window only sees on-time arrivals, so without this a peer landing just after
+        each close (a restarted one catching up on a busy machine) was left out round after round. A notice that
+        reaches us only through the DHT poll gives no time and widens nothing.
+        """
+        if self._closed_at is None:
+            return
+        r, first, window, accepted = self._closed_at
+        self._closed_at = None
+        key = round_key(self.cfg.run_id, r, KIND_CONTRIB)
+        landed = self.inbox.arrived(key)
+        late = {s: b for s, b in self.inbox.entries(key).items()
+                if s in landed and s not in accepted and s != self.me and not self._banned(s, r)}
+        if not late:
+            return
+        offsets = {n.sender: landed[n.sender] - first for n in self._records(key, parse_contrib, late, round_=r)}
+        wider = widen_for_late(self.window, window, list(offsets.values()), self.cfg.max_deadline_s)
+        if wider > self.window:
+            logger.info("round %d: %s landed %.1f s after the first contribution, past the %.1f s window; the next "
+                        "window is %.1f s", r, ", ".join(s[:16] for s in offsets), max(offsets.values()), window,
+                        wider)
+            self.window = wider
 
     def _banned(self, sender: str, r: int) -> bool:
         return sender in self.bans and r < self.bans[sender][0]

@@ -37,6 +37,19 @@ def test_wait_wakes_for_a_record_and_prune_drops_unwanted_keys() -> None:
     box.wanted = lambda key: key == "want2"
     box.prune()
     assert box.entries("want1") == {} and box.entries("want2") == {"p": b"y"}
+    assert box.arrived("want1") == {}  # its landing times go with it
+
+
+def test_arrived_notes_when_each_record_landed() -> None:
+    box = _inbox()
+    t0 = time.monotonic()
+    box.offer("p", "want", b"x")
+    box.offer("q", "other", b"x")  # refused: no time kept
+    landed = box.arrived("want")
+    assert set(landed) == {"p"} and t0 <= landed["p"] <= time.monotonic()
+    assert box.arrived("other") == {}
+    box.offer("p", "want", b"x")  # the same bytes again keep the first landing
+    assert box.arrived("want") == landed
 
 
 def test_a_stale_push_never_hides_the_newer_dht_record_and_a_newer_push_wins() -> None:

@@ -8,6 +8,7 @@ from hlbp.peer.rounds.rules import (
     coordinator_order,
     majority_checksums,
     pick_accepted,
+    widen_for_late,
 )
 from hlbp.peer.rounds.statesync import shard_checksum
 from hlbp.protocol.roundrecords import AcceptedSet, ShardChecks
@@ -26,8 +27,27 @@ def test_coordinator_order_is_the_same_from_any_view_and_changes_by_round():
 def test_adapt_window_follows_arrivals_within_bounds():
     assert adapt_window([0.0, 2.0], lo=1.0, hi=10.0, current=5.0) == 4.0
     assert adapt_window([0.0, 100.0], lo=1.0, hi=10.0, current=5.0) == 10.0
-    assert adapt_window([0.0, 0.0], lo=2.0, hi=10.0, current=5.0) == 2.0
+    assert adapt_window([0.0, 0.0], lo=2.0, hi=10.0, current=2.5) == 2.0
     assert adapt_window([0.0], lo=1.0, hi=10.0, current=5.0) == 5.0  # one arrival says nothing about spread
+
+
+def test_adapt_window_grows_at_once_and_shrinks_by_a_quarter_a_round():
+    window, seen = 8.0, []
+    for _ in range(8):  # rounds in lockstep: the window steps down to the floor, never straight to it
+        window = adapt_window([0.0, 0.1], lo=1.0, hi=30.0, current=window)
+        seen.append(window)
+    assert seen[:3] == [6.0, 4.5, 3.375] and seen[-1] == 1.15
+    assert adapt_window([0.0, 6.0], lo=1.0, hi=30.0, current=1.15) == 10.0  # one slow round: wide at once
+
+
+def test_widen_for_late_takes_back_a_near_miss_and_leaves_a_straggler_out():
+    # closed after a 2 s window; the next one had shrunk to 1.5 s
+    assert widen_for_late(1.5, 2.0, [2.6], hi=30.0) == 1.5 * 2.6 + 1.0  # missed by 0.6 s: the next window takes it
+    assert widen_for_late(1.5, 2.0, [4.0], hi=30.0) == 7.0  # one window late still counts
+    assert widen_for_late(1.5, 2.0, [4.1, 20.0], hi=30.0) == 1.5  # later than that: a straggler, never waited for
+    assert widen_for_late(1.5, 2.0, [3.9], hi=5.0) == 5.0  # within the manifest's bound
+    assert widen_for_late(9.0, 2.0, [2.5], hi=30.0) == 9.0  # never narrows
+    assert widen_for_late(1.5, 2.0, [-1.0], hi=30.0) == 1.5  # a clock that ran backwards is no evidence
 
 
 def test_pick_accepted_prefers_the_best_ranked_coordinator():
