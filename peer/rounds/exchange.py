@@ -1,7 +1,8 @@
 """The two halves of a SparseLoCo round after the inner phase, apart so that an overlapped runner can run the
 second in the background (:mod:`hlbp.peer.rounds.overlapped`): :meth:`RoundExchange._contribute` encodes, serves
 and announces our contribution; :meth:`RoundExchange._exchange` closes the round, applies it to the anchor,
-verifies and resyncs. A mixin of :class:`hlbp.peer.rounds.sparseloco.RoundRunner`, whose state it uses.
+verifies and resyncs. Also the checks on senders that the close makes: bans, and how late a left-out
+peer landed. A mixin of :class:`hlbp.peer.rounds.sparseloco.RoundRunner`, whose state it uses.
 """
 
 from __future__ import annotations
@@ -15,8 +16,9 @@ import torch
 from hlbp.peer.rounds.contribution import contribution_to_bytes
 from hlbp.peer.rounds.loop import RoundStats
 from hlbp.peer.rounds.outer import Contribution
+from hlbp.peer.rounds.rules import widen_for_late
 from hlbp.protocol.identity import sha256_hex
-from hlbp.protocol.roundrecords import KIND_CONTRIB, ContribNotice, ShardChecks, round_key
+from hlbp.protocol.roundrecords import KIND_CONTRIB, ContribNotice, ShardChecks, parse_contrib, round_key
 
 logger = logging.getLogger(__name__)
 
@@ -114,3 +116,37 @@ class RoundExchange:
         stats.comm_s = time.perf_counter() - t3
         stats.bytes_received = self._bytes_in - bytes_in
         return checks, accepted is not None
+
+    def _widen_for_late(self) -> None:
+        """Let the next window take back a peer that missed the last close by a little (rules.widen_for_late).
+
+        Its notice still lands after the close, pushed to us (the inbox notes when), and it is parsed and checked
+        like any other. The adaptive window only sees on-time arrivals, so without this a peer landing just after
+        each close (a restarted one catching up on a busy machine) was left out round after round. A notice that
+        reaches us only through the DHT poll gives no time and widens nothing.
+        """
+        if self._closed_at is None:
+            return
+        r, first, window, accepted = self._closed_at
+        self._closed_at = None
+        key = round_key(self.cfg.run_id, r, KIND_CONTRIB)
+        landed = self.inbox.arrived(key)
+        late = {s: b for s, b in self.inbox.entries(key).items()
+                if s in landed and s not in accepted and s != self.me and not self._banned(s, r)}
+        if not late:
+            return
+        offsets = {n.sender: landed[n.sender] - first for n in self._records(key, parse_contrib, late, round_=r)}
+        wider = widen_for_late(self.window, window, list(offsets.values()), self.cfg.max_deadline_s)
+        if wider > self.window:
+            logger.info("round %d: %s landed %.1f s after the first contribution, past the %.1f s window; the next "
+                        "window is %.1f s", r, ", ".join(s[:16] for s in offsets), max(offsets.values()), window,
+                        wider)
+            self.window = wider
+
+    def _banned(self, sender: str, r: int) -> bool:
+        return sender in self.bans and r < self.bans[sender][0]
+
+    def _refused_by_all(self, peer: str, r: int) -> bool:
+        """Whether ``peer`` sent what made every peer's guard refuse a round (the same verdict everywhere, unlike
+        a coordinator's word in a travelling ban): such a peer no longer coordinates while banned."""
+        return peer in self.guard_bans and r < self.guard_bans[peer]

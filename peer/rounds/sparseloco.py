@@ -51,7 +51,6 @@ from hlbp.peer.rounds.rules import (
     coordinator_ranking,
     payload_limit,
     pick_accepted,
-    widen_for_late,
 )
 from hlbp.protocol import ProtocolError
 from hlbp.protocol.identity import sha256_hex
@@ -121,7 +120,7 @@ class RoundRunner(FollowedShards, RoundExchange, ReplicaBase):
         self._prefetches: dict[tuple[int, str], Future[Exception | None]] = {}  # (round, sender) -> its prefetch
         self.overlapped = Overlapped(self) if self.cfg.overlap != "none" else None
         # the last closed round as we saw it close: (round, its first arrival, its window, the accepted senders),
-        # for _widen_for_late
+        # for _widen_for_late (exchange.py)
         self._closed_at: tuple[int, float, float, frozenset[str]] | None = None
         self.close_window = self.window  # the window of the round _close last waited for
 
@@ -248,40 +247,6 @@ class RoundRunner(FollowedShards, RoundExchange, ReplicaBase):
                 return None
             self.inbox.wait(self.cfg.poll_s)  # wakes at once for a pushed record or a finished DHT read
         return None
-
-    def _widen_for_late(self) -> None:
-        """Let the next window take back a peer that missed the last close by a little (rules.widen_for_late).
-
-        Its notice still lands after the close, pushed to us (the inbox notes when), and it is parsed and checked
-        like any other. The adaptive window only sees on-time arrivals, so without this a peer landing just after
-        each close (a restarted one catching up on a busy machine) was left out round after round. A notice that
-        reaches us only through the DHT poll gives no time and widens nothing.
-        """
-        if self._closed_at is None:
-            return
-        r, first, window, accepted = self._closed_at
-        self._closed_at = None
-        key = round_key(self.cfg.run_id, r, KIND_CONTRIB)
-        landed = self.inbox.arrived(key)
-        late = {s: b for s, b in self.inbox.entries(key).items()
-                if s in landed and s not in accepted and s != self.me and not self._banned(s, r)}
-        if not late:
-            return
-        offsets = {n.sender: landed[n.sender] - first for n in self._records(key, parse_contrib, late, round_=r)}
-        wider = widen_for_late(self.window, window, list(offsets.values()), self.cfg.max_deadline_s)
-        if wider > self.window:
-            logger.info("round %d: %s landed %.1f s after the first contribution, past the %.1f s window; the next "
-                        "window is %.1f s", r, ", ".join(s[:16] for s in offsets), max(offsets.values()), window,
-                        wider)
-            self.window = wider
-
-    def _banned(self, sender: str, r: int) -> bool:
-        return sender in self.bans and r < self.bans[sender][0]
-
-    def _refused_by_all(self, peer: str, r: int) -> bool:
-        """Whether ``peer`` sent what made every peer's guard refuse a round (the same verdict everywhere, unlike
-        a coordinator's word in a travelling ban): such a peer no longer coordinates while banned."""
-        return peer in self.guard_bans and r < self.guard_bans[peer]
 
     def _admit(self, r: int, notices: dict[str, ContribNotice]) -> dict[str, ContribNotice]:
         """The coordinator fetches and decodes every contribution before accepting it, so one peer's garbage
