@@ -88,10 +88,14 @@ def test_an_outsider_is_ignored_and_never_accepted(swarm: tuple[Swarm, dict[str,
     outsider = sw.replicas["outsider"]
     outsider.proc.wait_for("is not in run closed-test's allow-list", 60)
     line = f"ignoring round records of {peer['outsider'][:16]}: it is not in the run's allow-list"
+    # A member logs the outsider when it reads the outsider's records, and those exist only in round 0: the outsider
+    # never syncs (nobody serves it), so it never contributes again. A member that closed round 0 on pushed records
+    # alone, before its first DHT read of the round completed (a CI run saw b do so under load), never reads them;
+    # so at least one member must log it, and each that does, once.
+    procs = [sw.replicas[name].proc for name in ("a", "b")]
+    poll(lambda: any(p.find(line) for p in procs), ROUND_TIMEOUT_S, "a member to log the outsider")
+    assert all(len(p.find(line)) <= 1 for p in procs)  # logged once, not at every poll
     for name in ("a", "b"):
-        proc = sw.replicas[name].proc
-        poll(lambda p=proc: p.find(line), ROUND_TIMEOUT_S, f"{name} to log the outsider")
-        assert len(proc.find(line)) == 1  # logged once, not at every poll
         assert all(rec["members"] <= len(MEMBERS) for rec in sw.replicas[name].rounds())
     assert not any(rec["accepted"] for rec in outsider.rounds())
 
