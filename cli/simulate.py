@@ -119,6 +119,9 @@ def simulate(
                         help="Logs, keys, checkpoints and metrics of the peers (default: a new temporary directory)."),
     cache_dir: Path = opt(None, "--cache-dir", env="CACHE", help="Cache for corpus and tokenizer [~/.cache/hlbp]."),
     out: Path = opt(None, "--out", env="SIM_OUT", help="Also write the report as JSON to this file."),
+    fork: bool = opt(True, "--fork/--no-fork", env="SIM_FORK",
+                     help="Fork every process from one interpreter that imported torch and hivemind once (a "
+                          "zygote; 5-7 CPU-s less per process); --no-fork starts each as a fresh interpreter."),
     quick: bool = opt(False, "--quick/--no-quick", env="SIM_QUICK",
                       help="A fast smoke run: 2 replicas, 2 rounds, 5 inner steps."),
 ) -> None:
@@ -171,7 +174,7 @@ def simulate(
                     aggregation=aggregation, clip_median=clip, small_tensors=small_tensors, overlap=overlap,
                     wan_delay_ms=wan_delay_ms, wan_mbps=wan_mbps, n_stages=stages, n_swarms=swarms,
                     micro_batches=micro_batches, codec=codec, codec_k=codec_k,
-                    swarm_wan_delay_ms=swarm_wan_delay_ms, swarm_wan_mbps=swarm_wan_mbps)
+                    swarm_wan_delay_ms=swarm_wan_delay_ms, swarm_wan_mbps=swarm_wan_mbps, fork=fork)
     work = workdir or Path(tempfile.mkdtemp(prefix="hlbp-simulate-"))
     who = f"{full} full replicas" + (f" and {swarms} pipeline swarms of {stages} stage peers" if swarms else "")
     console.print(f"simulating {who} x {rounds} {outer} rounds of {model} on 127.0.0.1 (overlap {mode}); logs "

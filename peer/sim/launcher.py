@@ -8,6 +8,7 @@ The summary is a pure function of the peers' ``metrics.jsonl`` records, so it is
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import signal
@@ -24,6 +25,7 @@ from typing_extensions import Self
 
 from hlbp.peer.net.wanlink import WanEmulator, free_port
 from hlbp.peer.sim.report import checksums_agree, count_params, stage_name, states_agree, summarize
+from hlbp.peer.sim.zygote import ForkedProcess, Zygote, ZygoteError, shared_zygote
 from hlbp.peer.train.metricslog import read_metrics
 
 __all__ = [
@@ -38,6 +40,8 @@ __all__ = [
     "states_agree",
     "summarize",
 ]  # the report functions live in hlbp.peer.sim.report
+
+logger = logging.getLogger(__name__)
 
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 HLBP_PROGRAM = (sys.executable, "-m", "hlbp.cli.control_cmds")  # what runs `bootstrap` and `join` by default
@@ -68,6 +72,9 @@ class SimConfig:
     cache_dir: Path | None = None  # corpus and tokenizer cache; None: the user cache
     startup_timeout_s: float = 120.0  # bootstrap and each joiner must be up within this
     stop_timeout_s: float = 20.0  # SIGTERM, then SIGKILL after this long
+    # fork each process from a warm interpreter that imported torch and hivemind once (peer/sim/zygote.py), saving
+    # 5-7 CPU-s per process; False: start each as a fresh interpreter
+    fork: bool = True
     aggregation: str = "selectors"  # SparseLoCo aggregation of the run (manifest hparams)
     clip_median: bool = True  # median-norm clipping of the run (manifest hparams)
     weighting: str = "equal"  # contributions weighted equally or by their "tokens" (manifest hparams)
@@ -107,16 +114,28 @@ class SimConfig:
                 + f"[placement]\nmax_peers_per_stage = {self.max_peers_per_stage}\n")
 
 
+def _start(program: list[str], args: list[str], env: dict[str, str],
+           zygote: Zygote | None) -> subprocess.Popen[str] | ForkedProcess:
+    """``program`` with ``args`` in a new session, its stdout and stderr combined on ``.stdout``: forked from
+    ``zygote`` when it can run that program (``python -m MODULE`` or ``python SCRIPT.py``), else a fresh process."""
+    if zygote is not None and len(program) >= 2 and program[0] == sys.executable:
+        kind, target = ("module", program[2]) if program[1] == "-m" and len(program) == 3 else ("path", program[1])
+        if kind == "module" or (len(program) == 2 and target.endswith(".py")):
+            try:
+                return zygote.spawn(kind, target, args, env)
+            except ZygoteError as exc:
+                logger.warning("the zygote could not start %s (%s); starting a fresh process", target, exc)
+    return subprocess.Popen([*program, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True, env=env)
+
+
 class PeerProcess:
     """One ``hlbp`` process in its own session, whose combined output is collected line by line."""
 
     def __init__(self, name: str, args: list[str], env: dict[str, str], log: Path | None = None,
-                 program: Sequence[str] | None = None) -> None:
+                 program: Sequence[str] | None = None, zygote: Zygote | None = None) -> None:
         self.name, self.args = name, args
-        self.popen = subprocess.Popen(
-            [*(program or HLBP_PROGRAM), *args], stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT, text=True, start_new_session=True, env=env,
-        )
+        self.popen: subprocess.Popen[str] | ForkedProcess = _start(list(program or HLBP_PROGRAM), args, env, zygote)
         self.lines: list[str] = []
         self.eof = False  # the process closed its output: no more lines will come
         self._log = open(log, "a", encoding="utf-8") if log is not None else None  # noqa: SIM115 - closed by pump
@@ -276,7 +295,8 @@ class Swarm:
                 "--announce-maddrs", f"/ip4/127.0.0.1/tcp/{self.wan.add(port, delay_s=delay / 1000, rate_mbps=rate)}"]
 
     def _spawn(self, name: str, args: list[str], program: Sequence[str] | None = None) -> PeerProcess:
-        proc = PeerProcess(name, args, self.env, log=self.workdir / f"{name}.log", program=program)
+        proc = PeerProcess(name, args, self.env, log=self.workdir / f"{name}.log", program=program,
+                           zygote=shared_zygote() if self.cfg.fork else None)
         self._all.append(proc)
         return proc
 
