@@ -1,0 +1,70 @@
+"""A notice that lands just after a round closed widens the next window; a straggler's, a banned peer's and a
+forged one do not.
+
+The runner's own method on real signed records in a real inbox; only the round loop around it is left out (the
+network tests run it: tests/peer/rounds/test_round_faults.py).
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from hlbp.peer.rounds.config import RoundConfig
+from hlbp.peer.rounds.exchange import RoundExchange
+from hlbp.peer.rounds.inbox import Inbox
+from hlbp.peer.rounds.records import RoundRecords
+from hlbp.protocol.identity import Identity
+from hlbp.protocol.roundrecords import KIND_CONTRIB, ContribNotice, round_key, sign
+
+RUN = "late-test"
+IDS = {name: Identity.generate() for name in ("me", "on_time", "late", "other")}
+PEER = {name: ident.peer_id for name, ident in IDS.items()}
+
+
+class _Runner(RoundRecords, RoundExchange):
+    """The state ``_widen_for_late`` reads: the config, our id, the inbox, bans and the window."""
+
+    def __init__(self, closed_window: float, lag_s: float) -> None:
+        self.cfg = RoundConfig(run_id=RUN, inner_steps=1, max_deadline_s=30.0)
+        self.me = PEER["me"]
+        self.inbox = Inbox(1 << 16)
+        self.inbox.wanted = lambda key: True
+        self.bans: dict[str, tuple[int, int]] = {}
+        self._logged: set[tuple[str, str]] = set()
+        self.window = 1.5  # shrunk after the close
+        # round 3 closed with "on_time" accepted; its first contribution landed lag_s ago
+        self._closed_at = (3, time.monotonic() - lag_s, closed_window, frozenset({PEER["on_time"]}))
+
+
+def _notice(signer: str, round_: int = 3) -> bytes:
+    body = ContribNotice(PEER[signer], round_, 100, {0: "ab" * 32}, {0: 1000}).to_body(RUN)
+    return sign(KIND_CONTRIB, body, IDS[signer])
+
+
+KEY = round_key(RUN, 3, KIND_CONTRIB)
+
+
+def test_a_near_miss_widens_the_next_window_to_take_it() -> None:
+    runner = _Runner(closed_window=2.0, lag_s=2.6)
+    runner.inbox.offer(PEER["on_time"], KEY, _notice("on_time"))  # accepted: no evidence of lateness
+    runner.inbox.offer(PEER["late"], KEY, _notice("late"))  # lands 2.6 s after the first: 0.6 s past the close
+    runner.inbox.offer(PEER["me"], KEY, _notice("me"))  # our own notice never counts
+    runner._widen_for_late()
+    assert runner.window == pytest.approx(1.5 * 2.6 + 1.0, abs=0.1)
+    assert runner._closed_at is None  # once per closed round
+    runner._widen_for_late()
+    assert runner.window == pytest.approx(1.5 * 2.6 + 1.0, abs=0.1)
+
+
+@pytest.mark.parametrize("case", ["straggler", "banned", "forged", "other_round"])
+def test_what_does_not_widen_it(case: str) -> None:
+    runner = _Runner(closed_window=2.0, lag_s=20.0 if case == "straggler" else 2.6)
+    if case == "banned":
+        runner.bans[PEER["late"]] = (10, 1)
+    # forged: "late" pushes a notice signed by another key; other_round: a round-4 notice under round 3's key
+    body = _notice("other") if case == "forged" else _notice("late", 4) if case == "other_round" else _notice("late")
+    runner.inbox.offer(PEER["late"], KEY, body)
+    runner._widen_for_late()
+    assert runner.window == 1.5
