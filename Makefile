@@ -27,7 +27,7 @@ demo: setup
 	$(HLBP) simulate --full 2 --swarms 1 --stages 2 --rounds 8 --out runs/simulate.json
 
 test: setup
-	$(PY) -m pytest -q -p no:cacheprovider
+	$(PY) -m pytest -q -p no:cacheprovider --durations=20
 
 lint: setup
 	$(VENV)/bin/ruff check .
