@@ -121,7 +121,7 @@ def simulate(
     out: Path = opt(None, "--out", env="SIM_OUT", help="Also write the report as JSON to this file."),
     fork: bool = opt(True, "--fork/--no-fork", env="SIM_FORK",
                      help="Fork every process from one interpreter that imported torch and hivemind once (a "
-                          "zygote; 5-7 CPU-s less per process); --no-fork starts each as a fresh interpreter."),
+                          "zygote; 3-7 CPU-s less per process); --no-fork starts each as a fresh interpreter."),
     quick: bool = opt(False, "--quick/--no-quick", env="SIM_QUICK",
                       help="A fast smoke run: 2 replicas, 2 rounds, 5 inner steps."),
 ) -> None:

@@ -73,7 +73,7 @@ class SimConfig:
     startup_timeout_s: float = 120.0  # bootstrap and each joiner must be up within this
     stop_timeout_s: float = 20.0  # SIGTERM, then SIGKILL after this long
     # fork each process from a warm interpreter that imported torch and hivemind once (peer/sim/zygote.py), saving
-    # 5-7 CPU-s per process; False: start each as a fresh interpreter
+    # 3-7 CPU-s per process; False: start each as a fresh interpreter
     fork: bool = True
     aggregation: str = "selectors"  # SparseLoCo aggregation of the run (manifest hparams)
     clip_median: bool = True  # median-norm clipping of the run (manifest hparams)

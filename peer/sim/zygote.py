@@ -1,6 +1,6 @@
 """Start local ``hlbp`` processes by forking a warm interpreter (a zygote) instead of starting a fresh one.
 
-Every ``hlbp join`` spends 5-7 CPU-seconds importing torch, hivemind and ``torch._dynamo`` (the first AdamW step
+Every ``hlbp join`` spends 3-7 CPU-seconds importing torch, hivemind and ``torch._dynamo`` (the first AdamW step
 imports it) before it does anything. A simulated swarm starts a dozen such processes on one machine, and the test
 suite hundreds, so on a 2-core box process start was the largest single cost. The zygote imports them once, then
 forks a child per process, which starts with them loaded.
