@@ -14,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from hlbp.peer.sim.launcher import LOOPBACK, PeerProcess, poll
+from hlbp.peer.sim.zygote import shared_zygote
 
 __all__ = ["LOOPBACK", "Proc", "free_tcp_port", "joiner_peer_id", "poll", "start_bootstrap", "start_joiner", "write_run"]
 
@@ -22,7 +23,7 @@ class Proc(PeerProcess):
     """One `python -m hlbp.cli.control_cmds ...` process (the simulate module's watcher), with test-side names."""
 
     def __init__(self, args: list[str], env: dict[str, str]) -> None:
-        super().__init__(args[0] if args else "hlbp", args, env)
+        super().__init__(args[0] if args else "hlbp", args, env, zygote=shared_zygote())  # forked, as a swarm's
 
     def wait_for(self, pattern: str, timeout: float = 60.0) -> re.Match[str]:
         return super().wait_for(pattern, timeout)
