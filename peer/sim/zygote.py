@@ -363,7 +363,7 @@ def shared_zygote() -> Zygote | None:
             return None
         try:
             _shared = Zygote()
-        except ZygoteError as exc:
+        except (ZygoteError, OSError) as exc:  # OSError: no SOCK_SEQPACKET socket pairs here (macOS)
             _refused = str(exc)
             logger.warning("starting processes without a zygote (each imports torch itself): %s", exc)
             return None

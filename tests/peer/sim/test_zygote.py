@@ -151,3 +151,8 @@ def test_a_child_shows_its_own_command_line(zygote: Zygote, script: str) -> None
     assert zygote_line.strip() == f"hlbp zygote: forks the processes of {os.getpid()}", zygote_line
     proc.kill()
     assert proc.wait(30) == -signal.SIGKILL
+
+
+def test_a_zygote_that_cannot_preload_says_why() -> None:
+    with pytest.raises(ZygoteError, match="preloading failed.*no_such_module_for_the_zygote"):
+        Zygote(preload=("no_such_module_for_the_zygote",))
