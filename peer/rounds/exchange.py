@@ -132,7 +132,8 @@ class RoundExchange:
         key = round_key(self.cfg.run_id, r, KIND_CONTRIB)
         landed = self.inbox.arrived(key)
         late = {s: b for s, b in self.inbox.entries(key).items()
-                if s in landed and s not in accepted and s != self.me and not self._banned(s, r)}
+                if s in landed and s not in accepted and s != self.me and not self._banned(s, r)
+                and (r, s) not in self._unreachable}  # left out for its payload, not its timing
         if not late:
             return
         offsets = {n.sender: landed[n.sender] - first for n in self._records(key, parse_contrib, late, round_=r)}

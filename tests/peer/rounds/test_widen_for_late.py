@@ -1,5 +1,5 @@
-"""A notice that lands just after a round closed widens the next window; a straggler's, a banned peer's and a
-forged one do not.
+"""A notice that lands just after a round closed widens the next window; a straggler's, a banned or unreachable
+peer's and a forged one do not.
 
 The runner's own method on real signed records in a real inbox; only the round loop around it is left out (the
 network tests run it: tests/peer/rounds/test_round_faults.py).
@@ -32,6 +32,7 @@ class _Runner(RoundRecords, RoundExchange):
         self.inbox = Inbox(1 << 16)
         self.inbox.wanted = lambda key: True
         self.bans: dict[str, tuple[int, int]] = {}
+        self._unreachable: set[tuple[int, str]] = set()  # (round, sender) whose payload could not be fetched
         self._logged: set[tuple[str, str]] = set()
         self.window = 1.5  # shrunk after the close
         # round 3 closed with "on_time" accepted; its first contribution landed lag_s ago
@@ -58,11 +59,13 @@ def test_a_near_miss_widens_the_next_window_to_take_it() -> None:
     assert runner.window == pytest.approx(1.5 * 2.6 + 1.0, abs=0.1)
 
 
-@pytest.mark.parametrize("case", ["straggler", "banned", "forged", "other_round"])
+@pytest.mark.parametrize("case", ["straggler", "banned", "unreachable", "forged", "other_round"])
 def test_what_does_not_widen_it(case: str) -> None:
     runner = _Runner(closed_window=2.0, lag_s=20.0 if case == "straggler" else 2.6)
     if case == "banned":
         runner.bans[PEER["late"]] = (10, 1)
+    if case == "unreachable":  # left out because its payload could not be fetched, not because it was late
+        runner._unreachable.add((3, PEER["late"]))
     # forged: "late" pushes a notice signed by another key; other_round: a round-4 notice under round 3's key
     body = _notice("other") if case == "forged" else _notice("late", 4) if case == "other_round" else _notice("late")
     runner.inbox.offer(PEER["late"], KEY, body)
