@@ -14,7 +14,7 @@ WORKDIR /opt/hlbp
 # Build with --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cu124 for a GPU image.
 ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
 RUN pip install "torch==2.13.0" --index-url "${TORCH_INDEX}"
-COPY pyproject.toml README.md ./
+COPY pyproject.toml setup.py README.md ./
 COPY peer ./peer
 COPY protocol ./protocol
 COPY cli ./cli

@@ -15,7 +15,7 @@ HLBP := $(VENV)/bin/hlbp
 
 setup: $(VENV)/.hlbp-installed
 
-$(VENV)/.hlbp-installed: pyproject.toml
+$(VENV)/.hlbp-installed: pyproject.toml setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# Install the CPU build of torch explicitly when none is present, so no multi-GB CUDA build is pulled.
