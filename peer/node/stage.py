@@ -404,7 +404,7 @@ def _drive(ctx: TrainContext, options: StageOptions, worker: StageWorker, codec:
         the round closes without the swarm."""
         driver.wait_ready(60.0)  # the chain has loaded the last round's result
         steps = tokens = 0
-        closed = _sticky_every(lambda: runner._round_closed(r), 0.5)
+        closed = _sticky_every(lambda: runner.round_closed(r), 0.5)
         waiting = False
         while steps < inner:
             if ctx.stop.is_set():

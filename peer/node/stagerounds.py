@@ -126,7 +126,7 @@ def serve_phase(runner: StageRounds, gate: RoundGate, worker: StageWorker, stop:
         while not stop.is_set():
             if gate.wait_ended(0.5):
                 return gate.take()
-            if runner._round_closed(r):
+            if runner.round_closed(r):
                 if not gate.close_between_steps(dead_step_s):
                     worker.reset()
                 return gate.take()

@@ -152,7 +152,7 @@ class DenseRoundRunner(ReplicaBase):
             return False
         return True
 
-    def _round_closed(self, r: int, wait: bool = True) -> bool:
+    def round_closed(self, r: int, wait: bool = True) -> bool:
         """Other replicas already published their state after round r: we are too late for it. Always looked up,
         whatever ``wait`` says: the dense baseline keeps its checks as they were."""
         return any(c.round >= r for c in self.latest_checks() if c.peer != self.me)
@@ -241,7 +241,7 @@ class DenseRoundRunner(ReplicaBase):
                 break
             elif now - last_check > 0.5:
                 last_check = now
-                if self._round_closed(r):
+                if self.round_closed(r):
                     control.cancel()  # still without a group when the others finished: out of this round
                     break
             time.sleep(0.02)  # polling a future that lives in the averager's process
@@ -268,6 +268,6 @@ class DenseRoundRunner(ReplicaBase):
         """A replica left out of round r waits (bounded) for the others to publish its result, then syncs."""
         deadline = time.monotonic() + self.cfg.checks_wait_s + 2 * self.cfg.fetch_timeout_s
         while time.monotonic() < deadline and not self.stop.is_set():
-            if self._round_closed(r):
+            if self.round_closed(r):
                 return
             self.stop.wait(self.cfg.poll_s * 5)

@@ -374,7 +374,7 @@ class ReplicaBase(RoundRecords, ABC):
         """
         if self._just_synced:
             self._just_synced = False
-            if self._round_started(r):
+            if self.round_started(r):
                 logger.info("round %d is already being announced by others: taking its result with weight 0 and "
                             "starting the next round with them", r)
                 if self.cfg.overlap != "none":
@@ -394,9 +394,9 @@ class ReplicaBase(RoundRecords, ABC):
             if time.perf_counter() - last_check > PHASE_CHECK_S:
                 # what the phase's poller last read plus what was pushed: a step never waits on a DHT lookup
                 last_check = time.perf_counter()
-                if self._round_closed(r, wait=False):
+                if self.round_closed(r, wait=False):
                     break  # the round closed without us: stop computing and take its result
-                if self.catch_up_round == r and steps and self._round_started(r, wait=False):
+                if self.catch_up_round == r and steps and self.round_started(r, wait=False):
                     logger.info("round %d: others are announcing it; contributing the %d steps made since catching "
                                 "up", r, steps)
                     break
@@ -424,13 +424,13 @@ class ReplicaBase(RoundRecords, ABC):
         self.rollbacks += 1
 
     @abstractmethod
-    def _round_closed(self, r: int, wait: bool = True) -> bool:
+    def round_closed(self, r: int, wait: bool = True) -> bool:
         """Whether round r has already closed without us (the inner phase then stops early). ``wait``: look it
         up now; else answer from ``phase_poller``'s last read and the records pushed to us."""
 
-    def _round_started(self, r: int, wait: bool = True) -> bool:
+    def round_started(self, r: int, wait: bool = True) -> bool:
         """Whether other replicas have already finished their inner phase of round r (none can tell: False);
-        ``wait`` as for :meth:`_round_closed`."""
+        ``wait`` as for :meth:`round_closed`."""
         return False
 
     def _bytes_served(self) -> int:

@@ -179,12 +179,12 @@ class RoundRunner(FollowedShards, RoundExchange, ReplicaBase):
         """‖θ_s‖ of the round's anchor for every shard we apply: the guard's bounds are relative to it."""
         self._scales = {s: guard.scale({n: self.anchor[n] for n in self.shards[s]}) for s in self.applied}
 
-    def _round_closed(self, r: int, wait: bool = True) -> bool:
+    def round_closed(self, r: int, wait: bool = True) -> bool:
         if wait:
             return self._accepted(r) is not None
         return self._accepted(r, self._round_records(r, False, self.phase_poller)[1]) is not None
 
-    def _round_started(self, r: int, wait: bool = True) -> bool:
+    def round_started(self, r: int, wait: bool = True) -> bool:
         notices, sets = self._round_records(r, wait, self.phase_poller)
         return bool(sets) or any(sender != self.me and not self._banned(sender, r) for sender in notices)
 

@@ -33,11 +33,11 @@ class _Replica(ReplicaBase):
     def run_round(self) -> RoundStats:
         return RoundStats(round=self.round)
 
-    def _round_closed(self, r: int, wait: bool = True) -> bool:
+    def round_closed(self, r: int, wait: bool = True) -> bool:
         self.waits.append(wait)
         return False
 
-    def _round_started(self, r: int, wait: bool = True) -> bool:
+    def round_started(self, r: int, wait: bool = True) -> bool:
         self.waits.append(wait)
         return self.others_announced
 

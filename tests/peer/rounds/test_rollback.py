@@ -19,7 +19,7 @@ class _Replica(ReplicaBase):
     def run_round(self) -> RoundStats:
         return RoundStats(round=self.round)
 
-    def _round_closed(self, r: int, wait: bool = True) -> bool:
+    def round_closed(self, r: int, wait: bool = True) -> bool:
         return False
 
 
