@@ -112,7 +112,7 @@ class StageRounds(RoundRunner):
         stats = super().run_round()
         if self.codec is not None and getattr(self.codec, "variant", None) in REBUILT:
             self.metrics.write(event="table", round=stats.round, table=self.codec.table_digest(),
-                               follow_fetches=self.follow_fetches)
+                               follow_fetches=self.follower.fetches)
         return stats
 
 

@@ -155,7 +155,7 @@ class DenseRoundRunner(ReplicaBase):
     def round_closed(self, r: int, wait: bool = True) -> bool:
         """Other replicas already published their state after round r: we are too late for it. Always looked up,
         whatever ``wait`` says: the dense baseline keeps its checks as they were."""
-        return any(c.round >= r for c in self.latest_checks() if c.peer != self.me)
+        return any(c.round >= r for c in self.records.latest_checks() if c.peer != self.me)
 
     # -- one round -----------------------------------------------------------------------------------------
 
@@ -187,7 +187,7 @@ class DenseRoundRunner(ReplicaBase):
         if averaged is not None:
             self._publish_state(mine)
             self.in_sync = self._verify(r, dict.fromkeys(self._last_group), mine)
-        elif any(c.round >= r for c in self.latest_checks() if c.peer != self.me):
+        elif any(c.round >= r for c in self.records.latest_checks() if c.peer != self.me):
             self.in_sync = False  # the others moved on without us: reload their state
         if not self.stop.is_set() or averaged is not None:
             self.round = r + 1

@@ -16,6 +16,7 @@ import torch
 from hlbp.peer.rounds.contribution import contribution_to_bytes
 from hlbp.peer.rounds.loop import RoundStats
 from hlbp.peer.rounds.outer import Contribution
+from hlbp.peer.rounds.payloads import payload_name
 from hlbp.peer.rounds.rules import widen_for_late
 from hlbp.protocol.identity import sha256_hex
 from hlbp.protocol.roundrecords import KIND_CONTRIB, ContribNotice, ShardChecks, parse_contrib, round_key
@@ -42,14 +43,14 @@ class RoundExchange:
             sent = self.faults.contribution(r, s, c)
             blob = self.faults.payload(r, s, contribution_to_bytes(sent, self.outer_cfg, self.cfg.run_id, r, s),
                                        self.limits[s])
-            self.transport.put(f"c/{r}/{s}/{self.me}", blob)
+            self.transport.put(payload_name(r, s, self.me), blob)
             digests[s], sizes[s] = sha256_hex(blob), len(blob)
             mine[s] = c
         if not self.stop.is_set():
             # no look-up first whether the round already closed (a round trip on every round's critical path):
             # a late notice is harmless, _close then finds the round closed and withdraws our contribution
             notice = ContribNotice(self.me, r, tokens, digests, sizes)
-            self._store(round_key(self.cfg.run_id, r, KIND_CONTRIB), notice.to_body(self.cfg.run_id), KIND_CONTRIB)
+            self.records.store(round_key(self.cfg.run_id, r, KIND_CONTRIB), notice.to_body(self.cfg.run_id), KIND_CONTRIB)
             stats.contributed = True
         return mine
 
@@ -57,7 +58,7 @@ class RoundExchange:
         """Everything of round r after our contribution: close, apply to the anchor, verify, resync if out of sync.
         Returns our checks and whether the round closed. Fills ``stats`` (``comm_s``: this part's seconds beyond
         waiting for the close). The model is touched only through ``_load_anchor_into_model``."""
-        self._measure_scales()
+        self.payloads.measure_scales(self.anchor, self.shards)
         bytes_in = self._bytes_in
         t2 = time.perf_counter()
         accepted = self._close(r)
@@ -97,12 +98,9 @@ class RoundExchange:
             t5 = time.perf_counter()
             self.in_sync = self._verify(r, {p: set(d) for p, _t, d in accepted.members}, checks)
             if self.in_sync:
-                self._check_followed(r)
+                self.check_followed(r)
             stats.phases.update(publish=t5 - t4, verify=time.perf_counter() - t5)
-        self.transport.drop_prefix(f"c/{r - 2}/")
-        self._verified = {k: v for k, v in self._verified.items() if k[0] > r}
-        self._prefetches = {k: v for k, v in self._prefetches.items() if k[0] > r}
-        self._unreachable = {k for k in self._unreachable if k[0] > r}
+        self.payloads.forget_through(r)
         if not self.overlapping and (accepted is not None or not self.stop.is_set()):
             self.round = r + 1  # a round abandoned on SIGTERM is not ours to count: a restart syncs past it
         if not self.in_sync:
@@ -130,13 +128,13 @@ class RoundExchange:
         r, first, window, accepted = self._closed_at
         self._closed_at = None
         key = round_key(self.cfg.run_id, r, KIND_CONTRIB)
-        landed = self.inbox.arrived(key)
-        late = {s: b for s, b in self.inbox.entries(key).items()
+        landed = self.records.inbox.arrived(key)
+        late = {s: b for s, b in self.records.inbox.entries(key).items()
                 if s in landed and s not in accepted and s != self.me and not self._banned(s, r)
-                and (r, s) not in self._unreachable}  # left out for its payload, not its timing
+                and not self.payloads.unreachable(r, s)}  # left out for its payload, not its timing
         if not late:
             return
-        offsets = {n.sender: landed[n.sender] - first for n in self._records(key, parse_contrib, late, round_=r)}
+        offsets = {n.sender: landed[n.sender] - first for n in self.records.records(key, parse_contrib, late, round_=r)}
         wider = widen_for_late(self.window, window, list(offsets.values()), self.cfg.max_deadline_s)
         if wider > self.window:
             logger.info("round %d: %s landed %.1f s after the first contribution, past the %.1f s window; the next "

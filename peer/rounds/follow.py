@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -72,45 +72,29 @@ def resync_plan(checks: Sequence[ShardChecks], round_: int, ours: Mapping[int, s
     return plan
 
 
-class FollowedShards:
-    """The round loop's side of following (mixed into :class:`hlbp.peer.rounds.sparseloco.RoundRunner` before
-    :class:`hlbp.peer.rounds.loop.ReplicaBase`): after start, after a state sync and after each verified round,
-    fetch every followed shard that differs from its holders' majority."""
+class Follower:
+    """The followed shards of one round loop: after start, after a state sync and after each verified round the
+    loop calls :meth:`check`, which fetches every followed shard that differs from its holders' majority."""
 
-    follow: list[int]
-    anchor: dict[str, torch.Tensor]
-    outers: dict[int, Any]
-    shards: list[list[str]]
-    shapes: list[dict[str, tuple[int, ...]]]
-    me: str
-    round: int
-    transport: Any
-    cfg: Any
-    outer_cfg: Any
-    _bytes_in: int
-    follow_fetches: int
+    def __init__(self, follow: Sequence[int], shards: Sequence[Sequence[str]],
+                 shapes: Sequence[Mapping[str, tuple[int, ...]]], me: str, transport: Any, cfg: Any,
+                 outer_cfg: Any) -> None:
+        self.follow = sorted(follow)
+        self.shards, self.shapes, self.me = shards, shapes, me
+        self.transport, self.cfg, self.outer_cfg = transport, cfg, outer_cfg
+        self.fetches = 0  # followed shards fetched from their holders because our copy differed
 
-    def start(self) -> str:
-        how = super().start()  # type: ignore[misc]
-        if self.round > 0:
-            self._check_followed(self.round - 1)  # a resumed copy (or the seed's) may be behind its holders
-        return how
-
-    def sync(self, attempts: int = 3) -> bool:
-        synced = super().sync(attempts)  # type: ignore[misc]
-        if synced:
-            self._check_followed(self.round - 1)
-        return synced
-
-    def _check_followed(self, r: int) -> None:
+    def check(self, r: int, anchor: dict[str, torch.Tensor], outers: dict[int, Any],
+              latest_checks: Callable[[], list[ShardChecks]]) -> tuple[bool, int]:
         """After round r: fetch each followed shard whose checksum differs from its holders' majority from those
-        holders (verified against it), then reload the model (stage peers rebuild their codec's table there).
-        A fetch that fails keeps our copy, logged; the next round's check tries again."""
+        holders (verified against it) into ``anchor`` and ``outers``. Returns whether any was fetched (the loop
+        then reloads its model: stage peers rebuild their codec's table there) and the bytes received. A fetch
+        that fails keeps our copy, logged; the next round's check tries again."""
         if not self.follow:
-            return
-        ours = {s: shard_checksum(self.anchor, self.shards[s], self.outers[s].state_tensors()) for s in self.follow}
-        checks = [c for c in self.latest_checks() if c.peer != self.me]  # type: ignore[attr-defined]
-        fetched = False
+            return False, 0
+        ours = {s: shard_checksum(anchor, self.shards[s], outers[s].state_tensors()) for s in self.follow}
+        checks = [c for c in latest_checks() if c.peer != self.me]
+        fetched, received = False, 0
         for s, (want, donors) in resync_plan(checks, r, ours).items():
             random.Random(f"{self.me}|{r}|{s}").shuffle(donors)
             try:
@@ -121,12 +105,11 @@ class FollowedShards:
                 logger.warning("round %d: followed shard %d differs from its holders' and could not be fetched "
                                "(%s); keeping our copy until the next round", r, s, str(exc)[:2000])
                 continue
-            self._bytes_in += n_bytes
-            self.anchor.update({n: t.clone() for n, t in states[s].params.items()})
-            self.outers[s] = make_outer(self.outer_cfg)
-            self.outers[s].load_state(states[s].outer)
+            received += n_bytes
+            anchor.update({n: t.clone() for n, t in states[s].params.items()})
+            outers[s] = make_outer(self.outer_cfg)
+            outers[s].load_state(states[s].outer)
             fetched = True
-            self.follow_fetches += 1
+            self.fetches += 1
             logger.info("round %d: fetched followed shard %d from %d holders (our copy differed)", r, s, len(donors))
-        if fetched:
-            self._load_anchor_into_model()  # type: ignore[attr-defined]
+        return fetched, received

@@ -29,7 +29,6 @@ from hlbp.peer.common.files import remove_stale_temps
 from hlbp.peer.net.transport import BlobTransport, TransportError
 from hlbp.peer.rounds.config import RoundConfig, RoundStats
 from hlbp.peer.rounds.faults import NO_FAULTS, FaultHook
-from hlbp.peer.rounds.inbox import DhtPoll, Inbox
 from hlbp.peer.rounds.outer import OuterConfig, make_outer
 from hlbp.peer.rounds.records import RoundRecords
 from hlbp.peer.rounds.rules import majority_checksums
@@ -41,7 +40,6 @@ from hlbp.peer.train.trainer import InnerTrainer
 from hlbp.protocol.identity import Identity
 from hlbp.protocol.roundrecords import (
     KIND_CHECKS,
-    MAX_RECORD_BYTES,
     ShardChecks,
     checks_key,
 )
@@ -53,7 +51,7 @@ logger = logging.getLogger(__name__)
 PHASE_CHECK_S = 0.25  # how often the inner phase looks (without waiting) whether its round closed or started
 
 
-class ReplicaBase(RoundRecords, ABC):
+class ReplicaBase(ABC):
     """What every round loop shares: the anchor, outer optimizers, inner phase, DHT records, checkpoints, agreement
     checks and state sync. Subclasses implement ``run_round``.
 
@@ -100,7 +98,6 @@ class ReplicaBase(RoundRecords, ABC):
         self.faults = faults  # what a fault test makes this replica do wrong; production: nothing
         self.guard_loss = guard_loss  # given parameters' loss on the run's fixed guard batch (rounds/guard.py)
         self.last_guard_loss: float | None = None  # that loss after the last committed round
-        self.protect = protect  # registers round keys with our DHT node's record validator
         self.round = 0  # the next round to run; the anchor is the result of round - 1
         self.in_sync = True
         self.rollbacks = 0  # inner phases abandoned because the loss stopped being finite
@@ -108,24 +105,15 @@ class ReplicaBase(RoundRecords, ABC):
         self.last_members = 0
         self.history: list[RoundStats] = []
         self._bytes_in = 0
-        self._logged: set[tuple[str, str]] = set()
         self._saved_at = time.monotonic()
         self._just_synced = False  # set by sync(): we arrive mid-run, and the next round may be under way
         # under overlap: the round whose phase started behind the others' (after a sit-out, or after our notice of
         # the round before came too late); that phase ends early once others announce it (see _inner_phase)
         self.catch_up_round = -1
         self.overlapping = False  # an exchange runs beside the inner phase: only the main thread loads the model
-        self.inbox = Inbox(MAX_RECORD_BYTES)  # round records their signers pushed to us (rounds/inbox.py)
-        self.inbox.wanted = self._wants
-        self.poller = DhtPoll(dht, self.inbox, cfg.poll_s, cfg.dht_timeout_s, self._stuck)
-        # the inner phase's own poller: its checks never block a step, and never cancel the reads of an exchange
-        # running beside it (a DhtPoll keeps one read in flight, for one set of keys)
-        self.phase_poller = DhtPoll(dht, self.inbox, cfg.poll_s, cfg.dht_timeout_s, self._stuck)
-        self.live: dict[int, set[str]] = {}  # round -> peers seen in it: who we push our records to
-        self._live_lock = threading.Lock()
-        self._stores: list[tuple[Any, str, float]] = []  # DHT stores under way (future, key, started)
-        if transport is not None:  # None: a runner that only trains (tests of the inner phase)
-            transport.set_push_handler(self._pushed)
+        # signed round records: the inbox of pushed ones, the DHT pollers, whom we push ours to (rounds/records.py)
+        self.records = RoundRecords(dht, identity, transport, cfg, stop, lambda: self.round, protect,
+                                    keep_store=faults.stores)
 
     # -- DHT helpers ---------------------------------------------------------------------------------------------
 
@@ -150,7 +138,7 @@ class ReplicaBase(RoundRecords, ABC):
         for s in self.held:
             self.transport.put(state_name(r, s), encode_state(self.anchor, self.shards[s], self.outers[s].state_tensors()))
         self.transport.drop([state_name(r - 2, s) for s in self.held])
-        self._store(checks_key(self.cfg.run_id), mine.to_body(self.cfg.run_id), KIND_CHECKS, to)
+        self.records.store(checks_key(self.cfg.run_id), mine.to_body(self.cfg.run_id), KIND_CHECKS, to)
 
     # -- agreement: exact checksums here; the dense runner compares fingerprints ------------------------------
 
@@ -186,7 +174,7 @@ class ReplicaBase(RoundRecords, ABC):
         """Load the newest agreed state of the held shards from peers, in parallel from different donors, verified
         by checksum. False if no agreed state exists yet (a fresh run) or every bounded attempt failed."""
         for _attempt in range(attempts):
-            checks = [c for c in self.latest_checks() if c.peer != self.me]
+            checks = [c for c in self.records.latest_checks() if c.peer != self.me]
             if not checks:
                 # nobody holds an agreed state (every peer failed the same round): ours is as good as any
                 self.in_sync = True
@@ -216,7 +204,7 @@ class ReplicaBase(RoundRecords, ABC):
             self.last_guard_loss = None
             logger.info("synced state of round %d from %d donors", latest, len(donors))
             # serve the state we now hold and push its checksums to the peers whose records we read: they count us
-            # live (records.RoundRecords._pushed) and push us the next rounds' records, so a joiner's or restarted
+            # live (records.RoundRecords.on_push) and push us the next rounds' records, so a joiner's or restarted
             # peer's first trained phase hears of the others' notices at once instead of by polling the DHT
             self._publish_state(self._my_checks(latest), {c.peer for c in checks})
             return True
@@ -274,8 +262,8 @@ class ReplicaBase(RoundRecords, ABC):
     def start(self) -> str:
         """Resume, sync or start fresh; returns which, for the log."""
         resumed = self.resume()
-        self._protect(self.round)
-        checks = [c for c in self.latest_checks() if c.peer != self.me]
+        self.records.protect(self.round)
+        checks = [c for c in self.records.latest_checks() if c.peer != self.me]
         if not checks:
             return "resumed from checkpoint" if resumed else "fresh start"
         latest = max(c.round for c in checks)
@@ -341,10 +329,10 @@ class ReplicaBase(RoundRecords, ABC):
     def _begin_round(self, r: int) -> tuple[RoundStats, int, int, int]:
         """Protect round r's keys, reset the byte counters and run the inner phase: (stats, steps, tokens, bytes
         served so far)."""
-        self._protect(r)
-        self.inbox.prune()  # records of rounds long past
-        self.poller.forget(self._wants)
-        self.phase_poller.forget(self._wants)
+        self.records.protect(r)
+        self.records.inbox.prune()  # records of rounds long past
+        self.records.poller.forget(self.records.wants)
+        self.records.phase_poller.forget(self.records.wants)
         stats = RoundStats(round=r)
         served_before = self._bytes_served()
         if not self.overlapping:
@@ -439,5 +427,5 @@ class ReplicaBase(RoundRecords, ABC):
     def _verify(self, r: int, members: Mapping[str, AbstractSet[int] | None], mine: ShardChecks) -> bool:
         """Compare our state after round r with the other members' (peer -> the shards it contributed, None: all),
         waiting until the verdict is settled or ``checks_wait_s`` passed (:mod:`hlbp.peer.rounds.verify`)."""
-        checks = wait_for_checks(self, r, members, mine)
+        checks = wait_for_checks(self.records, r, members, mine)
         return self._agrees([c for c in checks if c.peer != self.me], mine)

@@ -107,7 +107,7 @@ class Overlapped:
         are discarded at its end as before. None of this touches the global parameters or what anyone sends.
 
         A hostile sender: a preview takes only payloads that matched their signed digest, decoded and passed the
-        contribution norm bound (``_check_payloads``), from senders not banned. One the round later refuses (the
+        contribution norm bound (``Payloads.check``), from senders not banned. One the round later refuses (the
         update or loss guard) moves our private start for a few steps at most: the final landing replaces that
         start by the real result, and only the steps trained meanwhile keep its bounded influence. Previews are
         one per new sender, so at most ``prefetch_up_to`` aggregations a round."""
@@ -120,8 +120,8 @@ class Overlapped:
             if run.outer_cfg.kind != "sparseloco" or run.outer_cfg.aggregation != "selectors":
                 return
             got: dict[str, dict[int, Contribution]] = {}
-            for (rr, sender, s, _digest), c in list(run._verified.items()):
-                if rr == r and s in f.mine and sender != run.me:
+            for sender, s, c in run.payloads.checked(r):
+                if s in f.mine and sender != run.me:
                     got.setdefault(sender, {})[s] = c
             senders = frozenset(p for p, cs in got.items() if cs.keys() >= f.mine.keys())
             if not senders or senders == f.previewed:

@@ -1,10 +1,13 @@
-"""Signed round records in the DHT: store, read, parse and protect them. A mixin of
-:class:`hlbp.peer.rounds.loop.ReplicaBase`, whose state (``dht``, ``identity``, ``cfg``, ``stop``) it uses.
+"""Signed round records in the DHT: store, read, parse and protect them, and the records peers push to us.
+
+One :class:`RoundRecords` per round loop owns the inbox of pushed records, the two DHT pollers that read into it,
+the set of live peers we push our own records to, and the DHT stores under way.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterable
 from collections.abc import Set as AbstractSet
@@ -12,8 +15,10 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 from hlbp.peer.net.dht import DHT_DIED
-from hlbp.peer.rounds.inbox import Both, found_entries, merge
+from hlbp.peer.rounds.config import RoundConfig
+from hlbp.peer.rounds.inbox import Both, DhtPoll, Inbox, found_entries, merge
 from hlbp.protocol import ProtocolError
+from hlbp.protocol.identity import Identity
 from hlbp.protocol.roundrecords import (
     KIND_ACCEPTED,
     KIND_CHECKS,
@@ -44,9 +49,34 @@ def _newer(parse: Callable[..., Any], both: Both, signer: str, run_id: str, **kw
 
 
 class RoundRecords:
-    """DHT helpers of a round loop (see the module docstring); ``self`` is a ReplicaBase."""
+    """The signed round records of one round loop.
 
-    def _store(self, key: str, body: dict[str, Any], kind: str, to: AbstractSet[str] = frozenset()) -> None:
+    ``current_round`` tells which round the loop is in (pushes of records near it are kept; peers seen in the
+    last two rounds are pushed to). ``keep_store`` decides, per key, whether a record also goes to the DHT (a
+    fault test's lost stores; production: always). ``protect`` registers round keys with our DHT node's record
+    validator. A ``transport`` of None: a loop that only trains (tests of the inner phase).
+    """
+
+    def __init__(self, dht: Any, identity: Identity, transport: Any, cfg: RoundConfig, stop: Any,
+                 current_round: Callable[[], int], protect: Callable[[dict[str, tuple[str, int]]], None] | None = None,
+                 keep_store: Callable[[str], bool] = lambda key: True) -> None:
+        self.dht, self.identity, self.transport, self.cfg, self.stop = dht, identity, transport, cfg, stop
+        self.me = identity.peer_id
+        self.current_round, self.protect_keys, self.keep_store = current_round, protect, keep_store
+        self.inbox = Inbox(MAX_RECORD_BYTES)  # round records their signers pushed to us (rounds/inbox.py)
+        self.inbox.wanted = self.wants
+        self.poller = DhtPoll(dht, self.inbox, cfg.poll_s, cfg.dht_timeout_s, self.stuck)
+        # the inner phase's own poller: its checks never block a step, and never cancel the reads of an exchange
+        # running beside it (a DhtPoll keeps one read in flight, for one set of keys)
+        self.phase_poller = DhtPoll(dht, self.inbox, cfg.poll_s, cfg.dht_timeout_s, self.stuck)
+        self.live: dict[int, set[str]] = {}  # round -> peers seen in it: who we push our records to
+        self._live_lock = threading.Lock()
+        self._stores: list[tuple[Any, str, float]] = []  # DHT stores under way (future, key, started)
+        self._logged: set[tuple[str, str]] = set()
+        if transport is not None:
+            transport.set_push_handler(self.on_push)
+
+    def store(self, key: str, body: dict[str, Any], kind: str, to: AbstractSet[str] = frozenset()) -> None:
         """Sign and publish a round record: pushed at once to the live members (and ``to``), kept in our own
         inbox, and stored in the DHT (the record of truth, for whoever the push missed) without waiting for it."""
         from hivemind.utils import get_dht_time
@@ -55,7 +85,7 @@ class RoundRecords:
         self.inbox.offer(self.me, key, value)
         self.transport.push(self.pushed_to() | set(to), key, value)
         self._reap_stores()
-        if not self.faults.stores(key):
+        if not self.keep_store(key):
             return
         future = self.dht.store(key, value, get_dht_time() + self.cfg.record_ttl_s, subkey=self.me,
                                 return_future=True)
@@ -71,12 +101,12 @@ class RoundRecords:
                 except Exception as exc:  # noqa: BLE001 - the pushes went out; the DHT copy is the fallback
                     logger.warning("a DHT store under %s failed: %s", key, exc)
             elif time.monotonic() - started > self.cfg.dht_timeout_s:
-                self._stuck(f"store under {key}")
+                self.stuck(f"store under {key}")
             else:
                 pending.append((future, key, started))
         self._stores = pending
 
-    def _stuck(self, what: str) -> None:
+    def stuck(self, what: str) -> None:
         if not self.dht.is_alive():
             raise ConnectionError(DHT_DIED)
         logger.warning("a DHT %s took over %.0f s; going on without it", what, self.cfg.dht_timeout_s)
@@ -84,9 +114,9 @@ class RoundRecords:
     def pushed_to(self) -> set[str]:
         """The peers we push round records to: those seen in the last two rounds, not us."""
         live = self.live  # replaced whole, never changed in place: safe beside an overlapped exchange's thread
-        return set().union(*(peers for r, peers in live.items() if r >= self.round - 2)) - {self.me}
+        return set().union(*(peers for r, peers in live.items() if r >= self.current_round() - 2)) - {self.me}
 
-    def _seen(self, r: int, peers: Iterable[str]) -> None:
+    def seen(self, r: int, peers: Iterable[str]) -> None:
         """Note ``peers`` as live in round r (their notices arrived, or they pushed us their checksums). Called
         from the main, exchange and transport threads: the lock keeps one caller's peers from replacing another's."""
         peers = set(peers)
@@ -97,7 +127,7 @@ class RoundRecords:
             live.setdefault(r, set()).update(peers)
             self.live = live
 
-    def _pushed(self, sender: str, key: str, body: bytes) -> None:
+    def on_push(self, sender: str, key: str, body: bytes) -> None:
         """A record ``sender`` pushed to us (the transport authenticated who sent it): into the inbox. A peer that
         pushes us its checksums has just applied a round with us, and is live from then on, so our next records
         reach it by push. That is how a restarted or joining peer, which sits its first round out and so sends no
@@ -106,9 +136,9 @@ class RoundRecords:
         window). A hostile pusher gains one push of each of our few records a round; the inbox bounds senders
         per key, and so how many peers this adds."""
         if self.inbox.offer(sender, key, body) and sender != self.me and key == checks_key(self.cfg.run_id):
-            self._seen(self.round, (sender,))
+            self.seen(self.current_round(), (sender,))
 
-    def _wants(self, key: str) -> bool:
+    def wants(self, key: str) -> bool:
         """Whether a pushed record under ``key`` is one we can use now: the checksums, or this run's notices
         and accepted sets of a round near ours."""
         run = self.cfg.run_id
@@ -118,7 +148,7 @@ class RoundRecords:
         if not key.startswith(prefix):
             return False
         r, _, kind = key[len(prefix):].partition(":")
-        return kind in (KIND_CONTRIB, KIND_ACCEPTED) and r.isdigit() and self.round - 2 <= int(r) <= self.round + 2
+        return kind in (KIND_CONTRIB, KIND_ACCEPTED) and r.isdigit() and self.current_round() - 2 <= int(r) <= self.current_round() + 2
 
     def _result(self, future: Any, what: str) -> Any:
         """A DHT call's result, or None (logged) if it outlasts ``dht_timeout_s``. A dead DHT process never
@@ -136,7 +166,7 @@ class RoundRecords:
                     logger.warning("a DHT %s took over %.0f s; going on without it", what, self.cfg.dht_timeout_s)
                     return None
 
-    def _read(self, *keys: str) -> list[dict[str, Any]]:
+    def read(self, *keys: str) -> list[dict[str, Any]]:
         """The entries (subkey -> value) under each key, looked up side by side (a poll of two keys pays its round
         trips once). A lookup that outlasts ``dht_timeout_s`` reads as empty, like a record not there yet."""
         futures = [self.dht.get(key, latest=True, return_future=True) for key in keys]
@@ -146,11 +176,11 @@ class RoundRecords:
             out.append(merge(found_entries(found), self.inbox.entries(key)))
         return out
 
-    def _records(self, key: str, parse: Callable[..., Any], entries: dict[str, Any] | None = None,
+    def records(self, key: str, parse: Callable[..., Any], entries: dict[str, Any] | None = None,
                  **kw: Any) -> list[Any]:
         """The valid records under ``key`` (``entries``: already read), each bad one logged once and skipped."""
         out = []
-        for subkey, value in (self._read(key)[0] if entries is None else entries).items():
+        for subkey, value in (self.read(key)[0] if entries is None else entries).items():
             if not self.cfg.admits(str(subkey)):
                 tag = ("outsider", str(subkey))
                 if tag not in self._logged:
@@ -167,19 +197,20 @@ class RoundRecords:
                     logger.warning("ignoring a bad round record under %s from %s: %s", key, str(subkey)[:16], exc)
         return out
 
-    def _protect(self, r: int) -> None:
+    def protect(self, r: int) -> None:
         """Have our DHT node refuse unsigned or mis-signed records under this round's keys, so a forgery with a
         later expiration cannot shadow a real record (hivemind keeps the latest-expiring value per subkey)."""
-        if self.protect is None:
+        if self.protect_keys is None:
             return
         run = self.cfg.run_id
         keys = {round_key(run, r, KIND_CONTRIB): (KIND_CONTRIB, MAX_RECORD_BYTES),
                 round_key(run, r, KIND_ACCEPTED): (KIND_ACCEPTED, MAX_RECORD_BYTES),
                 checks_key(run): (KIND_CHECKS, MAX_RECORD_BYTES)}
         try:
-            self.protect(keys)
+            self.protect_keys(keys)
         except Exception as exc:  # noqa: BLE001 - readers still verify every record; this is defence in depth
             logger.warning("could not register round %d keys with the DHT validator: %s", r, exc)
 
     def latest_checks(self) -> list[ShardChecks]:
-        return self._records(checks_key(self.cfg.run_id), parse_checks)
+        """Every admitted peer's latest checksum record (a peer's record holds only its latest round)."""
+        return self.records(checks_key(self.cfg.run_id), parse_checks)

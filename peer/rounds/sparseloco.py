@@ -22,28 +22,24 @@ The decisions (ranking, windows, which set wins, majorities) are pure functions 
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
-import random
-import threading
 import time
 from collections.abc import Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import wait as wait_futures
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
 
 from hlbp.peer.net.transport import TransportError
 from hlbp.peer.rounds import copies, guard
-from hlbp.peer.rounds.contribution import contribution_from_bytes
 from hlbp.peer.rounds.exchange import RoundExchange
-from hlbp.peer.rounds.follow import FollowedShards, follow_anchor
+from hlbp.peer.rounds.follow import Follower, follow_anchor
 from hlbp.peer.rounds.inbox import DhtPoll
 from hlbp.peer.rounds.loop import ReplicaBase, RoundConfig, RoundStats
 from hlbp.peer.rounds.outer import Contribution, make_outer
 from hlbp.peer.rounds.overlapped import Overlapped
+from hlbp.peer.rounds.payloads import BadPayload, Payloads, error_text
 from hlbp.peer.rounds.rules import (
     adapt_window,
     close_verdict,
@@ -53,7 +49,6 @@ from hlbp.peer.rounds.rules import (
     pick_accepted,
 )
 from hlbp.protocol import ProtocolError
-from hlbp.protocol.identity import sha256_hex
 from hlbp.protocol.roundrecords import (
     KIND_ACCEPTED,
     KIND_CONTRIB,
@@ -72,18 +67,7 @@ logger = logging.getLogger(__name__)
 MAX_TRAVELLING_BAN = 64  # rounds: the longest ban a coordinator's accepted set can impose on the others
 
 
-class BadPayload(ProtocolError):
-    """An accepted or candidate payload whose bytes match the sender's signed digest but that does not decode, or
-    that breaks a bound: the sender's fault, and the same verdict on every peer that holds those bytes."""
-
-
-def _reason(exc: BaseException) -> str:
-    """An error's whole message for the log (hostile text is bounded, but never cut mid-explanation)."""
-    text = str(exc) or type(exc).__name__
-    return text if len(text) <= 2000 else text[:2000] + "…"
-
-
-class RoundRunner(FollowedShards, RoundExchange, ReplicaBase):
+class RoundRunner(RoundExchange, ReplicaBase):
     """A full replica's SparseLoCo rounds: payloads on the blob transport, an accepted set in the DHT.
 
     ``shards`` lists the parameter names of each shard (the manifest's stage partition). ``expected`` returns how
@@ -96,49 +80,65 @@ class RoundRunner(FollowedShards, RoundExchange, ReplicaBase):
                  **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.anchor.update(follow_anchor(self.shards, self.shapes, self.held, follow or {}))
-        self.follow = sorted(follow or {})
-        self.follow_fetches = 0  # followed shards fetched from their holders because our copy differed
-        self.outers.update({s: make_outer(self.outer_cfg) for s in self.follow})
-        self.applied = sorted({*self.held, *self.follow})  # the shards whose accepted contributions we apply
+        self.follower = Follower(sorted(follow or {}), self.shards, self.shapes, self.me, self.transport, self.cfg,
+                                 self.outer_cfg)
+        self.outers.update({s: make_outer(self.outer_cfg) for s in self.follower.follow})
+        self.applied = sorted({*self.held, *self.follower.follow})  # the shards whose accepted contributions we apply
         # the largest contribution a shard can honestly need: fp32 values and 16-bit indices for every parameter,
         # plus headers; real SparseLoCo payloads are about 1/150 of this, so it only stops floods
         self.limits = [min(self.cfg.max_payload_bytes, payload_limit(sum(math.prod(v) for v in shape.values())))
                        for shape in self.shapes]
         self.bans: dict[str, tuple[int, int]] = {}  # sender -> (banned until round, strikes so far)
         self.guard_bans: dict[str, int] = {}  # sender -> banned until round, from this peer's own guard refusals
-        # (round, sender, shard, digest) -> checked payload; the digest too: a prefetch saw the sender's notice, the
-        # apply takes the accepted set's digest, and an equivocating sender could make the two differ
-        self._verified: dict[tuple[int, str, int, str], Contribution] = {}
-        self._unreachable: set[tuple[int, str]] = set()  # (round, sender) whose payload could not be fetched
-        self._count_lock = threading.Lock()
+        self.payloads = Payloads(self.me, self.transport, self.cfg, self.outer_cfg, self.shapes, self.limits,
+                                 self.applied, self._banned, self._received, self.stop)
         self.guard = self.cfg.guard
         self.last_ratios: dict[str, float] = {}  # the last applied round's largest norm ratios (guard)
         self.last_copies: list[dict[str, Any]] = []  # the last applied round's evidence of copied contributions
         self._reuse = {s: copies.ReuseLog() for s in self.held}
-        self._scales: dict[int, float] = {}  # ‖θ_s‖ of the round's anchor per held shard (set as its exchange starts)
-        self._prefetcher: ThreadPoolExecutor | None = None  # background fetches of notices' payloads (_prefetch)
-        self._prefetches: dict[tuple[int, str], Future[Exception | None]] = {}  # (round, sender) -> its prefetch
         self.overlapped = Overlapped(self) if self.cfg.overlap != "none" else None
         # the last closed round as we saw it close: (round, its first arrival, its window, the accepted senders),
         # for _widen_for_late (exchange.py)
         self._closed_at: tuple[int, float, float, frozenset[str]] | None = None
         self.close_window = self.window  # the window of the round _close last waited for
 
+    def start(self) -> str:
+        how = super().start()
+        if self.round > 0:
+            self.check_followed(self.round - 1)  # a resumed copy (or the seed's) may be behind its holders
+        return how
+
+    def sync(self, attempts: int = 3) -> bool:
+        synced = super().sync(attempts)
+        if synced:
+            self.check_followed(self.round - 1)
+        return synced
+
+    def _received(self, n: int) -> None:
+        self._bytes_in += n
+
+    def check_followed(self, r: int) -> None:
+        """After round r: bring every followed shard to its holders' majority (:class:`Follower`)."""
+        fetched, received = self.follower.check(r, self.anchor, self.outers, self.records.latest_checks)
+        self._bytes_in += received
+        if fetched:
+            self._load_anchor_into_model()
+
     def _round_records(self, r: int, wait: bool = True,
                        poller: DhtPoll | None = None) -> tuple[dict[str, ContribNotice], list[AcceptedSet]]:
         """Round r's contribution notices (by sender) and published accepted sets, read in one concurrent poll
         (``wait``), or as ``poller`` (default: the exchange's) last polled plus what was pushed since."""
         keys = (round_key(self.cfg.run_id, r, KIND_CONTRIB), round_key(self.cfg.run_id, r, KIND_ACCEPTED))
-        contribs, accepted = self._read(*keys) if wait else (poller or self.poller).entries(*keys)
-        notices = {n.sender: n for n in self._records(keys[0], parse_contrib, contribs, round_=r)}
-        self._seen(r, notices)
-        return notices, self._records(keys[1], parse_accepted, accepted, round_=r)
+        contribs, accepted = self.records.read(*keys) if wait else (poller or self.records.poller).entries(*keys)
+        notices = {n.sender: n for n in self.records.records(keys[0], parse_contrib, contribs, round_=r)}
+        self.records.seen(r, notices)
+        return notices, self.records.records(keys[1], parse_accepted, accepted, round_=r)
 
     def _accepted(self, r: int, sets: list[AcceptedSet] | None = None, order: Sequence[str] = ()) -> AcceptedSet | None:
         """The accepted set of round r that every peer applies: the best-ranked coordinator's (``sets``: already
         read; ``order``: the coordinator ranking, from the notices)."""
         if sets is None:
-            sets = self._records(round_key(self.cfg.run_id, r, KIND_ACCEPTED), parse_accepted, round_=r)
+            sets = self.records.records(round_key(self.cfg.run_id, r, KIND_ACCEPTED), parse_accepted, round_=r)
         sets = [x for x in sets if not self._refused_by_all(x.coordinator, r)]
         return pick_accepted(sets, order or coordinator_order(r, [s.coordinator for s in sets]))
 
@@ -175,17 +175,13 @@ class RoundRunner(FollowedShards, RoundExchange, ReplicaBase):
             return stats  # abandoned on SIGTERM: not a round to report
         return self._report(stats, checks, steps)
 
-    def _measure_scales(self) -> None:
-        """‖θ_s‖ of the round's anchor for every shard we apply: the guard's bounds are relative to it."""
-        self._scales = {s: guard.scale({n: self.anchor[n] for n in self.shards[s]}) for s in self.applied}
-
     def round_closed(self, r: int, wait: bool = True) -> bool:
         if wait:
             return self._accepted(r) is not None
-        return self._accepted(r, self._round_records(r, False, self.phase_poller)[1]) is not None
+        return self._accepted(r, self._round_records(r, False, self.records.phase_poller)[1]) is not None
 
     def round_started(self, r: int, wait: bool = True) -> bool:
-        notices, sets = self._round_records(r, wait, self.phase_poller)
+        notices, sets = self._round_records(r, wait, self.records.phase_poller)
         return bool(sets) or any(sender != self.me and not self._banned(sender, r) for sender in notices)
 
     def _close(self, r: int) -> AcceptedSet | None:
@@ -200,7 +196,7 @@ class RoundRunner(FollowedShards, RoundExchange, ReplicaBase):
         while not self.stop.is_set():
             now = time.monotonic()
             notices, sets = self._round_records(r, wait=False)
-            self._prefetch(r, notices)
+            self.payloads.prefetch(r, notices)
             if self.overlapped is not None:
                 self.overlapped.preview(r)  # the round's result as far as it is fetched, for the phase under way
             for sender in notices:
@@ -238,14 +234,14 @@ class RoundRunner(FollowedShards, RoundExchange, ReplicaBase):
                             members = tuple((s, n.tokens, n.digests) for s, n in sorted(admitted.items()))
                             banned = tuple(sorted((p, u) for p, (u, _) in self.bans.items() if u > r))
                             body = AcceptedSet(self.me, r, members, banned).to_body(self.cfg.run_id)
-                            self._store(round_key(self.cfg.run_id, r, KIND_ACCEPTED), body, KIND_ACCEPTED,
+                            self.records.store(round_key(self.cfg.run_id, r, KIND_ACCEPTED), body, KIND_ACCEPTED,
                                         set(notices))
                             continue
             if now > give_up:
                 logger.warning("round %d: nobody closed the round within %.0f s; moving on", r,
                                give_up - (first_seen or give_up))
                 return None
-            self.inbox.wait(self.cfg.poll_s)  # wakes at once for a pushed record or a finished DHT read
+            self.records.inbox.wait(self.cfg.poll_s)  # wakes at once for a pushed record or a finished DHT read
         return None
 
     def _admit(self, r: int, notices: dict[str, ContribNotice]) -> dict[str, ContribNotice]:
@@ -255,7 +251,7 @@ class RoundRunner(FollowedShards, RoundExchange, ReplicaBase):
         candidates = {}
         for sender, notice in notices.items():
             if (self._banned(sender, r) or not notice.digests
-                    or not set(notice.digests) <= set(range(len(self.shards))) or (r, sender) in self._unreachable):
+                    or not set(notice.digests) <= set(range(len(self.shards))) or self.payloads.unreachable(r, sender)):
                 continue
             over = [s for s, size in notice.sizes.items() if size > self.limits[s]]
             if over:  # its own signed notice claims more bytes than any honest payload: refuse without fetching
@@ -265,8 +261,8 @@ class RoundRunner(FollowedShards, RoundExchange, ReplicaBase):
             candidates[sender] = notice
 
         def check(sender: str) -> Exception | None:
-            self._await_prefetch(r, sender)
-            return self._check_payloads(r, sender, candidates[sender].digests)
+            self.payloads.await_prefetch(r, sender)
+            return self.payloads.check(r, sender, candidates[sender].digests)
 
         with ThreadPoolExecutor(max(1, min(len(candidates), self.cfg.fetch_workers))) as pool:
             outcomes = dict(zip(candidates, pool.map(check, list(candidates))))
@@ -277,56 +273,17 @@ class RoundRunner(FollowedShards, RoundExchange, ReplicaBase):
             elif isinstance(exc, TransportError):
                 # unreachable, slow or a broken transfer: left out of this round (not retried while we wait for
                 # more contributors, each try costs a fetch timeout), not punished
-                self._unreachable.add((r, sender))
+                self.payloads.mark_unreachable(r, sender)
                 logger.warning("round %d: could not fetch the contribution of %s (%s); leaving it out", r,
-                               sender[:16], _reason(exc))
+                               sender[:16], error_text(exc))
             else:
                 # bytes that match the sender's signed digest yet do not decode or break a bound, or a response
                 # that breaks the transfer protocol (a body above the limit): the sender sent garbage
-                self._ban(r, sender, _reason(exc))
+                self._ban(r, sender, error_text(exc))
         return admitted
 
-    def _check_payloads(self, r: int, sender: str, digests: Mapping[int, str]) -> Exception | None:
-        """Fetch, decode and bound ``sender``'s payloads for the shards in ``digests`` not yet checked; each good
-        one is kept in ``_verified`` for the apply. Returns the first failure (not raised: the caller decides)."""
-        try:
-            for s, digest in digests.items():
-                if (r, sender, s, digest) not in self._verified:
-                    c = self._decode(r, s, sender, digest, [])
-                    # a shard this peer does not hold has no anchor here to bound it by: its holders do that
-                    over = guard.oversized({sender: guard.contribution_norm(c)}, self._scales[s], self.guard) \
-                        if s in self._scales else {}
-                    if over:
-                        raise BadPayload(f"shard {s}'s contribution norm is {over[sender]:.3g}x the shard's "
-                                         f"parameter norm (bound {self.guard.max_contribution_ratio:g}x)")
-                    self._verified[(r, sender, s, digest)] = c
-        except (TransportError, ProtocolError) as exc:
-            return exc
-        return None
-
-    def _prefetch(self, r: int, notices: Mapping[str, ContribNotice]) -> None:
-        """Start fetching and checking, in the background, the payloads of the round's notices seen so far (the
-        shards we apply), so that applying the accepted set waits on no transfer. Only while the round is small
-        (``prefetch_up_to``); a failure here only means the apply fetches it again (and judges it then)."""
-        if len(notices) > self.cfg.prefetch_up_to or self.stop.is_set():
-            return
-        for sender, notice in notices.items():
-            digests = {s: d for s, d in notice.digests.items() if s in self.applied}
-            if (sender == self.me or (r, sender) in self._prefetches or self._banned(sender, r) or not digests
-                    or any(s >= len(self.limits) or notice.sizes.get(s, 0) > self.limits[s] for s in digests)):
-                continue
-            if self._prefetcher is None:
-                self._prefetcher = ThreadPoolExecutor(self.cfg.fetch_workers, thread_name_prefix="hlbp-prefetch")
-            self._prefetches[(r, sender)] = self._prefetcher.submit(self._check_payloads, r, sender, digests)
-
-    def _await_prefetch(self, r: int, sender: str) -> None:
-        """Let a prefetch of ``sender``'s round-r payloads under way finish, instead of fetching them twice."""
-        pending = self._prefetches.get((r, sender))
-        if pending is not None:
-            wait_futures([pending], timeout=self.cfg.fetch_timeout_s + 5)  # it returns its failure: the caller judges
     def close(self) -> None:
-        if self._prefetcher is not None:
-            self._prefetcher.shutdown(wait=False, cancel_futures=True)
+        self.payloads.close()
         super().close()
 
     def _ban(self, r: int, sender: str, reason: str) -> None:
@@ -335,61 +292,6 @@ class RoundRunner(FollowedShards, RoundExchange, ReplicaBase):
         self.bans[sender] = (r + 1 + 2**strikes, strikes)
         logger.warning("round %d: rejected the contribution of %s (%s); banned until round %d", r, sender[:16],
                        reason, self.bans[sender][0])
-
-    def _decode(self, r: int, s: int, sender: str, digest: str, holders: list[str],
-                coordinator: str = "") -> Contribution:
-        """One accepted shard payload, fetched (or our own), digest-checked and decoded."""
-        if sender == self.me:
-            blob = self._own_blob(r, s)
-            if blob is None or sha256_hex(blob) != digest:
-                raise TransportError("our own contribution is gone or differs from the accepted digest")
-        else:
-            blob = self._fetch(r, s, sender, digest, holders, coordinator)
-        try:
-            c = contribution_from_bytes(blob, self.outer_cfg, self.shapes[s], run=self.cfg.run_id, round=r, shard=s,
-                                        max_bytes=self.limits[s])
-        except ProtocolError as exc:
-            raise BadPayload(str(exc)) from None
-        if c.sender != sender:
-            raise BadPayload(f"payload claims sender {c.sender[:12]}…, accepted for {sender[:12]}…")
-        return c
-
-    def _fetch(self, r: int, shard: int, sender: str, digest: str, holders: list[str], coordinator: str = "") -> bytes:
-        """A payload from up to three holders, then the coordinator (it fetched every payload it accepted, so it
-        still has a sender's that died right after announcing), then the sender itself."""
-        name = f"c/{r}/{shard}/{sender}"
-        others = [h for h in holders if h not in (sender, self.me)]
-        random.Random(f"{self.me}|{r}|{shard}|{sender}").shuffle(others)
-        tries = [*others[:3], *([coordinator] if coordinator not in (*others[:3], sender, self.me, "") else [])]
-        errors: list[str] = []
-        for peer in [*tries, sender, sender]:  # the sender twice: one broken transfer is not a verdict
-            # while we fetch from the sender, others asking us for it wait for our copy (peer/net/transport.py)
-            with self.transport.sharing(name) if peer == sender else contextlib.nullcontext():
-                blob = self._fetch_from(peer, name, shard, sender, digest, errors)
-                if blob is not None:
-                    with self._count_lock:  # fetches run in parallel threads
-                        self._bytes_in += len(blob)
-                    self.transport.put(name, blob)  # gossip: serve it onwards, so the sender uploads it about once
-                    return blob
-        raise TransportError(f"contribution of {sender[:12]}… for round {r} shard {shard}: " + "; ".join(errors))
-
-    def _fetch_from(self, peer: str, name: str, shard: int, sender: str, digest: str, errors: list[str]) -> bytes | None:
-        """One holder's copy of a payload if it matches ``digest``; otherwise None, with why added to ``errors``."""
-        try:
-            blob = self.transport.fetch(peer, name, self.limits[shard],
-                                        self.cfg.fetch_timeout_s if peer == sender else self.cfg.fetch_timeout_s / 5)
-        except TransportError as exc:
-            errors.append(_reason(exc))
-            return None
-        except ProtocolError as exc:  # the response itself broke the protocol (a body above the limit)
-            if peer == sender:
-                raise ProtocolError(f"{sender[:12]}… served its contribution out of protocol: {exc}") from None
-            errors.append(f"{peer[:12]}…: {_reason(exc)}")
-            return None
-        if sha256_hex(blob) != digest:
-            errors.append(f"{peer[:12]}… served bytes that do not match the accepted digest")
-            return None
-        return blob
 
     def _apply(self, r: int, accepted: AcceptedSet) -> str:
         """Fetch, verify, bound and apply the accepted set.
@@ -407,26 +309,26 @@ class RoundRunner(FollowedShards, RoundExchange, ReplicaBase):
 
         def get(job: tuple[str, int, str]) -> tuple[str, int, Contribution | BadPayload | None]:
             sender, s, digest = job
-            self._await_prefetch(r, sender)
-            cached = self._verified.pop((r, sender, s, digest), None)
+            self.payloads.await_prefetch(r, sender)
+            cached = self.payloads.take(r, sender, s, digest)
             if cached is not None:
                 return sender, s, cached
             try:
-                return sender, s, self._decode(r, s, sender, digest, holders, accepted.coordinator)
+                return sender, s, self.payloads.decode(r, s, sender, digest, holders, accepted.coordinator)
             except BadPayload as exc:
                 return sender, s, exc
             except (TransportError, ProtocolError) as exc:
                 if s in self.held:
                     raise
                 logger.warning("round %d: could not fetch the contribution of %s to followed shard %d (%s); that "
-                               "shard waits for its holders' state", r, sender[:16], s, _reason(exc))
+                               "shard waits for its holders' state", r, sender[:16], s, error_text(exc))
                 return sender, s, None
 
         try:
             with ThreadPoolExecutor(self.cfg.fetch_workers) as pool:
                 got = list(pool.map(get, jobs))
         except (TransportError, ProtocolError) as exc:
-            logger.warning("round %d: could not obtain an accepted contribution (%s)", r, _reason(exc))
+            logger.warning("round %d: could not obtain an accepted contribution (%s)", r, error_text(exc))
             return "failed"
         bad = {sender: str(c) for sender, _s, c in got if isinstance(c, BadPayload)}
         if bad:
@@ -441,8 +343,8 @@ class RoundRunner(FollowedShards, RoundExchange, ReplicaBase):
         for s, contributions in per_shard.items():
             names = self.shards[s]
             norms = {c.sender: guard.contribution_norm(c) for c in contributions}
-            ratios["contribution"] = max([ratios["contribution"], *(n / self._scales[s] for n in norms.values())])
-            over = guard.oversized(norms, self._scales[s], self.guard)
+            ratios["contribution"] = max([ratios["contribution"], *(n / self.payloads.scales[s] for n in norms.values())])
+            over = guard.oversized(norms, self.payloads.scales[s], self.guard)
             if over:
                 return self._refuse(r, {p: f"shard {s}'s contribution norm is {v:.3g}x the shard's parameter norm"
                                         for p, v in over.items()}, "a contribution breaks the norm bound")
@@ -494,6 +396,3 @@ class RoundRunner(FollowedShards, RoundExchange, ReplicaBase):
             self._ban(r, sender, reason)
             self.guard_bans[sender] = self.bans[sender][0]
         return f"refused: {why}"
-
-    def _own_blob(self, r: int, s: int) -> bytes | None:
-        return self.transport.get(f"c/{r}/{s}/{self.me}")

@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from collections.abc import Set as AbstractSet
 from typing import Any
 
+from hlbp.peer.rounds.records import RoundRecords
 from hlbp.peer.rounds.rules import checks_settled
 from hlbp.protocol import ProtocolError
 from hlbp.protocol.records import decode_announcement, peers_key
@@ -41,21 +42,22 @@ def online_members(entries: Mapping[Any, Any], run_id: str, now: float, me: str,
     return online - {me} if me in online else None
 
 
-def wait_for_checks(runner: Any, r: int, members: Mapping[str, AbstractSet[int] | None],
+def wait_for_checks(records: RoundRecords, r: int, members: Mapping[str, AbstractSet[int] | None],
                     mine: ShardChecks) -> list[ShardChecks]:
     """The round-r checksum records seen when the wait ended: settled, ``checks_wait_s`` passed, or stopping.
-    ``runner``: a :class:`hlbp.peer.rounds.loop.ReplicaBase`; ``members``: peer -> shards it contributed."""
+    ``records``: the round loop's records; ``members``: peer -> shards it contributed."""
     from hivemind.utils import get_dht_time
 
-    run = runner.cfg.run_id
-    deadline = time.monotonic() + runner.cfg.checks_wait_s
+    cfg = records.cfg
+    run = cfg.run_id
+    deadline = time.monotonic() + cfg.checks_wait_s
     while True:
-        raw_checks, raw_peers = runner.poller.entries(checks_key(run), peers_key(run))
-        latest = runner._records(checks_key(run), parse_checks, raw_checks)
+        raw_checks, raw_peers = records.poller.entries(checks_key(run), peers_key(run))
+        latest = records.records(checks_key(run), parse_checks, raw_checks)
         checks = [c for c in latest if c.round == r]
         moved_on = {c.peer for c in latest if c.round > r}  # their round-r records are gone: none will come
-        online = online_members(raw_peers, run, get_dht_time(), runner.me, set(members))
+        online = online_members(raw_peers, run, get_dht_time(), records.me, set(members))
         if (checks_settled(checks, mine, members, online, moved_on) or time.monotonic() >= deadline
-                or runner.stop.is_set()):
+                or records.stop.is_set()):
             return checks
-        runner.inbox.wait(runner.cfg.poll_s)  # wakes at once for a pushed record or a finished DHT read
+        records.inbox.wait(cfg.poll_s)  # wakes at once for a pushed record or a finished DHT read

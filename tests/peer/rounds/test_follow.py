@@ -111,7 +111,7 @@ def _runner(ident: Identity, registry: dict, held: list[int] | None, cls: type[R
     cfg = RoundConfig(run_id=RUN, inner_steps=1, fetch_timeout_s=1.0)
     runner = cls(None, ident, Blobs(registry, ident.peer_id), trainer, OUTER, SHARDS, cfg, threading.Event(),
                  held=held, shapes=SHAPES, follow=follow)
-    runner._measure_scales()
+    runner.payloads.measure_scales(runner.anchor, runner.shards)
     return runner
 
 
@@ -238,15 +238,6 @@ def test_follow_anchor_checks_what_it_is_given() -> None:
         follow_anchor(SHARDS, SHAPES, [1], {0: bad})
 
 
-class _Checked(RoundRunner):
-    """The follower with the holders' published checksums given, instead of read from the DHT."""
-
-    published: list[ShardChecks]
-
-    def latest_checks(self) -> list[ShardChecks]:
-        return list(self.published)
-
-
 def test_a_copy_off_its_holders_is_fetched_from_them_and_verified(round_setup: dict) -> None:
     ids, registry, accepted = round_setup["ids"], round_setup["registry"], round_setup["accepted"]
     holder = _runner(ids["h"], registry, None)
@@ -256,17 +247,19 @@ def test_a_copy_off_its_holders_is_fetched_from_them_and_verified(round_setup: d
     registry[ids["h"].peer_id][state_name(ROUND, 0)] = encode_state(holder.anchor, SHARDS[0], {})
     liar = dict(holder.anchor, **{"embed.weight": holder.anchor["embed.weight"] + 1.0})
     registry[ids["s0"].peer_id][state_name(ROUND, 0)] = encode_state(liar, SHARDS[0], {})
-    follower = _runner(ids["f"], registry, [1], _Checked)  # never applied the round: its copy is the seed's
-    follower.published = [ShardChecks(ids["h"].peer_id, ROUND, {0: want, 1: "x"}),
-                          ShardChecks(ids["s0"].peer_id, ROUND, {0: want})]  # s0 claims the majority's checksum
-    follower._check_followed(ROUND)
-    assert follower.follow_fetches == 1
+    follower = _runner(ids["f"], registry, [1])  # never applied the round: its copy is the seed's
+    # the holders' published checksums, given instead of read from the DHT; s0 claims the majority's checksum
+    published = [ShardChecks(ids["h"].peer_id, ROUND, {0: want, 1: "x"}), ShardChecks(ids["s0"].peer_id, ROUND, {0: want})]
+    follower.records.latest_checks = lambda: list(published)
+    follower.check_followed(ROUND)
+    assert follower.follower.fetches == 1
     assert _same(holder.anchor, follower.anchor, SHARDS[0])  # the liar's blob failed the checksum: not taken
-    follower._check_followed(ROUND)  # now equal: nothing more to fetch
-    assert follower.follow_fetches == 1
+    follower.check_followed(ROUND)  # now equal: nothing more to fetch
+    assert follower.follower.fetches == 1
     # when no donor serves the agreed state (the liar's fails the checksum, b serves none) the copy stays as it
     # is, and nothing raises
-    stale = _runner(ids["f"], registry, [1], _Checked)
-    stale.published = [ShardChecks(ids["s0"].peer_id, ROUND, {0: want}), ShardChecks(ids["b"].peer_id, ROUND, {0: want})]
-    stale._check_followed(ROUND)
-    assert stale.follow_fetches == 0 and shard_checksum(stale.anchor, SHARDS[0]) != want
+    stale = _runner(ids["f"], registry, [1])
+    agreed = [ShardChecks(ids["s0"].peer_id, ROUND, {0: want}), ShardChecks(ids["b"].peer_id, ROUND, {0: want})]
+    stale.records.latest_checks = lambda: list(agreed)
+    stale.check_followed(ROUND)
+    assert stale.follower.fetches == 0 and shard_checksum(stale.anchor, SHARDS[0]) != want

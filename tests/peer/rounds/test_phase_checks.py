@@ -106,12 +106,12 @@ def test_a_peer_that_pushes_its_checksums_is_pushed_our_next_records() -> None:
     replica = _replica(_LateExchange(r=5, at=3, mark=False))
     replica.round = 6
     newcomer, other = Identity.generate().peer_id, Identity.generate().peer_id
-    replica._pushed(other, round_key("t", 6, KIND_CONTRIB), b"a notice")  # a notice counts once parsed, not here
-    assert replica.pushed_to() == set()
-    replica._pushed(newcomer, checks_key("t"), b"its checksums")
-    assert replica.pushed_to() == {newcomer} and replica.inbox.entries(checks_key("t")) == {newcomer: b"its checksums"}
-    replica._pushed(replica.me, checks_key("t"), b"ours")  # never ourselves
-    replica._pushed(other, checks_key("other-run"), b"another run's")  # unwanted: not kept, so not live
-    assert replica.pushed_to() == {newcomer}
+    replica.records.on_push(other, round_key("t", 6, KIND_CONTRIB), b"a notice")  # a notice counts once parsed, not here
+    assert replica.records.pushed_to() == set()
+    replica.records.on_push(newcomer, checks_key("t"), b"its checksums")
+    assert replica.records.pushed_to() == {newcomer} and replica.records.inbox.entries(checks_key("t")) == {newcomer: b"its checksums"}
+    replica.records.on_push(replica.me, checks_key("t"), b"ours")  # never ourselves
+    replica.records.on_push(other, checks_key("other-run"), b"another run's")  # unwanted: not kept, so not live
+    assert replica.records.pushed_to() == {newcomer}
     replica.round = 9  # live means seen in the last two rounds
-    assert replica.pushed_to() == set()
+    assert replica.records.pushed_to() == set()

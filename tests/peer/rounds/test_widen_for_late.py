@@ -13,7 +13,8 @@ import pytest
 
 from hlbp.peer.rounds.config import RoundConfig
 from hlbp.peer.rounds.exchange import RoundExchange
-from hlbp.peer.rounds.inbox import Inbox
+from hlbp.peer.rounds.outer import OuterConfig
+from hlbp.peer.rounds.payloads import Payloads
 from hlbp.peer.rounds.records import RoundRecords
 from hlbp.protocol.identity import Identity
 from hlbp.protocol.roundrecords import KIND_CONTRIB, ContribNotice, round_key, sign
@@ -23,17 +24,17 @@ IDS = {name: Identity.generate() for name in ("me", "on_time", "late", "other")}
 PEER = {name: ident.peer_id for name, ident in IDS.items()}
 
 
-class _Runner(RoundRecords, RoundExchange):
-    """The state ``_widen_for_late`` reads: the config, our id, the inbox, bans and the window."""
+class _Runner(RoundExchange):
+    """The state ``_widen_for_late`` reads: the config, our id, the records' inbox, bans and the window."""
 
     def __init__(self, closed_window: float, lag_s: float) -> None:
         self.cfg = RoundConfig(run_id=RUN, inner_steps=1, max_deadline_s=30.0)
         self.me = PEER["me"]
-        self.inbox = Inbox(1 << 16)
-        self.inbox.wanted = lambda key: True
+        self.records = RoundRecords(None, IDS["me"], None, self.cfg, None, lambda: 3)
+        self.records.inbox.wanted = lambda key: True
         self.bans: dict[str, tuple[int, int]] = {}
-        self._unreachable: set[tuple[int, str]] = set()  # (round, sender) whose payload could not be fetched
-        self._logged: set[tuple[str, str]] = set()
+        self.payloads = Payloads(self.me, None, self.cfg, OuterConfig(), [], [], [], lambda s, r: False,
+                                 lambda n: None, None)
         self.window = 1.5  # shrunk after the close
         # round 3 closed with "on_time" accepted; its first contribution landed lag_s ago
         self._closed_at = (3, time.monotonic() - lag_s, closed_window, frozenset({PEER["on_time"]}))
@@ -49,9 +50,9 @@ KEY = round_key(RUN, 3, KIND_CONTRIB)
 
 def test_a_near_miss_widens_the_next_window_to_take_it() -> None:
     runner = _Runner(closed_window=2.0, lag_s=2.6)
-    runner.inbox.offer(PEER["on_time"], KEY, _notice("on_time"))  # accepted: no evidence of lateness
-    runner.inbox.offer(PEER["late"], KEY, _notice("late"))  # lands 2.6 s after the first: 0.6 s past the close
-    runner.inbox.offer(PEER["me"], KEY, _notice("me"))  # our own notice never counts
+    runner.records.inbox.offer(PEER["on_time"], KEY, _notice("on_time"))  # accepted: no evidence of lateness
+    runner.records.inbox.offer(PEER["late"], KEY, _notice("late"))  # lands 2.6 s after the first: 0.6 s past the close
+    runner.records.inbox.offer(PEER["me"], KEY, _notice("me"))  # our own notice never counts
     runner._widen_for_late()
     assert runner.window == pytest.approx(1.5 * 2.6 + 1.0, abs=0.1)
     assert runner._closed_at is None  # once per closed round
@@ -65,9 +66,9 @@ def test_what_does_not_widen_it(case: str) -> None:
     if case == "banned":
         runner.bans[PEER["late"]] = (10, 1)
     if case == "unreachable":  # left out because its payload could not be fetched, not because it was late
-        runner._unreachable.add((3, PEER["late"]))
+        runner.payloads.mark_unreachable(3, PEER["late"])
     # forged: "late" pushes a notice signed by another key; other_round: a round-4 notice under round 3's key
     body = _notice("other") if case == "forged" else _notice("late", 4) if case == "other_round" else _notice("late")
-    runner.inbox.offer(PEER["late"], KEY, body)
+    runner.records.inbox.offer(PEER["late"], KEY, body)
     runner._widen_for_late()
     assert runner.window == 1.5

@@ -1,0 +1,200 @@
+"""The contributions of a round as bytes: fetch them, check them against their signed digests, decode and bound
+them, and prefetch them while the round is still open.
+
+One :class:`Payloads` per round loop owns what it has already checked (so the apply never fetches a payload twice),
+the prefetches under way and the senders whose payloads could not be had this round. It decides nothing about who
+is accepted or banned: it returns failures as values (:class:`BadPayload` when the sender is to blame, the
+transport's :class:`TransportError` when the bytes could not be had) and the caller judges.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import threading
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
+from typing import Any
+
+import torch
+
+from hlbp.peer.net.transport import TransportError
+from hlbp.peer.rounds import guard
+from hlbp.peer.rounds.config import RoundConfig
+from hlbp.peer.rounds.contribution import contribution_from_bytes
+from hlbp.peer.rounds.outer import Contribution, OuterConfig
+from hlbp.protocol import ProtocolError
+from hlbp.protocol.identity import sha256_hex
+from hlbp.protocol.roundrecords import ContribNotice
+
+
+class BadPayload(ProtocolError):
+    """An accepted or candidate payload whose bytes match the sender's signed digest but that does not decode, or
+    that breaks a bound: the sender's fault, and the same verdict on every peer that holds those bytes."""
+
+
+def error_text(exc: BaseException) -> str:
+    """An error's whole message for the log (hostile text is bounded, but never cut mid-explanation)."""
+    text = str(exc) or type(exc).__name__
+    return text if len(text) <= 2000 else text[:2000] + "…"
+
+
+def payload_name(r: int, shard: int, sender: str) -> str:
+    """The name a contribution's payload is served under on the blob transport."""
+    return f"c/{r}/{shard}/{sender}"
+
+
+class Payloads:
+    """Fetch, check and decode the payloads of a round loop (see the module docstring).
+
+    ``limits``: the largest payload per shard; ``applied``: the shards whose contributions this peer applies (and
+    so prefetches); ``banned(sender, r)``: whom not to prefetch; ``on_received(n)``: counts bytes fetched.
+    """
+
+    def __init__(self, me: str, transport: Any, cfg: RoundConfig, outer_cfg: OuterConfig,
+                 shapes: Sequence[Mapping[str, tuple[int, ...]]], limits: Sequence[int], applied: Sequence[int],
+                 banned: Callable[[str, int], bool], on_received: Callable[[int], None], stop: Any) -> None:
+        self.me, self.transport, self.cfg, self.outer_cfg = me, transport, cfg, outer_cfg
+        self.shapes, self.limits, self.applied = shapes, limits, applied
+        self.banned, self.on_received, self.stop = banned, on_received, stop
+        self.guard = cfg.guard
+        self.scales: dict[int, float] = {}  # ‖θ_s‖ of the round's anchor per applied shard (set as its exchange starts)
+        # (round, sender, shard, digest) -> checked payload; the digest too: a prefetch saw the sender's notice, the
+        # apply takes the accepted set's digest, and an equivocating sender could make the two differ
+        self._verified: dict[tuple[int, str, int, str], Contribution] = {}
+        self._unreachable: set[tuple[int, str]] = set()  # (round, sender) whose payload could not be fetched
+        self._count_lock = threading.Lock()
+        self._prefetcher: ThreadPoolExecutor | None = None  # background fetches of notices' payloads (prefetch)
+        self._prefetches: dict[tuple[int, str], Future[Exception | None]] = {}  # (round, sender) -> its prefetch
+
+    def measure_scales(self, anchor: Mapping[str, torch.Tensor], shards: Sequence[Sequence[str]]) -> None:
+        """‖θ_s‖ of the round's anchor for every shard we apply: the guard's bounds are relative to it."""
+        self.scales = {s: guard.scale({n: anchor[n] for n in shards[s]}) for s in self.applied}
+
+    def check(self, r: int, sender: str, digests: Mapping[int, str]) -> Exception | None:
+        """Fetch, decode and bound ``sender``'s payloads for the shards in ``digests`` not yet checked; each good
+        one is kept for the apply. Returns the first failure (not raised: the caller decides)."""
+        try:
+            for s, digest in digests.items():
+                if (r, sender, s, digest) not in self._verified:
+                    c = self.decode(r, s, sender, digest, [])
+                    # a shard this peer does not hold has no anchor here to bound it by: its holders do that
+                    over = guard.oversized({sender: guard.contribution_norm(c)}, self.scales[s], self.guard) \
+                        if s in self.scales else {}
+                    if over:
+                        raise BadPayload(f"shard {s}'s contribution norm is {over[sender]:.3g}x the shard's "
+                                         f"parameter norm (bound {self.guard.max_contribution_ratio:g}x)")
+                    self._verified[(r, sender, s, digest)] = c
+        except (TransportError, ProtocolError) as exc:
+            return exc
+        return None
+
+    def prefetch(self, r: int, notices: Mapping[str, ContribNotice]) -> None:
+        """Start fetching and checking, in the background, the payloads of the round's notices seen so far (the
+        shards we apply), so that applying the accepted set waits on no transfer. Only while the round is small
+        (``prefetch_up_to``); a failure here only means the apply fetches it again (and judges it then)."""
+        if len(notices) > self.cfg.prefetch_up_to or self.stop.is_set():
+            return
+        for sender, notice in notices.items():
+            digests = {s: d for s, d in notice.digests.items() if s in self.applied}
+            if (sender == self.me or (r, sender) in self._prefetches or self.banned(sender, r) or not digests
+                    or any(s >= len(self.limits) or notice.sizes.get(s, 0) > self.limits[s] for s in digests)):
+                continue
+            if self._prefetcher is None:
+                self._prefetcher = ThreadPoolExecutor(self.cfg.fetch_workers, thread_name_prefix="hlbp-prefetch")
+            self._prefetches[(r, sender)] = self._prefetcher.submit(self.check, r, sender, digests)
+
+    def await_prefetch(self, r: int, sender: str) -> None:
+        """Let a prefetch of ``sender``'s round-r payloads under way finish, instead of fetching them twice."""
+        pending = self._prefetches.get((r, sender))
+        if pending is not None:
+            wait_futures([pending], timeout=self.cfg.fetch_timeout_s + 5)  # it returns its failure: the caller judges
+
+    def take(self, r: int, sender: str, s: int, digest: str) -> Contribution | None:
+        """The checked payload of ``sender`` for shard ``s`` under ``digest``, handed over once (None: not held)."""
+        return self._verified.pop((r, sender, s, digest), None)
+
+    def checked(self, r: int) -> Iterator[tuple[str, int, Contribution]]:
+        """(sender, shard, contribution) of every round-r payload checked so far (a snapshot: safe beside the
+        threads that add to it)."""
+        for (rr, sender, s, _digest), c in list(self._verified.items()):
+            if rr == r:
+                yield sender, s, c
+
+    def mark_unreachable(self, r: int, sender: str) -> None:
+        """``sender``'s round-r payload could not be had: not retried this round."""
+        self._unreachable.add((r, sender))
+
+    def unreachable(self, r: int, sender: str) -> bool:
+        return (r, sender) in self._unreachable
+
+    def forget_through(self, r: int) -> None:
+        """Drop what was kept of rounds up to r, and stop serving our payloads of round r - 2."""
+        self.transport.drop_prefix(f"c/{r - 2}/")
+        self._verified = {k: v for k, v in self._verified.items() if k[0] > r}
+        self._prefetches = {k: v for k, v in self._prefetches.items() if k[0] > r}
+        self._unreachable = {k for k in self._unreachable if k[0] > r}
+
+    def close(self) -> None:
+        if self._prefetcher is not None:
+            self._prefetcher.shutdown(wait=False, cancel_futures=True)
+
+    def own(self, r: int, s: int) -> bytes | None:
+        """Our own served payload of round r, shard s."""
+        return self.transport.get(payload_name(r, s, self.me))
+
+    def decode(self, r: int, s: int, sender: str, digest: str, holders: list[str],
+               coordinator: str = "") -> Contribution:
+        """One shard payload, fetched (or our own), digest-checked and decoded."""
+        if sender == self.me:
+            blob = self.own(r, s)
+            if blob is None or sha256_hex(blob) != digest:
+                raise TransportError("our own contribution is gone or differs from the accepted digest")
+        else:
+            blob = self._fetch(r, s, sender, digest, holders, coordinator)
+        try:
+            c = contribution_from_bytes(blob, self.outer_cfg, self.shapes[s], run=self.cfg.run_id, round=r, shard=s,
+                                        max_bytes=self.limits[s])
+        except ProtocolError as exc:
+            raise BadPayload(str(exc)) from None
+        if c.sender != sender:
+            raise BadPayload(f"payload claims sender {c.sender[:12]}…, accepted for {sender[:12]}…")
+        return c
+
+    def _fetch(self, r: int, shard: int, sender: str, digest: str, holders: list[str], coordinator: str = "") -> bytes:
+        """A payload from up to three holders, then the coordinator (it fetched every payload it accepted, so it
+        still has a sender's that died right after announcing), then the sender itself."""
+        name = payload_name(r, shard, sender)
+        others = [h for h in holders if h not in (sender, self.me)]
+        random.Random(f"{self.me}|{r}|{shard}|{sender}").shuffle(others)
+        tries = [*others[:3], *([coordinator] if coordinator not in (*others[:3], sender, self.me, "") else [])]
+        errors: list[str] = []
+        for peer in [*tries, sender, sender]:  # the sender twice: one broken transfer is not a verdict
+            # while we fetch from the sender, others asking us for it wait for our copy (peer/net/transport.py)
+            with self.transport.sharing(name) if peer == sender else contextlib.nullcontext():
+                blob = self._fetch_from(peer, name, shard, sender, digest, errors)
+                if blob is not None:
+                    with self._count_lock:  # fetches run in parallel threads
+                        self.on_received(len(blob))
+                    self.transport.put(name, blob)  # gossip: serve it onwards, so the sender uploads it about once
+                    return blob
+        raise TransportError(f"contribution of {sender[:12]}… for round {r} shard {shard}: " + "; ".join(errors))
+
+    def _fetch_from(self, peer: str, name: str, shard: int, sender: str, digest: str, errors: list[str]) -> bytes | None:
+        """One holder's copy of a payload if it matches ``digest``; otherwise None, with why added to ``errors``."""
+        try:
+            blob = self.transport.fetch(peer, name, self.limits[shard],
+                                        self.cfg.fetch_timeout_s if peer == sender else self.cfg.fetch_timeout_s / 5)
+        except TransportError as exc:
+            errors.append(error_text(exc))
+            return None
+        except ProtocolError as exc:  # the response itself broke the protocol (a body above the limit)
+            if peer == sender:
+                raise ProtocolError(f"{sender[:12]}… served its contribution out of protocol: {exc}") from None
+            errors.append(f"{peer[:12]}…: {error_text(exc)}")
+            return None
+        if sha256_hex(blob) != digest:
+            errors.append(f"{peer[:12]}… served bytes that do not match the accepted digest")
+            return None
+        return blob
