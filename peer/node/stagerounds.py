@@ -103,8 +103,8 @@ class StageRounds(RoundRunner):
     def _train_phase(self, r: int) -> tuple[int, int]:
         return self.phase(r)  # a swarm's phase ends at its driver's end-of-round mark (no overlap for stages)
 
-    def _load_anchor_into_model(self) -> None:
-        super()._load_anchor_into_model()
+    def load_anchor_into_model(self) -> None:
+        super().load_anchor_into_model()
         if self.codec is not None and "embed.weight" in self.anchor:
             self.codec.rebuild_table(self.anchor["embed.weight"])  # B, A+drift: T_fixed of the loaded embedding
 

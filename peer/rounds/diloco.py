@@ -161,12 +161,12 @@ class DenseRoundRunner(ReplicaBase):
 
     def run_round(self) -> RoundStats:
         r = self.round
-        stats, steps, tokens, served_before = self._begin_round(r)
+        stats, steps, tokens, served_before = self.begin_round(r)
         t1 = time.perf_counter()
         averaged, members, waited = None, 0, 0.0
         if steps and self.in_sync and not self.stop.is_set():
             stats.contributed = True
-            averaged, members, waited = self._exchange(r, tokens)
+            averaged, members, waited = self.exchange(r, tokens)
         stats.wait_s = waited
         stats.members = members
         if averaged is not None:
@@ -181,7 +181,7 @@ class DenseRoundRunner(ReplicaBase):
             # left out (late, alone, or the group failed): DiLoCo keeps no error feedback, so this replica's
             # progress is dropped and it takes the round's result from the others, if there is one
             self._await_result(r)
-        self._load_anchor_into_model()
+        self.load_anchor_into_model()
         mine = self._my_checks(r)
         stats.checksums = mine.checksums
         if averaged is not None:
@@ -199,14 +199,14 @@ class DenseRoundRunner(ReplicaBase):
                 stats.checksums = mine.checksums
         stats.in_sync = self.in_sync
         stats.comm_s = time.perf_counter() - t1 - stats.wait_s
-        stats.bytes_sent = self._bytes_served() - served_before + sent
+        stats.bytes_sent = self.bytes_served() - served_before + sent
         stats.bytes_received = self._bytes_in + sent
         self.save_if_due()
         if averaged is None and self.stop.is_set():
             return stats
-        return self._report(stats, mine, steps)
+        return self.report(stats, mine, steps)
 
-    def _exchange(self, r: int, tokens: int) -> tuple[dict[str, torch.Tensor] | None, int, float]:
+    def exchange(self, r: int, tokens: int) -> tuple[dict[str, torch.Tensor] | None, int, float]:
         """Average Δ with this round's group; (averaged Δ by name or None, members, seconds spent matchmaking)."""
         from hivemind.averaging.control import AveragingStage
         from hivemind.utils import get_dht_time

@@ -122,7 +122,7 @@ class ReplicaBase(ABC):
 
     # -- state -----------------------------------------------------------------------------------------------
 
-    def _load_anchor_into_model(self) -> None:
+    def load_anchor_into_model(self) -> None:
         if self.overlapping:
             return  # the model is the main thread's, training the next phase (see rounds/overlapped.py)
         self.trainer.load_params(self.anchor)  # a variant-A trainer's constraint then projects from these
@@ -199,7 +199,7 @@ class ReplicaBase(ABC):
                 fresh = make_outer(self.outer_cfg)
                 fresh.load_state(state.outer)
                 self.outers[s] = fresh  # a synced peer starts with an empty error-feedback buffer
-            self._load_anchor_into_model()
+            self.load_anchor_into_model()
             self.round, self.in_sync, self._just_synced = latest + 1, True, True
             self.last_guard_loss = None
             logger.info("synced state of round %d from %d donors", latest, len(donors))
@@ -268,7 +268,7 @@ class ReplicaBase(ABC):
             return "resumed from checkpoint" if resumed else "fresh start"
         latest = max(c.round for c in checks)
         if resumed and self.round == latest + 1 and self._agrees(checks, self._my_checks(latest)):
-            self._load_anchor_into_model()
+            self.load_anchor_into_model()
             return "resumed from checkpoint (current)"
         # joining a run under way: its first trained phase must end soon after the others' (it catches up), and a
         # process's first pass is slower than the rest (tiny model, fresh process: 0.14 s against 0.07 s), so
@@ -310,7 +310,7 @@ class ReplicaBase(ABC):
     def quiesce_rounds(self) -> None:
         """Wait for any exchange still under way, whatever its outcome (none without overlap)."""
 
-    def _report(self, stats: RoundStats, mine: ShardChecks, steps: int,
+    def report(self, stats: RoundStats, mine: ShardChecks, steps: int,
                 params: Mapping[str, torch.Tensor] | None = None) -> RoundStats:
         """Score the new parameters (``params``: a snapshot of them, else the anchor), write the round's metrics
         record and tell the caller."""
@@ -326,7 +326,7 @@ class ReplicaBase(ABC):
     def close(self) -> None:
         """Release what the runner started (the dense runner's averager); the transport is the caller's."""
 
-    def _begin_round(self, r: int) -> tuple[RoundStats, int, int, int]:
+    def begin_round(self, r: int) -> tuple[RoundStats, int, int, int]:
         """Protect round r's keys, reset the byte counters and run the inner phase: (stats, steps, tokens, bytes
         served so far)."""
         self.records.protect(r)
@@ -334,7 +334,7 @@ class ReplicaBase(ABC):
         self.records.poller.forget(self.records.wants)
         self.records.phase_poller.forget(self.records.wants)
         stats = RoundStats(round=r)
-        served_before = self._bytes_served()
+        served_before = self.bytes_served()
         if not self.overlapping:
             self._bytes_in = 0  # under overlap the exchange in flight still counts; it takes a difference instead
         t0 = time.perf_counter()
@@ -421,7 +421,7 @@ class ReplicaBase(ABC):
         ``wait`` as for :meth:`round_closed`."""
         return False
 
-    def _bytes_served(self) -> int:
+    def bytes_served(self) -> int:
         return self.transport.bytes_served
 
     def _verify(self, r: int, members: Mapping[str, AbstractSet[int] | None], mine: ShardChecks) -> bool:

@@ -9,7 +9,7 @@ of our contribution, so ``compute / (compute + comm + wait)`` is the share of ti
 
 What each thread may touch. The exchange thread owns the anchor, the outer optimizers' apply side and the round
 records of round r; it must not touch the model, which the main thread trains: the runner's
-``_load_anchor_into_model`` is a no-op while a phase runs, evaluation and the loss guard score parameters on a
+``load_anchor_into_model`` is a no-op while a phase runs, evaluation and the loss guard score parameters on a
 separate scorer, and a resync during the exchange only marks the phase under way as stale. The main thread joins
 the exchange before it contributes the next round, saves a checkpoint or reports, so the error-feedback buffer, the
 anchor and the checkpoint are never read half-updated.
@@ -25,11 +25,14 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hlbp.peer.rounds.loop import RoundStats
 from hlbp.peer.rounds.outer import Contribution
 from hlbp.peer.rounds.overlap import landing_shift, phase_start
+
+if TYPE_CHECKING:  # the runner builds its Overlapped: a runtime import would be circular
+    from hlbp.peer.rounds.sparseloco import RoundRunner
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +57,7 @@ class _InFlight:
 class Overlapped:
     """The overlapped round loop of a :class:`hlbp.peer.rounds.sparseloco.RoundRunner` (``runner``)."""
 
-    def __init__(self, runner: Any) -> None:
+    def __init__(self, runner: RoundRunner) -> None:
         self.runner = runner
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hlbp-exchange")
         self.inflight: _InFlight | None = None
@@ -83,7 +86,7 @@ class Overlapped:
         # the exchange thread's own seconds stay in stats.phases; what compute paid is the main thread's share
         stats.phases["exchange"] = stats.comm_s + stats.wait_s
         stats.comm_s, stats.wait_s = f.main_comm_s, waited
-        stats.bytes_sent = self.runner._bytes_served() - f.served_before
+        stats.bytes_sent = self.runner.bytes_served() - f.served_before
         if stats.synced:
             self.stale = True  # the phase under way started from parameters we no longer hold
         if not closed and self.runner.stop.is_set():
@@ -181,8 +184,8 @@ class Overlapped:
         run = self.runner
         r = run.round
         if self.base is None:
-            run._load_anchor_into_model()
-        stats, steps, tokens, _ = run._begin_round(r)
+            run.load_anchor_into_model()
+        stats, steps, tokens, _ = run.begin_round(r)
         f = self.inflight
         finished = self._join() if f is not None else self._landed
         if f is not None and finished is not None:  # joined at the phase's end: what landed before it still counts
@@ -198,7 +201,7 @@ class Overlapped:
             steps = tokens = 0
             self.stale, base = False, run.anchor
         run.save_if_due()
-        mine: dict[int, Contribution] = run._contribute(r, stats, steps, tokens, base)
+        mine: dict[int, Contribution] = run.contribute(r, stats, steps, tokens, base)
         own = self._own(mine)
         self.base = phase_start(run.cfg.overlap, run.outer_cfg, run.anchor, own, self._expected())
         run.trainer.load_params(self.base)
@@ -206,15 +209,15 @@ class Overlapped:
         run.round = r + 1  # the main thread owns the round counter (a resync in the exchange may move it further)
         main_comm_s = time.perf_counter() - t1
         # bytes served from here to the join: this round's payload and state (the previous round's were counted)
-        served_before = run._bytes_served()
+        served_before = run.bytes_served()
         with self._lock:
             self._offer = None  # an offer of the round just joined that no step was left to land
         self.inflight = _InFlight(r, stats, steps, served_before, Future(), main_comm_s, run.trainer.step,
                                   dict(mine))
-        self.inflight.future = self.pool.submit(run._exchange, r, stats, mine)  # set first: preview() reads it
+        self.inflight.future = self.pool.submit(run.exchange, r, stats, mine)  # set first: preview() reads it
         if finished is None:
             return None
-        return self._report(finished, snapshot)
+        return self.report(finished, snapshot)
 
     def _own(self, mine: dict[int, Contribution]) -> Contribution | None:
         """Our contribution to the round in flight as one contribution over every held shard (None: none)."""
@@ -226,9 +229,9 @@ class Overlapped:
         first = next(iter(mine.values()))
         return Contribution(first.sender, first.tokens, tensors)
 
-    def _report(self, stats: RoundStats, params: dict[str, Any] | None = None) -> RoundStats:
+    def report(self, stats: RoundStats, params: dict[str, Any] | None = None) -> RoundStats:
         _, checks, steps = self._last
-        return self.runner._report(stats, checks, steps, params)
+        return self.runner.report(stats, checks, steps, params)
 
     def quiesce(self) -> None:
         """Wait for the exchange in flight, if any, ignoring its outcome (the run is ending on an error)."""
@@ -245,8 +248,8 @@ class Overlapped:
         finished = self._join()
         run.overlapping = False
         self.base, self.stale = None, False
-        run._load_anchor_into_model()  # the model (and the checkpoint's copy of it) hold the agreed parameters
+        run.load_anchor_into_model()  # the model (and the checkpoint's copy of it) hold the agreed parameters
         self.pool.shutdown(wait=True)
         if finished is None:
             return None
-        return self._report(finished)
+        return self.report(finished)

@@ -18,6 +18,10 @@ One round r, as every replica runs it:
    weight 0 (not at all) until it has.
 
 The decisions (ranking, windows, which set wins, majorities) are pure functions in :mod:`hlbp.peer.rounds.rules`.
+:class:`RoundRunner` sequences the round over parts it owns: :class:`~hlbp.peer.rounds.records.RoundRecords`
+(signed records, pushed and in the DHT), :class:`~hlbp.peer.rounds.payloads.Payloads` (fetch, check, decode),
+:class:`~hlbp.peer.rounds.closer.Closer` (step 3, with the bans) and :class:`~hlbp.peer.rounds.follow.Follower`
+(shards a stage peer keeps a copy of); applying returns a typed :mod:`~hlbp.peer.rounds.outcome`.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -33,41 +37,27 @@ import torch
 
 from hlbp.peer.net.transport import TransportError
 from hlbp.peer.rounds import copies, guard
-from hlbp.peer.rounds.exchange import RoundExchange
+from hlbp.peer.rounds.closer import Closer, RoundBans
+from hlbp.peer.rounds.contribution import contribution_to_bytes
 from hlbp.peer.rounds.follow import Follower, follow_anchor
-from hlbp.peer.rounds.inbox import DhtPoll
 from hlbp.peer.rounds.loop import ReplicaBase, RoundConfig, RoundStats
+from hlbp.peer.rounds.outcome import Applied, Failed, Refused, RoundOutcome
 from hlbp.peer.rounds.outer import Contribution, make_outer
 from hlbp.peer.rounds.overlapped import Overlapped
-from hlbp.peer.rounds.payloads import BadPayload, Payloads, error_text
-from hlbp.peer.rounds.rules import (
-    adapt_window,
-    close_verdict,
-    coordinator_order,
-    coordinator_ranking,
-    payload_limit,
-    pick_accepted,
-)
+from hlbp.peer.rounds.payloads import BadPayload, Payloads, error_text, payload_name
+from hlbp.peer.rounds.rules import payload_limit
 from hlbp.protocol import ProtocolError
-from hlbp.protocol.roundrecords import (
-    KIND_ACCEPTED,
-    KIND_CONTRIB,
-    AcceptedSet,
-    ContribNotice,
-    parse_accepted,
-    parse_contrib,
-    round_key,
-)
+from hlbp.protocol.identity import sha256_hex
+from hlbp.protocol.roundrecords import KIND_CONTRIB, AcceptedSet, ContribNotice, ShardChecks, round_key
 
 __all__ = ["RoundConfig", "RoundRunner", "RoundStats"]  # the config and stats live with the shared base
 
 logger = logging.getLogger(__name__)
 
 
-MAX_TRAVELLING_BAN = 64  # rounds: the longest ban a coordinator's accepted set can impose on the others
 
 
-class RoundRunner(RoundExchange, ReplicaBase):
+class RoundRunner(ReplicaBase):
     """A full replica's SparseLoCo rounds: payloads on the blob transport, an accepted set in the DHT.
 
     ``shards`` lists the parameter names of each shard (the manifest's stage partition). ``expected`` returns how
@@ -88,19 +78,16 @@ class RoundRunner(RoundExchange, ReplicaBase):
         # plus headers; real SparseLoCo payloads are about 1/150 of this, so it only stops floods
         self.limits = [min(self.cfg.max_payload_bytes, payload_limit(sum(math.prod(v) for v in shape.values())))
                        for shape in self.shapes]
-        self.bans: dict[str, tuple[int, int]] = {}  # sender -> (banned until round, strikes so far)
-        self.guard_bans: dict[str, int] = {}  # sender -> banned until round, from this peer's own guard refusals
+        self.bans = RoundBans()
         self.payloads = Payloads(self.me, self.transport, self.cfg, self.outer_cfg, self.shapes, self.limits,
-                                 self.applied, self._banned, self._received, self.stop)
+                                 self.applied, self.bans.banned, self._received, self.stop)
         self.guard = self.cfg.guard
         self.last_ratios: dict[str, float] = {}  # the last applied round's largest norm ratios (guard)
         self.last_copies: list[dict[str, Any]] = []  # the last applied round's evidence of copied contributions
         self._reuse = {s: copies.ReuseLog() for s in self.held}
         self.overlapped = Overlapped(self) if self.cfg.overlap != "none" else None
-        # the last closed round as we saw it close: (round, its first arrival, its window, the accepted senders),
-        # for _widen_for_late (exchange.py)
-        self._closed_at: tuple[int, float, float, frozenset[str]] | None = None
-        self.close_window = self.window  # the window of the round _close last waited for
+        self.closer = Closer(self.me, self.cfg, len(self.shards), self.records, self.payloads, self.bans,
+                             self._expected_contributors, self.stop, choose=self.faults.accept, on_poll=self._on_poll)
 
     def start(self) -> str:
         how = super().start()
@@ -114,6 +101,15 @@ class RoundRunner(RoundExchange, ReplicaBase):
             self.check_followed(self.round - 1)
         return synced
 
+    def _expected_contributors(self) -> float:
+        """Contributors to wait for before closing early: the live ones the announcements name (0: unread), else
+        the last round's members."""
+        return self.expected() if self.expected else max(1, self.last_members)
+
+    def _on_poll(self, r: int) -> None:
+        if self.overlapped is not None:
+            self.overlapped.preview(r)  # the round's result as far as it is fetched, for the phase under way
+
     def _received(self, n: int) -> None:
         self._bytes_in += n
 
@@ -122,25 +118,7 @@ class RoundRunner(RoundExchange, ReplicaBase):
         fetched, received = self.follower.check(r, self.anchor, self.outers, self.records.latest_checks)
         self._bytes_in += received
         if fetched:
-            self._load_anchor_into_model()
-
-    def _round_records(self, r: int, wait: bool = True,
-                       poller: DhtPoll | None = None) -> tuple[dict[str, ContribNotice], list[AcceptedSet]]:
-        """Round r's contribution notices (by sender) and published accepted sets, read in one concurrent poll
-        (``wait``), or as ``poller`` (default: the exchange's) last polled plus what was pushed since."""
-        keys = (round_key(self.cfg.run_id, r, KIND_CONTRIB), round_key(self.cfg.run_id, r, KIND_ACCEPTED))
-        contribs, accepted = self.records.read(*keys) if wait else (poller or self.records.poller).entries(*keys)
-        notices = {n.sender: n for n in self.records.records(keys[0], parse_contrib, contribs, round_=r)}
-        self.records.seen(r, notices)
-        return notices, self.records.records(keys[1], parse_accepted, accepted, round_=r)
-
-    def _accepted(self, r: int, sets: list[AcceptedSet] | None = None, order: Sequence[str] = ()) -> AcceptedSet | None:
-        """The accepted set of round r that every peer applies: the best-ranked coordinator's (``sets``: already
-        read; ``order``: the coordinator ranking, from the notices)."""
-        if sets is None:
-            sets = self.records.records(round_key(self.cfg.run_id, r, KIND_ACCEPTED), parse_accepted, round_=r)
-        sets = [x for x in sets if not self._refused_by_all(x.coordinator, r)]
-        return pick_accepted(sets, order or coordinator_order(r, [s.coordinator for s in sets]))
+            self.load_anchor_into_model()
 
     def phase_base(self) -> Mapping[str, torch.Tensor]:
         if self.overlapped is not None and self.overlapped.base is not None:
@@ -162,145 +140,120 @@ class RoundRunner(RoundExchange, ReplicaBase):
         if self.overlapped is not None:
             return self.overlapped.run_round()
         r = self.round
-        stats, steps, tokens, served_before = self._begin_round(r)
+        stats, steps, tokens, served_before = self.begin_round(r)
         t1 = time.perf_counter()
-        mine = self._contribute(r, stats, steps, tokens, self.anchor)
+        mine = self.contribute(r, stats, steps, tokens, self.anchor)
         encode_s = time.perf_counter() - t1
-        checks, closed = self._exchange(r, stats, mine)
+        checks, closed = self.exchange(r, stats, mine)
         stats.phases = {"encode": encode_s, **stats.phases}
         stats.comm_s += encode_s
-        stats.bytes_sent = self._bytes_served() - served_before
+        stats.bytes_sent = self.bytes_served() - served_before
         self.save_if_due()
         if not closed and self.stop.is_set():
             return stats  # abandoned on SIGTERM: not a round to report
-        return self._report(stats, checks, steps)
+        return self.report(stats, checks, steps)
 
     def round_closed(self, r: int, wait: bool = True) -> bool:
-        if wait:
-            return self._accepted(r) is not None
-        return self._accepted(r, self._round_records(r, False, self.records.phase_poller)[1]) is not None
+        return self.closer.round_closed(r, wait)
 
     def round_started(self, r: int, wait: bool = True) -> bool:
-        notices, sets = self._round_records(r, wait, self.records.phase_poller)
-        return bool(sets) or any(sender != self.me and not self._banned(sender, r) for sender in notices)
+        return self.closer.round_started(r, wait)
 
-    def _close(self, r: int) -> AcceptedSet | None:
-        """Wait for round r's accepted set, publishing it ourselves when we are the coordinator in charge."""
-        first_seen: float | None = None
-        arrivals: dict[str, float] = {}
-        give_up = time.monotonic() + self.cfg.max_deadline_s + 30 * self.cfg.takeover_s
-        # 0 from the announcements means they could not be read: wait out the window rather than close on the first
-        expected = (self.expected() or math.inf) if self.expected else max(1, self.last_members)
-        self._widen_for_late()
-        self.close_window = self.window
-        while not self.stop.is_set():
-            now = time.monotonic()
-            notices, sets = self._round_records(r, wait=False)
-            self.payloads.prefetch(r, notices)
-            if self.overlapped is not None:
-                self.overlapped.preview(r)  # the round's result as far as it is fetched, for the phase under way
-            for sender in notices:
-                arrivals.setdefault(sender, now)
-            order = coordinator_ranking(r, {p: set(n.digests) for p, n in notices.items()
-                                            if not self._refused_by_all(p, r)}, len(self.shards))
-            accepted = self._accepted(r, sets, order)
-            if accepted is not None:
-                for peer, until in accepted.banned:  # bans travel with the accepted set: every coordinator honours them
-                    until = min(until, r + 1 + MAX_TRAVELLING_BAN)  # a lying coordinator cannot ban anyone for ever
-                    if until > self.bans.get(peer, (0, 0))[0] and peer != self.me:
-                        self.bans[peer] = (until, self.bans.get(peer, (0, 0))[1] + 1)
-                on_time = [arrivals[s] for s in accepted.senders() if s in arrivals]
-                if on_time:
-                    self._closed_at = (r, min(on_time), self.window, frozenset(accepted.senders()))
-                    self.window = adapt_window([t - min(on_time) for t in on_time], self.cfg.min_deadline_s,
-                                               self.cfg.max_deadline_s, self.window)
-                self.last_members = len(accepted.members)
-                return accepted
-            if notices:
-                first_seen = first_seen if first_seen is not None else now
-                if self.me in order:
-                    rank = order.index(self.me)
-                    due = first_seen + self.window + rank * self.cfg.takeover_s
-                    if (rank == 0 and len(notices) >= expected) or now >= due:
-                        admitted = self.faults.accept(r, self._admit(r, notices), notices)
-                        verdict = close_verdict(len(admitted), self.cfg.min_contributors, now, first_seen,
-                                                self.cfg.max_deadline_s, rank, self.cfg.takeover_s)
-                        if verdict != "wait":
-                            if verdict == "empty":
-                                logger.warning("round %d: %d of the %d contributions the run requires arrived within "
-                                               "%.0f s; closing it empty (nobody's parameters move)", r,
-                                               len(admitted), self.cfg.min_contributors, self.cfg.max_deadline_s)
-                                admitted = {}
-                            members = tuple((s, n.tokens, n.digests) for s, n in sorted(admitted.items()))
-                            banned = tuple(sorted((p, u) for p, (u, _) in self.bans.items() if u > r))
-                            body = AcceptedSet(self.me, r, members, banned).to_body(self.cfg.run_id)
-                            self.records.store(round_key(self.cfg.run_id, r, KIND_ACCEPTED), body, KIND_ACCEPTED,
-                                        set(notices))
-                            continue
-            if now > give_up:
-                logger.warning("round %d: nobody closed the round within %.0f s; moving on", r,
-                               give_up - (first_seen or give_up))
-                return None
-            self.records.inbox.wait(self.cfg.poll_s)  # wakes at once for a pushed record or a finished DHT read
-        return None
+    def contribute(self, r: int, stats: RoundStats, steps: int, tokens: int,
+                    base: Mapping[str, torch.Tensor]) -> dict[int, Contribution]:
+        """Encode, serve and announce our contribution to round r, the pseudo-gradient of the inner phase that
+        started from ``base`` (the anchor; under eager overlap the late anchor moved by our previous contribution).
+        Nothing when the phase made no step or we are out of sync."""
+        local = {n: p.detach() for n, p in self.trainer.model.named_parameters()}
+        mine: dict[int, Contribution] = {}
+        if not (steps and self.in_sync):
+            return mine
+        digests, sizes = {}, {}
+        for s in self.held:
+            names = self.shards[s]
+            c = self.outers[s].contribute({n: base[n] for n in names}, {n: local[n] for n in names}, self.me, tokens)
+            sent = self.faults.contribution(r, s, c)
+            blob = self.faults.payload(r, s, contribution_to_bytes(sent, self.outer_cfg, self.cfg.run_id, r, s),
+                                       self.limits[s])
+            self.transport.put(payload_name(r, s, self.me), blob)
+            digests[s], sizes[s] = sha256_hex(blob), len(blob)
+            mine[s] = c
+        if not self.stop.is_set():
+            # no look-up first whether the round already closed (a round trip on every round's critical path):
+            # a late notice is harmless, _close then finds the round closed and withdraws our contribution
+            notice = ContribNotice(self.me, r, tokens, digests, sizes)
+            self.records.store(round_key(self.cfg.run_id, r, KIND_CONTRIB), notice.to_body(self.cfg.run_id), KIND_CONTRIB)
+            stats.contributed = True
+        return mine
 
-    def _admit(self, r: int, notices: dict[str, ContribNotice]) -> dict[str, ContribNotice]:
-        """The coordinator fetches and decodes every contribution before accepting it, so one peer's garbage
-        cannot make the others fail the round. A sender of garbage is banned for 2, 4, 8, ... rounds. Senders are
-        checked in parallel: the round closes for everybody only when the coordinator is done."""
-        candidates = {}
-        for sender, notice in notices.items():
-            if (self._banned(sender, r) or not notice.digests
-                    or not set(notice.digests) <= set(range(len(self.shards))) or self.payloads.unreachable(r, sender)):
-                continue
-            over = [s for s, size in notice.sizes.items() if size > self.limits[s]]
-            if over:  # its own signed notice claims more bytes than any honest payload: refuse without fetching
-                self._ban(r, sender, f"announced {notice.sizes[over[0]]:,} bytes for shard {over[0]}, above the "
-                                     f"limit of {self.limits[over[0]]:,}")
-                continue
-            candidates[sender] = notice
-
-        def check(sender: str) -> Exception | None:
-            self.payloads.await_prefetch(r, sender)
-            return self.payloads.check(r, sender, candidates[sender].digests)
-
-        with ThreadPoolExecutor(max(1, min(len(candidates), self.cfg.fetch_workers))) as pool:
-            outcomes = dict(zip(candidates, pool.map(check, list(candidates))))
-        admitted = {}
-        for sender, exc in outcomes.items():
-            if exc is None:
-                admitted[sender] = candidates[sender]
-            elif isinstance(exc, TransportError):
-                # unreachable, slow or a broken transfer: left out of this round (not retried while we wait for
-                # more contributors, each try costs a fetch timeout), not punished
-                self.payloads.mark_unreachable(r, sender)
-                logger.warning("round %d: could not fetch the contribution of %s (%s); leaving it out", r,
-                               sender[:16], error_text(exc))
-            else:
-                # bytes that match the sender's signed digest yet do not decode or break a bound, or a response
-                # that breaks the transfer protocol (a body above the limit): the sender sent garbage
-                self._ban(r, sender, error_text(exc))
-        return admitted
+    def exchange(self, r: int, stats: RoundStats, mine: dict[int, Contribution]) -> tuple[ShardChecks, bool]:
+        """Everything of round r after our contribution: close, apply to the anchor, verify, resync if out of sync.
+        Returns our checks and whether the round closed. Fills ``stats`` (``comm_s``: this part's seconds beyond
+        waiting for the close). The model is touched only through ``load_anchor_into_model``."""
+        self.payloads.measure_scales(self.anchor, self.shards)
+        bytes_in = self._bytes_in
+        t2 = time.perf_counter()
+        accepted = self.closer.close(r)
+        stats.wait_s = time.perf_counter() - t2
+        stats.window_s = self.closer.close_window
+        t3 = time.perf_counter()
+        stats.phases = {"close": stats.wait_s}
+        if accepted is not None:
+            stats.members = len(accepted.members)
+            stats.banned = sorted(p for p, until in accepted.banned if until > r)
+            self.last_members = len(accepted.members)
+            outcome = self.apply_round(r, accepted)
+            # Failed: the round's result holds our contribution, and the state we sync next will too
+            stats.accepted = not isinstance(outcome, Refused) and self.me in accepted.senders()
+            if isinstance(outcome, Failed):
+                self.in_sync = False
+            elif isinstance(outcome, Refused):
+                stats.refused = str(outcome)
+            stats.guard = dict(self.last_ratios)
+            stats.copies = list(self.last_copies) if isinstance(outcome, Applied) else []
+        if mine and not stats.accepted:
+            for s, c in mine.items():
+                self.outers[s].withdraw(c)  # left out, or the round refused: it stays in the error-feedback buffer
+            if self.overlapping and accepted is not None:
+                # the phase under way started at our notice, which came too late: it catches up (loop._inner_phase)
+                self.catch_up_round = max(self.catch_up_round, r + 1)
+        self.load_anchor_into_model()
+        if self.overlapped is not None and self.in_sync:
+            self.overlapped.preview(r, final=True)  # the phase under way can land the result before it is verified
+        checks = self._my_checks(r)
+        stats.checksums = checks.checksums
+        t4 = time.perf_counter()
+        stats.phases["apply"] = t4 - t3
+        if accepted is not None and self.in_sync:
+            self.faults.applied(r)
+            self._publish_state(checks, {p for p, _t, _d in accepted.members})
+            t5 = time.perf_counter()
+            self.in_sync = self._verify(r, {p: set(d) for p, _t, d in accepted.members}, checks)
+            if self.in_sync:
+                self.check_followed(r)
+            stats.phases.update(publish=t5 - t4, verify=time.perf_counter() - t5)
+        self.payloads.forget_through(r)
+        if not self.overlapping and (accepted is not None or not self.stop.is_set()):
+            self.round = r + 1  # a round abandoned on SIGTERM is not ours to count: a restart syncs past it
+        if not self.in_sync:
+            logger.warning("round %d: this peer is out of sync; reloading state from peers", r)
+            stats.synced = self.sync()
+            if stats.synced:  # report the state we now hold, not the one we discarded
+                stats.state_round = self.round - 1
+                checks = self._my_checks(stats.state_round)
+                stats.checksums = checks.checksums
+        stats.in_sync = self.in_sync
+        stats.comm_s = time.perf_counter() - t3
+        stats.bytes_received = self._bytes_in - bytes_in
+        return checks, accepted is not None
 
     def close(self) -> None:
         self.payloads.close()
         super().close()
 
-    def _ban(self, r: int, sender: str, reason: str) -> None:
-        """Reject a sender's contribution and ban it for 2, 4, 8, ... rounds; the ban travels in the accepted set."""
-        strikes = self.bans.get(sender, (0, 0))[1] + 1
-        self.bans[sender] = (r + 1 + 2**strikes, strikes)
-        logger.warning("round %d: rejected the contribution of %s (%s); banned until round %d", r, sender[:16],
-                       reason, self.bans[sender][0])
-
-    def _apply(self, r: int, accepted: AcceptedSet) -> str:
-        """Fetch, verify, bound and apply the accepted set.
-
-        Returns ``"applied"``; ``"refused: ..."`` when the round breaks a bound of :mod:`hlbp.peer.rounds.guard`
-        or an accepted payload does not decode (every in-sync peer holds the same bytes and anchor, so every one
-        refuses alike, bans the same senders and keeps its parameters); or ``"failed"`` when an accepted payload
-        could not be had (this peer alone is then out of sync).
-        """
+    def apply_round(self, r: int, accepted: AcceptedSet) -> RoundOutcome:
+        """Fetch, verify, bound and apply the accepted set of round r: :class:`Applied`, :class:`Refused` (nobody's
+        parameters move, the offenders are banned) or :class:`Failed` (this peer alone is out of sync)."""
         # each held (or followed) shard takes the members that contributed to it (a stage peer contributes its own
         # shard only)
         jobs = [(sender, s, digests[s]) for sender, _tokens, digests in accepted.members for s in self.applied
@@ -329,7 +282,7 @@ class RoundRunner(RoundExchange, ReplicaBase):
                 got = list(pool.map(get, jobs))
         except (TransportError, ProtocolError) as exc:
             logger.warning("round %d: could not obtain an accepted contribution (%s)", r, error_text(exc))
-            return "failed"
+            return Failed(error_text(exc))
         bad = {sender: str(c) for sender, _s, c in got if isinstance(c, BadPayload)}
         if bad:
             return self._refuse(r, bad, "an accepted contribution does not decode")
@@ -366,13 +319,13 @@ class RoundRunner(RoundExchange, ReplicaBase):
             reason = guard.loss_reason(self.last_guard_loss, loss, self.guard)
             if reason:
                 self.anchor.update(old)
-                self._load_anchor_into_model()
+                self.load_anchor_into_model()
                 norms = {c.sender: guard.contribution_norm(c) for cs in per_shard.values() for c in cs}
                 return self._refuse(r, {p: "largest contribution of a round whose loss exploded"
                                         for p in guard.culprits(norms)}, reason)
             self.last_guard_loss = loss
         self.last_copies = self._copies(r, {s: per_shard[s] for s in self.held})
-        return "applied"
+        return Applied()
 
     def _copies(self, r: int, per_shard: dict[int, list[Contribution]]) -> list[dict[str, Any]]:
         """Evidence of copied contributions in an applied round (reported, not punished: see rounds/copies.py)."""
@@ -389,10 +342,9 @@ class RoundRunner(RoundExchange, ReplicaBase):
             logger.warning("round %d: possible copy: %s", r, item)
         return found
 
-    def _refuse(self, r: int, offenders: dict[str, str], why: str) -> str:
+    def _refuse(self, r: int, offenders: dict[str, str], why: str) -> Refused:
         """Refuse round r as a whole (nobody's parameters move) and ban ``offenders`` (sender -> reason)."""
         logger.warning("round %d: refused (%s); keeping the parameters of round %d", r, why, r - 1)
         for sender, reason in sorted(offenders.items()):
-            self._ban(r, sender, reason)
-            self.guard_bans[sender] = self.bans[sender][0]
-        return f"refused: {why}"
+            self.bans.ban_by_guard(r, sender, reason)
+        return Refused(why, dict(offenders))

@@ -23,6 +23,7 @@ from hlbp.peer.model.pipeline import initial_model, initial_state
 from hlbp.peer.net.transport import TransportError
 from hlbp.peer.rounds.contribution import contribution_to_bytes
 from hlbp.peer.rounds.follow import follow_anchor, resync_plan
+from hlbp.peer.rounds.outcome import Applied, Refused
 from hlbp.peer.rounds.outer import OuterConfig, SparseLoCo
 from hlbp.peer.rounds.sparseloco import RoundConfig, RoundRunner
 from hlbp.peer.rounds.statesync import encode_state, shard_checksum, state_name
@@ -153,8 +154,8 @@ def test_follower_applies_the_followed_shard_bit_for_bit_as_a_holder(round_setup
     holder = _runner(ids["h"], registry, None)
     follower = _runner(ids["f"], registry, [1])
     before = {n: follower.anchor[n].clone() for n in SHARDS[0]}
-    assert holder._apply(ROUND, accepted) == "applied"
-    assert follower._apply(ROUND, accepted) == "applied"
+    assert holder.apply_round(ROUND, accepted) == Applied()
+    assert follower.apply_round(ROUND, accepted) == Applied()
     for shard in (0, 1):
         assert _same(holder.anchor, follower.anchor, SHARDS[shard]), f"shard {shard} differs"
         assert shard_checksum(holder.anchor, SHARDS[shard]) == shard_checksum(follower.anchor, SHARDS[shard])
@@ -175,8 +176,9 @@ def test_a_followed_payload_that_does_not_decode_refuses_the_round_as_on_a_holde
     holder, follower = _runner(ids["h"], registry, None), _runner(ids["f"], registry, [1])
     initial = {n: follower.anchor[n].clone() for n in follower.anchor}
     for runner in (holder, follower):
-        outcome = runner._apply(ROUND, hostile)
-        assert outcome.startswith("refused: an accepted contribution does not decode"), outcome
+        outcome = runner.apply_round(ROUND, hostile)
+        assert isinstance(outcome, Refused) and outcome.why == "an accepted contribution does not decode", outcome
+        assert set(outcome.offenders) == {s0}
         assert set(runner.bans) == {s0}
     assert _same(initial, follower.anchor, list(initial))  # nothing moved, neither its shard nor the followed one
 
@@ -189,20 +191,20 @@ def test_a_followed_payload_under_another_senders_name_is_refused(round_setup: d
     hostile = AcceptedSet(accepted.coordinator, ROUND, tuple(
         (p, t, {0: sha256_hex(copied)} if p == s0 else d) for p, t, d in accepted.members))
     follower = _runner(ids["f"], registry, [1])
-    assert follower._apply(ROUND, hostile).startswith("refused"), "a payload claiming another sender was applied"
+    assert isinstance(follower.apply_round(ROUND, hostile), Refused), "a payload claiming another sender was applied"
     assert s0 in follower.bans
 
 
 def test_a_missing_followed_payload_leaves_only_the_followed_shard_behind(round_setup: dict) -> None:
     ids, registry, accepted = round_setup["ids"], round_setup["registry"], round_setup["accepted"]
     reference = _runner(ids["h"], registry, None)
-    assert reference._apply(ROUND, accepted) == "applied"
+    assert reference.apply_round(ROUND, accepted) == Applied()
     s0 = ids["s0"].peer_id
     for served in registry.values():  # nobody can serve s0's shard-0 payload any more (the reference holder
         served.pop(f"c/{ROUND}/0/{s0}", None)  # fetched it and serves it onwards: gossip)
     follower = _runner(ids["f"], registry, [1])
     initial = {n: follower.anchor[n].clone() for n in SHARDS[0]}
-    assert follower._apply(ROUND, accepted) == "applied"  # its own shard is not held hostage by a followed one
+    assert follower.apply_round(ROUND, accepted) == Applied()  # its own shard is not held hostage by a followed one
     assert _same(reference.anchor, follower.anchor, SHARDS[1])
     assert _same(initial, follower.anchor, SHARDS[0])
     # ... and the check after the round sees the followed copy off the holders' majority and names who has it
@@ -241,7 +243,7 @@ def test_follow_anchor_checks_what_it_is_given() -> None:
 def test_a_copy_off_its_holders_is_fetched_from_them_and_verified(round_setup: dict) -> None:
     ids, registry, accepted = round_setup["ids"], round_setup["registry"], round_setup["accepted"]
     holder = _runner(ids["h"], registry, None)
-    assert holder._apply(ROUND, accepted) == "applied"
+    assert holder.apply_round(ROUND, accepted) == Applied()
     want = shard_checksum(holder.anchor, SHARDS[0])
     # the holder serves its shard-0 state; a lying donor serves another state under the same name
     registry[ids["h"].peer_id][state_name(ROUND, 0)] = encode_state(holder.anchor, SHARDS[0], {})

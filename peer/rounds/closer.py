@@ -1,0 +1,267 @@
+"""Closing a SparseLoCo round: who coordinates, when the accepted set is published, what it admits, and the bans
+that travel with it.
+
+The contributors of round r are ranked by rendezvous hashing of (round, peer id). The first-ranked one publishes
+the signed accepted set when every expected contributor has arrived or the adaptive window after the first arrival
+has passed; the k-th ranked one takes over after k further ``takeover_s`` if nothing appeared. Everybody applies
+the set of the best-ranked coordinator that published one. A straggler is never waited for. The decisions
+(ranking, windows, which set wins) are pure functions in :mod:`hlbp.peer.rounds.rules`; :class:`Closer` runs them
+over the round's records and payloads, and :class:`RoundBans` keeps whom the round loop refuses.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from hlbp.peer.net.transport import TransportError
+from hlbp.peer.rounds.config import RoundConfig
+from hlbp.peer.rounds.inbox import DhtPoll
+from hlbp.peer.rounds.payloads import Payloads, error_text
+from hlbp.peer.rounds.records import RoundRecords
+from hlbp.peer.rounds.rules import (
+    adapt_window,
+    close_verdict,
+    coordinator_order,
+    coordinator_ranking,
+    pick_accepted,
+    widen_for_late,
+)
+from hlbp.protocol.roundrecords import (
+    KIND_ACCEPTED,
+    KIND_CONTRIB,
+    AcceptedSet,
+    ContribNotice,
+    parse_accepted,
+    parse_contrib,
+    round_key,
+)
+
+logger = logging.getLogger(__name__)
+
+MAX_TRAVELLING_BAN = 64  # rounds: the longest ban a coordinator's accepted set can impose on the others
+
+
+class RoundBans:
+    """Whom this round loop refuses, and until which round.
+
+    ``until``: sender -> (banned until round, strikes so far), from our own verdicts and those that travel in the
+    accepted sets; ``by_guard``: sender -> banned until round, from rounds every peer's guard refused alike (such a
+    peer no longer coordinates while banned, unlike one a coordinator's word alone banned)."""
+
+    def __init__(self) -> None:
+        self.until: dict[str, tuple[int, int]] = {}
+        self.by_guard: dict[str, int] = {}
+
+    def __contains__(self, sender: object) -> bool:
+        return sender in self.until
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.until)
+
+    def ban(self, r: int, sender: str, reason: str) -> None:
+        """Reject a sender's contribution and ban it for 2, 4, 8, ... rounds; the ban travels in the accepted set."""
+        strikes = self.until.get(sender, (0, 0))[1] + 1
+        self.until[sender] = (r + 1 + 2**strikes, strikes)
+        logger.warning("round %d: rejected the contribution of %s (%s); banned until round %d", r, sender[:16],
+                       reason, self.until[sender][0])
+
+    def ban_by_guard(self, r: int, sender: str, reason: str) -> None:
+        """Ban a sender whose contribution made the round guard refuse the round (the same verdict everywhere)."""
+        self.ban(r, sender, reason)
+        self.by_guard[sender] = self.until[sender][0]
+
+    def banned(self, sender: str, r: int) -> bool:
+        return sender in self.until and r < self.until[sender][0]
+
+    def refused_by_all(self, peer: str, r: int) -> bool:
+        """Whether ``peer`` sent what made every peer's guard refuse a round: it no longer coordinates while
+        banned."""
+        return peer in self.by_guard and r < self.by_guard[peer]
+
+    def honour(self, accepted: AcceptedSet, r: int, me: str) -> None:
+        """Take the bans that travel with round r's accepted set: every coordinator honours them, for at most
+        ``MAX_TRAVELLING_BAN`` rounds (a lying coordinator cannot ban anyone for ever), and never against us."""
+        for peer, until in accepted.banned:
+            until = min(until, r + 1 + MAX_TRAVELLING_BAN)
+            if until > self.until.get(peer, (0, 0))[0] and peer != me:
+                self.until[peer] = (until, self.until.get(peer, (0, 0))[1] + 1)
+
+    def travelling(self, r: int) -> tuple[tuple[str, int], ...]:
+        """The bans still in force after round r, as an accepted set carries them."""
+        return tuple(sorted((p, u) for p, (u, _) in self.until.items() if u > r))
+
+
+class Closer:
+    """Closes the rounds of one round loop (see the module docstring).
+
+    ``expected()``: how many contributors to wait for before closing early (0: unknown, wait out the window).
+    ``choose(r, admitted, notices)``: the contributions to publish as accepted when we coordinate (production:
+    ``admitted`` as it is). ``on_poll(r)``: called at every poll while the round is open.
+    """
+
+    def __init__(self, me: str, cfg: RoundConfig, n_shards: int, records: RoundRecords, payloads: Payloads,
+                 bans: RoundBans, expected: Callable[[], float], stop: Any,
+                 choose: Callable[[int, dict[str, Any], dict[str, Any]], dict[str, Any]] = lambda r, a, n: a,
+                 on_poll: Callable[[int], None] = lambda r: None) -> None:
+        self.me, self.cfg, self.n_shards = me, cfg, n_shards
+        self.records, self.payloads, self.bans = records, payloads, bans
+        self.expected, self.stop, self.choose, self.on_poll = expected, stop, choose, on_poll
+        self.window = cfg.deadline_s  # the adaptive window after a round's first arrival
+        self.close_window = self.window  # the window of the round close last waited for
+        # the last closed round as we saw it close: (round, its first arrival, its window, the accepted senders),
+        # for widen_for_late
+        self.last_close: tuple[int, float, float, frozenset[str]] | None = None
+
+    def round_closed(self, r: int, wait: bool = True) -> bool:
+        """Whether round r has an accepted set (``wait``: read now; else as the phase's poller last read)."""
+        if wait:
+            return self.accepted(r) is not None
+        return self.accepted(r, self.round_records(r, False, self.records.phase_poller)[1]) is not None
+
+    def round_started(self, r: int, wait: bool = True) -> bool:
+        """Whether others already announced round r (or it closed)."""
+        notices, sets = self.round_records(r, wait, self.records.phase_poller)
+        return bool(sets) or any(sender != self.me and not self.bans.banned(sender, r) for sender in notices)
+
+    def round_records(self, r: int, wait: bool = True,
+                       poller: DhtPoll | None = None) -> tuple[dict[str, ContribNotice], list[AcceptedSet]]:
+        """Round r's contribution notices (by sender) and published accepted sets, read in one concurrent poll
+        (``wait``), or as ``poller`` (default: the exchange's) last polled plus what was pushed since."""
+        keys = (round_key(self.cfg.run_id, r, KIND_CONTRIB), round_key(self.cfg.run_id, r, KIND_ACCEPTED))
+        contribs, accepted = self.records.read(*keys) if wait else (poller or self.records.poller).entries(*keys)
+        notices = {n.sender: n for n in self.records.records(keys[0], parse_contrib, contribs, round_=r)}
+        self.records.seen(r, notices)
+        return notices, self.records.records(keys[1], parse_accepted, accepted, round_=r)
+
+    def accepted(self, r: int, sets: list[AcceptedSet] | None = None, order: Sequence[str] = ()) -> AcceptedSet | None:
+        """The accepted set of round r that every peer applies: the best-ranked coordinator's (``sets``: already
+        read; ``order``: the coordinator ranking, from the notices)."""
+        if sets is None:
+            sets = self.records.records(round_key(self.cfg.run_id, r, KIND_ACCEPTED), parse_accepted, round_=r)
+        sets = [x for x in sets if not self.bans.refused_by_all(x.coordinator, r)]
+        return pick_accepted(sets, order or coordinator_order(r, [s.coordinator for s in sets]))
+
+    def close(self, r: int) -> AcceptedSet | None:
+        """Wait for round r's accepted set, publishing it ourselves when we are the coordinator in charge."""
+        first_seen: float | None = None
+        arrivals: dict[str, float] = {}
+        give_up = time.monotonic() + self.cfg.max_deadline_s + 30 * self.cfg.takeover_s
+        # 0 from the announcements means they could not be read: wait out the window rather than close on the first
+        expected = self.expected() or math.inf
+        self.widen_for_late()
+        self.close_window = self.window
+        while not self.stop.is_set():
+            now = time.monotonic()
+            notices, sets = self.round_records(r, wait=False)
+            self.payloads.prefetch(r, notices)
+            self.on_poll(r)  # e.g. an overlapped phase takes in the round's result as far as it is fetched
+            for sender in notices:
+                arrivals.setdefault(sender, now)
+            order = coordinator_ranking(r, {p: set(n.digests) for p, n in notices.items()
+                                            if not self.bans.refused_by_all(p, r)}, self.n_shards)
+            accepted = self.accepted(r, sets, order)
+            if accepted is not None:
+                self.bans.honour(accepted, r, self.me)
+                on_time = [arrivals[s] for s in accepted.senders() if s in arrivals]
+                if on_time:
+                    self.last_close = (r, min(on_time), self.window, frozenset(accepted.senders()))
+                    self.window = adapt_window([t - min(on_time) for t in on_time], self.cfg.min_deadline_s,
+                                               self.cfg.max_deadline_s, self.window)
+                return accepted
+            if notices:
+                first_seen = first_seen if first_seen is not None else now
+                if self.me in order:
+                    rank = order.index(self.me)
+                    due = first_seen + self.window + rank * self.cfg.takeover_s
+                    if (rank == 0 and len(notices) >= expected) or now >= due:
+                        admitted = self.choose(r, self.admit(r, notices), notices)
+                        verdict = close_verdict(len(admitted), self.cfg.min_contributors, now, first_seen,
+                                                self.cfg.max_deadline_s, rank, self.cfg.takeover_s)
+                        if verdict != "wait":
+                            if verdict == "empty":
+                                logger.warning("round %d: %d of the %d contributions the run requires arrived within "
+                                               "%.0f s; closing it empty (nobody's parameters move)", r,
+                                               len(admitted), self.cfg.min_contributors, self.cfg.max_deadline_s)
+                                admitted = {}
+                            members = tuple((s, n.tokens, n.digests) for s, n in sorted(admitted.items()))
+                            banned = self.bans.travelling(r)
+                            body = AcceptedSet(self.me, r, members, banned).to_body(self.cfg.run_id)
+                            self.records.store(round_key(self.cfg.run_id, r, KIND_ACCEPTED), body, KIND_ACCEPTED,
+                                               set(notices))
+                            continue
+            if now > give_up:
+                logger.warning("round %d: nobody closed the round within %.0f s; moving on", r,
+                               give_up - (first_seen or give_up))
+                return None
+            self.records.inbox.wait(self.cfg.poll_s)  # wakes at once for a pushed record or a finished DHT read
+        return None
+
+    def admit(self, r: int, notices: dict[str, ContribNotice]) -> dict[str, ContribNotice]:
+        """The coordinator fetches and decodes every contribution before accepting it, so one peer's garbage
+        cannot make the others fail the round. A sender of garbage is banned for 2, 4, 8, ... rounds. Senders are
+        checked in parallel: the round closes for everybody only when the coordinator is done."""
+        candidates = {}
+        for sender, notice in notices.items():
+            if (self.bans.banned(sender, r) or not notice.digests
+                    or not set(notice.digests) <= set(range(self.n_shards)) or self.payloads.unreachable(r, sender)):
+                continue
+            over = [s for s, size in notice.sizes.items() if size > self.payloads.limits[s]]
+            if over:  # its own signed notice claims more bytes than any honest payload: refuse without fetching
+                self.bans.ban(r, sender, f"announced {notice.sizes[over[0]]:,} bytes for shard {over[0]}, above the "
+                                     f"limit of {self.payloads.limits[over[0]]:,}")
+                continue
+            candidates[sender] = notice
+
+        def check(sender: str) -> Exception | None:
+            self.payloads.await_prefetch(r, sender)
+            return self.payloads.check(r, sender, candidates[sender].digests)
+
+        with ThreadPoolExecutor(max(1, min(len(candidates), self.cfg.fetch_workers))) as pool:
+            outcomes = dict(zip(candidates, pool.map(check, list(candidates))))
+        admitted = {}
+        for sender, exc in outcomes.items():
+            if exc is None:
+                admitted[sender] = candidates[sender]
+            elif isinstance(exc, TransportError):
+                # unreachable, slow or a broken transfer: left out of this round (not retried while we wait for
+                # more contributors, each try costs a fetch timeout), not punished
+                self.payloads.mark_unreachable(r, sender)
+                logger.warning("round %d: could not fetch the contribution of %s (%s); leaving it out", r,
+                               sender[:16], error_text(exc))
+            else:
+                # bytes that match the sender's signed digest yet do not decode or break a bound, or a response
+                # that breaks the transfer protocol (a body above the limit): the sender sent garbage
+                self.bans.ban(r, sender, error_text(exc))
+        return admitted
+
+    def widen_for_late(self) -> None:
+        """Let the next window take back a peer that missed the last close by a little (:func:`hlbp.peer.rounds.rules.widen_for_late`).
+
+        Its notice still lands after the close, pushed to us (the inbox notes when), and it is parsed and checked
+        like any other. The adaptive window only sees on-time arrivals, so without this a peer landing just after
+        each close (a restarted one catching up on a busy machine) was left out round after round. A notice that
+        reaches us only through the DHT poll gives no time and widens nothing.
+        """
+        if self.last_close is None:
+            return
+        r, first, window, accepted = self.last_close
+        self.last_close = None
+        key = round_key(self.cfg.run_id, r, KIND_CONTRIB)
+        landed = self.records.inbox.arrived(key)
+        late = {s: b for s, b in self.records.inbox.entries(key).items()
+                if s in landed and s not in accepted and s != self.me and not self.bans.banned(s, r)
+                and not self.payloads.unreachable(r, s)}  # left out for its payload, not its timing
+        if not late:
+            return
+        offsets = {n.sender: landed[n.sender] - first for n in self.records.records(key, parse_contrib, late, round_=r)}
+        wider = widen_for_late(self.window, window, list(offsets.values()), self.cfg.max_deadline_s)
+        if wider > self.window:
+            logger.info("round %d: %s landed %.1f s after the first contribution, past the %.1f s window; the next "
+                        "window is %.1f s", r, ", ".join(s[:16] for s in offsets), max(offsets.values()), window,
+                        wider)
+            self.window = wider
