@@ -37,11 +37,10 @@ from typing import Any
 import torch
 
 from hlbp.peer.common.errors import UserInputError
+from hlbp.peer.rounds.agreement import FingerprintAgreement
 from hlbp.peer.rounds.loop import ReplicaBase, RoundStats
 from hlbp.peer.rounds.outer import Contribution
-from hlbp.peer.rounds.rules import adapt_window, fingerprint_cluster
-from hlbp.peer.rounds.statesync import shard_fingerprint
-from hlbp.protocol.roundrecords import ShardChecks
+from hlbp.peer.rounds.rules import adapt_window
 
 logger = logging.getLogger(__name__)
 
@@ -107,6 +106,8 @@ def _averager_class() -> type:
 class DenseRoundRunner(ReplicaBase):
     """A full replica's outer rounds with DiLoCo over hivemind's all-reduce (see the module docstring)."""
 
+    agreement = FingerprintAgreement()  # an all-reduce sums in a different order on each peer
+
     def __init__(self, *args: Any, matchmaking_s: float = 2.0, request_timeout_s: float = 1.0, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         if self.outer_cfg.kind != "diloco":
@@ -132,25 +133,6 @@ class DenseRoundRunner(ReplicaBase):
 
     def close(self) -> None:
         self.averager.shutdown()
-
-    # -- agreement by fingerprint --------------------------------------------------------------------------
-
-    def _fingerprints(self) -> dict[int, tuple[float, float]]:
-        return {s: shard_fingerprint(self.anchor, names) for s, names in enumerate(self.shards)}
-
-    def _agreed(self, checks: Any, r: int) -> tuple[list[str], dict[str, dict[int, str]]] | None:
-        cluster = [c for c in fingerprint_cluster(checks, r) if len(c.checksums) == len(self.shards)]
-        if not cluster:
-            return None
-        return [c.peer for c in cluster], {c.peer: c.checksums for c in cluster}
-
-    def _agrees(self, checks: Any, mine: ShardChecks) -> bool:
-        cluster = fingerprint_cluster([*checks, mine], mine.round)
-        if self.me not in {c.peer for c in cluster}:
-            logger.warning("round %d: our parameters differ from the %d replicas that agree; reloading state",
-                           mine.round, len(cluster))
-            return False
-        return True
 
     def round_closed(self, r: int, wait: bool = True) -> bool:
         """Other replicas already published their state after round r: we are too late for it. Always looked up,

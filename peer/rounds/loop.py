@@ -24,17 +24,15 @@ from typing import Any
 
 import torch
 
-from hlbp.peer.common.errors import UserInputError
-from hlbp.peer.common.files import remove_stale_temps
 from hlbp.peer.net.transport import BlobTransport, TransportError
+from hlbp.peer.rounds.agreement import Agreement, ExactAgreement
 from hlbp.peer.rounds.config import RoundConfig, RoundStats
 from hlbp.peer.rounds.faults import NO_FAULTS, FaultHook
 from hlbp.peer.rounds.outer import OuterConfig, make_outer
+from hlbp.peer.rounds.persist import load_replica, save_replica
 from hlbp.peer.rounds.records import RoundRecords
-from hlbp.peer.rounds.rules import majority_checksums
 from hlbp.peer.rounds.statesync import encode_state, fetch_state, shard_checksum, state_name
 from hlbp.peer.rounds.verify import wait_for_checks
-from hlbp.peer.train.checkpoint import load_checkpoint, save_checkpoint
 from hlbp.peer.train.metricslog import MetricsLog
 from hlbp.peer.train.trainer import InnerTrainer
 from hlbp.protocol.identity import Identity
@@ -59,6 +57,8 @@ class ReplicaBase(ABC):
     and checks, all for a full replica; a stage peer holds one, its model has only that shard, and it passes
     ``shapes`` (every shard's) to decode others' contributions. ``expected``: contributors to wait for.
     """
+
+    agreement: Agreement = ExactAgreement()  # how the replicas tell the agreed state after a round
 
     def __init__(
         self,
@@ -140,35 +140,9 @@ class ReplicaBase(ABC):
         self.transport.drop([state_name(r - 2, s) for s in self.held])
         self.records.store(checks_key(self.cfg.run_id), mine.to_body(self.cfg.run_id), KIND_CHECKS, to)
 
-    # -- agreement: exact checksums here; the dense runner compares fingerprints ------------------------------
-
-    def _fingerprints(self) -> dict[int, tuple[float, float]]:
-        """Fingerprints to publish beside the checksums (none: a sparse run agrees bit for bit)."""
-        return {}
-
-    def _agreed(self, checks: Sequence[ShardChecks], r: int) -> tuple[list[str], dict[str, dict[int, str]]] | None:
-        """The peers holding the agreed state after round r and the checksum to expect from each, or None."""
-        want = majority_checksums(checks, r)
-        if any(s not in want for s in self.held):
-            return None
-        expect = {c.peer: {s: want[s] for s in self.held if c.checksums.get(s) == want[s]}
-                  for c in checks if c.round == r}
-        donors = [p for p, held in expect.items() if held]  # a donor serves the agreed shards it holds
-        return donors, {d: expect[d] for d in donors}
-
-    def _agrees(self, checks: Sequence[ShardChecks], mine: ShardChecks) -> bool:
-        """Whether our state after ``mine.round`` is the one most peers hold."""
-        want = majority_checksums([*checks, mine], mine.round)
-        bad = [s for s in mine.checksums if want.get(s) != mine.checksums[s]]
-        if bad:
-            logger.warning("round %d: shard checksums %s differ from the majority of %d peers", mine.round, bad,
-                           len([c for c in checks if c.round == mine.round]) + 1)
-            return False
-        return True
-
     def _my_checks(self, r: int) -> ShardChecks:
         checks = {s: shard_checksum(self.anchor, self.shards[s], self.outers[s].state_tensors()) for s in self.held}
-        return ShardChecks(self.me, r, checks, self._fingerprints())
+        return ShardChecks(self.me, r, checks, self.agreement.fingerprints(self.anchor, self.shards))
 
     def sync(self, attempts: int = 3) -> bool:
         """Load the newest agreed state of the held shards from peers, in parallel from different donors, verified
@@ -180,7 +154,7 @@ class ReplicaBase(ABC):
                 self.in_sync = True
                 return False
             latest = max(c.round for c in checks)
-            agreed = self._agreed(checks, latest)
+            agreed = self.agreement.agreed(checks, latest, self.held, len(self.shards))
             if agreed is None or not agreed[0]:
                 return False
             donors, expect = agreed
@@ -216,47 +190,25 @@ class ReplicaBase(ABC):
             self.save()
 
     def save(self) -> None:
-        """Save the checkpoint, unless the state holds a non-finite value: a poisoned state is never stored as
-        current (the previous checkpoint stays, and a restart syncs from peers)."""
+        """Save the checkpoint (:func:`hlbp.peer.rounds.persist.save_replica`: never a non-finite state)."""
         self._saved_at = time.monotonic()
-        if self.checkpoint is None:
-            return
-        if not all(bool(torch.isfinite(t).all()) for t in self.anchor.values()):
-            logger.error("not saving the checkpoint: the global parameters hold a non-finite value")
-            return
-        tensors, header = self.trainer.state_tensors()
-        tensors.update({f"anchor.{n}": t for n, t in self.anchor.items()})
-        for s, o in self.outers.items():
-            tensors.update({f"outer{s}.{k}": v for k, v in o.state_tensors().items()})
-        save_checkpoint(self.checkpoint, tensors, {**header, "round": self.round, "in_sync": self.in_sync,
-                                                   "run": self.cfg.run_id})
+        if self.checkpoint is not None:
+            save_replica(self.checkpoint, self.anchor, {s: o.state_tensors() for s, o in self.outers.items()},
+                         self.trainer, self.round, self.in_sync, self.cfg.run_id)
 
     def resume(self) -> bool:
         """Restore this peer's checkpoint if it has one for this run; the caller then checks it is current."""
         if self.checkpoint is None:
             return False
-        if remove_stale_temps(self.checkpoint):
-            logger.info("removed the temporary files of an interrupted checkpoint save")
-        if not self.checkpoint.exists():
+        saved = load_replica(self.checkpoint, self.cfg.run_id, {n: tuple(t.shape) for n, t in self.anchor.items()},
+                             list(self.outers))
+        if saved is None:
             return False
-        tensors, header = load_checkpoint(self.checkpoint)
-        if header.get("run") != self.cfg.run_id:
-            return False
-        if not all(bool(torch.isfinite(t).all()) for n, t in tensors.items() if n.startswith("anchor.")):
-            logger.warning("ignoring checkpoint %s: its global parameters hold a non-finite value", self.checkpoint)
-            return False
-        anchor = {n[7:]: t.float() for n, t in tensors.items() if n.startswith("anchor.")}
-        round_ = header.get("round")
-        if ({n: tuple(t.shape) for n, t in anchor.items()} != {n: tuple(t.shape) for n, t in self.anchor.items()}
-                or isinstance(round_, bool) or not isinstance(round_, int) or round_ < 0):
-            raise UserInputError(f"checkpoint {self.checkpoint} does not hold this run's global parameters and "
-                                 "round; move it away (the peer then syncs from the others)")
-        self.trainer.load_state(tensors, header)
-        self.anchor = anchor
+        self.trainer.load_state(saved.tensors, saved.header)
+        self.anchor = saved.anchor
         for s, o in self.outers.items():
-            prefix = f"outer{s}."
-            o.load_state({k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)})
-        self.round = round_
+            o.load_state(saved.outers[s])
+        self.round = saved.round
         return True
 
     def start(self) -> str:
@@ -267,7 +219,7 @@ class ReplicaBase(ABC):
         if not checks:
             return "resumed from checkpoint" if resumed else "fresh start"
         latest = max(c.round for c in checks)
-        if resumed and self.round == latest + 1 and self._agrees(checks, self._my_checks(latest)):
+        if resumed and self.round == latest + 1 and self.agreement.agrees(checks, self._my_checks(latest)):
             self.load_anchor_into_model()
             return "resumed from checkpoint (current)"
         # joining a run under way: its first trained phase must end soon after the others' (it catches up), and a
@@ -428,4 +380,4 @@ class ReplicaBase(ABC):
         """Compare our state after round r with the other members' (peer -> the shards it contributed, None: all),
         waiting until the verdict is settled or ``checks_wait_s`` passed (:mod:`hlbp.peer.rounds.verify`)."""
         checks = wait_for_checks(self.records, r, members, mine)
-        return self._agrees([c for c in checks if c.peer != self.me], mine)
+        return self.agreement.agrees([c for c in checks if c.peer != self.me], mine)

@@ -1,0 +1,81 @@
+"""A replica's checkpoint: the global parameters (the anchor), each held shard's outer optimizer state, the round
+and the inner trainer's state, in one atomic file (:mod:`hlbp.peer.train.checkpoint`).
+
+Functions over that state, not a part of the round loop: the loop decides when to save and what to do with what
+was loaded; these decide what a checkpoint holds and whether one is this run's and usable.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hlbp.peer.common.errors import UserInputError
+from hlbp.peer.common.files import remove_stale_temps
+from hlbp.peer.train.checkpoint import load_checkpoint, save_checkpoint
+
+logger = logging.getLogger(__name__)
+
+ANCHOR = "anchor."
+
+
+def _outer_prefix(shard: int) -> str:
+    return f"outer{shard}."
+
+
+@dataclass
+class SavedReplica:
+    """What a checkpoint of this run held: the anchor, each held shard's outer optimizer state, the next round to
+    run, and the raw tensors and header the inner trainer restores itself from."""
+
+    anchor: dict[str, torch.Tensor]
+    outers: dict[int, dict[str, torch.Tensor]]
+    round: int
+    tensors: dict[str, torch.Tensor]
+    header: dict[str, Any]
+
+
+def save_replica(path: Path, anchor: Mapping[str, torch.Tensor], outers: Mapping[int, Mapping[str, torch.Tensor]],
+                 trainer: Any, round_: int, in_sync: bool, run_id: str) -> bool:
+    """Save the checkpoint, unless the anchor holds a non-finite value: a poisoned state is never stored as current
+    (the previous checkpoint stays, and a restart syncs from peers). Returns whether it was saved."""
+    if not all(bool(torch.isfinite(t).all()) for t in anchor.values()):
+        logger.error("not saving the checkpoint: the global parameters hold a non-finite value")
+        return False
+    tensors, header = trainer.state_tensors()
+    tensors.update({f"{ANCHOR}{n}": t for n, t in anchor.items()})
+    for s, state in outers.items():
+        tensors.update({f"{_outer_prefix(s)}{k}": v for k, v in state.items()})
+    save_checkpoint(path, tensors, {**header, "round": round_, "in_sync": in_sync, "run": run_id})
+    return True
+
+
+def load_replica(path: Path, run_id: str, shapes: Mapping[str, tuple[int, ...]],
+                 shards: list[int]) -> SavedReplica | None:
+    """This run's checkpoint at ``path``, or None when there is none, it is another run's, or its anchor holds a
+    non-finite value. ``shapes``: the anchor's parameter shapes; ``shards``: the held shards whose outer state to
+    read. Raises :class:`UserInputError` when the file is not a usable checkpoint of this run's parameters."""
+    if remove_stale_temps(path):
+        logger.info("removed the temporary files of an interrupted checkpoint save")
+    if not path.exists():
+        return None
+    tensors, header = load_checkpoint(path)
+    if header.get("run") != run_id:
+        return None
+    if not all(bool(torch.isfinite(t).all()) for n, t in tensors.items() if n.startswith(ANCHOR)):
+        logger.warning("ignoring checkpoint %s: its global parameters hold a non-finite value", path)
+        return None
+    anchor = {n[len(ANCHOR):]: t.float() for n, t in tensors.items() if n.startswith(ANCHOR)}
+    round_ = header.get("round")
+    if ({n: tuple(t.shape) for n, t in anchor.items()} != {n: tuple(s) for n, s in shapes.items()}
+            or isinstance(round_, bool) or not isinstance(round_, int) or round_ < 0):
+        raise UserInputError(f"checkpoint {path} does not hold this run's global parameters and "
+                             "round; move it away (the peer then syncs from the others)")
+    outers = {s: {k[len(_outer_prefix(s)):]: v for k, v in tensors.items() if k.startswith(_outer_prefix(s))}
+              for s in shards}
+    return SavedReplica(anchor, outers, round_, tensors, header)
