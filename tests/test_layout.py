@@ -107,3 +107,85 @@ def test_modules_stay_small_or_say_why() -> None:
         if text.count("\n") > MAX_LINES and LONG_REASON not in (ast.get_docstring(ast.parse(text)) or ""):
             long.append(f"{path.relative_to(ROOT)}: {text.count(chr(10))} lines")
     assert not long, f"modules over {MAX_LINES} lines whose docstring does not say why:\n" + "\n".join(long)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Objects: composed parts with one owner each, not one object spread over mixins
+# ---------------------------------------------------------------------------------------------------------------
+
+MAX_CLASS_MEMBERS = 60  # methods and attributes of a class, its own bases' included
+BIG_REASON = "More than 60 members because"
+# private names of other libraries' objects that hlbp has to reach, each with why
+FOREIGN_PRIVATES = {
+    "os._exit": "the documented way to leave a forked child without running the parent's handlers",
+    "torch._foreach_mul_": "torch's fused in-place multiply of a tensor list",
+    "DHT._get_p2p_daemon_listen_maddr": "hivemind's only way to learn the daemon's listening address",
+    "hm_asyncio._AsyncContextWrapper": "hivemind's import-time process-shared lock, renewed in each forked child",
+}
+
+
+def _classes() -> dict[str, list[tuple[Path, ast.ClassDef]]]:
+    out: dict[str, list[tuple[Path, ast.ClassDef]]] = {}
+    for path, _module in _modules():
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ClassDef):
+                out.setdefault(node.name, []).append((path, node))
+    return out
+
+
+def _members(node: ast.ClassDef) -> set[str]:
+    """A class's own methods, class attributes and the attributes its methods set on ``self``."""
+    names = {f.name for f in node.body if isinstance(f, ast.FunctionDef | ast.AsyncFunctionDef)}
+    names |= {f.target.id for f in node.body if isinstance(f, ast.AnnAssign) and isinstance(f.target, ast.Name)}
+    names |= {t.id for f in node.body if isinstance(f, ast.Assign) for t in f.targets if isinstance(t, ast.Name)}
+    names |= {n.attr for n in ast.walk(node) if isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store)
+              and isinstance(n.value, ast.Name) and n.value.id == "self"}
+    return names
+
+
+def _own_bases(node: ast.ClassDef, ours: dict[str, list[tuple[Path, ast.ClassDef]]]) -> list[str]:
+    return [name for base in node.bases if (name := ast.unparse(base).split(".")[-1]) in ours]
+
+
+def _all_members(name: str, ours: dict[str, list[tuple[Path, ast.ClassDef]]], seen: frozenset[str] = frozenset()) -> set[str]:
+    _path, node = ours[name][0]
+    members = _members(node)
+    for base in _own_bases(node, ours):
+        if base not in seen:
+            members |= _all_members(base, ours, seen | {name})
+    return members
+
+
+def test_no_class_inherits_from_two_of_ours() -> None:
+    ours = _classes()
+    mixed = [f"{path.relative_to(ROOT)}: {node.name}({', '.join(_own_bases(node, ours))})"
+             for defs in ours.values() for path, node in defs if len(_own_bases(node, ours)) > 1]
+    assert not mixed, "classes built from several of ours (compose parts instead):\n" + "\n".join(mixed)
+
+
+def test_classes_stay_small_or_say_why() -> None:
+    ours = _classes()
+    big = []
+    for name, defs in ours.items():
+        path, node = defs[0]
+        count = len(_all_members(name, ours))
+        if count > MAX_CLASS_MEMBERS and BIG_REASON not in (ast.get_docstring(node) or ""):
+            big.append(f"{path.relative_to(ROOT)}: {name} has {count} members")
+    assert not big, (f"classes over {MAX_CLASS_MEMBERS} methods and attributes (bases included) whose docstring "
+                     "does not say why; what second concern do they hold?\n" + "\n".join(big))
+
+
+def test_no_module_touches_another_objects_privates() -> None:
+    touched = []
+    for path, _module in _modules():
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if not (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")):
+                continue
+            owner = node.value
+            if isinstance(owner, ast.Name) and owner.id in ("self", "cls"):
+                continue
+            if isinstance(owner, ast.Call) and isinstance(owner.func, ast.Name) and owner.func.id == "super":
+                continue
+            if ast.unparse(node) not in FOREIGN_PRIVATES:
+                touched.append(f"{path.relative_to(ROOT)}:{node.lineno} {ast.unparse(node)}")
+    assert not touched, "private attributes of another object (give it a public method):\n" + "\n".join(touched)

@@ -157,20 +157,19 @@ def connect_dht(net: NetworkConfig, identity_path: Path, validator: Any,
 class ControlPlane:
     """One node's DHT and data-plane handle, safe to use from several threads."""
 
-    def __init__(self, dht: Any, identity: Identity) -> None:
+    def __init__(self, dht: Any, identity: Identity, watched: tuple[str, ...] = ()) -> None:
         self.dht = dht
         self.identity = identity
         self.peer_id = identity.peer_id
         self.reader = RecordReader()
-        self._watched: set[str] = set()
+        self._watched: set[str] = set(watched)  # runs whose records our DHT node's validator checks
 
     @classmethod
     def connect(cls, net: NetworkConfig, identity_path: Path, run_ids: tuple[str, ...] = (),
                 identity: Identity | None = None) -> ControlPlane:
         identity = identity or load_or_create_identity(identity_path)
         dht = connect_dht(net, identity_path, record_validator(run_ids))
-        plane = cls(dht, identity)
-        plane._watched.update(run_ids)
+        plane = cls(dht, identity, run_ids)
         dht.run_coroutine(partial(watch_parent, parent_pid=os.getpid()), return_future=True)
         if str(dht.peer_id) != identity.peer_id:
             plane.shutdown()

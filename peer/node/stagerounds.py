@@ -105,8 +105,8 @@ class StageRounds(RoundRunner):
 
     def load_anchor_into_model(self) -> None:
         super().load_anchor_into_model()
-        if self.codec is not None and "embed.weight" in self.anchor:
-            self.codec.rebuild_table(self.anchor["embed.weight"])  # B, A+drift: T_fixed of the loaded embedding
+        if self.codec is not None and "embed.weight" in self.state.anchor:
+            self.codec.rebuild_table(self.state.anchor["embed.weight"])  # B, A+drift: T_fixed of the loaded embedding
 
     def run_round(self) -> RoundStats:
         stats = super().run_round()

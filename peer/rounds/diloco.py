@@ -142,11 +142,11 @@ class DenseRoundRunner(ReplicaBase):
     # -- one round -----------------------------------------------------------------------------------------
 
     def run_round(self) -> RoundStats:
-        r = self.round
+        r = self.state.round
         stats, steps, tokens, served_before = self.begin_round(r)
         t1 = time.perf_counter()
         averaged, members, waited = None, 0, 0.0
-        if steps and self.in_sync and not self.stop.is_set():
+        if steps and self.state.in_sync and not self.stop.is_set():
             stats.contributed = True
             averaged, members, waited = self.exchange(r, tokens)
         stats.wait_s = waited
@@ -157,7 +157,7 @@ class DenseRoundRunner(ReplicaBase):
             sent = dense_allreduce_bytes(self.n_params, members)
             for s, names in enumerate(self.shards):
                 c = Contribution("group", tokens, {n: averaged[n] for n in names})
-                self.anchor.update(self.outers[s].apply({n: self.anchor[n] for n in names}, [c]))
+                self.state.anchor.update(self.state.outers[s].apply({n: self.state.anchor[n] for n in names}, [c]))
         else:
             sent = 0
             # left out (late, alone, or the group failed): DiLoCo keeps no error feedback, so this replica's
@@ -168,18 +168,18 @@ class DenseRoundRunner(ReplicaBase):
         stats.checksums = mine.checksums
         if averaged is not None:
             self._publish_state(mine)
-            self.in_sync = self._verify(r, dict.fromkeys(self._last_group), mine)
+            self.state.in_sync = self._verify(r, dict.fromkeys(self._last_group), mine)
         elif any(c.round >= r for c in self.records.latest_checks() if c.peer != self.me):
-            self.in_sync = False  # the others moved on without us: reload their state
+            self.state.in_sync = False  # the others moved on without us: reload their state
         if not self.stop.is_set() or averaged is not None:
-            self.round = r + 1
-        if not self.in_sync:
+            self.state.round = r + 1
+        if not self.state.in_sync:
             stats.synced = self.sync()
             if stats.synced:  # report the state we now hold, not the one we discarded
-                stats.state_round = self.round - 1
+                stats.state_round = self.state.round - 1
                 mine = self._my_checks(stats.state_round)
                 stats.checksums = mine.checksums
-        stats.in_sync = self.in_sync
+        stats.in_sync = self.state.in_sync
         stats.comm_s = time.perf_counter() - t1 - stats.wait_s
         stats.bytes_sent = self.bytes_served() - served_before + sent
         stats.bytes_received = self._bytes_in + sent
@@ -194,7 +194,7 @@ class DenseRoundRunner(ReplicaBase):
         from hivemind.utils import get_dht_time
 
         expected = self.expected() if self.expected else self.last_members
-        delta = {n: self.anchor[n] - self._param(n).detach().float().cpu() for n in self.names}
+        delta = {n: self.state.anchor[n] - self._param(n).detach().float().cpu() for n in self.names}
         if expected == 1 and self.cfg.min_contributors <= 1:  # the only live replica the control plane knows of
             self._last_group = [self.me]
             return delta, 1, 0.0  # the only replica of the run: its own Δ is the round's average

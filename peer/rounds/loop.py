@@ -31,6 +31,7 @@ from hlbp.peer.rounds.faults import NO_FAULTS, FaultHook
 from hlbp.peer.rounds.outer import OuterConfig, make_outer
 from hlbp.peer.rounds.persist import load_replica, save_replica
 from hlbp.peer.rounds.records import RoundRecords
+from hlbp.peer.rounds.state import ReplicaState
 from hlbp.peer.rounds.statesync import encode_state, fetch_state, shard_checksum, state_name
 from hlbp.peer.rounds.verify import wait_for_checks
 from hlbp.peer.train.metricslog import MetricsLog
@@ -88,18 +89,16 @@ class ReplicaBase(ABC):
         self.held = sorted(set(held)) if held is not None else list(range(len(self.shards)))
         if not self.held or not set(self.held) <= set(range(len(self.shards))):
             raise ValueError(f"held shards {held} are not shards of a {len(self.shards)}-shard partition")
-        self.outers = {s: make_outer(outer) for s in self.held}
         self.shapes = [dict(x) for x in shapes] if shapes is not None else \
             [{n: tuple(self._param(n).shape) for n in s} for s in self.shards]
-        self.anchor = {n: p.detach().float().cpu().clone() for n, p in trainer.model.named_parameters()}
+        self.state = ReplicaState(
+            anchor={n: p.detach().float().cpu().clone() for n, p in trainer.model.named_parameters()},
+            outers={s: make_outer(outer) for s in self.held})
         self.checkpoint, self.metrics = checkpoint, metrics or MetricsLog(None)
         self.expected = expected
         self.on_round, self.evaluate = on_round, evaluate
         self.faults = faults  # what a fault test makes this replica do wrong; production: nothing
         self.guard_loss = guard_loss  # given parameters' loss on the run's fixed guard batch (rounds/guard.py)
-        self.last_guard_loss: float | None = None  # that loss after the last committed round
-        self.round = 0  # the next round to run; the anchor is the result of round - 1
-        self.in_sync = True
         self.rollbacks = 0  # inner phases abandoned because the loss stopped being finite
         self.window = cfg.deadline_s
         self.last_members = 0
@@ -112,10 +111,19 @@ class ReplicaBase(ABC):
         self.catch_up_round = -1
         self.overlapping = False  # an exchange runs beside the inner phase: only the main thread loads the model
         # signed round records: the inbox of pushed ones, the DHT pollers, whom we push ours to (rounds/records.py)
-        self.records = RoundRecords(dht, identity, transport, cfg, stop, lambda: self.round, protect,
+        self.records = RoundRecords(dht, identity, transport, cfg, stop, lambda: self.state.round, protect,
                                     keep_store=faults.stores)
 
-    # -- DHT helpers ---------------------------------------------------------------------------------------------
+    @property
+    def round(self) -> int:
+        """The next round to run (read-only: the round loop owns :attr:`state`)."""
+        return self.state.round
+
+    @property
+    def in_sync(self) -> bool:
+        """Whether our state is the agreed one (read-only, as :attr:`round`)."""
+        return self.state.in_sync
+
 
     def _param(self, name: str) -> torch.nn.Parameter:
         return dict(self.trainer.model.named_parameters())[name]
@@ -125,24 +133,24 @@ class ReplicaBase(ABC):
     def load_anchor_into_model(self) -> None:
         if self.overlapping:
             return  # the model is the main thread's, training the next phase (see rounds/overlapped.py)
-        self.trainer.load_params(self.anchor)  # a variant-A trainer's constraint then projects from these
+        self.trainer.load_params(self.state.anchor)  # a variant-A trainer's constraint then projects from these
 
     def phase_base(self) -> Mapping[str, torch.Tensor]:
         """Where the inner phase under way started: the anchor, or its overlapped start (rounds/overlap.py)."""
-        return self.anchor
+        return self.state.anchor
 
     def _publish_state(self, mine: ShardChecks, to: AbstractSet[str] = frozenset()) -> None:
         """Serve our state after round ``mine.round`` and publish its checksums (and fingerprints), pushed to
         the round's members ``to`` as well as the live peers."""
         r = mine.round
         for s in self.held:
-            self.transport.put(state_name(r, s), encode_state(self.anchor, self.shards[s], self.outers[s].state_tensors()))
+            self.transport.put(state_name(r, s), encode_state(self.state.anchor, self.shards[s], self.state.outers[s].state_tensors()))
         self.transport.drop([state_name(r - 2, s) for s in self.held])
         self.records.store(checks_key(self.cfg.run_id), mine.to_body(self.cfg.run_id), KIND_CHECKS, to)
 
     def _my_checks(self, r: int) -> ShardChecks:
-        checks = {s: shard_checksum(self.anchor, self.shards[s], self.outers[s].state_tensors()) for s in self.held}
-        return ShardChecks(self.me, r, checks, self.agreement.fingerprints(self.anchor, self.shards))
+        checks = {s: shard_checksum(self.state.anchor, self.shards[s], self.state.outers[s].state_tensors()) for s in self.held}
+        return ShardChecks(self.me, r, checks, self.agreement.fingerprints(self.state.anchor, self.shards))
 
     def sync(self, attempts: int = 3) -> bool:
         """Load the newest agreed state of the held shards from peers, in parallel from different donors, verified
@@ -151,7 +159,7 @@ class ReplicaBase(ABC):
             checks = [c for c in self.records.latest_checks() if c.peer != self.me]
             if not checks:
                 # nobody holds an agreed state (every peer failed the same round): ours is as good as any
-                self.in_sync = True
+                self.state.in_sync = True
                 return False
             latest = max(c.round for c in checks)
             agreed = self.agreement.agreed(checks, latest, self.held, len(self.shards))
@@ -169,13 +177,13 @@ class ReplicaBase(ABC):
                 continue
             self._bytes_in += n_bytes
             for s, state in states.items():
-                self.anchor.update({n: t.clone() for n, t in state.params.items()})
+                self.state.anchor.update({n: t.clone() for n, t in state.params.items()})
                 fresh = make_outer(self.outer_cfg)
                 fresh.load_state(state.outer)
-                self.outers[s] = fresh  # a synced peer starts with an empty error-feedback buffer
+                self.state.outers[s] = fresh  # a synced peer starts with an empty error-feedback buffer
             self.load_anchor_into_model()
-            self.round, self.in_sync, self._just_synced = latest + 1, True, True
-            self.last_guard_loss = None
+            self.state.round, self.state.in_sync, self._just_synced = latest + 1, True, True
+            self.state.last_guard_loss = None
             logger.info("synced state of round %d from %d donors", latest, len(donors))
             # serve the state we now hold and push its checksums to the peers whose records we read: they count us
             # live (records.RoundRecords.on_push) and push us the next rounds' records, so a joiner's or restarted
@@ -193,33 +201,33 @@ class ReplicaBase(ABC):
         """Save the checkpoint (:func:`hlbp.peer.rounds.persist.save_replica`: never a non-finite state)."""
         self._saved_at = time.monotonic()
         if self.checkpoint is not None:
-            save_replica(self.checkpoint, self.anchor, {s: o.state_tensors() for s, o in self.outers.items()},
-                         self.trainer, self.round, self.in_sync, self.cfg.run_id)
+            save_replica(self.checkpoint, self.state.anchor, {s: o.state_tensors() for s, o in self.state.outers.items()},
+                         self.trainer, self.state.round, self.state.in_sync, self.cfg.run_id)
 
     def resume(self) -> bool:
         """Restore this peer's checkpoint if it has one for this run; the caller then checks it is current."""
         if self.checkpoint is None:
             return False
-        saved = load_replica(self.checkpoint, self.cfg.run_id, {n: tuple(t.shape) for n, t in self.anchor.items()},
-                             list(self.outers))
+        saved = load_replica(self.checkpoint, self.cfg.run_id, {n: tuple(t.shape) for n, t in self.state.anchor.items()},
+                             list(self.state.outers))
         if saved is None:
             return False
         self.trainer.load_state(saved.tensors, saved.header)
-        self.anchor = saved.anchor
-        for s, o in self.outers.items():
+        self.state.anchor = saved.anchor
+        for s, o in self.state.outers.items():
             o.load_state(saved.outers[s])
-        self.round = saved.round
+        self.state.round = saved.round
         return True
 
     def start(self) -> str:
         """Resume, sync or start fresh; returns which, for the log."""
         resumed = self.resume()
-        self.records.protect(self.round)
+        self.records.protect(self.state.round)
         checks = [c for c in self.records.latest_checks() if c.peer != self.me]
         if not checks:
             return "resumed from checkpoint" if resumed else "fresh start"
         latest = max(c.round for c in checks)
-        if resumed and self.round == latest + 1 and self.agreement.agrees(checks, self._my_checks(latest)):
+        if resumed and self.state.round == latest + 1 and self.agreement.agrees(checks, self._my_checks(latest)):
             self.load_anchor_into_model()
             return "resumed from checkpoint (current)"
         # joining a run under way: its first trained phase must end soon after the others' (it catches up), and a
@@ -227,7 +235,7 @@ class ReplicaBase(ABC):
         # take it now, off that phase
         self.trainer.warm_up()
         if self.sync():
-            return f"synced round {self.round - 1} from peers"
+            return f"synced round {self.state.round - 1} from peers"
         return "fresh start (no agreed state to sync)"
 
     # -- one round ---------------------------------------------------------------------------------------------
@@ -252,7 +260,7 @@ class ReplicaBase(ABC):
 
     @abstractmethod
     def run_round(self) -> RoundStats | None:
-        """Run round ``self.round`` (or abandon it on stop) and return the report of the round that finished, if
+        """Run round ``self.state.round`` (or abandon it on stop) and return the report of the round that finished, if
         any: without overlap that round itself."""
 
     def finish_rounds(self) -> RoundStats | None:
@@ -266,7 +274,7 @@ class ReplicaBase(ABC):
                 params: Mapping[str, torch.Tensor] | None = None) -> RoundStats:
         """Score the new parameters (``params``: a snapshot of them, else the anchor), write the round's metrics
         record and tell the caller."""
-        val = self.evaluate(params if params is not None else self.anchor) if self.evaluate else None
+        val = self.evaluate(params if params is not None else self.state.anchor) if self.evaluate else None
         extra = {"fingerprints": {str(k): list(v) for k, v in mine.fingerprints.items()}} if mine.fingerprints else {}
         self.metrics.write(event="round", **{k: v for k, v in vars(stats).items() if k != "checksums"},
                            checksums={str(k): v for k, v in mine.checksums.items()}, val_loss=val, steps=steps,

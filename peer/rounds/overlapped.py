@@ -118,7 +118,7 @@ class Overlapped:
         if run.cfg.overlap != "eager" or f is None or f.round != r or not f.mine:
             return
         if final:
-            params = dict(run.anchor)  # its tensors are replaced, never changed in place: a safe snapshot
+            params = dict(run.state.anchor)  # its tensors are replaced, never changed in place: a safe snapshot
         else:
             if run.outer_cfg.kind != "sparseloco" or run.outer_cfg.aggregation != "selectors":
                 return
@@ -130,10 +130,10 @@ class Overlapped:
             if not senders or senders == f.previewed:
                 return
             f.previewed = senders
-            params = dict(run.anchor)
+            params = dict(run.state.anchor)
             for s, own in f.mine.items():
                 names = run.shards[s]
-                params.update(run.outers[s].apply({n: run.anchor[n] for n in names},
+                params.update(run.state.outers[s].apply({n: run.state.anchor[n] for n in names},
                                                   [own, *(got[p][s] for p in sorted(senders))]))
         with self._lock:
             self._offer = (r, params, final)
@@ -172,7 +172,7 @@ class Overlapped:
             return
         if f.landed is None:
             f.landed = run.trainer.step - f.step0
-            anchor = dict(run.anchor)
+            anchor = dict(run.state.anchor)
             run.trainer.shift_params(landing_shift(self.base, anchor))
             self.base = anchor
         self._landed.landed_after = f.landed
@@ -182,7 +182,7 @@ class Overlapped:
         """Train phase ``runner.round``, then hand its exchange to the background; returns the report of the round
         whose exchange just finished (None on the first call, or when it was abandoned)."""
         run = self.runner
-        r = run.round
+        r = run.state.round
         if self.base is None:
             run.load_anchor_into_model()
         stats, steps, tokens, _ = run.begin_round(r)
@@ -191,22 +191,22 @@ class Overlapped:
         if f is not None and finished is not None:  # joined at the phase's end: what landed before it still counts
             finished.landed_after, finished.previews = f.landed, list(f.previews)
         self._landed = None
-        snapshot = dict(run.anchor)  # the anchor's tensors are replaced, never changed in place: a safe snapshot
+        snapshot = dict(run.state.anchor)  # the anchor's tensors are replaced, never changed in place: a safe snapshot
         t1 = time.perf_counter()
-        base = self.base if self.base is not None else run.anchor
+        base = self.base if self.base is not None else run.state.anchor
         if self.stale:
             # phase r trained from parameters a resync has since replaced: its steps are not a pseudo-gradient of
             # anything the others hold, so it sits this round out (weight 0), as a freshly synced peer does
             logger.info("round %d: discarding the inner phase trained before the resync", r)
             steps = tokens = 0
-            self.stale, base = False, run.anchor
+            self.stale, base = False, run.state.anchor
         run.save_if_due()
         mine: dict[int, Contribution] = run.contribute(r, stats, steps, tokens, base)
         own = self._own(mine)
-        self.base = phase_start(run.cfg.overlap, run.outer_cfg, run.anchor, own, self._expected())
+        self.base = phase_start(run.cfg.overlap, run.outer_cfg, run.state.anchor, own, self._expected())
         run.trainer.load_params(self.base)
         run.overlapping = True  # from here the exchange thread must not touch the model
-        run.round = r + 1  # the main thread owns the round counter (a resync in the exchange may move it further)
+        run.state.round = r + 1  # the main thread owns the round counter (a resync in the exchange may move it further)
         main_comm_s = time.perf_counter() - t1
         # bytes served from here to the join: this round's payload and state (the previous round's were counted)
         served_before = run.bytes_served()

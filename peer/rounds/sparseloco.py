@@ -30,13 +30,11 @@ import logging
 import math
 import time
 from collections.abc import Mapping
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
 
-from hlbp.peer.net.transport import TransportError
-from hlbp.peer.rounds import copies, guard
+from hlbp.peer.rounds.apply import Applier
 from hlbp.peer.rounds.closer import Closer, RoundBans
 from hlbp.peer.rounds.contribution import contribution_to_bytes
 from hlbp.peer.rounds.follow import Follower, follow_anchor
@@ -44,9 +42,8 @@ from hlbp.peer.rounds.loop import ReplicaBase, RoundConfig, RoundStats
 from hlbp.peer.rounds.outcome import Applied, Failed, Refused, RoundOutcome
 from hlbp.peer.rounds.outer import Contribution, make_outer
 from hlbp.peer.rounds.overlapped import Overlapped
-from hlbp.peer.rounds.payloads import BadPayload, Payloads, error_text, payload_name
+from hlbp.peer.rounds.payloads import Payloads, payload_name
 from hlbp.peer.rounds.rules import payload_limit
-from hlbp.protocol import ProtocolError
 from hlbp.protocol.identity import sha256_hex
 from hlbp.protocol.roundrecords import KIND_CONTRIB, AcceptedSet, ContribNotice, ShardChecks, round_key
 
@@ -69,10 +66,10 @@ class RoundRunner(ReplicaBase):
     def __init__(self, *args: Any, follow: Mapping[int, Mapping[str, torch.Tensor]] | None = None,
                  **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.anchor.update(follow_anchor(self.shards, self.shapes, self.held, follow or {}))
+        self.state.anchor.update(follow_anchor(self.shards, self.shapes, self.held, follow or {}))
         self.follower = Follower(sorted(follow or {}), self.shards, self.shapes, self.me, self.transport, self.cfg,
                                  self.outer_cfg)
-        self.outers.update({s: make_outer(self.outer_cfg) for s in self.follower.follow})
+        self.state.outers.update({s: make_outer(self.outer_cfg) for s in self.follower.follow})
         self.applied = sorted({*self.held, *self.follower.follow})  # the shards whose accepted contributions we apply
         # the largest contribution a shard can honestly need: fp32 values and 16-bit indices for every parameter,
         # plus headers; real SparseLoCo payloads are about 1/150 of this, so it only stops floods
@@ -81,24 +78,22 @@ class RoundRunner(ReplicaBase):
         self.bans = RoundBans()
         self.payloads = Payloads(self.me, self.transport, self.cfg, self.outer_cfg, self.shapes, self.limits,
                                  self.applied, self.bans.banned, self._received, self.stop)
-        self.guard = self.cfg.guard
-        self.last_ratios: dict[str, float] = {}  # the last applied round's largest norm ratios (guard)
-        self.last_copies: list[dict[str, Any]] = []  # the last applied round's evidence of copied contributions
-        self._reuse = {s: copies.ReuseLog() for s in self.held}
+        self.applier = Applier(self.cfg, self.shards, self.held, self.applied, self.payloads, self.bans,
+                               self.guard_loss, self.load_anchor_into_model)
         self.overlapped = Overlapped(self) if self.cfg.overlap != "none" else None
         self.closer = Closer(self.me, self.cfg, len(self.shards), self.records, self.payloads, self.bans,
                              self._expected_contributors, self.stop, choose=self.faults.accept, on_poll=self._on_poll)
 
     def start(self) -> str:
         how = super().start()
-        if self.round > 0:
-            self.check_followed(self.round - 1)  # a resumed copy (or the seed's) may be behind its holders
+        if self.state.round > 0:
+            self.check_followed(self.state.round - 1)  # a resumed copy (or the seed's) may be behind its holders
         return how
 
     def sync(self, attempts: int = 3) -> bool:
         synced = super().sync(attempts)
         if synced:
-            self.check_followed(self.round - 1)
+            self.check_followed(self.state.round - 1)
         return synced
 
     def _expected_contributors(self) -> float:
@@ -115,7 +110,7 @@ class RoundRunner(ReplicaBase):
 
     def check_followed(self, r: int) -> None:
         """After round r: bring every followed shard to its holders' majority (:class:`Follower`)."""
-        fetched, received = self.follower.check(r, self.anchor, self.outers, self.records.latest_checks)
+        fetched, received = self.follower.check(r, self.state.anchor, self.state.outers, self.records.latest_checks)
         self._bytes_in += received
         if fetched:
             self.load_anchor_into_model()
@@ -123,7 +118,7 @@ class RoundRunner(ReplicaBase):
     def phase_base(self) -> Mapping[str, torch.Tensor]:
         if self.overlapped is not None and self.overlapped.base is not None:
             return self.overlapped.base
-        return self.anchor
+        return self.state.anchor
 
     def _between_steps(self) -> None:
         if self.overlapped is not None:
@@ -139,10 +134,10 @@ class RoundRunner(ReplicaBase):
     def run_round(self) -> RoundStats | None:
         if self.overlapped is not None:
             return self.overlapped.run_round()
-        r = self.round
+        r = self.state.round
         stats, steps, tokens, served_before = self.begin_round(r)
         t1 = time.perf_counter()
-        mine = self.contribute(r, stats, steps, tokens, self.anchor)
+        mine = self.contribute(r, stats, steps, tokens, self.state.anchor)
         encode_s = time.perf_counter() - t1
         checks, closed = self.exchange(r, stats, mine)
         stats.phases = {"encode": encode_s, **stats.phases}
@@ -166,12 +161,12 @@ class RoundRunner(ReplicaBase):
         Nothing when the phase made no step or we are out of sync."""
         local = {n: p.detach() for n, p in self.trainer.model.named_parameters()}
         mine: dict[int, Contribution] = {}
-        if not (steps and self.in_sync):
+        if not (steps and self.state.in_sync):
             return mine
         digests, sizes = {}, {}
         for s in self.held:
             names = self.shards[s]
-            c = self.outers[s].contribute({n: base[n] for n in names}, {n: local[n] for n in names}, self.me, tokens)
+            c = self.state.outers[s].contribute({n: base[n] for n in names}, {n: local[n] for n in names}, self.me, tokens)
             sent = self.faults.contribution(r, s, c)
             blob = self.faults.payload(r, s, contribution_to_bytes(sent, self.outer_cfg, self.cfg.run_id, r, s),
                                        self.limits[s])
@@ -190,7 +185,7 @@ class RoundRunner(ReplicaBase):
         """Everything of round r after our contribution: close, apply to the anchor, verify, resync if out of sync.
         Returns our checks and whether the round closed. Fills ``stats`` (``comm_s``: this part's seconds beyond
         waiting for the close). The model is touched only through ``load_anchor_into_model``."""
-        self.payloads.measure_scales(self.anchor, self.shards)
+        self.payloads.measure_scales(self.state.anchor, self.shards)
         bytes_in = self._bytes_in
         t2 = time.perf_counter()
         accepted = self.closer.close(r)
@@ -206,43 +201,43 @@ class RoundRunner(ReplicaBase):
             # Failed: the round's result holds our contribution, and the state we sync next will too
             stats.accepted = not isinstance(outcome, Refused) and self.me in accepted.senders()
             if isinstance(outcome, Failed):
-                self.in_sync = False
+                self.state.in_sync = False
             elif isinstance(outcome, Refused):
                 stats.refused = str(outcome)
-            stats.guard = dict(self.last_ratios)
-            stats.copies = list(self.last_copies) if isinstance(outcome, Applied) else []
+            stats.guard = dict(self.applier.last_ratios)
+            stats.copies = list(self.applier.last_copies) if isinstance(outcome, Applied) else []
         if mine and not stats.accepted:
             for s, c in mine.items():
-                self.outers[s].withdraw(c)  # left out, or the round refused: it stays in the error-feedback buffer
+                self.state.outers[s].withdraw(c)  # left out, or the round refused: it stays in the error-feedback buffer
             if self.overlapping and accepted is not None:
                 # the phase under way started at our notice, which came too late: it catches up (loop._inner_phase)
                 self.catch_up_round = max(self.catch_up_round, r + 1)
         self.load_anchor_into_model()
-        if self.overlapped is not None and self.in_sync:
+        if self.overlapped is not None and self.state.in_sync:
             self.overlapped.preview(r, final=True)  # the phase under way can land the result before it is verified
         checks = self._my_checks(r)
         stats.checksums = checks.checksums
         t4 = time.perf_counter()
         stats.phases["apply"] = t4 - t3
-        if accepted is not None and self.in_sync:
+        if accepted is not None and self.state.in_sync:
             self.faults.applied(r)
             self._publish_state(checks, {p for p, _t, _d in accepted.members})
             t5 = time.perf_counter()
-            self.in_sync = self._verify(r, {p: set(d) for p, _t, d in accepted.members}, checks)
-            if self.in_sync:
+            self.state.in_sync = self._verify(r, {p: set(d) for p, _t, d in accepted.members}, checks)
+            if self.state.in_sync:
                 self.check_followed(r)
             stats.phases.update(publish=t5 - t4, verify=time.perf_counter() - t5)
         self.payloads.forget_through(r)
         if not self.overlapping and (accepted is not None or not self.stop.is_set()):
-            self.round = r + 1  # a round abandoned on SIGTERM is not ours to count: a restart syncs past it
-        if not self.in_sync:
+            self.state.round = r + 1  # a round abandoned on SIGTERM is not ours to count: a restart syncs past it
+        if not self.state.in_sync:
             logger.warning("round %d: this peer is out of sync; reloading state from peers", r)
             stats.synced = self.sync()
             if stats.synced:  # report the state we now hold, not the one we discarded
-                stats.state_round = self.round - 1
+                stats.state_round = self.state.round - 1
                 checks = self._my_checks(stats.state_round)
                 stats.checksums = checks.checksums
-        stats.in_sync = self.in_sync
+        stats.in_sync = self.state.in_sync
         stats.comm_s = time.perf_counter() - t3
         stats.bytes_received = self._bytes_in - bytes_in
         return checks, accepted is not None
@@ -252,99 +247,5 @@ class RoundRunner(ReplicaBase):
         super().close()
 
     def apply_round(self, r: int, accepted: AcceptedSet) -> RoundOutcome:
-        """Fetch, verify, bound and apply the accepted set of round r: :class:`Applied`, :class:`Refused` (nobody's
-        parameters move, the offenders are banned) or :class:`Failed` (this peer alone is out of sync)."""
-        # each held (or followed) shard takes the members that contributed to it (a stage peer contributes its own
-        # shard only)
-        jobs = [(sender, s, digests[s]) for sender, _tokens, digests in accepted.members for s in self.applied
-                if s in digests]
-        holders = accepted.senders()
-
-        def get(job: tuple[str, int, str]) -> tuple[str, int, Contribution | BadPayload | None]:
-            sender, s, digest = job
-            self.payloads.await_prefetch(r, sender)
-            cached = self.payloads.take(r, sender, s, digest)
-            if cached is not None:
-                return sender, s, cached
-            try:
-                return sender, s, self.payloads.decode(r, s, sender, digest, holders, accepted.coordinator)
-            except BadPayload as exc:
-                return sender, s, exc
-            except (TransportError, ProtocolError) as exc:
-                if s in self.held:
-                    raise
-                logger.warning("round %d: could not fetch the contribution of %s to followed shard %d (%s); that "
-                               "shard waits for its holders' state", r, sender[:16], s, error_text(exc))
-                return sender, s, None
-
-        try:
-            with ThreadPoolExecutor(self.cfg.fetch_workers) as pool:
-                got = list(pool.map(get, jobs))
-        except (TransportError, ProtocolError) as exc:
-            logger.warning("round %d: could not obtain an accepted contribution (%s)", r, error_text(exc))
-            return Failed(error_text(exc))
-        bad = {sender: str(c) for sender, _s, c in got if isinstance(c, BadPayload)}
-        if bad:
-            return self._refuse(r, bad, "an accepted contribution does not decode")
-        missing = {s for _sender, s, c in got if c is None}  # followed shards only: they are fetched whole later
-        per_shard: dict[int, list[Contribution]] = {s: [] for s in self.applied if s not in missing}
-        for _sender, s, c in sorted(got, key=lambda g: (g[1], g[0])):
-            if s in per_shard:
-                per_shard[s].append(c)  # type: ignore[arg-type]
-        new: dict[str, torch.Tensor] = {}
-        ratios = {"contribution": 0.0, "update": 0.0}  # the largest of the round, reported to measure the bounds
-        for s, contributions in per_shard.items():
-            names = self.shards[s]
-            norms = {c.sender: guard.contribution_norm(c) for c in contributions}
-            ratios["contribution"] = max([ratios["contribution"], *(n / self.payloads.scales[s] for n in norms.values())])
-            over = guard.oversized(norms, self.payloads.scales[s], self.guard)
-            if over:
-                return self._refuse(r, {p: f"shard {s}'s contribution norm is {v:.3g}x the shard's parameter norm"
-                                        for p, v in over.items()}, "a contribution breaks the norm bound")
-            old = {n: self.anchor[n] for n in names}
-            shard_new = self.outers[s].apply(old, contributions)
-            ratio = guard.update_ratio(old, shard_new)
-            ratios["update"] = max(ratios["update"], ratio)
-            self.last_ratios = ratios
-            reason = guard.refuse_reason(ratio, self.guard)
-            if reason:
-                blamed = guard.culprits(norms)
-                return self._refuse(r, {p: f"largest contribution to shard {s}" for p in blamed},
-                                    f"shard {s}: {reason}")
-            new.update(shard_new)
-        old = {n: self.anchor[n] for n in new}
-        self.anchor.update(new)
-        if self.guard_loss is not None:
-            loss = self.guard_loss(self.anchor)
-            reason = guard.loss_reason(self.last_guard_loss, loss, self.guard)
-            if reason:
-                self.anchor.update(old)
-                self.load_anchor_into_model()
-                norms = {c.sender: guard.contribution_norm(c) for cs in per_shard.values() for c in cs}
-                return self._refuse(r, {p: "largest contribution of a round whose loss exploded"
-                                        for p in guard.culprits(norms)}, reason)
-            self.last_guard_loss = loss
-        self.last_copies = self._copies(r, {s: per_shard[s] for s in self.held})
-        return Applied()
-
-    def _copies(self, r: int, per_shard: dict[int, list[Contribution]]) -> list[dict[str, Any]]:
-        """Evidence of copied contributions in an applied round (reported, not punished: see rounds/copies.py)."""
-        found: list[dict[str, Any]] = []
-        largest = 0.0
-        for s, contributions in per_shard.items():
-            pairs, top = copies.overlapping_pairs(contributions)
-            largest = max(largest, top)
-            found += [{"kind": "overlap", "shard": s, "peers": [a, b], "overlap": v} for a, b, v in pairs]
-            found += [{"kind": "reuse", "shard": s, "peer": p, "first_round": fr, "first_peer": fp}
-                      for p, fr, fp in self._reuse[s].check(r, contributions)]
-        self.last_ratios["overlap"] = largest
-        for item in found:
-            logger.warning("round %d: possible copy: %s", r, item)
-        return found
-
-    def _refuse(self, r: int, offenders: dict[str, str], why: str) -> Refused:
-        """Refuse round r as a whole (nobody's parameters move) and ban ``offenders`` (sender -> reason)."""
-        logger.warning("round %d: refused (%s); keeping the parameters of round %d", r, why, r - 1)
-        for sender, reason in sorted(offenders.items()):
-            self.bans.ban_by_guard(r, sender, reason)
-        return Refused(why, dict(offenders))
+        """Apply round r's accepted set to our state (:class:`~hlbp.peer.rounds.apply.Applier`)."""
+        return self.applier.apply(r, accepted, self.state)

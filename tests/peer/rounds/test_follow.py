@@ -112,7 +112,7 @@ def _runner(ident: Identity, registry: dict, held: list[int] | None, cls: type[R
     cfg = RoundConfig(run_id=RUN, inner_steps=1, fetch_timeout_s=1.0)
     runner = cls(None, ident, Blobs(registry, ident.peer_id), trainer, OUTER, SHARDS, cfg, threading.Event(),
                  held=held, shapes=SHAPES, follow=follow)
-    runner.payloads.measure_scales(runner.anchor, runner.shards)
+    runner.payloads.measure_scales(runner.state.anchor, runner.shards)
     return runner
 
 
@@ -153,13 +153,13 @@ def test_follower_applies_the_followed_shard_bit_for_bit_as_a_holder(round_setup
     ids, registry, accepted = round_setup["ids"], round_setup["registry"], round_setup["accepted"]
     holder = _runner(ids["h"], registry, None)
     follower = _runner(ids["f"], registry, [1])
-    before = {n: follower.anchor[n].clone() for n in SHARDS[0]}
+    before = {n: follower.state.anchor[n].clone() for n in SHARDS[0]}
     assert holder.apply_round(ROUND, accepted) == Applied()
     assert follower.apply_round(ROUND, accepted) == Applied()
     for shard in (0, 1):
-        assert _same(holder.anchor, follower.anchor, SHARDS[shard]), f"shard {shard} differs"
-        assert shard_checksum(holder.anchor, SHARDS[shard]) == shard_checksum(follower.anchor, SHARDS[shard])
-    assert not _same(before, follower.anchor, SHARDS[0])  # the round moved the followed shard
+        assert _same(holder.state.anchor, follower.state.anchor, SHARDS[shard]), f"shard {shard} differs"
+        assert shard_checksum(holder.state.anchor, SHARDS[shard]) == shard_checksum(follower.state.anchor, SHARDS[shard])
+    assert not _same(before, follower.state.anchor, SHARDS[0])  # the round moved the followed shard
     # it follows, it does not hold: its checks name shard 1 alone, so it never vouches for shard 0
     assert set(follower._my_checks(ROUND).checksums) == {1}
     # and it loads only its own stage into its model
@@ -174,13 +174,13 @@ def test_a_followed_payload_that_does_not_decode_refuses_the_round_as_on_a_holde
     hostile = AcceptedSet(accepted.coordinator, ROUND, tuple(
         (p, t, {0: sha256_hex(garbage)} if p == s0 else d) for p, t, d in accepted.members))
     holder, follower = _runner(ids["h"], registry, None), _runner(ids["f"], registry, [1])
-    initial = {n: follower.anchor[n].clone() for n in follower.anchor}
+    initial = {n: follower.state.anchor[n].clone() for n in follower.state.anchor}
     for runner in (holder, follower):
         outcome = runner.apply_round(ROUND, hostile)
         assert isinstance(outcome, Refused) and outcome.why == "an accepted contribution does not decode", outcome
         assert set(outcome.offenders) == {s0}
         assert set(runner.bans) == {s0}
-    assert _same(initial, follower.anchor, list(initial))  # nothing moved, neither its shard nor the followed one
+    assert _same(initial, follower.state.anchor, list(initial))  # nothing moved, neither its shard nor the followed one
 
 
 def test_a_followed_payload_under_another_senders_name_is_refused(round_setup: dict) -> None:
@@ -203,16 +203,16 @@ def test_a_missing_followed_payload_leaves_only_the_followed_shard_behind(round_
     for served in registry.values():  # nobody can serve s0's shard-0 payload any more (the reference holder
         served.pop(f"c/{ROUND}/0/{s0}", None)  # fetched it and serves it onwards: gossip)
     follower = _runner(ids["f"], registry, [1])
-    initial = {n: follower.anchor[n].clone() for n in SHARDS[0]}
+    initial = {n: follower.state.anchor[n].clone() for n in SHARDS[0]}
     assert follower.apply_round(ROUND, accepted) == Applied()  # its own shard is not held hostage by a followed one
-    assert _same(reference.anchor, follower.anchor, SHARDS[1])
-    assert _same(initial, follower.anchor, SHARDS[0])
+    assert _same(reference.state.anchor, follower.state.anchor, SHARDS[1])
+    assert _same(initial, follower.state.anchor, SHARDS[0])
     # ... and the check after the round sees the followed copy off the holders' majority and names who has it
-    ours = {0: shard_checksum(follower.anchor, SHARDS[0])}
-    holders = [ShardChecks(ids["h"].peer_id, ROUND, {0: shard_checksum(reference.anchor, SHARDS[0]), 1: "x"}),
-               ShardChecks(ids["s0"].peer_id, ROUND, {0: shard_checksum(reference.anchor, SHARDS[0])})]
+    ours = {0: shard_checksum(follower.state.anchor, SHARDS[0])}
+    holders = [ShardChecks(ids["h"].peer_id, ROUND, {0: shard_checksum(reference.state.anchor, SHARDS[0]), 1: "x"}),
+               ShardChecks(ids["s0"].peer_id, ROUND, {0: shard_checksum(reference.state.anchor, SHARDS[0])})]
     assert resync_plan(holders, ROUND, ours) == {
-        0: (shard_checksum(reference.anchor, SHARDS[0]), sorted([ids["h"].peer_id, ids["s0"].peer_id]))}
+        0: (shard_checksum(reference.state.anchor, SHARDS[0]), sorted([ids["h"].peer_id, ids["s0"].peer_id]))}
 
 
 def test_resync_plan_fetches_only_a_copy_that_differs_from_its_holders() -> None:
@@ -244,10 +244,10 @@ def test_a_copy_off_its_holders_is_fetched_from_them_and_verified(round_setup: d
     ids, registry, accepted = round_setup["ids"], round_setup["registry"], round_setup["accepted"]
     holder = _runner(ids["h"], registry, None)
     assert holder.apply_round(ROUND, accepted) == Applied()
-    want = shard_checksum(holder.anchor, SHARDS[0])
+    want = shard_checksum(holder.state.anchor, SHARDS[0])
     # the holder serves its shard-0 state; a lying donor serves another state under the same name
-    registry[ids["h"].peer_id][state_name(ROUND, 0)] = encode_state(holder.anchor, SHARDS[0], {})
-    liar = dict(holder.anchor, **{"embed.weight": holder.anchor["embed.weight"] + 1.0})
+    registry[ids["h"].peer_id][state_name(ROUND, 0)] = encode_state(holder.state.anchor, SHARDS[0], {})
+    liar = dict(holder.state.anchor, **{"embed.weight": holder.state.anchor["embed.weight"] + 1.0})
     registry[ids["s0"].peer_id][state_name(ROUND, 0)] = encode_state(liar, SHARDS[0], {})
     follower = _runner(ids["f"], registry, [1])  # never applied the round: its copy is the seed's
     # the holders' published checksums, given instead of read from the DHT; s0 claims the majority's checksum
@@ -255,7 +255,7 @@ def test_a_copy_off_its_holders_is_fetched_from_them_and_verified(round_setup: d
     follower.records.latest_checks = lambda: list(published)
     follower.check_followed(ROUND)
     assert follower.follower.fetches == 1
-    assert _same(holder.anchor, follower.anchor, SHARDS[0])  # the liar's blob failed the checksum: not taken
+    assert _same(holder.state.anchor, follower.state.anchor, SHARDS[0])  # the liar's blob failed the checksum: not taken
     follower.check_followed(ROUND)  # now equal: nothing more to fetch
     assert follower.follower.fetches == 1
     # when no donor serves the agreed state (the liar's fails the checksum, b serves none) the copy stays as it
@@ -264,4 +264,4 @@ def test_a_copy_off_its_holders_is_fetched_from_them_and_verified(round_setup: d
     agreed = [ShardChecks(ids["s0"].peer_id, ROUND, {0: want}), ShardChecks(ids["b"].peer_id, ROUND, {0: want})]
     stale.records.latest_checks = lambda: list(agreed)
     stale.check_followed(ROUND)
-    assert stale.follower.fetches == 0 and shard_checksum(stale.anchor, SHARDS[0]) != want
+    assert stale.follower.fetches == 0 and shard_checksum(stale.state.anchor, SHARDS[0]) != want

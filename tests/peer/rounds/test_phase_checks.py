@@ -104,7 +104,7 @@ def test_a_peer_that_pushes_its_checksums_is_pushed_our_next_records() -> None:
     from hlbp.protocol.roundrecords import KIND_CONTRIB, checks_key, round_key
 
     replica = _replica(_LateExchange(r=5, at=3, mark=False))
-    replica.round = 6
+    replica.state.round = 6
     newcomer, other = Identity.generate().peer_id, Identity.generate().peer_id
     replica.records.on_push(other, round_key("t", 6, KIND_CONTRIB), b"a notice")  # a notice counts once parsed, not here
     assert replica.records.pushed_to() == set()
@@ -113,5 +113,5 @@ def test_a_peer_that_pushes_its_checksums_is_pushed_our_next_records() -> None:
     replica.records.on_push(replica.me, checks_key("t"), b"ours")  # never ourselves
     replica.records.on_push(other, checks_key("other-run"), b"another run's")  # unwanted: not kept, so not live
     assert replica.records.pushed_to() == {newcomer}
-    replica.round = 9  # live means seen in the last two rounds
+    replica.state.round = 9  # live means seen in the last two rounds
     assert replica.records.pushed_to() == set()

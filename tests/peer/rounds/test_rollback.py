@@ -38,7 +38,7 @@ def test_a_non_finite_inner_loss_rolls_back_instead_of_exiting() -> None:
     names = [n for n, _ in model.named_parameters()]
     replica = _Replica(None, Identity.generate(), None, trainer, OuterConfig(), [names],  # type: ignore[arg-type]
                        RoundConfig(run_id="t", inner_steps=50), threading.Event())
-    anchor = {n: t.clone() for n, t in replica.anchor.items()}
+    anchor = {n: t.clone() for n, t in replica.state.anchor.items()}
     steps, tokens = replica._inner_phase(0)
     assert (steps, tokens) == (0, 0)  # the round is sat out: nothing to contribute
     assert replica.rollbacks == 1
@@ -59,11 +59,11 @@ def test_non_finite_global_parameters_are_never_saved_or_resumed(tmp_path) -> No
                         RoundConfig(run_id="t", inner_steps=2), threading.Event(), checkpoint=ckpt)
 
     first = replica()
-    first.round = 3
+    first.state.round = 3
     first.save()
     saved = ckpt.read_bytes()
-    first.anchor[names[0]][0] = float("nan")
-    first.round = 4
+    first.state.anchor[names[0]][0] = float("nan")
+    first.state.round = 4
     first.save()  # refused: the checkpoint on disk stays the last good one
     assert ckpt.read_bytes() == saved
     second = replica()

@@ -1,0 +1,145 @@
+"""Applying a round's accepted set: fetch every accepted payload, bound it, aggregate it into the anchor, and refuse
+the whole round when it breaks a bound of :mod:`hlbp.peer.rounds.guard`.
+
+Every in-sync peer holds the same accepted bytes and the same anchor, so every one reaches the same
+:mod:`~hlbp.peer.rounds.outcome` and bans the same senders; only a payload this peer alone could not fetch makes its
+outcome differ (:class:`~hlbp.peer.rounds.outcome.Failed`, and it resyncs).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from hlbp.peer.net.transport import TransportError
+from hlbp.peer.rounds import copies, guard
+from hlbp.peer.rounds.closer import RoundBans
+from hlbp.peer.rounds.config import RoundConfig
+from hlbp.peer.rounds.outcome import Applied, Failed, Refused, RoundOutcome
+from hlbp.peer.rounds.outer import Contribution
+from hlbp.peer.rounds.payloads import BadPayload, Payloads, error_text
+from hlbp.peer.rounds.state import ReplicaState
+from hlbp.protocol import ProtocolError
+from hlbp.protocol.roundrecords import AcceptedSet
+
+logger = logging.getLogger(__name__)
+
+
+class Applier:
+    """Applies the accepted sets of one round loop to its :class:`~hlbp.peer.rounds.state.ReplicaState`.
+
+    ``applied``: the shards whose accepted contributions we apply (held and followed); ``held``: those we vouch
+    for (copies are looked for there). ``loss_of(params)``: the loss on the run's fixed guard batch (None: no loss
+    guard). ``on_restore()``: called when a refused round's parameters were put back (reload the model)."""
+
+    def __init__(self, cfg: RoundConfig, shards: Sequence[Sequence[str]], held: Sequence[int], applied: Sequence[int],
+                 payloads: Payloads, bans: RoundBans,
+                 loss_of: Callable[[Mapping[str, torch.Tensor]], float] | None, on_restore: Callable[[], None]) -> None:
+        self.cfg, self.shards, self.held, self.applied = cfg, shards, held, applied
+        self.payloads, self.bans, self.loss_of, self.on_restore = payloads, bans, loss_of, on_restore
+        self.guard = cfg.guard
+        self.last_ratios: dict[str, float] = {}  # the last applied round's largest norm ratios (guard)
+        self.last_copies: list[dict[str, Any]] = []  # the last applied round's evidence of copied contributions
+        self._reuse = {s: copies.ReuseLog() for s in held}
+
+    def apply(self, r: int, accepted: AcceptedSet, state: ReplicaState) -> RoundOutcome:
+        """Fetch, verify, bound and apply the accepted set of round r: :class:`Applied`, :class:`Refused` (nobody's
+        parameters move, the offenders are banned) or :class:`Failed` (this peer alone is out of sync)."""
+        # each held (or followed) shard takes the members that contributed to it (a stage peer contributes its own
+        # shard only)
+        jobs = [(sender, s, digests[s]) for sender, _tokens, digests in accepted.members for s in self.applied
+                if s in digests]
+        holders = accepted.senders()
+
+        def get(job: tuple[str, int, str]) -> tuple[str, int, Contribution | BadPayload | None]:
+            sender, s, digest = job
+            self.payloads.await_prefetch(r, sender)
+            cached = self.payloads.take(r, sender, s, digest)
+            if cached is not None:
+                return sender, s, cached
+            try:
+                return sender, s, self.payloads.decode(r, s, sender, digest, holders, accepted.coordinator)
+            except BadPayload as exc:
+                return sender, s, exc
+            except (TransportError, ProtocolError) as exc:
+                if s in self.held:
+                    raise
+                logger.warning("round %d: could not fetch the contribution of %s to followed shard %d (%s); that "
+                               "shard waits for its holders' state", r, sender[:16], s, error_text(exc))
+                return sender, s, None
+
+        try:
+            with ThreadPoolExecutor(self.cfg.fetch_workers) as pool:
+                got = list(pool.map(get, jobs))
+        except (TransportError, ProtocolError) as exc:
+            logger.warning("round %d: could not obtain an accepted contribution (%s)", r, error_text(exc))
+            return Failed(error_text(exc))
+        bad = {sender: str(c) for sender, _s, c in got if isinstance(c, BadPayload)}
+        if bad:
+            return self._refuse(r, bad, "an accepted contribution does not decode")
+        missing = {s for _sender, s, c in got if c is None}  # followed shards only: they are fetched whole later
+        per_shard: dict[int, list[Contribution]] = {s: [] for s in self.applied if s not in missing}
+        for _sender, s, c in sorted(got, key=lambda g: (g[1], g[0])):
+            if s in per_shard:
+                per_shard[s].append(c)  # type: ignore[arg-type]
+        new: dict[str, torch.Tensor] = {}
+        ratios = {"contribution": 0.0, "update": 0.0}  # the largest of the round, reported to measure the bounds
+        for s, contributions in per_shard.items():
+            names = self.shards[s]
+            norms = {c.sender: guard.contribution_norm(c) for c in contributions}
+            ratios["contribution"] = max([ratios["contribution"], *(n / self.payloads.scales[s] for n in norms.values())])
+            over = guard.oversized(norms, self.payloads.scales[s], self.guard)
+            if over:
+                return self._refuse(r, {p: f"shard {s}'s contribution norm is {v:.3g}x the shard's parameter norm"
+                                        for p, v in over.items()}, "a contribution breaks the norm bound")
+            old = {n: state.anchor[n] for n in names}
+            shard_new = state.outers[s].apply(old, contributions)
+            ratio = guard.update_ratio(old, shard_new)
+            ratios["update"] = max(ratios["update"], ratio)
+            self.last_ratios = ratios
+            reason = guard.refuse_reason(ratio, self.guard)
+            if reason:
+                blamed = guard.culprits(norms)
+                return self._refuse(r, {p: f"largest contribution to shard {s}" for p in blamed},
+                                    f"shard {s}: {reason}")
+            new.update(shard_new)
+        old = {n: state.anchor[n] for n in new}
+        state.anchor.update(new)
+        if self.loss_of is not None:
+            loss = self.loss_of(state.anchor)
+            reason = guard.loss_reason(state.last_guard_loss, loss, self.guard)
+            if reason:
+                state.anchor.update(old)
+                self.on_restore()
+                norms = {c.sender: guard.contribution_norm(c) for cs in per_shard.values() for c in cs}
+                return self._refuse(r, {p: "largest contribution of a round whose loss exploded"
+                                        for p in guard.culprits(norms)}, reason)
+            state.last_guard_loss = loss
+        self.last_copies = self._copies(r, {s: per_shard[s] for s in self.held})
+        return Applied()
+
+    def _copies(self, r: int, per_shard: dict[int, list[Contribution]]) -> list[dict[str, Any]]:
+        """Evidence of copied contributions in an applied round (reported, not punished: see rounds/copies.py)."""
+        found: list[dict[str, Any]] = []
+        largest = 0.0
+        for s, contributions in per_shard.items():
+            pairs, top = copies.overlapping_pairs(contributions)
+            largest = max(largest, top)
+            found += [{"kind": "overlap", "shard": s, "peers": [a, b], "overlap": v} for a, b, v in pairs]
+            found += [{"kind": "reuse", "shard": s, "peer": p, "first_round": fr, "first_peer": fp}
+                      for p, fr, fp in self._reuse[s].check(r, contributions)]
+        self.last_ratios["overlap"] = largest
+        for item in found:
+            logger.warning("round %d: possible copy: %s", r, item)
+        return found
+
+    def _refuse(self, r: int, offenders: dict[str, str], why: str) -> Refused:
+        """Refuse round r as a whole (nobody's parameters move) and ban ``offenders`` (sender -> reason)."""
+        logger.warning("round %d: refused (%s); keeping the parameters of round %d", r, why, r - 1)
+        for sender, reason in sorted(offenders.items()):
+            self.bans.ban_by_guard(r, sender, reason)
+        return Refused(why, dict(offenders))

@@ -1,0 +1,27 @@
+"""The mutable state of a replica's rounds, apart from the parts that read and change it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from hlbp.peer.rounds.outer import OuterOptimizer
+
+
+@dataclass
+class ReplicaState:
+    """What a replica's rounds change: the anchor θ(r) (the global parameters every in-sync replica agrees on,
+    the result of round ``round - 1``), one outer optimizer per held (or followed) shard, the next round to run,
+    whether our state is the agreed one, and the guard batch's loss after the last committed round.
+
+    One thread owns it at a time: without overlap the round loop's; under overlap the exchange thread changes the
+    anchor and outer optimizers of the round in flight while the main thread only reads the anchor's tensors,
+    which are replaced, never changed in place (``hlbp.peer.rounds.overlapped``). Checkpoints and state sync
+    read and replace it as a whole (``persist.py``, the loop's ``sync``)."""
+
+    anchor: dict[str, torch.Tensor]
+    outers: dict[int, OuterOptimizer]
+    round: int = 0
+    in_sync: bool = True
+    last_guard_loss: float | None = None  # None after a start or a sync: then only finiteness counts
