@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -89,34 +89,7 @@ class StageTrainer:
         """Nothing to do here: a stage's passes come from its swarm's driver."""
 
 
-class StageRounds(RoundRunner):
-    """The round loop of one stage peer: ``held`` is its stage's shard, ``phase(r)`` runs or awaits the swarm's
-    inner steps of round r and returns (steps, tokens), or raises :class:`PhaseStopped`. ``codec``: the stage's
-    activation codec, whose table follows the synchronized embedding where the variant says so (``follow`` then
-    names shard 0 on stages after the first)."""
-
-    def __init__(self, *args: Any, phase: Callable[[int], tuple[int, int]], worker: StageWorker,
-                 codec: ActivationCodec | None = None, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.phase, self.worker, self.codec = phase, worker, codec
-
-    def _train_phase(self, r: int) -> tuple[int, int]:
-        return self.phase(r)  # a swarm's phase ends at its driver's end-of-round mark (no overlap for stages)
-
-    def load_anchor_into_model(self) -> None:
-        super().load_anchor_into_model()
-        if self.codec is not None and "embed.weight" in self.state.anchor:
-            self.codec.rebuild_table(self.state.anchor["embed.weight"])  # B, A+drift: T_fixed of the loaded embedding
-
-    def run_round(self) -> RoundStats:
-        stats = super().run_round()
-        if self.codec is not None and getattr(self.codec, "variant", None) in REBUILT:
-            self.metrics.write(event="table", round=stats.round, table=self.codec.table_digest(),
-                               follow_fetches=self.follower.fetches)
-        return stats
-
-
-def serve_phase(runner: StageRounds, gate: RoundGate, worker: StageWorker, stop: Any,
+def serve_phase(runner: RoundRunner, gate: RoundGate, worker: StageWorker, stop: Any,
                 dead_step_s: float) -> Callable[[int], tuple[int, int]]:
     """A stage server's inner phase: wait for the driver's end-of-round mark, or for the round to close without
     the swarm (checked every half second); in the second case close the gate between two steps, dropping a step
@@ -142,7 +115,7 @@ def serve_phase(runner: StageRounds, gate: RoundGate, worker: StageWorker, stop:
 def make_stage_rounds(ctx: Any, worker: StageWorker, config: Any, phase: Callable[[int], tuple[int, int]],
                       metrics: Any, checkpoint_every_s: float, evaluate: Callable[[Any], float | None] | None = None,
                       on_round: Callable[[Any, float | None], None] | None = None,
-                      codec: ActivationCodec | None = None) -> tuple[StageRounds, Any]:
+                      codec: ActivationCodec | None = None) -> tuple[RoundRunner, Any]:
     """The round loop of this stage peer (``ctx``: its join context) and the blob transport it serves its
     payloads and shard state on; the caller closes both.
 
@@ -171,10 +144,25 @@ def make_stage_rounds(ctx: Any, worker: StageWorker, config: Any, phase: Callabl
     if peer.role.stage != 0 and getattr(codec, "variant", None) in REBUILT:
         full = initial_state(config, m.seed)
         follow = {0: {n: full[n] for n in shards[0]}}
-    runner = StageRounds(peer.plane.dht, peer.plane.identity, transport, StageTrainer(worker), outer, shards, rcfg,
+    box: list[RoundRunner] = []
+
+    def load_table(anchor: Mapping[str, torch.Tensor]) -> None:
+        if codec is not None and "embed.weight" in anchor:
+            codec.rebuild_table(anchor["embed.weight"])  # B, A+drift: T_fixed of the loaded embedding
+
+    def reported(stats: RoundStats, val: float | None) -> None:
+        if codec is not None and getattr(codec, "variant", None) in REBUILT:
+            metrics.write(event="table", round=stats.round, table=codec.table_digest(),
+                          follow_fetches=box[0].follower.fetches)
+        if on_round is not None:
+            on_round(stats, val)
+
+    # the same round loop as a full replica's, holding one shard: the swarm runs its inner phase (``phase``), and
+    # each load of the anchor rebuilds the codec's table
+    runner = RoundRunner(peer.plane.dht, peer.plane.identity, transport, StageTrainer(worker), outer, shards, rcfg,
                          ctx.stop, checkpoint=ctx.out_dir / "rounds.safetensors", metrics=metrics,
-                         expected=expected, on_round=on_round, evaluate=evaluate, protect=peer.plane.protect,
-                         held=[peer.role.stage], shapes=shapes, phase=phase, worker=worker, codec=codec,
-                         follow=follow)
+                         expected=expected, on_round=reported, evaluate=evaluate, protect=peer.plane.protect,
+                         held=[peer.role.stage], shapes=shapes, train=phase, follow=follow, on_load=load_table)
+    box.append(runner)
     return runner, transport
 

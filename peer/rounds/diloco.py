@@ -164,11 +164,11 @@ class DenseRoundRunner(ReplicaBase):
             # progress is dropped and it takes the round's result from the others, if there is one
             self._await_result(r)
         self.load_anchor_into_model()
-        mine = self._my_checks(r)
+        mine = self.syncer.checks(self.state, r)
         stats.checksums = mine.checksums
         if averaged is not None:
-            self._publish_state(mine)
-            self.state.in_sync = self._verify(r, dict.fromkeys(self._last_group), mine)
+            self.syncer.publish(self.state, mine)
+            self.state.in_sync = self.syncer.verify(r, dict.fromkeys(self._last_group), mine)
         elif any(c.round >= r for c in self.records.latest_checks() if c.peer != self.me):
             self.state.in_sync = False  # the others moved on without us: reload their state
         if not self.stop.is_set() or averaged is not None:
@@ -177,7 +177,7 @@ class DenseRoundRunner(ReplicaBase):
             stats.synced = self.sync()
             if stats.synced:  # report the state we now hold, not the one we discarded
                 stats.state_round = self.state.round - 1
-                mine = self._my_checks(stats.state_round)
+                mine = self.syncer.checks(self.state, stats.state_round)
                 stats.checksums = mine.checksums
         stats.in_sync = self.state.in_sync
         stats.comm_s = time.perf_counter() - t1 - stats.wait_s

@@ -13,41 +13,36 @@
 from __future__ import annotations
 
 import logging
-import random
 import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
-from collections.abc import Set as AbstractSet
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from hlbp.peer.net.transport import BlobTransport, TransportError
+from hlbp.peer.net.transport import BlobTransport
 from hlbp.peer.rounds.agreement import Agreement, ExactAgreement
 from hlbp.peer.rounds.config import RoundConfig, RoundStats
 from hlbp.peer.rounds.faults import NO_FAULTS, FaultHook
 from hlbp.peer.rounds.outer import OuterConfig, make_outer
 from hlbp.peer.rounds.persist import load_replica, save_replica
+from hlbp.peer.rounds.phase import InnerPhase
 from hlbp.peer.rounds.records import RoundRecords
 from hlbp.peer.rounds.state import ReplicaState
-from hlbp.peer.rounds.statesync import encode_state, fetch_state, shard_checksum, state_name
-from hlbp.peer.rounds.verify import wait_for_checks
+from hlbp.peer.rounds.verify import StateSync
 from hlbp.peer.train.metricslog import MetricsLog
 from hlbp.peer.train.trainer import InnerTrainer
 from hlbp.protocol.identity import Identity
 from hlbp.protocol.roundrecords import (
-    KIND_CHECKS,
     ShardChecks,
-    checks_key,
 )
 
 __all__ = ["ReplicaBase", "RoundConfig", "RoundStats"]  # the config and stats live in rounds/config.py
 
 logger = logging.getLogger(__name__)
 
-PHASE_CHECK_S = 0.25  # how often the inner phase looks (without waiting) whether its round closed or started
 
 
 class ReplicaBase(ABC):
@@ -57,6 +52,8 @@ class ReplicaBase(ABC):
     ``shards``: parameter names per shard (the manifest's partition). ``held``: the shards this peer contributes
     and checks, all for a full replica; a stage peer holds one, its model has only that shard, and it passes
     ``shapes`` (every shard's) to decode others' contributions. ``expected``: contributors to wait for.
+    ``train(r)``: an inner phase whose steps run elsewhere (a stage peer's swarm), in place of the trainer's;
+    ``on_load(anchor)``: called after each load of the anchor into the model (a stage rebuilds its codec's table).
     """
 
     agreement: Agreement = ExactAgreement()  # how the replicas tell the agreed state after a round
@@ -81,6 +78,8 @@ class ReplicaBase(ABC):
         protect: Callable[[dict[str, tuple[str, int]]], None] | None = None,
         held: Sequence[int] | None = None,
         shapes: Sequence[dict[str, tuple[int, ...]]] | None = None,
+        train: Callable[[int], tuple[int, int]] | None = None,
+        on_load: Callable[[Mapping[str, torch.Tensor]], None] | None = None,
     ) -> None:
         self.dht, self.identity, self.transport, self.trainer = dht, identity, transport, trainer
         self.me = identity.peer_id
@@ -97,22 +96,22 @@ class ReplicaBase(ABC):
         self.checkpoint, self.metrics = checkpoint, metrics or MetricsLog(None)
         self.expected = expected
         self.on_round, self.evaluate = on_round, evaluate
+        self.on_load = on_load  # called after every load of the anchor into the model (a stage's codec table)
         self.faults = faults  # what a fault test makes this replica do wrong; production: nothing
         self.guard_loss = guard_loss  # given parameters' loss on the run's fixed guard batch (rounds/guard.py)
-        self.rollbacks = 0  # inner phases abandoned because the loss stopped being finite
         self.window = cfg.deadline_s
         self.last_members = 0
         self.history: list[RoundStats] = []
         self._bytes_in = 0
         self._saved_at = time.monotonic()
-        self._just_synced = False  # set by sync(): we arrive mid-run, and the next round may be under way
-        # under overlap: the round whose phase started behind the others' (after a sit-out, or after our notice of
-        # the round before came too late); that phase ends early once others announce it (see _inner_phase)
-        self.catch_up_round = -1
         self.overlapping = False  # an exchange runs beside the inner phase: only the main thread loads the model
         # signed round records: the inbox of pushed ones, the DHT pollers, whom we push ours to (rounds/records.py)
         self.records = RoundRecords(dht, identity, transport, cfg, stop, lambda: self.state.round, protect,
                                     keep_store=faults.stores)
+        self.phase = InnerPhase(trainer, cfg, stop, self.round_closed, self.round_started, self.phase_base,
+                                self._after_step, train)
+        self.syncer = StateSync(self.me, self.shards, self.held, self.shapes, cfg, outer, transport, self.records,
+                                self.agreement)
 
     @property
     def round(self) -> int:
@@ -134,63 +133,23 @@ class ReplicaBase(ABC):
         if self.overlapping:
             return  # the model is the main thread's, training the next phase (see rounds/overlapped.py)
         self.trainer.load_params(self.state.anchor)  # a variant-A trainer's constraint then projects from these
+        if self.on_load is not None:
+            self.on_load(self.state.anchor)
 
     def phase_base(self) -> Mapping[str, torch.Tensor]:
         """Where the inner phase under way started: the anchor, or its overlapped start (rounds/overlap.py)."""
         return self.state.anchor
 
-    def _publish_state(self, mine: ShardChecks, to: AbstractSet[str] = frozenset()) -> None:
-        """Serve our state after round ``mine.round`` and publish its checksums (and fingerprints), pushed to
-        the round's members ``to`` as well as the live peers."""
-        r = mine.round
-        for s in self.held:
-            self.transport.put(state_name(r, s), encode_state(self.state.anchor, self.shards[s], self.state.outers[s].state_tensors()))
-        self.transport.drop([state_name(r - 2, s) for s in self.held])
-        self.records.store(checks_key(self.cfg.run_id), mine.to_body(self.cfg.run_id), KIND_CHECKS, to)
-
-    def _my_checks(self, r: int) -> ShardChecks:
-        checks = {s: shard_checksum(self.state.anchor, self.shards[s], self.state.outers[s].state_tensors()) for s in self.held}
-        return ShardChecks(self.me, r, checks, self.agreement.fingerprints(self.state.anchor, self.shards))
-
     def sync(self, attempts: int = 3) -> bool:
-        """Load the newest agreed state of the held shards from peers, in parallel from different donors, verified
-        by checksum. False if no agreed state exists yet (a fresh run) or every bounded attempt failed."""
-        for _attempt in range(attempts):
-            checks = [c for c in self.records.latest_checks() if c.peer != self.me]
-            if not checks:
-                # nobody holds an agreed state (every peer failed the same round): ours is as good as any
-                self.state.in_sync = True
-                return False
-            latest = max(c.round for c in checks)
-            agreed = self.agreement.agreed(checks, latest, self.held, len(self.shards))
-            if agreed is None or not agreed[0]:
-                return False
-            donors, expect = agreed
-            random.Random(f"{self.me}|{latest}").shuffle(donors)
-
-            try:
-                states, n_bytes = fetch_state(self.transport, donors, latest, {s: self.shapes[s] for s in self.held},
-                                              expect, self.cfg.max_payload_bytes, self.cfg.fetch_timeout_s,
-                                              self.cfg.fetch_workers)
-            except TransportError as exc:
-                logger.warning("state sync for round %d failed (%s); retrying", latest, exc)
-                continue
-            self._bytes_in += n_bytes
-            for s, state in states.items():
-                self.state.anchor.update({n: t.clone() for n, t in state.params.items()})
-                fresh = make_outer(self.outer_cfg)
-                fresh.load_state(state.outer)
-                self.state.outers[s] = fresh  # a synced peer starts with an empty error-feedback buffer
-            self.load_anchor_into_model()
-            self.state.round, self.state.in_sync, self._just_synced = latest + 1, True, True
-            self.state.last_guard_loss = None
-            logger.info("synced state of round %d from %d donors", latest, len(donors))
-            # serve the state we now hold and push its checksums to the peers whose records we read: they count us
-            # live (records.RoundRecords.on_push) and push us the next rounds' records, so a joiner's or restarted
-            # peer's first trained phase hears of the others' notices at once instead of by polling the DHT
-            self._publish_state(self._my_checks(latest), {c.peer for c in checks})
-            return True
-        return False
+        """Load the newest agreed state from peers (:meth:`StateSync.sync`); False if there is none yet (a fresh
+        run) or every bounded attempt failed."""
+        received = self.syncer.sync(self.state, attempts)
+        if received is None:
+            return False
+        self._bytes_in += received
+        self.load_anchor_into_model()
+        self.phase.just_synced = True
+        return True
 
     def save_if_due(self) -> None:
         """Save when ``checkpoint_every_s`` has passed (a 1B model's checkpoint is over 20 GB); exits always save."""
@@ -223,11 +182,10 @@ class ReplicaBase(ABC):
         """Resume, sync or start fresh; returns which, for the log."""
         resumed = self.resume()
         self.records.protect(self.state.round)
-        checks = [c for c in self.records.latest_checks() if c.peer != self.me]
-        if not checks:
+        current = self.syncer.current(self.state)
+        if current is None:
             return "resumed from checkpoint" if resumed else "fresh start"
-        latest = max(c.round for c in checks)
-        if resumed and self.state.round == latest + 1 and self.agreement.agrees(checks, self._my_checks(latest)):
+        if resumed and current:
             self.load_anchor_into_model()
             return "resumed from checkpoint (current)"
         # joining a run under way: its first trained phase must end soon after the others' (it catches up), and a
@@ -298,78 +256,13 @@ class ReplicaBase(ABC):
         if not self.overlapping:
             self._bytes_in = 0  # under overlap the exchange in flight still counts; it takes a difference instead
         t0 = time.perf_counter()
-        steps, tokens = self._inner_phase(r)
+        steps, tokens = self.phase.run(r)
         stats.compute_s = time.perf_counter() - t0
         return stats, steps, tokens, served_before
 
-    def _inner_phase(self, r: int) -> tuple[int, int]:
-        """Up to H inner steps from the anchor, cut short when round r closes without us; (steps, tokens).
-
-        Right after a state sync (a joiner, a restart that found the swarm moved on, a peer that fell out of sync)
-        a round whose contributions others are already announcing is sat out: no steps, weight 0, as a newcomer
-        takes part. Training for it would finish after it closes, and applying its result that late would leave
-        us behind for the next round too; taking the result at once starts the next round with everybody, so the
-        peer contributes from its second round on.
-
-        Under overlap "everybody" started that next phase earlier: each replica starts it as soon as it has
-        announced the round we sat out, so we begin it up to a phase behind them, and a late start is never made
-        up (nothing re-aligns phases under overlap). So the phase after a sit-out catches up: it ends, after at
-        least one step, as soon as others announce it, and contributes the steps it made (measured before: a
-        restarted peer was left out of that round too, and of the next). The same holds after a round that
-        closed without our (late) contribution: the phase under way started at that late notice, so the exchange
-        thread marks it (``catch_up_round``) and it ends once others announce it, instead of staying a constant
-        offset behind them round after round.
-        """
-        if self._just_synced:
-            self._just_synced = False
-            if self.round_started(r):
-                logger.info("round %d is already being announced by others: taking its result with weight 0 and "
-                            "starting the next round with them", r)
-                if self.cfg.overlap != "none":
-                    self.catch_up_round = r + 1
-                return 0, 0
-        return self._train_phase(r)
-
-    def _train_phase(self, r: int) -> tuple[int, int]:
-        """The inner steps of round r: H AdamW steps of the local trainer (a stage peer's are its swarm's). When
-        ``catch_up_round`` is r, set before the phase or by the exchange while it runs, the phase ends after at
-        least one step once others announce round r (see :meth:`_inner_phase`)."""
-        tokens0 = self.trainer.tokens
-        steps, last_check = 0, 0.0
-        for _ in range(self.cfg.inner_steps):
-            if self.stop.is_set():
-                break
-            if time.perf_counter() - last_check > PHASE_CHECK_S:
-                # what the phase's poller last read plus what was pushed: a step never waits on a DHT lookup
-                last_check = time.perf_counter()
-                if self.round_closed(r, wait=False):
-                    break  # the round closed without us: stop computing and take its result
-                if self.catch_up_round == r and steps and self.round_started(r, wait=False):
-                    logger.info("round %d: others are announcing it; contributing the %d steps made since catching "
-                                "up", r, steps)
-                    break
-            try:
-                self.trainer.train_step()
-            except FloatingPointError as exc:
-                self._roll_back(r, exc)
-                return 0, 0
-            steps += 1
-            self.faults.inner_step(r, steps)
-            self._between_steps()
-        return steps, self.trainer.tokens - tokens0
-
-    def _between_steps(self) -> None:
-        """Called after each inner step on the main thread (an overlapped exchange lands its result here)."""
-
-    def _roll_back(self, r: int, exc: FloatingPointError) -> None:
-        """The inner loss stopped being finite: go back to the round's global parameters with a fresh inner
-        optimizer, and sit this round out (weight 0) instead of exiting. The global parameters passed the round
-        guard, so a peer's own bad luck (or a bad batch) costs it one round, never the run."""
-        logger.warning("round %d: %s; rolling back to the round's global parameters with fresh AdamW moments and "
-                       "sitting this round out", r, exc)
-        self.trainer.optimizer.state.clear()
-        self.trainer.load_params(self.phase_base())
-        self.rollbacks += 1
+    def _after_step(self, r: int, step: int) -> None:
+        """After each inner step, on the main thread (an overlapped exchange lands its result here)."""
+        self.faults.inner_step(r, step)
 
     @abstractmethod
     def round_closed(self, r: int, wait: bool = True) -> bool:
@@ -383,9 +276,3 @@ class ReplicaBase(ABC):
 
     def bytes_served(self) -> int:
         return self.transport.bytes_served
-
-    def _verify(self, r: int, members: Mapping[str, AbstractSet[int] | None], mine: ShardChecks) -> bool:
-        """Compare our state after round r with the other members' (peer -> the shards it contributed, None: all),
-        waiting until the verdict is settled or ``checks_wait_s`` passed (:mod:`hlbp.peer.rounds.verify`)."""
-        checks = wait_for_checks(self.records, r, members, mine)
-        return self.agreement.agrees([c for c in checks if c.peer != self.me], mine)

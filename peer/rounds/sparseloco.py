@@ -120,7 +120,8 @@ class RoundRunner(ReplicaBase):
             return self.overlapped.base
         return self.state.anchor
 
-    def _between_steps(self) -> None:
+    def _after_step(self, r: int, step: int) -> None:
+        super()._after_step(r, step)
         if self.overlapped is not None:
             self.overlapped.land()
 
@@ -210,20 +211,20 @@ class RoundRunner(ReplicaBase):
             for s, c in mine.items():
                 self.state.outers[s].withdraw(c)  # left out, or the round refused: it stays in the error-feedback buffer
             if self.overlapping and accepted is not None:
-                # the phase under way started at our notice, which came too late: it catches up (loop._inner_phase)
-                self.catch_up_round = max(self.catch_up_round, r + 1)
+                # the phase under way started at our notice, which came too late: it catches up (InnerPhase.run)
+                self.phase.catch_up_round = max(self.phase.catch_up_round, r + 1)
         self.load_anchor_into_model()
         if self.overlapped is not None and self.state.in_sync:
             self.overlapped.preview(r, final=True)  # the phase under way can land the result before it is verified
-        checks = self._my_checks(r)
+        checks = self.syncer.checks(self.state, r)
         stats.checksums = checks.checksums
         t4 = time.perf_counter()
         stats.phases["apply"] = t4 - t3
         if accepted is not None and self.state.in_sync:
             self.faults.applied(r)
-            self._publish_state(checks, {p for p, _t, _d in accepted.members})
+            self.syncer.publish(self.state, checks, {p for p, _t, _d in accepted.members})
             t5 = time.perf_counter()
-            self.state.in_sync = self._verify(r, {p: set(d) for p, _t, d in accepted.members}, checks)
+            self.state.in_sync = self.syncer.verify(r, {p: set(d) for p, _t, d in accepted.members}, checks)
             if self.state.in_sync:
                 self.check_followed(r)
             stats.phases.update(publish=t5 - t4, verify=time.perf_counter() - t5)
@@ -235,7 +236,7 @@ class RoundRunner(ReplicaBase):
             stats.synced = self.sync()
             if stats.synced:  # report the state we now hold, not the one we discarded
                 stats.state_round = self.state.round - 1
-                checks = self._my_checks(stats.state_round)
+                checks = self.syncer.checks(self.state, stats.state_round)
                 stats.checksums = checks.checksums
         stats.in_sync = self.state.in_sync
         stats.comm_s = time.perf_counter() - t3

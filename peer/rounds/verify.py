@@ -1,4 +1,7 @@
-"""How long a peer waits for the other members' checksums after a round (the verification step).
+"""After a round: publish our state, check it against the other members' (the verification step), and load the
+agreed state from peers when ours is not it (state sync). :class:`StateSync` does these for one round loop.
+
+How long a peer waits for the other members' checksums:
 
 A member that left or died after its contribution was accepted never publishes its checksums; waiting the whole
 ``checks_wait_s`` for it cost every survivor that long (rounds of 12 s instead of 2.5 s under chaos). The wait
@@ -12,16 +15,26 @@ their checksums to each other (:mod:`hlbp.peer.rounds.inbox`), so the wait usual
 
 from __future__ import annotations
 
+import logging
+import random
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from typing import Any
 
+from hlbp.peer.net.transport import TransportError
+from hlbp.peer.rounds.agreement import Agreement
+from hlbp.peer.rounds.config import RoundConfig
+from hlbp.peer.rounds.outer import OuterConfig, make_outer
 from hlbp.peer.rounds.records import RoundRecords
 from hlbp.peer.rounds.rules import checks_settled
+from hlbp.peer.rounds.state import ReplicaState
+from hlbp.peer.rounds.statesync import encode_state, fetch_state, shard_checksum, state_name
 from hlbp.protocol import ProtocolError
 from hlbp.protocol.records import decode_announcement, peers_key
-from hlbp.protocol.roundrecords import ShardChecks, checks_key, parse_checks
+from hlbp.protocol.roundrecords import KIND_CHECKS, ShardChecks, checks_key, parse_checks
+
+logger = logging.getLogger(__name__)
 
 
 def online_members(entries: Mapping[Any, Any], run_id: str, now: float, me: str,
@@ -61,3 +74,81 @@ def wait_for_checks(records: RoundRecords, r: int, members: Mapping[str, Abstrac
                 or records.stop.is_set()):
             return checks
         records.inbox.wait(cfg.poll_s)  # wakes at once for a pushed record or a finished DHT read
+
+
+class StateSync:
+    """Our state after each round, published and checked against the members', and the agreed state loaded from
+    peers (see the module docstring). ``held``: the shards we vouch for; ``agreement``: how the run tells the
+    agreed state (:mod:`hlbp.peer.rounds.agreement`)."""
+
+    def __init__(self, me: str, shards: Sequence[Sequence[str]], held: Sequence[int],
+                 shapes: Sequence[Mapping[str, tuple[int, ...]]], cfg: RoundConfig, outer_cfg: OuterConfig,
+                 transport: Any, records: RoundRecords, agreement: Agreement) -> None:
+        self.me, self.shards, self.held, self.shapes = me, shards, held, shapes
+        self.cfg, self.outer_cfg, self.transport, self.records = cfg, outer_cfg, transport, records
+        self.agreement = agreement
+
+    def checks(self, state: ReplicaState, r: int) -> ShardChecks:
+        """Our checksums (and fingerprints) of the held shards, as after round r."""
+        sums = {s: shard_checksum(state.anchor, self.shards[s], state.outers[s].state_tensors()) for s in self.held}
+        return ShardChecks(self.me, r, sums, self.agreement.fingerprints(state.anchor, self.shards))
+
+    def publish(self, state: ReplicaState, mine: ShardChecks, to: AbstractSet[str] = frozenset()) -> None:
+        """Serve our state after round ``mine.round`` and publish its checksums (and fingerprints), pushed to
+        the round's members ``to`` as well as the live peers."""
+        r = mine.round
+        for s in self.held:
+            self.transport.put(state_name(r, s), encode_state(state.anchor, self.shards[s],
+                                                              state.outers[s].state_tensors()))
+        self.transport.drop([state_name(r - 2, s) for s in self.held])
+        self.records.store(checks_key(self.cfg.run_id), mine.to_body(self.cfg.run_id), KIND_CHECKS, to)
+
+    def verify(self, r: int, members: Mapping[str, AbstractSet[int] | None], mine: ShardChecks) -> bool:
+        """Compare our state after round r with the other members' (peer -> the shards it contributed, None: all),
+        waiting until the verdict is settled or ``checks_wait_s`` passed."""
+        checks = wait_for_checks(self.records, r, members, mine)
+        return self.agreement.agrees([c for c in checks if c.peer != self.me], mine)
+
+    def current(self, state: ReplicaState) -> bool | None:
+        """Whether a resumed ``state`` is the agreed one of the latest round others published (None: nobody
+        published any, so there is nothing to compare with)."""
+        checks = [c for c in self.records.latest_checks() if c.peer != self.me]
+        if not checks:
+            return None
+        latest = max(c.round for c in checks)
+        return state.round == latest + 1 and self.agreement.agrees(checks, self.checks(state, latest))
+
+    def sync(self, state: ReplicaState, attempts: int = 3) -> int | None:
+        """Load the newest agreed state of the held shards from peers into ``state``, in parallel from different
+        donors, verified by checksum; then serve it and push its checksums to the peers whose records we read
+        (they count us live and push us the next rounds' records, so a joiner's first trained phase hears of the
+        others' notices at once instead of by polling the DHT). Returns the bytes fetched, or None when no agreed
+        state exists yet (a fresh run: ``state`` is then as good as any, and in sync) or every attempt failed."""
+        for _attempt in range(attempts):
+            checks = [c for c in self.records.latest_checks() if c.peer != self.me]
+            if not checks:
+                state.in_sync = True  # every peer failed the same round: ours is as good as any
+                return None
+            latest = max(c.round for c in checks)
+            agreed = self.agreement.agreed(checks, latest, self.held, len(self.shards))
+            if agreed is None or not agreed[0]:
+                return None
+            donors, expect = agreed
+            random.Random(f"{self.me}|{latest}").shuffle(donors)
+            try:
+                states, n_bytes = fetch_state(self.transport, donors, latest, {s: self.shapes[s] for s in self.held},
+                                              expect, self.cfg.max_payload_bytes, self.cfg.fetch_timeout_s,
+                                              self.cfg.fetch_workers)
+            except TransportError as exc:
+                logger.warning("state sync for round %d failed (%s); retrying", latest, exc)
+                continue
+            for s, shard in states.items():
+                state.anchor.update({n: t.clone() for n, t in shard.params.items()})
+                fresh = make_outer(self.outer_cfg)
+                fresh.load_state(shard.outer)
+                state.outers[s] = fresh  # a synced peer starts with an empty error-feedback buffer
+            state.round, state.in_sync, state.last_guard_loss = latest + 1, True, None
+            logger.info("synced state of round %d from %d donors", latest, len(donors))
+            self.publish(state, self.checks(state, latest), {c.peer for c in checks})
+            return n_bytes
+        return None

@@ -161,7 +161,7 @@ def test_follower_applies_the_followed_shard_bit_for_bit_as_a_holder(round_setup
         assert shard_checksum(holder.state.anchor, SHARDS[shard]) == shard_checksum(follower.state.anchor, SHARDS[shard])
     assert not _same(before, follower.state.anchor, SHARDS[0])  # the round moved the followed shard
     # it follows, it does not hold: its checks name shard 1 alone, so it never vouches for shard 0
-    assert set(follower._my_checks(ROUND).checksums) == {1}
+    assert set(follower.syncer.checks(follower.state, ROUND).checksums) == {1}
     # and it loads only its own stage into its model
     assert set(dict(follower.trainer.model.named_parameters())) == set(SHARDS[1])
 

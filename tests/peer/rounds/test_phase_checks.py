@@ -54,7 +54,7 @@ class _LateExchange(FaultHook):
         if round_ == self.r and step == self.at and self.replica is not None:
             self.replica.others_announced = True
             if self.mark:
-                self.replica.catch_up_round = round_
+                self.replica.phase.catch_up_round = round_
 
 
 def _batches(step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -78,7 +78,7 @@ def _replica(hook: _LateExchange) -> _Replica:
 def test_a_phase_marked_late_while_it_runs_ends_once_others_announce_it() -> None:
     hook = _LateExchange(r=5, at=3, mark=True)
     replica = _replica(hook)
-    steps, tokens = replica._inner_phase(5)
+    steps, tokens = replica.phase.run(5)
     assert 3 <= steps < STEPS and tokens == 8 * steps  # it contributes the steps it made, and no more
     assert replica.waits and not any(replica.waits)  # every look-up answered from the last poll and the pushes
 
@@ -86,7 +86,7 @@ def test_a_phase_marked_late_while_it_runs_ends_once_others_announce_it() -> Non
 def test_an_unmarked_phase_runs_all_its_steps_although_others_announced() -> None:
     # a replica on time keeps training past others' notices: the collection window is there for it
     replica = _replica(_LateExchange(r=5, at=3, mark=False))
-    steps, _tokens = replica._inner_phase(5)
+    steps, _tokens = replica.phase.run(5)
     assert steps == STEPS
     assert not any(replica.waits)
 
@@ -94,8 +94,8 @@ def test_an_unmarked_phase_runs_all_its_steps_although_others_announced() -> Non
 def test_a_mark_for_another_round_does_not_cut_this_phase() -> None:
     hook = _LateExchange(r=5, at=3, mark=False)
     replica = _replica(hook)
-    replica.catch_up_round = 4  # a phase already past
-    assert replica._inner_phase(5)[0] == STEPS
+    replica.phase.catch_up_round = 4  # a phase already past
+    assert replica.phase.run(5)[0] == STEPS
 
 
 def test_a_peer_that_pushes_its_checksums_is_pushed_our_next_records() -> None:

@@ -39,9 +39,9 @@ def test_a_non_finite_inner_loss_rolls_back_instead_of_exiting() -> None:
     replica = _Replica(None, Identity.generate(), None, trainer, OuterConfig(), [names],  # type: ignore[arg-type]
                        RoundConfig(run_id="t", inner_steps=50), threading.Event())
     anchor = {n: t.clone() for n, t in replica.state.anchor.items()}
-    steps, tokens = replica._inner_phase(0)
+    steps, tokens = replica.phase.run(0)
     assert (steps, tokens) == (0, 0)  # the round is sat out: nothing to contribute
-    assert replica.rollbacks == 1
+    assert replica.phase.rollbacks == 1
     for n, p in model.named_parameters():
         assert torch.equal(p.detach(), anchor[n]), n  # back at the round's global parameters
     assert not trainer.optimizer.state  # fresh AdamW moments
