@@ -1,13 +1,14 @@
 """hlbp.protocol: bytes on the wire. Pure schemas, codecs and validation; no network, no global state."""
 
 from hlbp.protocol.envelope import EnvelopeHeader, body_digest, pack, unpack
-from hlbp.protocol.errors import ProtocolError
+from hlbp.protocol.errors import ProtocolError, RecordExpired
 from hlbp.protocol.shard import ShardLimits, decode_shard, decode_shard_sparse, encode_shard, packed12_size
 from hlbp.protocol.sparse import SparseTensor, chunk_layout, compress, decompress, payload_bits_formula
 
 __all__ = [
     "EnvelopeHeader",
     "ProtocolError",
+    "RecordExpired",
     "ShardLimits",
     "SparseTensor",
     "body_digest",

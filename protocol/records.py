@@ -24,7 +24,7 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar
 
-from hlbp.protocol.errors import ProtocolError
+from hlbp.protocol.errors import ProtocolError, RecordExpired
 from hlbp.protocol.fields import _bool, _float, _int, _opt_int, _str, _str_list
 from hlbp.protocol.identity import Identity, open_envelope, public_key_from_peer_id, seal
 from hlbp.protocol.sparse import SMALL_TENSOR_RULES
@@ -488,11 +488,11 @@ def encode_announcement(announcement: Announcement, identity: Identity) -> bytes
 
 def decode_announcement(data: Any, *, now: float, signer: str | None = None,
                         run_id: str | None = None) -> SignedAnnouncement:
-    """Verify and parse an announcement; expired, future-dated or other-run records raise ProtocolError."""
+    """Verify and parse an announcement; expired records raise RecordExpired, other bad ones ProtocolError."""
     env = open_envelope(data, KIND_ANNOUNCEMENT, max_bytes=MAX_ANNOUNCEMENT_BYTES, signer=signer)
     ann = Announcement.from_body(env.body)
     if ann.expires_at < now:
-        raise ProtocolError(f"the record of {env.signer[:60]} expired {now - ann.expires_at:.0f} s ago")
+        raise RecordExpired(f"the record of {env.signer[:60]} expired {now - ann.expires_at:.0f} s ago")
     if ann.issued_at > now + MAX_CLOCK_SKEW_S:
         raise ProtocolError(f"the record of {env.signer[:60]} is dated {ann.issued_at - now:.0f} s in the future")
     if run_id is not None and ann.run_id != run_id:

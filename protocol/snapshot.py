@@ -20,7 +20,7 @@ from typing import Any
 
 import msgpack
 
-from hlbp.protocol.errors import ProtocolError
+from hlbp.protocol.errors import ProtocolError, RecordExpired
 from hlbp.protocol.records import (
     _RUN_ID_RE,
     MAX_ANNOUNCEMENT_BYTES,
@@ -217,9 +217,10 @@ def verify_snapshot(snap: Snapshot, anchors: set[str], explicit: bool, now: floa
     for peer_id, data in snap.peers.items():
         try:
             announcements[peer_id] = decode_announcement(data, now=now, signer=peer_id)
+        except RecordExpired:
+            continue  # expiry is the normal end of a record, not a rejection
         except ProtocolError as exc:
-            if "expired" not in str(exc):
-                rejected.append(Rejected("announcement", peer_id, str(exc)))
+            rejected.append(Rejected("announcement", peer_id, str(exc)))
     trusted = set(anchors)
     if not explicit:
         trusted |= {announcements[a].announcement.manifest_signer for a in anchors if a in announcements}

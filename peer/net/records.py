@@ -20,7 +20,7 @@ from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.utils import MSGPackSerializer, get_dht_time
 
 from hlbp.peer.common.errors import UserInputError
-from hlbp.protocol import ProtocolError
+from hlbp.protocol import ProtocolError, RecordExpired
 from hlbp.protocol.identity import Identity, open_envelope
 from hlbp.protocol.records import (
     KIND_ANNOUNCEMENT,
@@ -208,8 +208,8 @@ class RecordReader:
                 if not isinstance(subkey, str):
                     raise ProtocolError("subkey is not a peer id")
                 out[subkey] = decode_announcement(value, now=now, signer=subkey, run_id=run_id)
+            except RecordExpired:
+                continue  # expiry is the normal end of a record, not an attack
             except ProtocolError as exc:
-                if "expired" in str(exc):
-                    continue  # expiry is the normal end of a record, not an attack
                 self.log_once(_entry_key(subkey, value), logging.WARNING, "ignoring a peer record: %s", exc)
         return out

@@ -7,7 +7,7 @@ from dataclasses import replace
 import msgpack
 import pytest
 
-from hlbp.protocol import ProtocolError
+from hlbp.protocol import ProtocolError, RecordExpired
 from hlbp.protocol.frames import decode_header, encode_header, header_length, parse_body_size, parse_request
 from hlbp.protocol.identity import (
     Identity,
@@ -143,10 +143,11 @@ def test_unsigned_malformed_and_oversized_are_refused():
 def test_expired_future_and_other_run_records_are_refused():
     ident = _identity(9)
     data = encode_announcement(_announcement(), ident)
-    with pytest.raises(ProtocolError, match="expired"):
+    with pytest.raises(RecordExpired, match="expired"):
         decode_announcement(data, now=NOW + 61)
-    with pytest.raises(ProtocolError, match="future"):
+    with pytest.raises(ProtocolError, match="future") as future:
         decode_announcement(data, now=NOW - 1000)
+    assert not isinstance(future.value, RecordExpired)  # only expiry is the quiet, typed end of a record
     with pytest.raises(ProtocolError, match="belongs to run"):
         decode_announcement(data, now=NOW, run_id="other")
     too_long = encode_announcement(_announcement(expires_at=NOW + 10 * 3600), ident)

@@ -82,14 +82,14 @@ def test_validator_protects_the_manifest_and_merges_run_keys():
 
 
 def test_reader_skips_bad_entries_logs_once_and_keeps_offline_peers(caplog):
-    a, b, c = Identity.generate(), Identity.generate(), Identity.generate()
+    a, b, c, d = Identity.generate(), Identity.generate(), Identity.generate(), Identity.generate()
     now = dht_time()
     entries = {
         a.peer_id: encode_announcement(_ann(now), a),
         b.peer_id: encode_announcement(_ann(now, online=False), b),
         c.peer_id: encode_announcement(_ann(now), a),  # signed by a, stored under c
         "junk": b"junk",
-        "expired": encode_announcement(_ann(now - 100), c),
+        d.peer_id: encode_announcement(_ann(now - 100), d),  # well signed, expired: dropped quietly
         "other-run": encode_announcement(_ann(now, run_id="q"), c),
     }
     reader = RecordReader()
