@@ -18,10 +18,10 @@ from typing import Any
 
 import typer
 from rich.console import Console
-from rich.table import Table
 
 from hlbp.cli.light_cmds import fetch
 from hlbp.cli.options import bind, make_console, opt, run_app
+from hlbp.cli.status_view import status_table
 from hlbp.peer.common.errors import UserInputError
 
 err_console = make_console()
@@ -284,7 +284,8 @@ def status(
     if not peers_list:
         raise UserInputError("pass --initial-peers (or HLBP_INITIAL_PEERS): the multiaddr of any peer of the run")
     if light:
-        from hlbp.cli.light_cmds import light_report, print_light_report
+        from hlbp.cli.light_cmds import print_light_report
+        from hlbp.peer.node.status import light_report
 
         report = light_report(peers_list, _split(manifest_signer), show_offline, connect_timeout)
         if as_json:
@@ -297,6 +298,7 @@ def status(
     from hlbp.peer.light.trust import trusted_signers
     from hlbp.peer.net.control import ControlPlane, NetworkConfig
     from hlbp.peer.net.records import dht_time
+    from hlbp.peer.node.status import read_round_checks, status_report
 
     # A client-mode node on loopback: status only dials out, so it opens no port to the outside.
     net = NetworkConfig(initial_peers=peers_list, host_maddrs=["/ip4/127.0.0.1/tcp/0"], client_mode=True,
@@ -317,76 +319,6 @@ def status(
         return
     # Piped output (grep, less, a log) is not wrapped by a terminal, so give the table room instead of eliding.
     Console(width=None if sys.stdout.isatty() else 160).print(status_table(report))
-
-
-def read_round_checks(dht: Any, run_id: str) -> list[Any]:
-    """Every replica's last published round state (signed ``checks`` records); unverifiable ones are skipped."""
-    from hlbp.protocol import ProtocolError
-    from hlbp.protocol.roundrecords import checks_key, parse_checks
-
-    found = dht.get(checks_key(run_id), latest=True)
-    if found is None or not isinstance(found.value, dict):
-        return []
-    out = []
-    for subkey, item in found.value.items():
-        try:
-            out.append(parse_checks(getattr(item, "value", item), str(subkey), run_id))
-        except ProtocolError:
-            continue  # a forged or stale-format record says nothing about the run
-    return out
-
-
-def status_report(signed: Any, records: dict[str, Any], now: float, show_offline: bool,
-                  checks: list[Any] = ()) -> dict[str, Any]:
-    """The JSON shape of ``hlbp status --json``: the run, its newest round, then one entry per peer sorted by role,
-    swarm, stage (replicas with the last round they finished and whether their state is the agreed one)."""
-    from hlbp.peer.rounds.rules import round_standing
-
-    m = signed.manifest
-    standing = round_standing(checks)
-    peers = []
-    for peer_id, rec in records.items():
-        a = rec.announcement
-        if not a.online and not show_offline:
-            continue
-        peers.append({
-            "peer_id": peer_id, "role": a.role, "swarm": a.swarm, "stage": a.stage, "online": a.online,
-            "throughput": a.throughput, "bandwidth": a.bandwidth, "memory_gb": a.memory_gb, "software": a.software,
-            "protocol": a.protocol_version, "reachability": a.reachability, "seq": a.seq,
-            "last_seen_s": round(max(0.0, now - a.issued_at), 1), "expires_in_s": round(a.expires_at - now, 1),
-            "record_bytes": rec.size, "maddrs": list(a.maddrs),
-            "manifest_current": a.manifest_signer == signed.signer and a.manifest_digest == signed.digest,
-            "round": standing.get(peer_id, {}).get("round"), "agrees": standing.get(peer_id, {}).get("agrees"),
-        })
-    order = {"bootstrap": 0, "replica": 1, "stage": 2}
-    peers.sort(key=lambda p: (order.get(p["role"], 9), p["swarm"] or 0, p["stage"] or 0, p["peer_id"]))
-    return {
-        "run_id": m.run_id, "model": m.model, "stages": [list(s) for s in m.stages], "signer": signed.signer,
-        "manifest_digest": signed.digest, "protocol": m.protocol_version, "outer": m.hparams.outer,
-        "round": max((c.round for c in checks), default=None),
-        "replicas_agreeing": sum(1 for v in standing.values() if v["agrees"]), "peers": peers,
-    }
-
-
-def status_table(report: dict[str, Any]) -> Table:
-    """The human view of :func:`status_report`: one row per peer, narrow enough for an 80-column terminal."""
-    rounds = ("no round finished yet" if report.get("round") is None else
-              f"round {report['round']}: {report['replicas_agreeing']} replicas agree")
-    table = Table(title=f"run {report['run_id']}: {report['model']}, {len(report['stages'])} stages, "
-                        f"{len(report['peers'])} peers, {report.get('outer', 'sparseloco')}; {rounds}",
-                  box=None, pad_edge=False)
-    for column in ("peer", "role", "where", "state", "round", "tok/s", "MB/s", "GB", "version", "reach", "seen"):
-        table.add_column(column, justify="right" if column in ("tok/s", "MB/s", "GB", "seen") else "left")
-    for p in report["peers"]:
-        where = f"m{p['swarm']} s{p['stage']}" if p["role"] == "stage" else ""
-        rnd = "" if p.get("round") is None else f"{p['round']}" + ("" if p["agrees"] else " (out)")
-        table.add_row(
-            p["peer_id"][-8:], p["role"], where, "online" if p["online"] else "offline", rnd,
-            f"{p['throughput']:,.0f}",
-            f"{p['bandwidth'] / 1e6:,.0f}", f"{p['memory_gb']:.0f}", f"{p['software']}/p{p['protocol']}",
-            p["reachability"], f"{p['last_seen_s']:.0f}s",
-        )
-    return table
 
 
 def register(app: typer.Typer, faults: Any = None) -> None:

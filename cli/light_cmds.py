@@ -18,6 +18,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from hlbp.cli.options import opt
+from hlbp.cli.status_view import status_table
 from hlbp.peer.common.errors import UserInputError
 
 _INITIAL_PEERS_HELP = "Multiaddrs of running peers, with /p2p/<peer id> (the line `hlbp bootstrap` printed)."
@@ -27,34 +28,8 @@ def _split(values: list[str] | None) -> list[str]:
     return [part for value in values or [] for part in value.replace(",", " ").split()]
 
 
-def light_report(initial_peers: list[str], manifest_signers: list[str], show_offline: bool,
-                 timeout_s: float) -> dict[str, Any]:
-    """The ``hlbp status --json`` report, from one peer's verified snapshot instead of the DHT, plus what only a
-    snapshot shows: where it came from, the newest round's accepted sets, the run's artifacts, and every record
-    that was rejected."""
-    from hlbp.cli.control_cmds import status_report
-    from hlbp.peer.light.watch import read_run
-
-    started = time.perf_counter()
-    run = read_run(initial_peers, manifest_signers, timeout_s)
-    view = run.view
-    now = time.time()
-    report = status_report(view.manifest, view.peers, now, show_offline, view.checks)
-    report.update({
-        "light": True, "source": run.source, "served_at": run.snapshot.served_at,
-        "snapshot_bytes": run.fetched.size, "seconds": round(time.perf_counter() - started, 3),
-        "artifacts": [{"name": a.name, "sha256": a.sha256, "size": a.size} for a in view.manifest.manifest.artifacts],
-        "accepted": [{"round": s.round, "coordinator": s.coordinator, "members": s.senders(),
-                      "banned": [list(b) for b in s.banned]} for s in view.accepted],
-        "rejected": [{"kind": r.kind, "author": r.author, "reason": r.reason} for r in view.rejected],
-    })
-    return report
-
-
 def print_light_report(report: dict[str, Any]) -> None:
     """The table of ``hlbp status``, then the accepted sets, the rejected records and where the data came from."""
-    from hlbp.cli.control_cmds import status_table
-
     console = Console(width=None if sys.stdout.isatty() else 160)
     console.print(status_table(report))
     for s in report["accepted"]:
