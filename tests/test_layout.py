@@ -1,4 +1,5 @@
-"""The package layout that ARCHITECTURE.md ("Layout") promises: imports point one way, modules stay small.
+"""The package layout that ARCHITECTURE.md ("Layout") promises: imports point one way, no module imports itself
+back through others, modules stay small.
 
 Parses every module with ``ast`` (nothing is imported), so a wrong edge fails here with its file and line
 instead of surfacing later as an import cycle.
@@ -53,6 +54,55 @@ def _imports(path: Path) -> list[tuple[int, str]]:
     return [(line, name) for line, name in found if name == "hlbp" or name.startswith("hlbp.")]
 
 
+def _imported_modules(path: Path, known: set[str]) -> set[str]:
+    """The hlbp modules a file imports, at any depth: ``from pkg import name`` counts as ``pkg.name`` where that is
+    a module, else as ``pkg``; names that are no module of the tree (third-party, missing) are left out."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            for alias in node.names:
+                sub = f"{node.module}.{alias.name}"
+                found.add(sub if sub in known else node.module)
+        elif isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+    return found & known
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of ``graph`` with more than one module (Tarjan): every import cycle."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in sorted(graph.get(node, ())):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                out.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return sorted(out)
+
+
 def _violation(importer: str, imported: str) -> str | None:
     """Why ``importer`` may not import ``imported``, or None if it may."""
     if importer.startswith("hlbp.protocol"):
@@ -86,6 +136,24 @@ def test_imports_point_downward() -> None:
             if why:
                 bad.append(f"{path.relative_to(ROOT)}:{line} imports {imported}: {why}")
     assert not bad, "\n".join(bad)
+
+
+def test_no_import_cycles() -> None:
+    modules = _modules()
+    known = {name for _path, name in modules}
+    graph = {name: _imported_modules(path, known) - {name} for path, name in modules}
+    cycles = _cycles(graph)
+    assert not cycles, "modules that import each other (directly or through others):\n" + "\n".join(
+        " <-> ".join(cycle) for cycle in cycles)
+
+
+@pytest.mark.parametrize(("graph", "cycles"), [
+    ({"a": {"b"}, "b": {"c"}, "c": set()}, []),
+    ({"a": {"b"}, "b": {"a"}, "c": {"a"}}, [["a", "b"]]),
+    ({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"e"}, "e": {"d"}}, [["a", "b", "c"], ["d", "e"]]),
+])
+def test_the_cycle_finder_itself(graph: dict[str, set[str]], cycles: list[list[str]]) -> None:
+    assert _cycles(graph) == cycles
 
 
 @pytest.mark.parametrize(("importer", "imported", "allowed"), [
