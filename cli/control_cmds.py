@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import signal
 import sys
 import threading
 from pathlib import Path
@@ -23,6 +22,7 @@ from hlbp.cli.light_cmds import fetch
 from hlbp.cli.options import bind, make_console, opt, run_app
 from hlbp.cli.status_view import status_table
 from hlbp.peer.common.errors import UserInputError
+from hlbp.peer.common.signals import stop_on_signals
 
 err_console = make_console()
 
@@ -51,27 +51,6 @@ def _setup_logging() -> None:
 def _echo(line: str) -> None:
     # Plain prints (not rich) so that addresses and the join command paste cleanly, even when piped.
     print(line, flush=True)
-
-
-def _stop_on_signals(stop: threading.Event, interrupt: threading.Event | None = None) -> None:
-    """SIGTERM and SIGINT set ``stop``; while ``interrupt`` is set they also raise KeyboardInterrupt in the main
-    thread, to cut short work (local training) that does not poll ``stop``."""
-
-    main_pid = os.getpid()
-
-    def handler(signum: int, _frame: Any) -> None:
-        if os.getpid() != main_pid:
-            # A forked child (hivemind's DHT process) inherits this handler; it must die as it would by default,
-            # or a terminate() from the parent would be ignored and the parent would wait for it forever.
-            signal.signal(signum, signal.SIG_DFL)
-            os.kill(os.getpid(), signum)
-            return
-        stop.set()
-        if interrupt is not None and interrupt.is_set():
-            raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, handler)
-    signal.signal(signal.SIGINT, handler)
 
 
 def bootstrap(
@@ -113,7 +92,7 @@ def bootstrap(
         cache_dir=cache_dir, ttl=ttl, outer=outer,
     )
     stop = threading.Event()
-    _stop_on_signals(stop)
+    stop_on_signals(stop)
     run_bootstrap(cfg, _echo, stop)
 
 
@@ -212,7 +191,7 @@ def join(
         train=train, max_steps=max_steps, out_dir=out_dir,
     )
     stop, training = threading.Event(), threading.Event()
-    _stop_on_signals(stop, training)
+    stop_on_signals(stop, training)
     peer = do_join(cfg, _echo)
     try:
         out = Path(out_dir) / peer.manifest.manifest.run_id / peer.plane.peer_id[-12:]
