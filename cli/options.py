@@ -5,12 +5,21 @@ from __future__ import annotations
 import functools
 import inspect
 import sys
+import typing
 from collections.abc import Callable
-from typing import Any
+from dataclasses import field, fields
+from typing import Any, TypeVar
 
 import typer
 from rich.console import Console
 from rich.markup import escape
+
+F = TypeVar("F")
+
+
+def split_values(values: list[str] | None) -> list[str]:
+    """Flags may repeat, and each value (or HLBP_* variable) may hold several addresses split by commas or spaces."""
+    return [part for value in values or [] for part in value.replace(",", " ").split()]
 
 
 def make_console(stderr: bool = True) -> Console:
@@ -25,18 +34,48 @@ def opt(default: Any, *flags: str, env: str, help: str, **kwargs: Any) -> Any:
     return typer.Option(default, *flags, envvar=f"HLBP_{env}", show_envvar=True, help=help, **kwargs)
 
 
-def bind(command: Callable[..., Any], **fixed: Any) -> Callable[..., Any]:
-    """``command`` with ``fixed`` keyword arguments bound and hidden from typer, which builds flags from the
-    signature: what a caller passes in code (a test's fault hook) never becomes a command-line flag."""
+def flag(default: Any, *flags: str, env: str, help: str, **kwargs: Any) -> Any:
+    """A field of a flags dataclass (see :func:`flags_command`): its default, and the typer option of :func:`opt`
+    that sets it from the command line or ``HLBP_<env>``."""
+    option = opt(default, *flags, env=env, help=help, **kwargs)
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata={"option": option})
+    return field(default=default, metadata={"option": option})
 
-    @functools.wraps(command)
-    def bound(*args: Any, **kwargs: Any) -> Any:
-        return command(*args, **kwargs, **fixed)
 
-    sig = inspect.signature(command)
-    bound.__signature__ = sig.replace(  # type: ignore[attr-defined]
-        parameters=[p for name, p in sig.parameters.items() if name not in fixed])
-    return bound
+def flags_command(flags: type[F]) -> Callable[[Callable[[F], None]], Callable[..., None]]:
+    """Turn ``run(values: F)`` into a typer command whose flags are the fields of the dataclass ``F``.
+
+    The flags are declared once, as fields made with :func:`flag`, and the dataclass is built (and so checks itself,
+    in ``__post_init__``) in one place, here; the command function then gets a single value instead of a flag per
+    argument. Its name and docstring become the command's name and help.
+    """
+    hints = typing.get_type_hints(flags)
+    params = [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.metadata["option"],
+                                annotation=hints[f.name]) for f in fields(flags)]
+
+    def decorate(run: Callable[[F], None]) -> Callable[..., None]:
+        @functools.wraps(run)
+        def command(**values: Any) -> None:
+            run(flags(**values))
+
+        command.__signature__ = inspect.Signature(params, return_annotation=None)  # type: ignore[attr-defined]
+        command.__annotations__ = {p.name: p.annotation for p in params}
+        return command
+
+    return decorate
+
+
+def parse_flags(flags: type[F], args: list[str], prog_name: str) -> F:
+    """``args`` (and the ``HLBP_*`` variables) read as the flags of ``flags``, exactly as the command built by
+    :func:`flags_command` reads them, for an entry point that runs the work itself; click's errors propagate."""
+    parsed: list[F] = []
+    app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
+    app.command()(flags_command(flags)(parsed.append))
+    typer.main.get_command(app).main(list(args), prog_name=prog_name, standalone_mode=False)
+    if not parsed:
+        raise typer.Exit(0)  # --help was asked for and printed
+    return parsed[0]
 
 
 def run_app(app: typer.Typer, console: Console) -> None:

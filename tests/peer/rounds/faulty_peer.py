@@ -1,12 +1,14 @@
 """``hlbp join`` with a fault hook: the misbehaving replicas of the fault tests, started as real processes.
 
 Usage: ``python faulty_peer.py FAULT join ...``, where FAULT is one of :data:`FAULTS` (``name`` or ``name:arg``).
-The hook is passed in as an object (``hlbp.cli.control_cmds.main(faults=...)``); production code has no switch
-for any of this. Tests build the command with :func:`program`.
+The ``join`` flags are read as ``hlbp join`` reads them, and the hook is passed as an object to the peer's own entry
+point (:func:`hlbp.peer.node.session.run_join`); no command, flag or variable of ``hlbp`` can reach it. Tests build
+the command with :func:`program`.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import sys
@@ -139,7 +141,7 @@ FAULTS = {"slow": Slow, "corrupt": Corrupt, "oversize": Oversize, "scale": Scale
 
 
 def program(fault: str) -> list[str]:
-    """The command that starts ``hlbp.cli.control_cmds`` with the fault hook ``fault`` (``name`` or ``name:arg``)."""
+    """The command that runs ``join`` with the fault hook ``fault`` (``name`` or ``name:arg``): this script."""
     return [sys.executable, str(Path(__file__).resolve()), fault]
 
 
@@ -149,8 +151,10 @@ def hook(fault: str) -> FaultHook:
 
 
 if __name__ == "__main__":
-    from hlbp.cli.control_cmds import main
+    from hlbp.cli.join_flags import join_plan
+    from hlbp.peer.node.session import run_join
 
-    faults = hook(sys.argv[1])
-    sys.argv = [sys.argv[0], *sys.argv[2:]]
-    main(faults)
+    if sys.argv[2:3] != ["join"]:
+        sys.exit(f"usage: {sys.argv[0]} FAULT join [FLAGS]")
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    run_join(join_plan(sys.argv[3:]), lambda line: print(line, flush=True), hook(sys.argv[1]))

@@ -1,0 +1,44 @@
+"""Flags dataclasses: each command's flags are read, checked and turned into the peer's config objects in one place."""
+
+from __future__ import annotations
+
+import inspect
+from pathlib import Path
+
+import pytest
+
+from hlbp.cli.join_flags import JoinFlags, join_plan
+from hlbp.peer.common.errors import UserInputError
+
+
+def test_join_flags_become_the_plan_of_one_peer(monkeypatch):
+    monkeypatch.setenv("HLBP_ROUNDS", "3")
+    plan = join_plan(["--initial-peers", "/ip4/1.2.3.4/tcp/1/p2p/a,/ip4/1.2.3.4/tcp/2/p2p/b", "--probe-mb", "2",
+                      "--role", "replica", "--micro-batches", "4", "--threads", "2", "--local-only"])
+    assert plan.join.net.initial_peers == ["/ip4/1.2.3.4/tcp/1/p2p/a", "/ip4/1.2.3.4/tcp/2/p2p/b"]
+    assert plan.join.net.host_maddrs == ["/ip4/0.0.0.0/tcp/0"] and plan.join.net.connect_timeout_s == 60.0
+    assert plan.join.probe_bytes == 2 << 20 and plan.join.role == "replica" and plan.join.out_dir == Path("runs/join")
+    assert plan.replica.rounds == 3 and plan.replica.threads == 2 and plan.stage.threads == 2
+    assert plan.stage.micro_batches == 4 and plan.local_only
+
+
+@pytest.mark.parametrize(("changes", "message"), [
+    ({"probe_mb": 0.0}, "--probe-mb must be > 0"),
+    ({"max_steps": -1}, "--max-steps >= 0"),
+    ({"metrics_port": 70000}, "--metrics-port must be 0..65535, got 70000"),
+    ({"micro_batches": 0}, "--micro-batches and --in-flight must be >= 1"),
+    ({"stage_deadline": 0.0}, "--stage-deadline > 0"),
+    ({"rounds": -1}, "--rounds, --checkpoint-every, --wait-replicas and --wait-replicas-timeout must be >= 0"),
+    ({"wait_replicas_timeout": -1.0}, "--wait-replicas-timeout must be >= 0"),
+])
+def test_join_flags_refuse_values_no_peer_runs_with(changes, message):
+    with pytest.raises(UserInputError, match=message.replace(".", r"\.")):
+        JoinFlags(**changes)
+
+
+def test_join_command_takes_its_flags_as_one_value():
+    from hlbp.cli.control_cmds import join
+
+    flags = inspect.signature(join).parameters
+    assert list(flags) == [f for f in JoinFlags.__dataclass_fields__]
+    assert "faults" not in flags and inspect.getsource(join.__wrapped__).count("\n") < 60
