@@ -42,3 +42,29 @@ def test_join_command_takes_its_flags_as_one_value():
     flags = inspect.signature(join).parameters
     assert list(flags) == [f for f in JoinFlags.__dataclass_fields__]
     assert "faults" not in flags and inspect.getsource(join.__wrapped__).count("\n") < 60
+
+
+def test_sim_flags_become_one_sim_config():
+    from hlbp.cli.options import parse_flags
+    from hlbp.cli.sim_flags import SimFlags
+
+    flags = parse_flags(SimFlags, ["--quick", "--deadline", "0.5", "--swarms", "1", "--stages", "3"], "hlbp simulate")
+    cfg = flags.config()
+    assert (cfg.n_full, cfg.rounds, cfg.inner_steps, cfg.n_swarms, cfg.n_stages) == (2, 2, 5, 1, 3)
+    assert (cfg.round_deadline_s, cfg.min_deadline_s, cfg.max_deadline_s) == (0.5, 0.5, 30.0)
+    assert flags.overlap_mode == "eager" and SimFlags(outer="diloco").overlap_mode == "none"
+
+
+@pytest.mark.parametrize(("changes", "message"), [
+    ({"outer": "adam"}, "--outer must be sparseloco or diloco, got 'adam'"),
+    ({"overlap": "eager", "outer": "diloco"}, "--overlap works with --outer sparseloco only"),
+    ({"full": 0}, "--full and --swarms must be >= 0, and together start at least one peer"),
+    ({"swarms": 1, "stages": 1}, "--stages must be >= 1, and >= 2 for pipeline swarms"),
+    ({"swarm_wan_mbps": 0.0}, "--swarm-wan-mbps must be positive"),
+    ({"seq_len": 1}, "--rounds, --inner-steps, --batch-size, --micro-batches and --threads must be >= 1"),
+])
+def test_sim_flags_refuse_values_no_simulation_runs_with(changes, message):
+    from hlbp.cli.sim_flags import SimFlags
+
+    with pytest.raises(UserInputError, match=message.replace(".", r"\.")):
+        SimFlags(**changes)
