@@ -17,9 +17,17 @@ from pathlib import Path
 import typer
 from rich.console import Console
 
-from hlbp.cli.join_flags import ANNOUNCE_HELP, INITIAL_PEERS_HELP, JoinFlags
+from hlbp.cli.join_flags import JoinFlags
 from hlbp.cli.light_cmds import fetch
-from hlbp.cli.options import flags_command, make_console, opt, run_app, split_values
+from hlbp.cli.options import (
+    ANNOUNCE_HELP,
+    INITIAL_PEERS_HELP,
+    flags_command,
+    make_console,
+    opt,
+    run_app,
+    split_values,
+)
 from hlbp.cli.status_view import status_table
 from hlbp.peer.common.errors import UserInputError
 from hlbp.peer.common.signals import stop_on_signals

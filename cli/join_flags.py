@@ -11,15 +11,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from hlbp.cli.options import flag, parse_flags, split_values
+from hlbp.cli.options import ANNOUNCE_HELP, INITIAL_PEERS_HELP, flag, parse_flags, split_values
 from hlbp.peer.common.errors import UserInputError
 
 if TYPE_CHECKING:
     from hlbp.peer.node.session import JoinPlan
-
-INITIAL_PEERS_HELP = "Multiaddrs of running peers, with /p2p/<peer id> (the line `hlbp bootstrap` printed)."
-ANNOUNCE_HELP = "Public multiaddrs others should dial (e.g. /ip4/<public IP>/tcp/PORT), when NAT hides ours."
-
 
 @dataclass
 class JoinFlags:

@@ -17,15 +17,9 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from hlbp.cli.options import opt
+from hlbp.cli.options import INITIAL_PEERS_HELP, opt, split_values
 from hlbp.cli.status_view import status_table
 from hlbp.peer.common.errors import UserInputError
-
-_INITIAL_PEERS_HELP = "Multiaddrs of running peers, with /p2p/<peer id> (the line `hlbp bootstrap` printed)."
-
-
-def _split(values: list[str] | None) -> list[str]:
-    return [part for value in values or [] for part in value.replace(",", " ").split()]
 
 
 def print_light_report(report: dict[str, Any]) -> None:
@@ -47,7 +41,7 @@ def fetch(
     artifact: str = typer.Argument(..., metavar="ARTIFACT-HASH",
                                    help="sha256 of the artifact, or its first 8+ hex digits (as `hlbp bootstrap` "
                                         "prints the tokenizer's)."),
-    initial_peers: list[str] = opt([], "--initial-peers", env="INITIAL_PEERS", help=_INITIAL_PEERS_HELP,
+    initial_peers: list[str] = opt([], "--initial-peers", env="INITIAL_PEERS", help=INITIAL_PEERS_HELP,
                                    metavar="MULTIADDR"),
     manifest_signer: list[str] = opt([], "--manifest-signer", env="MANIFEST_SIGNER", metavar="PEER_ID",
                                      help="Peer ids trusted to sign the manifest \\[default: the initial peers]."),
@@ -61,7 +55,7 @@ def fetch(
     timeout: float = opt(300.0, "--timeout", env="FETCH_TIMEOUT", help="Seconds the download may take."),
 ) -> None:
     """Download a run artifact (the tokenizer) that the run's signed manifest lists, and check its sha256."""
-    peers_list = _split(initial_peers)
+    peers_list = split_values(initial_peers)
     if not peers_list:
         raise UserInputError("pass --initial-peers (or HLBP_INITIAL_PEERS): the multiaddr of any peer of the run")
     if min(connect_timeout, manifest_timeout, timeout) <= 0:
@@ -70,13 +64,13 @@ def fetch(
     if light:
         from hlbp.peer.light.watch import download, read_run, resolve_artifact
 
-        run = read_run(peers_list, _split(manifest_signer), connect_timeout)
+        run = read_run(peers_list, split_values(manifest_signer), connect_timeout)
         art = resolve_artifact(run.view.manifest.manifest, artifact)
         dest = Path(out) if out is not None else Path.cwd() / art.name
         fetched, source = download(run, art, dest, timeout)
         peer, seconds = source.split("/p2p/")[-1], fetched.seconds
     else:
-        peer, seconds, art, dest = _fetch_with_p2pd(peers_list, _split(manifest_signer), artifact, out,
+        peer, seconds, art, dest = _fetch_with_p2pd(peers_list, split_values(manifest_signer), artifact, out,
                                                     connect_timeout, manifest_timeout)
     rate = art.size / max(seconds, 1e-9) / 1e6
     print(json.dumps({"name": art.name, "sha256": art.sha256, "size": art.size, "path": str(dest), "from": peer,

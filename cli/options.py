@@ -16,6 +16,10 @@ from rich.markup import escape
 
 F = TypeVar("F")
 
+# help texts that several commands share
+INITIAL_PEERS_HELP = "Multiaddrs of running peers, with /p2p/<peer id> (the line `hlbp bootstrap` printed)."
+ANNOUNCE_HELP = "Public multiaddrs others should dial (e.g. /ip4/<public IP>/tcp/PORT), when NAT hides ours."
+
 
 def split_values(values: list[str] | None) -> list[str]:
     """Flags may repeat, and each value (or HLBP_* variable) may hold several addresses split by commas or spaces."""
