@@ -27,9 +27,10 @@ from hlbp.peer.rounds.agreement import Agreement, ExactAgreement
 from hlbp.peer.rounds.config import RoundConfig, RoundStats
 from hlbp.peer.rounds.faults import NO_FAULTS, FaultHook
 from hlbp.peer.rounds.outer import OuterConfig, make_outer
-from hlbp.peer.rounds.persist import load_replica, save_replica
+from hlbp.peer.rounds.persist import Checkpoints
 from hlbp.peer.rounds.phase import InnerPhase
 from hlbp.peer.rounds.records import RoundRecords
+from hlbp.peer.rounds.report import RoundReporter
 from hlbp.peer.rounds.state import ReplicaState
 from hlbp.peer.rounds.verify import StateSync
 from hlbp.peer.train.metricslog import MetricsLog
@@ -93,9 +94,9 @@ class ReplicaBase(ABC):
         self.state = ReplicaState(
             anchor={n: p.detach().float().cpu().clone() for n, p in trainer.model.named_parameters()},
             outers={s: make_outer(outer) for s in self.held})
-        self.checkpoint, self.metrics = checkpoint, metrics or MetricsLog(None)
+        self.checkpoints = Checkpoints(checkpoint, cfg.checkpoint_every_s, trainer, cfg.run_id)
+        self.reporter = RoundReporter(metrics or MetricsLog(None), evaluate, on_round)
         self.expected = expected
-        self.on_round, self.evaluate = on_round, evaluate
         self.on_load = on_load  # called after every load of the anchor into the model (a stage's codec table)
         self.faults = faults  # what a fault test makes this replica do wrong; production: nothing
         self.guard_loss = guard_loss  # given parameters' loss on the run's fixed guard batch (rounds/guard.py)
@@ -103,7 +104,6 @@ class ReplicaBase(ABC):
         self.last_members = 0
         self.history: list[RoundStats] = []
         self._bytes_in = 0
-        self._saved_at = time.monotonic()
         self.overlapping = False  # an exchange runs beside the inner phase: only the main thread loads the model
         # signed round records: the inbox of pushed ones, the DHT pollers, whom we push ours to (rounds/records.py)
         self.records = RoundRecords(dht, identity, transport, cfg, stop, lambda: self.state.round, protect,
@@ -152,35 +152,16 @@ class ReplicaBase(ABC):
         return True
 
     def save_if_due(self) -> None:
-        """Save when ``checkpoint_every_s`` has passed (a 1B model's checkpoint is over 20 GB); exits always save."""
-        if time.monotonic() - self._saved_at >= self.cfg.checkpoint_every_s:
-            self.save()
+        """Save when ``checkpoint_every_s`` has passed; exits always save."""
+        self.checkpoints.save_if_due(self.state)
 
     def save(self) -> None:
-        """Save the checkpoint (:func:`hlbp.peer.rounds.persist.save_replica`: never a non-finite state)."""
-        self._saved_at = time.monotonic()
-        if self.checkpoint is not None:
-            save_replica(self.checkpoint, self.state.anchor, {s: o.state_tensors() for s, o in self.state.outers.items()},
-                         self.trainer, self.state.round, self.state.in_sync, self.cfg.run_id)
-
-    def resume(self) -> bool:
-        """Restore this peer's checkpoint if it has one for this run; the caller then checks it is current."""
-        if self.checkpoint is None:
-            return False
-        saved = load_replica(self.checkpoint, self.cfg.run_id, {n: tuple(t.shape) for n, t in self.state.anchor.items()},
-                             list(self.state.outers))
-        if saved is None:
-            return False
-        self.trainer.load_state(saved.tensors, saved.header)
-        self.state.anchor = saved.anchor
-        for s, o in self.state.outers.items():
-            o.load_state(saved.outers[s])
-        self.state.round = saved.round
-        return True
+        """Save the checkpoint now (never a non-finite state: :mod:`hlbp.peer.rounds.persist`)."""
+        self.checkpoints.save(self.state)
 
     def start(self) -> str:
         """Resume, sync or start fresh; returns which, for the log."""
-        resumed = self.resume()
+        resumed = self.checkpoints.resume(self.state)
         self.records.protect(self.state.round)
         current = self.syncer.current(self.state)
         if current is None:
@@ -229,17 +210,10 @@ class ReplicaBase(ABC):
         """Wait for any exchange still under way, whatever its outcome (none without overlap)."""
 
     def report(self, stats: RoundStats, mine: ShardChecks, steps: int,
-                params: Mapping[str, torch.Tensor] | None = None) -> RoundStats:
+               params: Mapping[str, torch.Tensor] | None = None) -> RoundStats:
         """Score the new parameters (``params``: a snapshot of them, else the anchor), write the round's metrics
-        record and tell the caller."""
-        val = self.evaluate(params if params is not None else self.state.anchor) if self.evaluate else None
-        extra = {"fingerprints": {str(k): list(v) for k, v in mine.fingerprints.items()}} if mine.fingerprints else {}
-        self.metrics.write(event="round", **{k: v for k, v in vars(stats).items() if k != "checksums"},
-                           checksums={str(k): v for k, v in mine.checksums.items()}, val_loss=val, steps=steps,
-                           **extra)
-        if self.on_round:
-            self.on_round(stats, val)
-        return stats
+        record and tell the caller (:class:`RoundReporter`)."""
+        return self.reporter.report(stats, mine, steps, params if params is not None else self.state.anchor)
 
     def close(self) -> None:
         """Release what the runner started (the dense runner's averager); the transport is the caller's."""

@@ -23,18 +23,51 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-from hlbp.peer.rounds.loop import RoundStats
-from hlbp.peer.rounds.outer import Contribution
+from hlbp.peer.rounds.config import RoundConfig, RoundStats
+from hlbp.peer.rounds.outer import Contribution, OuterConfig
 from hlbp.peer.rounds.overlap import landing_shift, phase_start
-
-if TYPE_CHECKING:  # the runner builds its Overlapped: a runtime import would be circular
-    from hlbp.peer.rounds.sparseloco import RoundRunner
+from hlbp.peer.rounds.state import ReplicaState
+from hlbp.protocol.roundrecords import ShardChecks
 
 logger = logging.getLogger(__name__)
+
+
+class OverlappableLoop(Protocol):
+    """What :class:`Overlapped` needs of the round loop it runs (a
+    :class:`hlbp.peer.rounds.sparseloco.RoundRunner`): its state, its parts and the steps of a round."""
+
+    cfg: RoundConfig
+    outer_cfg: OuterConfig
+    me: str
+    shards: list[list[str]]
+    state: ReplicaState
+    trainer: Any
+    payloads: Any
+    stop: Any
+    last_members: int
+    overlapping: bool
+
+    def begin_round(self, r: int) -> tuple[RoundStats, int, int, int]: ...
+
+    def contribute(self, r: int, stats: RoundStats, steps: int, tokens: int,
+                   base: Mapping[str, Any]) -> dict[int, Contribution]: ...
+
+    def exchange(self, r: int, stats: RoundStats, mine: dict[int, Contribution]) -> tuple[ShardChecks, bool]: ...
+
+    def bytes_served(self) -> int: ...
+
+    def report(self, stats: RoundStats, mine: ShardChecks, steps: int,
+               params: Mapping[str, Any] | None = None) -> RoundStats: ...
+
+    def load_anchor_into_model(self) -> None: ...
+
+    def save_if_due(self) -> None: ...
+
 
 
 @dataclass
@@ -57,7 +90,7 @@ class _InFlight:
 class Overlapped:
     """The overlapped round loop of a :class:`hlbp.peer.rounds.sparseloco.RoundRunner` (``runner``)."""
 
-    def __init__(self, runner: RoundRunner) -> None:
+    def __init__(self, runner: OverlappableLoop) -> None:
         self.runner = runner
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hlbp-exchange")
         self.inflight: _InFlight | None = None

@@ -8,6 +8,7 @@ was loaded; these decide what a checkpoint holds and whether one is this run's a
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +18,7 @@ import torch
 
 from hlbp.peer.common.errors import UserInputError
 from hlbp.peer.common.files import remove_stale_temps
+from hlbp.peer.rounds.state import ReplicaState
 from hlbp.peer.train.checkpoint import load_checkpoint, save_checkpoint
 
 logger = logging.getLogger(__name__)
@@ -79,3 +81,40 @@ def load_replica(path: Path, run_id: str, shapes: Mapping[str, tuple[int, ...]],
     outers = {s: {k[len(_outer_prefix(s)):]: v for k, v in tensors.items() if k.startswith(_outer_prefix(s))}
               for s in shards}
     return SavedReplica(anchor, outers, round_, tensors, header)
+
+
+class Checkpoints:
+    """One round loop's checkpoint file (``path``; None: none kept): saved every ``every_s`` seconds and on exit,
+    resumed at start."""
+
+    def __init__(self, path: Path | None, every_s: float, trainer: Any, run_id: str) -> None:
+        self.path, self.every_s, self.trainer, self.run_id = path, every_s, trainer, run_id
+        self._saved_at = time.monotonic()
+
+    def save(self, state: ReplicaState) -> None:
+        """Save ``state`` now (:func:`save_replica`: never a non-finite one)."""
+        self._saved_at = time.monotonic()
+        if self.path is not None:
+            save_replica(self.path, state.anchor, {s: o.state_tensors() for s, o in state.outers.items()},
+                         self.trainer, state.round, state.in_sync, self.run_id)
+
+    def save_if_due(self, state: ReplicaState) -> None:
+        """Save when ``every_s`` has passed (a 1B model's checkpoint is over 20 GB); exits always save."""
+        if time.monotonic() - self._saved_at >= self.every_s:
+            self.save(state)
+
+    def resume(self, state: ReplicaState) -> bool:
+        """Load this run's checkpoint into ``state`` and the trainer, if there is one; the caller then checks it is
+        current."""
+        if self.path is None:
+            return False
+        saved = load_replica(self.path, self.run_id, {n: tuple(t.shape) for n, t in state.anchor.items()},
+                             list(state.outers))
+        if saved is None:
+            return False
+        self.trainer.load_state(saved.tensors, saved.header)
+        state.anchor = saved.anchor
+        for s, o in state.outers.items():
+            o.load_state(saved.outers[s])
+        state.round = saved.round
+        return True

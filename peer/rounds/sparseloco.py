@@ -70,19 +70,23 @@ class RoundRunner(ReplicaBase):
         self.follower = Follower(sorted(follow or {}), self.shards, self.shapes, self.me, self.transport, self.cfg,
                                  self.outer_cfg)
         self.state.outers.update({s: make_outer(self.outer_cfg) for s in self.follower.follow})
-        self.applied = sorted({*self.held, *self.follower.follow})  # the shards whose accepted contributions we apply
+        applied = sorted({*self.held, *self.follower.follow})  # the shards whose accepted contributions we apply
         # the largest contribution a shard can honestly need: fp32 values and 16-bit indices for every parameter,
         # plus headers; real SparseLoCo payloads are about 1/150 of this, so it only stops floods
-        self.limits = [min(self.cfg.max_payload_bytes, payload_limit(sum(math.prod(v) for v in shape.values())))
-                       for shape in self.shapes]
-        self.bans = RoundBans()
-        self.payloads = Payloads(self.me, self.transport, self.cfg, self.outer_cfg, self.shapes, self.limits,
-                                 self.applied, self.bans.banned, self._received, self.stop)
-        self.applier = Applier(self.cfg, self.shards, self.held, self.applied, self.payloads, self.bans,
-                               self.guard_loss, self.load_anchor_into_model)
+        limits = [min(self.cfg.max_payload_bytes, payload_limit(sum(math.prod(v) for v in shape.values())))
+                  for shape in self.shapes]
+        bans = RoundBans()  # shared by the parts that judge senders
+        self.payloads = Payloads(self.me, self.transport, self.cfg, self.outer_cfg, self.shapes, limits, applied,
+                                 bans.banned, self._received, self.stop)
+        self.applier = Applier(self.cfg, self.shards, self.held, applied, self.payloads, bans, self.guard_loss,
+                               self.load_anchor_into_model)
         self.overlapped = Overlapped(self) if self.cfg.overlap != "none" else None
-        self.closer = Closer(self.me, self.cfg, len(self.shards), self.records, self.payloads, self.bans,
-                             self._expected_contributors, self.stop, choose=self.faults.accept, on_poll=self._on_poll)
+        # contributors to wait for before closing early: the live ones the announcements name (0: unread), else
+        # the last round's members; at every poll an overlapped phase takes in the round's result so far
+        self.closer = Closer(self.me, self.cfg, len(self.shards), self.records, self.payloads, bans,
+                             lambda: self.expected() if self.expected else max(1, self.last_members), self.stop,
+                             choose=self.faults.accept,
+                             on_poll=lambda r: self.overlapped.preview(r) if self.overlapped is not None else None)
 
     def start(self) -> str:
         how = super().start()
@@ -95,15 +99,6 @@ class RoundRunner(ReplicaBase):
         if synced:
             self.check_followed(self.state.round - 1)
         return synced
-
-    def _expected_contributors(self) -> float:
-        """Contributors to wait for before closing early: the live ones the announcements name (0: unread), else
-        the last round's members."""
-        return self.expected() if self.expected else max(1, self.last_members)
-
-    def _on_poll(self, r: int) -> None:
-        if self.overlapped is not None:
-            self.overlapped.preview(r)  # the round's result as far as it is fetched, for the phase under way
 
     def _received(self, n: int) -> None:
         self._bytes_in += n
@@ -170,7 +165,7 @@ class RoundRunner(ReplicaBase):
             c = self.state.outers[s].contribute({n: base[n] for n in names}, {n: local[n] for n in names}, self.me, tokens)
             sent = self.faults.contribution(r, s, c)
             blob = self.faults.payload(r, s, contribution_to_bytes(sent, self.outer_cfg, self.cfg.run_id, r, s),
-                                       self.limits[s])
+                                       self.payloads.limits[s])
             self.transport.put(payload_name(r, s, self.me), blob)
             digests[s], sizes[s] = sha256_hex(blob), len(blob)
             mine[s] = c

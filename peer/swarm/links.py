@@ -57,11 +57,15 @@ class Conn:
                 self._writer.write(data)
                 await self._writer.drain()
                 self.bytes_sent += len(data)
-                self.links._count(self.links.sent_by_op, _op_of(data), len(data))
+                self.links.count_sent(_op_of(data), len(data))
         except (ConnectionError, OSError, asyncio.CancelledError) as exc:
             logger.debug("stage stream to %s: write failed: %s", self.peer[:12], exc)
         finally:
-            self.links._closed(self)
+            self.links.forget(self)
+
+    def close_writer(self) -> None:
+        """Close the underlying stream writer (on the loop thread, once the stream ended)."""
+        self._writer.close()
 
     def close(self) -> None:
         if not self.closed:
@@ -145,17 +149,22 @@ class StageLinks:
             pass
         finally:
             conn.close()
-            self._closed(conn)
+            self.forget(conn)
 
     @staticmethod
     def _count(totals: dict[str, int], op: str, n: int) -> None:
         totals[op] = totals.get(op, 0) + n  # only ever called on the loop thread
 
+    def count_sent(self, op: str, n: int) -> None:
+        """Count ``n`` bytes sent in a message of kind ``op`` (on the loop thread)."""
+        self._count(self.sent_by_op, op, n)
+
     def byte_totals(self) -> dict[str, dict[str, int]]:
         """Bytes sent and received on this peer's stage streams so far, by message op (closed streams included)."""
         return {"sent": dict(self.sent_by_op), "received": dict(self.received_by_op)}
 
-    def _closed(self, conn: Conn) -> None:
+    def forget(self, conn: Conn) -> None:
+        """Drop a stream that ended (either side), close its writer and tell the owner, once."""
         if conn.closed:
             return
         conn.closed = True
@@ -163,7 +172,7 @@ class StageLinks:
         if self._out.get(conn.peer) is conn:
             del self._out[conn.peer]
         with contextlib.suppress(Exception):  # the transport may already be gone
-            conn._writer.close()
+            conn.close_writer()
         self.on_closed(conn)
 
     async def _dial(self, peer: str, timeout: float) -> Conn:

@@ -179,7 +179,7 @@ def test_a_followed_payload_that_does_not_decode_refuses_the_round_as_on_a_holde
         outcome = runner.apply_round(ROUND, hostile)
         assert isinstance(outcome, Refused) and outcome.why == "an accepted contribution does not decode", outcome
         assert set(outcome.offenders) == {s0}
-        assert set(runner.bans) == {s0}
+        assert set(runner.closer.bans) == {s0}
     assert _same(initial, follower.state.anchor, list(initial))  # nothing moved, neither its shard nor the followed one
 
 
@@ -192,7 +192,7 @@ def test_a_followed_payload_under_another_senders_name_is_refused(round_setup: d
         (p, t, {0: sha256_hex(copied)} if p == s0 else d) for p, t, d in accepted.members))
     follower = _runner(ids["f"], registry, [1])
     assert isinstance(follower.apply_round(ROUND, hostile), Refused), "a payload claiming another sender was applied"
-    assert s0 in follower.bans
+    assert s0 in follower.closer.bans
 
 
 def test_a_missing_followed_payload_leaves_only_the_followed_shard_behind(round_setup: dict) -> None:

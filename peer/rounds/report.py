@@ -1,0 +1,32 @@
+"""The per-round report of a round loop: the new parameters scored, one metrics record, and the caller told."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+import torch
+
+from hlbp.peer.rounds.config import RoundStats
+from hlbp.peer.train.metricslog import MetricsLog
+from hlbp.protocol.roundrecords import ShardChecks
+
+
+class RoundReporter:
+    """Reports each round: ``evaluate(params)`` scores parameters (None: not scored), ``metrics`` takes the round's
+    record (event ``round``), ``on_round(stats, val_loss)`` tells the caller."""
+
+    def __init__(self, metrics: MetricsLog, evaluate: Callable[[Mapping[str, torch.Tensor]], float | None] | None,
+                 on_round: Callable[[RoundStats, float | None], None] | None) -> None:
+        self.metrics, self.evaluate, self.on_round = metrics, evaluate, on_round
+
+    def report(self, stats: RoundStats, mine: ShardChecks, steps: int,
+               params: Mapping[str, torch.Tensor]) -> RoundStats:
+        """Score ``params`` (the round's new parameters), write the round's record and tell the caller."""
+        val = self.evaluate(params) if self.evaluate else None
+        extra = {"fingerprints": {str(k): list(v) for k, v in mine.fingerprints.items()}} if mine.fingerprints else {}
+        self.metrics.write(event="round", **{k: v for k, v in vars(stats).items() if k != "checksums"},
+                           checksums={str(k): v for k, v in mine.checksums.items()}, val_loss=val, steps=steps,
+                           **extra)
+        if self.on_round:
+            self.on_round(stats, val)
+        return stats
