@@ -33,7 +33,6 @@ from hlbp.peer.net.prometheus import MetricsServer, PeerMetrics
 from hlbp.peer.net.transport import P2PBlobTransport
 from hlbp.peer.node.join import TrainContext, data_rank
 from hlbp.peer.rounds.diloco import DenseRoundRunner
-from hlbp.peer.rounds.faults import NO_FAULTS, FaultHook
 from hlbp.peer.rounds.guard import GuardConfig
 from hlbp.peer.rounds.outer import OuterConfig
 from hlbp.peer.rounds.sparseloco import RoundConfig, RoundRunner, RoundStats
@@ -56,7 +55,9 @@ class ReplicaOptions:
     device: str = "auto"
     wait_replicas: int = 0  # fresh run: before round 0, wait until this many replicas (us included) are announced
     wait_replicas_timeout_s: float = 120.0  # ... but start anyway after this long
-    faults: FaultHook = NO_FAULTS  # what a fault test makes this replica do wrong (hlbp.peer.rounds.faults)
+    # a fault test's change to the runner's parts before it starts (it wraps them: tests/peer/rounds/faulty_peer.py);
+    # production: None
+    faults: Callable[[Any], None] | None = None
 
 
 def wait_for_replicas(count: Callable[[], int], want: int, timeout_s: float, stop: threading.Event,
@@ -232,10 +233,12 @@ def replica_train_hook(ctx: TrainContext, options: ReplicaOptions, echo: Any = p
     runner = runner_cls(
         peer.plane.dht, peer.plane.identity, transport, trainer, outer, shards, rcfg, ctx.stop,
         checkpoint=ctx.out_dir / "checkpoint.safetensors", metrics=metrics, expected=expected, on_round=on_round,
-        evaluate=(lambda params: scorer(params, val)) if val else None, faults=options.faults,
+        evaluate=(lambda params: scorer(params, val)) if val else None,
         guard_loss=lambda params: scorer(params, guard_batch),
         protect=peer.plane.protect,
     )
+    if options.faults is not None:
+        options.faults(runner)
     start = time.perf_counter()
     how = runner.start()
     echo(f"replica: {how}; starting at round {runner.round}")

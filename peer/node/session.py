@@ -1,7 +1,7 @@
 """One joined peer's process from its config objects: join the run, train as the role asks, leave.
 
-The body of ``hlbp join``, kept here so that whatever starts a peer (the command line, a fault test's entry point
-with a :class:`~hlbp.peer.rounds.faults.FaultHook`) runs the same code from the same :class:`JoinPlan`.
+The body of ``hlbp join``, kept here so that whatever starts a peer (the command line, or a fault test's entry point
+that wraps a full replica's round parts) runs the same code from the same :class:`JoinPlan`.
 """
 
 from __future__ import annotations
@@ -10,12 +10,12 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 from hlbp.peer.common.signals import stop_on_signals
 from hlbp.peer.node.join import JoinConfig, TrainContext, default_train_hook, join
 from hlbp.peer.node.replica import ReplicaOptions, replica_train_hook
 from hlbp.peer.node.stage import StageOptions, stage_train_hook
-from hlbp.peer.rounds.faults import NO_FAULTS, FaultHook
 
 
 @dataclass(frozen=True)
@@ -29,11 +29,11 @@ class JoinPlan:
     local_only: bool = False
 
 
-def run_join(plan: JoinPlan, echo: Callable[[str], None], faults: FaultHook = NO_FAULTS) -> None:
+def run_join(plan: JoinPlan, echo: Callable[[str], None], faults: Callable[[Any], None] | None = None) -> None:
     """Join, train until the plan's limits or until SIGTERM or SIGINT, then leave (marked offline).
 
-    Installs the process's SIGTERM and SIGINT handlers: this is the whole life of a peer process. ``faults`` is
-    what a fault test makes a full replica do wrong; production callers leave it out.
+    Installs the process's SIGTERM and SIGINT handlers: this is the whole life of a peer process. ``faults``
+    wraps a full replica's round parts before it starts (a fault test's misbehaving peer); production leaves it out.
     """
     stop, training = threading.Event(), threading.Event()
     stop_on_signals(stop, training)

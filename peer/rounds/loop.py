@@ -25,7 +25,6 @@ import torch
 from hlbp.peer.net.transport import BlobTransport
 from hlbp.peer.rounds.agreement import Agreement, ExactAgreement
 from hlbp.peer.rounds.config import RoundConfig, RoundStats
-from hlbp.peer.rounds.faults import NO_FAULTS, FaultHook
 from hlbp.peer.rounds.outer import OuterConfig, make_outer
 from hlbp.peer.rounds.persist import Checkpoints
 from hlbp.peer.rounds.phase import InnerPhase
@@ -74,7 +73,6 @@ class ReplicaBase(ABC):
         expected: Callable[[], int] | None = None,
         on_round: Callable[[RoundStats, float | None], None] | None = None,
         evaluate: Callable[[Mapping[str, torch.Tensor]], float | None] | None = None,
-        faults: FaultHook = NO_FAULTS,
         guard_loss: Callable[[Mapping[str, torch.Tensor]], float] | None = None,
         protect: Callable[[dict[str, tuple[str, int]]], None] | None = None,
         held: Sequence[int] | None = None,
@@ -98,7 +96,6 @@ class ReplicaBase(ABC):
         self.reporter = RoundReporter(metrics or MetricsLog(None), evaluate, on_round)
         self.expected = expected
         self.on_load = on_load  # called after every load of the anchor into the model (a stage's codec table)
-        self.faults = faults  # what a fault test makes this replica do wrong; production: nothing
         self.guard_loss = guard_loss  # given parameters' loss on the run's fixed guard batch (rounds/guard.py)
         self.window = cfg.deadline_s
         self.last_members = 0
@@ -106,8 +103,7 @@ class ReplicaBase(ABC):
         self._bytes_in = 0
         self.overlapping = False  # an exchange runs beside the inner phase: only the main thread loads the model
         # signed round records: the inbox of pushed ones, the DHT pollers, whom we push ours to (rounds/records.py)
-        self.records = RoundRecords(dht, identity, transport, cfg, stop, lambda: self.state.round, protect,
-                                    keep_store=faults.stores)
+        self.records = RoundRecords(dht, identity, transport, cfg, stop, lambda: self.state.round, protect)
         self.phase = InnerPhase(trainer, cfg, stop, self.round_closed, self.round_started, self.phase_base,
                                 self._after_step, train)
         self.syncer = StateSync(self.me, self.shards, self.held, self.shapes, cfg, outer, transport, self.records,
@@ -236,7 +232,6 @@ class ReplicaBase(ABC):
 
     def _after_step(self, r: int, step: int) -> None:
         """After each inner step, on the main thread (an overlapped exchange lands its result here)."""
-        self.faults.inner_step(r, step)
 
     @abstractmethod
     def round_closed(self, r: int, wait: bool = True) -> bool:

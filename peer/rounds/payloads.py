@@ -22,7 +22,7 @@ import torch
 from hlbp.peer.net.transport import TransportError
 from hlbp.peer.rounds import guard
 from hlbp.peer.rounds.config import RoundConfig
-from hlbp.peer.rounds.contribution import contribution_from_bytes
+from hlbp.peer.rounds.contribution import contribution_from_bytes, contribution_to_bytes
 from hlbp.peer.rounds.outer import Contribution, OuterConfig
 from hlbp.protocol import ProtocolError
 from hlbp.protocol.identity import sha256_hex
@@ -43,6 +43,18 @@ def error_text(exc: BaseException) -> str:
 def payload_name(r: int, shard: int, sender: str) -> str:
     """The name a contribution's payload is served under on the blob transport."""
     return f"c/{r}/{shard}/{sender}"
+
+
+class PayloadEncoder:
+    """Our own contributions as payload bytes: what the round loop serves and announces (digest and size) for each
+    shard. ``limits``: the receivers' cap per shard. A fault test wraps this part to serve lies."""
+
+    def __init__(self, outer_cfg: OuterConfig, run_id: str, limits: Sequence[int]) -> None:
+        self.outer_cfg, self.run_id, self.limits = outer_cfg, run_id, limits
+
+    def encode(self, r: int, s: int, c: Contribution) -> bytes:
+        """The payload of our contribution ``c`` to shard ``s`` of round ``r``."""
+        return contribution_to_bytes(c, self.outer_cfg, self.run_id, r, s)
 
 
 class Payloads:

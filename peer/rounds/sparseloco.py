@@ -36,13 +36,12 @@ import torch
 
 from hlbp.peer.rounds.apply import Applier
 from hlbp.peer.rounds.closer import Closer, RoundBans
-from hlbp.peer.rounds.contribution import contribution_to_bytes
 from hlbp.peer.rounds.follow import Follower, follow_anchor
 from hlbp.peer.rounds.loop import ReplicaBase, RoundConfig, RoundStats
 from hlbp.peer.rounds.outcome import Applied, Failed, Refused, RoundOutcome
 from hlbp.peer.rounds.outer import Contribution, make_outer
 from hlbp.peer.rounds.overlapped import Overlapped
-from hlbp.peer.rounds.payloads import Payloads, payload_name
+from hlbp.peer.rounds.payloads import PayloadEncoder, Payloads, payload_name
 from hlbp.peer.rounds.rules import payload_limit
 from hlbp.protocol.identity import sha256_hex
 from hlbp.protocol.roundrecords import KIND_CONTRIB, AcceptedSet, ContribNotice, ShardChecks, round_key
@@ -75,6 +74,7 @@ class RoundRunner(ReplicaBase):
         # plus headers; real SparseLoCo payloads are about 1/150 of this, so it only stops floods
         limits = [min(self.cfg.max_payload_bytes, payload_limit(sum(math.prod(v) for v in shape.values())))
                   for shape in self.shapes]
+        self.encoder = PayloadEncoder(self.outer_cfg, self.cfg.run_id, limits)
         bans = RoundBans()  # shared by the parts that judge senders
         self.payloads = Payloads(self.me, self.transport, self.cfg, self.outer_cfg, self.shapes, limits, applied,
                                  bans.banned, self._received, self.stop)
@@ -85,7 +85,6 @@ class RoundRunner(ReplicaBase):
         # the last round's members; at every poll an overlapped phase takes in the round's result so far
         self.closer = Closer(self.me, self.cfg, len(self.shards), self.records, self.payloads, bans,
                              lambda: self.expected() if self.expected else max(1, self.last_members), self.stop,
-                             choose=self.faults.accept,
                              on_poll=lambda r: self.overlapped.preview(r) if self.overlapped is not None else None)
 
     def start(self) -> str:
@@ -116,7 +115,6 @@ class RoundRunner(ReplicaBase):
         return self.state.anchor
 
     def _after_step(self, r: int, step: int) -> None:
-        super()._after_step(r, step)
         if self.overlapped is not None:
             self.overlapped.land()
 
@@ -163,9 +161,7 @@ class RoundRunner(ReplicaBase):
         for s in self.held:
             names = self.shards[s]
             c = self.state.outers[s].contribute({n: base[n] for n in names}, {n: local[n] for n in names}, self.me, tokens)
-            sent = self.faults.contribution(r, s, c)
-            blob = self.faults.payload(r, s, contribution_to_bytes(sent, self.outer_cfg, self.cfg.run_id, r, s),
-                                       self.payloads.limits[s])
+            blob = self.encoder.encode(r, s, c)
             self.transport.put(payload_name(r, s, self.me), blob)
             digests[s], sizes[s] = sha256_hex(blob), len(blob)
             mine[s] = c
@@ -216,7 +212,6 @@ class RoundRunner(ReplicaBase):
         t4 = time.perf_counter()
         stats.phases["apply"] = t4 - t3
         if accepted is not None and self.state.in_sync:
-            self.faults.applied(r)
             self.syncer.publish(self.state, checks, {p for p, _t, _d in accepted.members})
             t5 = time.perf_counter()
             self.state.in_sync = self.syncer.verify(r, {p: set(d) for p, _t, d in accepted.members}, checks)

@@ -1,9 +1,11 @@
-"""``hlbp join`` with a fault hook: the misbehaving replicas of the fault tests, started as real processes.
+"""``hlbp join`` as a misbehaving full replica: the faulty peers of the fault tests, started as real processes.
 
 Usage: ``python faulty_peer.py FAULT join ...``, where FAULT is one of :data:`FAULTS` (``name`` or ``name:arg``).
-The ``join`` flags are read as ``hlbp join`` reads them, and the hook is passed as an object to the peer's own entry
-point (:func:`hlbp.peer.node.session.run_join`); no command, flag or variable of ``hlbp`` can reach it. Tests build
-the command with :func:`program`.
+Each fault wraps one part of the replica's round loop, as torchft's fault injection wraps a process group: the
+trainer (a straggler), the payload encoder (bytes that lie), the state sync (a member that dies before it answers
+the verification), the closer's choice of what to accept (a lying coordinator) or the round records (lost DHT
+stores). The protocol's code calls no hook; the wrapping happens here, through the test entry point
+:func:`hlbp.peer.node.session.run_join`. Tests build the command with :func:`program`.
 """
 
 from __future__ import annotations
@@ -14,140 +16,178 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from hlbp.peer.rounds.faults import FaultHook
 from hlbp.peer.rounds.outer import Contribution
 
 
-class Slow(FaultHook):
+class _Delegate:
+    """Wraps a part of the round loop: every attribute not overridden is the wrapped part's."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+class SlowTrainer(_Delegate):
     """A straggler: sleeps after every inner step."""
 
-    def __init__(self, seconds: str = "2.0") -> None:
-        self.seconds = float(seconds)
+    def __init__(self, inner: Any, seconds: float) -> None:
+        super().__init__(inner)
+        self.seconds = seconds
 
-    def inner_step(self, round_: int, step: int) -> None:
+    def train_step(self) -> Any:
+        out = self.inner.train_step()
         time.sleep(self.seconds)
+        return out
 
 
-class Corrupt(FaultHook):
+class CorruptEncoder(_Delegate):
     """Serves bytes that match its signed digest but do not decode (everything after the first 64 flipped)."""
 
-    def payload(self, round_: int, shard: int, blob: bytes, limit: int) -> bytes:
+    def encode(self, r: int, s: int, c: Contribution) -> bytes:
+        blob = self.inner.encode(r, s, c)
         return blob[:64] + bytes(b ^ 0x5A for b in blob[64:])
 
 
-class Oversize(FaultHook):
+class OversizeEncoder(_Delegate):
     """Announces and serves a payload one byte above the receivers' limit."""
 
-    def payload(self, round_: int, shard: int, blob: bytes, limit: int) -> bytes:
-        return blob + bytes(limit + 1 - len(blob))
+    def encode(self, r: int, s: int, c: Contribution) -> bytes:
+        blob = self.inner.encode(r, s, c)
+        return blob + bytes(self.inner.limits[s] + 1 - len(blob))
 
 
-class _Rewrite(FaultHook):
-    """A well-formed, finite lie: each sparse tensor rewritten before encoding, so the payload decodes cleanly."""
+class RewriteEncoder(_Delegate):
+    """A well-formed, finite lie: each sparse tensor rewritten before encoding, so the payload decodes cleanly
+    (our own error feedback keeps the true contribution)."""
 
-    def contribution(self, round_: int, shard: int, contribution: Contribution) -> Contribution:
-        return replace(contribution, tensors={n: self.rewrite(t) for n, t in contribution.tensors.items()})
+    def __init__(self, inner: Any, rewrite: Callable[[Any], Any]) -> None:
+        super().__init__(inner)
+        self.rewrite = rewrite
 
-    def rewrite(self, t):
-        return t
+    def encode(self, r: int, s: int, c: Contribution) -> bytes:
+        lie = replace(c, tensors={n: self.rewrite(t) for n, t in c.tensors.items()})
+        return self.inner.encode(r, s, lie)
 
 
-class Scale(_Rewrite):
+def scaled(factor: float) -> Callable[[Any], Any]:
     """Every decoded value multiplied by ``factor`` (lookup table and shift scaled)."""
 
-    def __init__(self, factor: str = "1e6") -> None:
-        self.factor = float(factor)
-
-    def rewrite(self, t):
+    def rewrite(t: Any) -> Any:
         if t.table is None:
-            return replace(t, values=t.values * self.factor)
-        return replace(t, table=(t.table * self.factor).float(), shift=float(torch.tensor(t.shift * self.factor)))
+            return replace(t, values=t.values * factor)
+        return replace(t, table=(t.table * factor).float(), shift=float(torch.tensor(t.shift * factor)))
+
+    return rewrite
 
 
-class BigTable(_Rewrite):
+def big_table(t: Any) -> Any:
     """An outsized 2-bit lookup table: decoded magnitudes about 1e30."""
-
-    def rewrite(self, t):
-        if t.table is None:
-            return replace(t, values=torch.full_like(t.values, 1e30))
-        return replace(t, table=torch.tensor([-1e30, -1e29, 1e29, 1e30], dtype=torch.float32))
+    if t.table is None:
+        return replace(t, values=torch.full_like(t.values, 1e30))
+    return replace(t, table=torch.tensor([-1e30, -1e29, 1e29, 1e30], dtype=torch.float32))
 
 
-class NaN(_Rewrite):
+def nan_table(t: Any) -> Any:
     """NaN in the lookup table."""
-
-    def rewrite(self, t):
-        if t.table is None:
-            return replace(t, values=torch.full_like(t.values, float("nan")))
-        return replace(t, table=torch.full((4,), float("nan")))
+    if t.table is None:
+        return replace(t, values=torch.full_like(t.values, float("nan")))
+    return replace(t, table=torch.full((4,), float("nan")))
 
 
-class LyingCoordinator(BigTable):
-    """Sends an outsized lookup table and, whenever it coordinates, accepts every contribution, its own included:
-    the guard that every peer runs before commit must catch what this coordinator let through."""
-
-    def accept(self, round_: int, admitted: dict, notices: dict) -> dict:
-        return dict(notices)
-
-
-class Freeze(FaultHook):
+class FreezingEncoder(_Delegate):
     """Freezes its own process (SIGSTOP: alive, not answering) half a second after building its payload of round
-    ``round_``, so that others are fetching from it when the test acts."""
+    ``round``, so that others are fetching from it when the test acts."""
 
-    def __init__(self, round_: str = "2") -> None:
-        self.round = int(round_)
+    def __init__(self, inner: Any, round_: int) -> None:
+        super().__init__(inner)
+        self.round = round_
 
-    def payload(self, round_: int, shard: int, blob: bytes, limit: int) -> bytes:
-        if round_ == self.round and shard == 0:
-            print(f"freezing in round {round_}", flush=True)
+    def encode(self, r: int, s: int, c: Contribution) -> bytes:
+        blob = self.inner.encode(r, s, c)
+        if r == self.round and s == 0:
+            print(f"freezing in round {r}", flush=True)
             threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGSTOP)).start()
         return blob
 
 
-class DieAfterApply(FaultHook):
-    """Applies round ``round_`` (its contribution accepted), stalls two seconds while the others fetch from it,
+class DyingSync(_Delegate):
+    """Applies round ``round`` (its contribution accepted), stalls two seconds while the others fetch from it,
     then SIGKILLs itself before it publishes its checksums."""
 
-    def __init__(self, round_: str = "1") -> None:
-        self.round = int(round_)
+    def __init__(self, inner: Any, round_: int) -> None:
+        super().__init__(inner)
+        self.round = round_
 
-    def applied(self, round_: int) -> None:
-        if round_ == self.round:
-            print(f"dying after applying round {round_}", flush=True)
+    def publish(self, state: Any, mine: Any, to: Any = frozenset()) -> None:
+        if mine.round == self.round:
+            print(f"dying after applying round {mine.round}", flush=True)
             time.sleep(2.0)  # the fault's own behaviour (a member stalled, then gone), not a synchronisation
             os.kill(os.getpid(), signal.SIGKILL)
+        self.inner.publish(state, mine, to)
 
 
-class NoDhtNotices(FaultHook):
-    """From round ``round_`` on, never stores its contribution notices in the DHT: the others learn of them only
-    from its pushes."""
+def no_dht_notices(from_round: int) -> Callable[[str], bool]:
+    """Never store contribution notices of round ``from_round`` on in the DHT: the others learn of them only from
+    our pushes."""
 
-    def __init__(self, round_: str = "1") -> None:
-        self.round = int(round_)
-
-    def stores(self, key: str) -> bool:
+    def keep(key: str) -> bool:
         parts = key.split(":")  # hlbp:<run>:round:<r>:<kind>
-        return not (len(parts) == 5 and parts[4] == "contrib" and int(parts[3]) >= self.round)
+        return not (len(parts) == 5 and parts[4] == "contrib" and int(parts[3]) >= from_round)
+
+    return keep
 
 
-FAULTS = {"slow": Slow, "corrupt": Corrupt, "oversize": Oversize, "scale": Scale, "bigtable": BigTable, "nan": NaN,
-          "lying-coordinator": LyingCoordinator, "freeze": Freeze, "die-after-apply": DieAfterApply,
-          "no-dht-notices": NoDhtNotices}
+def _slow(runner: Any, arg: str) -> None:
+    runner.phase.trainer = SlowTrainer(runner.phase.trainer, float(arg or 2.0))
+
+
+def _rewriting(rewrite: Callable[[Any], Any]) -> Callable[[Any, str], None]:
+    def wrap(runner: Any, arg: str) -> None:
+        runner.encoder = RewriteEncoder(runner.encoder, rewrite)
+
+    return wrap
+
+
+def _lying_coordinator(runner: Any, arg: str) -> None:
+    """Sends an outsized lookup table and, whenever it coordinates, accepts every contribution, its own included:
+    the guard that every peer runs before commit must catch what this coordinator let through."""
+    runner.encoder = RewriteEncoder(runner.encoder, big_table)
+    runner.closer.choose = lambda r, admitted, notices: dict(notices)
+
+
+FAULTS: dict[str, Callable[[Any, str], None]] = {
+    "slow": _slow,
+    "corrupt": lambda runner, arg: setattr(runner, "encoder", CorruptEncoder(runner.encoder)),
+    "oversize": lambda runner, arg: setattr(runner, "encoder", OversizeEncoder(runner.encoder)),
+    "scale": lambda runner, arg: _rewriting(scaled(float(arg or 1e6)))(runner, arg),
+    "bigtable": _rewriting(big_table),
+    "nan": _rewriting(nan_table),
+    "lying-coordinator": _lying_coordinator,
+    "freeze": lambda runner, arg: setattr(runner, "encoder", FreezingEncoder(runner.encoder, int(arg or 2))),
+    "die-after-apply": lambda runner, arg: setattr(runner, "syncer", DyingSync(runner.syncer, int(arg or 1))),
+    "no-dht-notices": lambda runner, arg: setattr(runner.records, "keep_store", no_dht_notices(int(arg or 1))),
+}
 
 
 def program(fault: str) -> list[str]:
-    """The command that runs ``join`` with the fault hook ``fault`` (``name`` or ``name:arg``): this script."""
+    """The command that starts a joined replica with the fault ``fault`` (``name`` or ``name:arg``)."""
     return [sys.executable, str(Path(__file__).resolve()), fault]
 
 
-def hook(fault: str) -> FaultHook:
+def hook(fault: str) -> Callable[[Any], None]:
+    """What the fault ``fault`` does to a built runner before it starts."""
     name, _, arg = fault.partition(":")
-    return FAULTS[name](arg) if arg else FAULTS[name]()
+    wrap = FAULTS[name]
+    return lambda runner: wrap(runner, arg)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@ import threading
 import torch
 
 from hlbp.peer.model.decoder import build_model, preset
-from hlbp.peer.rounds.faults import FaultHook
 from hlbp.peer.rounds.loop import ReplicaBase, RoundConfig, RoundStats
 from hlbp.peer.rounds.outer import OuterConfig
 from hlbp.peer.train.trainer import InnerTrainer, OptimConfig
@@ -42,19 +41,28 @@ class _Replica(ReplicaBase):
         return self.others_announced
 
 
-class _LateExchange(FaultHook):
-    """At step ``at`` of round ``r``: others announce the round, and (``mark``) the exchange thread finds our
-    previous notice was too late, as it does from the background while the phase runs."""
+class _LateExchange:
+    """Wraps the phase's trainer: after its step ``at`` of round ``r``, others announce the round, and (``mark``)
+    the exchange thread finds our previous notice was too late, as it does from the background while the phase
+    runs."""
 
     def __init__(self, r: int, at: int, mark: bool) -> None:
         self.r, self.at, self.mark = r, at, mark
         self.replica: _Replica | None = None
+        self.trainer: InnerTrainer | None = None
+        self.steps = 0
 
-    def inner_step(self, round_: int, step: int) -> None:
-        if round_ == self.r and step == self.at and self.replica is not None:
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.trainer, name)
+
+    def train_step(self) -> None:
+        assert self.trainer is not None and self.replica is not None
+        self.trainer.train_step()
+        self.steps += 1
+        if self.replica.round == self.r and self.steps == self.at:
             self.replica.others_announced = True
             if self.mark:
-                self.replica.phase.catch_up_round = round_
+                self.replica.phase.catch_up_round = self.r
 
 
 def _batches(step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -70,8 +78,10 @@ def _replica(hook: _LateExchange) -> _Replica:
                            torch.device("cpu"))
     names = [n for n, _ in model.named_parameters()]
     replica = _Replica(None, Identity.generate(), None, trainer, OuterConfig(), [names],  # type: ignore[arg-type]
-                       RoundConfig(run_id="t", inner_steps=STEPS, overlap="eager"), threading.Event(), faults=hook)
-    hook.replica = replica
+                       RoundConfig(run_id="t", inner_steps=STEPS, overlap="eager"), threading.Event())
+    hook.replica, hook.trainer = replica, trainer
+    replica.phase.trainer = hook  # type: ignore[assignment]
+    replica.state.round = hook.r
     return replica
 
 
