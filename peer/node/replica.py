@@ -242,7 +242,7 @@ def replica_train_hook(ctx: TrainContext, options: ReplicaOptions, echo: Any = p
     start = time.perf_counter()
     how = runner.start()
     echo(f"replica: {how}; starting at round {runner.round}")
-    if how.startswith("fresh start") and options.wait_replicas > 1:
+    if how.fresh and options.wait_replicas > 1:
         wait_for_replicas(expected, options.wait_replicas, options.wait_replicas_timeout_s, ctx.stop, echo)
     try:
         history = runner.run(options.rounds)

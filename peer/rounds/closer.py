@@ -24,6 +24,7 @@ from hlbp.peer.rounds.inbox import DhtPoll
 from hlbp.peer.rounds.payloads import Payloads, error_text
 from hlbp.peer.rounds.records import RoundRecords
 from hlbp.peer.rounds.rules import (
+    Verdict,
     adapt_window,
     close_verdict,
     coordinator_order,
@@ -182,8 +183,8 @@ class Closer:
                         admitted = self.choose(r, self.admit(r, notices), notices)
                         verdict = close_verdict(len(admitted), self.cfg.min_contributors, now, first_seen,
                                                 self.cfg.max_deadline_s, rank, self.cfg.takeover_s)
-                        if verdict != "wait":
-                            if verdict == "empty":
+                        if verdict is not Verdict.WAIT:
+                            if verdict is Verdict.EMPTY:
                                 logger.warning("round %d: %d of the %d contributions the run requires arrived within "
                                                "%.0f s; closing it empty (nobody's parameters move)", r,
                                                len(admitted), self.cfg.min_contributors, self.cfg.max_deadline_s)

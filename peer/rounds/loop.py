@@ -30,7 +30,7 @@ from hlbp.peer.rounds.persist import Checkpoints
 from hlbp.peer.rounds.phase import InnerPhase
 from hlbp.peer.rounds.records import RoundRecords
 from hlbp.peer.rounds.report import RoundReporter
-from hlbp.peer.rounds.state import ReplicaState
+from hlbp.peer.rounds.state import ReplicaState, Start, StartKind
 from hlbp.peer.rounds.verify import StateSync
 from hlbp.peer.train.metricslog import MetricsLog
 from hlbp.peer.train.trainer import InnerTrainer
@@ -155,23 +155,23 @@ class ReplicaBase(ABC):
         """Save the checkpoint now (never a non-finite state: :mod:`hlbp.peer.rounds.persist`)."""
         self.checkpoints.save(self.state)
 
-    def start(self) -> str:
-        """Resume, sync or start fresh; returns which, for the log."""
+    def start(self) -> Start:
+        """Resume, sync or start fresh; returns which (its text is the log's)."""
         resumed = self.checkpoints.resume(self.state)
         self.records.protect(self.state.round)
         current = self.syncer.current(self.state)
         if current is None:
-            return "resumed from checkpoint" if resumed else "fresh start"
+            return Start(StartKind.RESUMED if resumed else StartKind.FRESH)
         if resumed and current:
             self.load_anchor_into_model()
-            return "resumed from checkpoint (current)"
+            return Start(StartKind.CURRENT)
         # joining a run under way: its first trained phase must end soon after the others' (it catches up), and a
         # process's first pass is slower than the rest (tiny model, fresh process: 0.14 s against 0.07 s), so
         # take it now, off that phase
         self.trainer.warm_up()
         if self.sync():
-            return f"synced round {self.state.round - 1} from peers"
-        return "fresh start (no agreed state to sync)"
+            return Start(StartKind.SYNCED, self.state.round - 1)
+        return Start(StartKind.FRESH_UNAGREED)
 
     # -- one round ---------------------------------------------------------------------------------------------
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Mapping, Sequence
 from collections.abc import Set as AbstractSet
+from enum import Enum
 
 from hlbp.peer.rounds.statesync import fingerprints_agree
 from hlbp.protocol.roundrecords import AcceptedSet, ShardChecks
@@ -105,20 +106,27 @@ def majority_checksums(checks: Sequence[ShardChecks], round_: int) -> dict[int, 
     return {s: min(v, key=lambda d: (-v[d], d)) for s, v in votes.items()}
 
 
+class Verdict(Enum):
+    """What a coordinator whose turn has come does (:func:`close_verdict`)."""
+
+    MEMBERS = "members"  # publish the contributions that passed verification
+    EMPTY = "empty"  # publish a set without members: nobody's parameters move, contributions stay in error feedback
+    WAIT = "wait"  # wait for more
+
+
 def close_verdict(admitted: int, min_contributors: int, now: float, first_seen: float, max_window: float,
-                  rank: int, takeover_s: float) -> str:
+                  rank: int, takeover_s: float) -> Verdict:
     """What a coordinator whose turn has come publishes.
 
-    ``"members"`` once at least ``min_contributors`` contributions passed verification; ``"empty"`` (an accepted
-    set without members: nobody's parameters move, every contribution stays in its sender's error feedback) when
-    the manifest's longest window has passed after the first arrival without that many, so that no peer waits
-    forever; otherwise ``"wait"`` for more.
+    MEMBERS once at least ``min_contributors`` contributions passed verification; EMPTY when the manifest's
+    longest window has passed after the first arrival without that many, so that no peer waits forever;
+    otherwise WAIT for more.
     """
     if admitted >= min_contributors:
-        return "members"
+        return Verdict.MEMBERS
     if now >= first_seen + max_window + rank * takeover_s:
-        return "empty"
-    return "wait"
+        return Verdict.EMPTY
+    return Verdict.WAIT
 
 
 def round_standing(checks: Sequence[ShardChecks]) -> dict[str, dict[str, int | bool]]:

@@ -43,6 +43,7 @@ from hlbp.peer.rounds.outer import Contribution, make_outer
 from hlbp.peer.rounds.overlapped import Overlapped
 from hlbp.peer.rounds.payloads import PayloadEncoder, Payloads, payload_name
 from hlbp.peer.rounds.rules import payload_limit
+from hlbp.peer.rounds.state import Start
 from hlbp.protocol.identity import sha256_hex
 from hlbp.protocol.roundrecords import KIND_CONTRIB, AcceptedSet, ContribNotice, ShardChecks, round_key
 
@@ -87,7 +88,7 @@ class RoundRunner(ReplicaBase):
                              lambda: self.expected() if self.expected else max(1, self.last_members), self.stop,
                              on_poll=lambda r: self.overlapped.preview(r) if self.overlapped is not None else None)
 
-    def start(self) -> str:
+    def start(self) -> Start:
         how = super().start()
         if self.state.round > 0:
             self.check_followed(self.state.round - 1)  # a resumed copy (or the seed's) may be behind its holders

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import Enum
 
 import torch
 
@@ -25,3 +26,29 @@ class ReplicaState:
     round: int = 0
     in_sync: bool = True
     last_guard_loss: float | None = None  # None after a start or a sync: then only finiteness counts
+
+
+class StartKind(Enum):
+    """How a round loop came to the state it starts from."""
+
+    RESUMED = "resumed from checkpoint"  # nobody else published a state to compare with
+    CURRENT = "resumed from checkpoint (current)"  # our checkpoint is the agreed state of the latest round
+    SYNCED = "synced"  # loaded the agreed state from peers
+    FRESH = "fresh start"  # no checkpoint, nobody else published a state
+    FRESH_UNAGREED = "fresh start (no agreed state to sync)"  # others published states, none agreed or fetchable
+
+
+@dataclass(frozen=True)
+class Start:
+    """What :meth:`hlbp.peer.rounds.loop.ReplicaBase.start` did (``round``: the state's round when synced)."""
+
+    kind: StartKind
+    round: int = -1
+
+    @property
+    def fresh(self) -> bool:
+        """Whether the loop starts from the seed's parameters (a replica may then wait for the others)."""
+        return self.kind in (StartKind.FRESH, StartKind.FRESH_UNAGREED)
+
+    def __str__(self) -> str:
+        return f"synced round {self.round} from peers" if self.kind is StartKind.SYNCED else self.kind.value

@@ -76,14 +76,14 @@ def test_shard_checksum_sees_every_bit():
 
 
 def test_close_verdict_waits_for_the_minimum_then_closes_empty() -> None:
-    from hlbp.peer.rounds.rules import close_verdict
+    from hlbp.peer.rounds.rules import Verdict, close_verdict
 
-    assert close_verdict(3, 3, now=5.0, first_seen=0.0, max_window=60.0, rank=0, takeover_s=3.0) == "members"
-    assert close_verdict(2, 3, now=5.0, first_seen=0.0, max_window=60.0, rank=0, takeover_s=3.0) == "wait"
-    assert close_verdict(2, 3, now=60.0, first_seen=0.0, max_window=60.0, rank=0, takeover_s=3.0) == "empty"
+    assert close_verdict(3, 3, now=5.0, first_seen=0.0, max_window=60.0, rank=0, takeover_s=3.0) is Verdict.MEMBERS
+    assert close_verdict(2, 3, now=5.0, first_seen=0.0, max_window=60.0, rank=0, takeover_s=3.0) is Verdict.WAIT
+    assert close_verdict(2, 3, now=60.0, first_seen=0.0, max_window=60.0, rank=0, takeover_s=3.0) is Verdict.EMPTY
     # a lower-ranked coordinator gives the better-ranked ones their takeover time first
-    assert close_verdict(2, 3, now=62.0, first_seen=0.0, max_window=60.0, rank=1, takeover_s=3.0) == "wait"
-    assert close_verdict(0, 1, now=0.0, first_seen=0.0, max_window=60.0, rank=0, takeover_s=3.0) == "wait"
+    assert close_verdict(2, 3, now=62.0, first_seen=0.0, max_window=60.0, rank=1, takeover_s=3.0) is Verdict.WAIT
+    assert close_verdict(0, 1, now=0.0, first_seen=0.0, max_window=60.0, rank=0, takeover_s=3.0) is Verdict.WAIT
 
 
 def test_round_standing_for_status() -> None:

@@ -1,0 +1,130 @@
+"""Churn in a run of real ``hlbp join`` processes on 127.0.0.1: a peer joins mid-run, one is SIGKILLed mid-round,
+one is stopped with SIGTERM, and both come back with their identity and out-dir.
+
+Three honest replicas (a, b, c) start together. Each test brings about the churn it checks itself (a joiner is
+added by its fixture once the run is under way; the restart test stops and kills the peers it restarts), so each
+runs alone or in any order on the module's swarm.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+
+import pytest
+from round_records import ROUND_TIMEOUT_S, by_round, rounds_as_of, state_round, wait_rounds
+
+from hlbp.peer.sim.launcher import Replica, SimConfig, Swarm, checksums_agree, poll
+from hlbp.protocol.records import Hyperparameters
+
+pytestmark = pytest.mark.slow
+
+INNER_STEPS = 6
+MAX_DEADLINE_S = 10.0  # the manifest's longest collection window
+# the shortest: the peers share 2 cores here, so equal work finishes up to a second apart, and the window must
+# absorb that jitter or honest peers become stragglers
+MIN_DEADLINE_S = 2.0
+TAKEOVER_S = 3.0  # RoundConfig.takeover_s: how long each further-ranked coordinator waits past the window
+# the run's overlap mode: CI runs the default (eager, Hyperparameters.DEFAULT_OVERLAP); HLBP_TEST_OVERLAP=none runs
+# every fault with each round in turn (the suite's 15-minute budget has no room for both)
+OVERLAP = os.environ.get("HLBP_TEST_OVERLAP") or Hyperparameters.DEFAULT_OVERLAP["sparseloco"]
+
+
+@pytest.fixture(scope="module")
+def swarm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Swarm]:
+    cfg = SimConfig(n_full=0, rounds=40, inner_steps=INNER_STEPS, batch_size=4, seq_len=64, round_deadline_s=4.0,
+                    min_deadline_s=MIN_DEADLINE_S, max_deadline_s=MAX_DEADLINE_S, seed=7, threads=1, run_id="rounds-test", ttl_s=10.0, overlap=OVERLAP)
+    with Swarm(cfg, tmp_path_factory.mktemp("swarm")) as sw:
+        sw.start()
+        for name in ("a", "b", "c"):
+            sw.add(name)
+        yield sw
+
+
+@pytest.fixture(scope="module")
+def joiner(swarm: Swarm) -> Replica:
+    """A replica that joins once the run is under way (a has finished a round): it syncs while the others go on."""
+    wait_rounds(swarm, ["a"], 1)
+    return swarm.add("late")
+
+
+def test_sigkill_mid_round_survivors_complete_and_agree(swarm: Swarm) -> None:
+    c = swarm.replicas["c"]
+    done = len(c.rounds())
+    # two rounds: the one under way when they died may have waited for a takeover of its coordinator
+    poll(lambda: len(c.rounds()) > done + 1, ROUND_TIMEOUT_S, "c to finish two more rounds")
+    # c is now in this round's inner phase; under overlap it has already announced this round (a record is written
+    # when its exchange is joined, after the next contribution), so it dies after its payload may have been
+    # accepted: the survivors then fetch it from the coordinator, which checked it before accepting it
+    killed_in = c.rounds()[-1]["round"] + 1
+    c.proc.kill()
+    rounds = {}
+
+    def survivors_done() -> bool:
+        nonlocal rounds
+        rounds = by_round(swarm)
+        return all(n in rounds.get(killed_in + 1, {}) for n in ("a", "b"))
+
+    poll(survivors_done, ROUND_TIMEOUT_S, f"a and b to finish rounds {killed_in} and {killed_in + 1} without c")
+    for r in (killed_in, killed_in + 1):
+        a, b = rounds[r]["a"], rounds[r]["b"]
+        assert a["in_sync"] and b["in_sync"] and a["checksums"] == b["checksums"], (r, a, b)
+        assert a["accepted"] and b["accepted"], (r, a, b)
+        # closed by the deadline, not by waiting for c: at most the longest window (c, dead before it announced,
+        # is no coordinator to take over from) plus one takeover's slack for a loaded machine
+        assert max(a["wait_s"], b["wait_s"]) <= MAX_DEADLINE_S + TAKEOVER_S, (r, a["wait_s"], b["wait_s"])
+    assert not c.proc.alive
+
+
+def test_joiner_syncs_and_contributes(swarm: Swarm, joiner: Replica) -> None:
+    late = joiner
+    line = late.proc.wait_for(r"^replica: (.*); starting at round (\d+)", ROUND_TIMEOUT_S)
+    assert line.group(1).startswith("synced round"), line.group(0)
+    wait_rounds(swarm, ["late"], 2)
+    first = swarm.replicas["late"].rounds()[:2]
+    assert any(rec["accepted"] for rec in first), first
+    recs = rounds_as_of(swarm, first)
+    for rec in first:
+        assert rec["in_sync"] and rec["checksums"] == recs[state_round(rec)]["a"]["checksums"], rec
+
+
+# Rounds within which a restarted peer is accepted again, counting the round it sits out after a state sync.
+# Without overlap: that round and the next. Under overlap the next is a catch-up phase (rounds/loop.py) that ends
+# once others announce its round, and on 8 processes sharing 2 cores its notice can still miss the 2 s window (its
+# first step ran 1.4-1.6 s beside the background apply of the round it sat out). Since a synced peer pushes its
+# checksums (and so hears of the next notices by push), 10 restarts of 10 were accepted in that round (3 of 10
+# before). On a slower day of the same box (the whole suite 30 % slower) a restart missed the window in its
+# catch-up round and again in the next, cut short to 4 of 6 steps, then went on (2 fresh-clone failures in about
+# 10 runs, both under eager, none logged a fetch failure: the notice came after the close; a third in CI missed 5
+# rounds in a row beside the faulty peers, which now run in another test module). The bound keeps three rounds of
+# slack: what it checks is that a restarted peer is taken back, not how fast on 2 shared cores.
+WITHIN = 2 if OVERLAP == "none" else 5
+
+
+def test_restarted_peers_resume_or_sync_and_are_accepted_again(swarm: Swarm) -> None:
+    wait_rounds(swarm, ["a", "b", "c"], 1)  # both have a checkpoint or a state to come back to
+    b = swarm.replicas["b"]
+    assert b.proc.stop(timeout=30) == 0, b.proc.output[-2000:]
+    assert b.proc.find("leaving: marking this peer offline")
+    swarm.replicas["c"].proc.kill()  # no-op if the SIGKILL test already did
+    before = {name: len(swarm.replicas[name].rounds()) for name in ("b", "c")}
+    for name in ("b", "c"):  # b stopped cleanly, c SIGKILLed; both come back at once
+        swarm.add(name)
+    for name in ("b", "c"):
+        again = swarm.replicas[name]
+        line = again.proc.wait_for(r"^replica: (.*); starting at round (\d+)", ROUND_TIMEOUT_S)
+        assert line.group(1).startswith(("resumed", "synced")), line.group(0)
+        n = before[name]
+        # done at its first accepted round, or after WITHIN rounds without one
+        poll(lambda r=again, n=n: len(r.rounds()) >= n + WITHIN
+             or any(rec["accepted"] for rec in r.rounds()[n:n + WITHIN]), ROUND_TIMEOUT_S,
+             f"{name}'s first {WITHIN} rounds after its restart")
+        first = again.rounds()[n:n + WITHIN]
+        assert any(rec["accepted"] for rec in first), (
+            f"{name} not accepted within {WITHIN} rounds of its restart:\n"
+            + "\n".join(json.dumps(rec, default=str) for rec in first)
+            + f"\n--- {name}'s log\n{again.proc.output[-6000:]}")
+    rounds = by_round(swarm)
+    last = max(r for r, recs in rounds.items() if {"a", "b", "c"} <= set(recs))
+    assert checksums_agree([rounds[last][n] for n in ("a", "b", "c")]), rounds[last]
