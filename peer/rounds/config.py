@@ -69,7 +69,7 @@ class RoundStats:
     # landed at that phase's end, or there was no overlap)
     landed_after: int | None = None
     # under eager overlap: inner steps of the next phase trained before each partial result of this round (ours and
-    # the contributions fetched so far) landed in it, ahead of the result itself (rounds/overlapped.py)
+    # the contributions fetched so far) landed in it, ahead of the result itself (rounds/overlap_loop.py)
     previews: list[int] = field(default_factory=list)
     guard: dict[str, float] = field(default_factory=dict)  # largest contribution and update norm ratios seen
     copies: list[dict[str, Any]] = field(default_factory=list)  # evidence of copied contributions (rounds/copies.py)

@@ -127,7 +127,7 @@ class ReplicaBase(ABC):
 
     def load_anchor_into_model(self) -> None:
         if self.overlapping:
-            return  # the model is the main thread's, training the next phase (see rounds/overlapped.py)
+            return  # the model is the main thread's, training the next phase (see rounds/overlap_loop.py)
         self.trainer.load_params(self.state.anchor)  # a variant-A trainer's constraint then projects from these
         if self.on_load is not None:
             self.on_load(self.state.anchor)

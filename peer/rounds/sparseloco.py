@@ -40,7 +40,7 @@ from hlbp.peer.rounds.follow import Follower, follow_anchor
 from hlbp.peer.rounds.loop import ReplicaBase, RoundConfig, RoundStats
 from hlbp.peer.rounds.outcome import Applied, Failed, Refused, RoundOutcome
 from hlbp.peer.rounds.outer import Contribution, make_outer
-from hlbp.peer.rounds.overlapped import Overlapped
+from hlbp.peer.rounds.overlap_loop import OverlapLoop
 from hlbp.peer.rounds.payloads import PayloadEncoder, Payloads, payload_name
 from hlbp.peer.rounds.rules import payload_limit
 from hlbp.peer.rounds.state import Start
@@ -81,7 +81,7 @@ class RoundRunner(ReplicaBase):
                                  bans.banned, self._received, self.stop)
         self.applier = Applier(self.cfg, self.shards, self.held, applied, self.payloads, bans, self.guard_loss,
                                self.load_anchor_into_model)
-        self.overlapped = Overlapped(self) if self.cfg.overlap != "none" else None
+        self.overlapped = OverlapLoop(self) if self.cfg.overlap != "none" else None
         # contributors to wait for before closing early: the live ones the announcements name (0: unread), else
         # the last round's members; at every poll an overlapped phase takes in the round's result so far
         self.closer = Closer(self.me, self.cfg, len(self.shards), self.records, self.payloads, bans,

@@ -18,7 +18,7 @@ class ReplicaState:
 
     One thread owns it at a time: without overlap the round loop's; under overlap the exchange thread changes the
     anchor and outer optimizers of the round in flight while the main thread only reads the anchor's tensors,
-    which are replaced, never changed in place (``hlbp.peer.rounds.overlapped``). Checkpoints and state sync
+    which are replaced, never changed in place (``hlbp.peer.rounds.overlap_loop``). Checkpoints and state sync
     read and replace it as a whole (``persist.py``, the loop's ``sync``)."""
 
     anchor: dict[str, torch.Tensor]

@@ -122,7 +122,7 @@ def summarize(records: dict[str, Sequence[dict[str, Any]]], n_params: int | None
             phases[name] = phases.get(name, 0.0) + float(secs)
     out["phases_s"] = {name: total / len(peer_rounds) for name, total in phases.items()}
     landed = [rec["landed_after"] for rec in peer_rounds if rec.get("landed_after") is not None]
-    # and before it, the first partial result (ours and the contributions fetched so far; rounds/overlapped.py)
+    # and before it, the first partial result (ours and the contributions fetched so far; rounds/overlap_loop.py)
     firsts = [rec["previews"][0] for rec in peer_rounds if rec.get("previews")]
     out["landing"] = {"mid_phase": len(landed) / len(peer_rounds) if peer_rounds else 0.0,
                       "mean_steps": sum(landed) / len(landed) if landed else None,

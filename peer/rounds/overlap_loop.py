@@ -15,7 +15,7 @@ the exchange before it contributes the next round, saves a checkpoint or reports
 anchor and the checkpoint are never read half-updated.
 
 Reports come one round late: the call that trains phase r+1 returns round r's report. The first call returns None
-(nothing has finished yet), and :meth:`Overlapped.finish` reports the last exchange when the peer stops.
+(nothing has finished yet), and :meth:`OverlapLoop.finish` reports the last exchange when the peer stops.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ logger = logging.getLogger(__name__)
 
 
 class OverlappableLoop(Protocol):
-    """What :class:`Overlapped` needs of the round loop it runs (a
+    """What :class:`OverlapLoop` needs of the round loop it runs (a
     :class:`hlbp.peer.rounds.sparseloco.RoundRunner`): its state, its parts and the steps of a round."""
 
     cfg: RoundConfig
@@ -87,7 +87,7 @@ class _InFlight:
     landed: int | None = None  # steps before the round's result landed (main thread)
 
 
-class Overlapped:
+class OverlapLoop:
     """The overlapped round loop of a :class:`hlbp.peer.rounds.sparseloco.RoundRunner` (``runner``)."""
 
     def __init__(self, runner: OverlappableLoop) -> None:
