@@ -36,7 +36,7 @@ import tomllib
 
 from hlbp.peer.common.errors import UserInputError
 from hlbp.protocol import ProtocolError
-from hlbp.protocol.records import (
+from hlbp.protocol.manifest import (
     PROTOCOL_VERSION,
     ActivationCodec,
     Hyperparameters,

@@ -17,8 +17,8 @@ from hlbp.bootstrap.config import build_manifest, load_run_config
 from hlbp.peer.common.errors import UserInputError
 from hlbp.peer.net.control import ControlPlane, NetworkConfig, software_version
 from hlbp.peer.net.heartbeat import Heartbeat
-from hlbp.peer.net.records import dht_time, load_or_create_identity
-from hlbp.protocol.records import (
+from hlbp.peer.net.validation import dht_time, load_or_create_identity
+from hlbp.protocol.manifest import (
     Announcement,
     Hyperparameters,
     Manifest,

@@ -150,7 +150,7 @@ def status(
 
     from hlbp.peer.light.trust import trusted_signers
     from hlbp.peer.net.control import ControlPlane, NetworkConfig
-    from hlbp.peer.net.records import dht_time
+    from hlbp.peer.net.validation import dht_time
     from hlbp.peer.node.status import read_round_checks, status_report
 
     # A client-mode node on loopback: status only dials out, so it opens no port to the outside.

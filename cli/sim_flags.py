@@ -82,7 +82,7 @@ class SimFlags:
                        help="A fast smoke run: 2 replicas, 2 rounds, 5 inner steps.")
 
     def __post_init__(self) -> None:
-        from hlbp.protocol.records import ActivationCodec, Hyperparameters
+        from hlbp.protocol.manifest import ActivationCodec, Hyperparameters
 
         if self.quick:
             self.full, self.rounds, self.inner_steps = 2, 2, 5
@@ -120,7 +120,7 @@ class SimFlags:
     def overlap_mode(self) -> str:
         """The overlap the run will use: --overlap, or when it is left out the manifest's default (the outer's,
         none for a variant-A codec; records.Hyperparameters)."""
-        from hlbp.protocol.records import ActivationCodec, Hyperparameters
+        from hlbp.protocol.manifest import ActivationCodec, Hyperparameters
 
         constrained = self.codec in ActivationCodec.CONSTRAINED
         return self.overlap or Hyperparameters.default_overlap(self.outer, constrained)

@@ -10,7 +10,7 @@ import msgpack
 from hlbp.protocol.errors import ProtocolError
 from hlbp.protocol.fields import _int, _str, _str_list
 from hlbp.protocol.identity import _unpack
-from hlbp.protocol.records import _SHA256_RE, MAX_HEADER_BYTES, MAX_PROBE_BYTES
+from hlbp.protocol.manifest import _SHA256_RE, MAX_HEADER_BYTES, MAX_PROBE_BYTES
 
 FRAME_PREFIX_BYTES = 4
 OPS = ("artifact", "probe", "dialback")

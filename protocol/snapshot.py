@@ -21,7 +21,7 @@ from typing import Any
 import msgpack
 
 from hlbp.protocol.errors import ProtocolError, RecordExpired
-from hlbp.protocol.records import (
+from hlbp.protocol.manifest import (
     _RUN_ID_RE,
     MAX_ANNOUNCEMENT_BYTES,
     MAX_MANIFEST_BYTES,
@@ -31,7 +31,7 @@ from hlbp.protocol.records import (
     decode_announcement,
     decode_manifest,
 )
-from hlbp.protocol.roundrecords import (
+from hlbp.protocol.roundwire import (
     MAX_RECORD_BYTES,
     AcceptedSet,
     ShardChecks,

@@ -161,7 +161,7 @@ def test_the_cycle_finder_itself(graph: dict[str, set[str]], cycles: list[list[s
     ("hlbp.peer.train.trainer", "hlbp.peer.net.control", False),
     ("hlbp.peer.rounds.loop", "hlbp.peer.train.trainer", True),
     ("hlbp.peer.sim.launcher", "hlbp.peer.bench.report", False),
-    ("hlbp.protocol.records", "hlbp.peer.common.errors", False),
+    ("hlbp.protocol.manifest", "hlbp.peer.common.errors", False),
     ("hlbp.peer.net.control", "hlbp.cli.main", False),
 ])
 def test_the_rule_itself(importer: str, imported: str, allowed: bool) -> None:

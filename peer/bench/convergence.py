@@ -37,7 +37,7 @@ from hlbp.peer.rounds.outer import OuterConfig
 from hlbp.peer.rounds.overlap import OVERLAPS
 from hlbp.peer.sim.engine import SimConfig, make_full_replicas, run_outer_simulation, run_single_adamw
 from hlbp.peer.train.trainer import OptimConfig, pick_device
-from hlbp.protocol.records import Hyperparameters
+from hlbp.protocol.manifest import Hyperparameters
 from hlbp.protocol.sparse import transmitted_fraction
 
 

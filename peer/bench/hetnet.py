@@ -151,7 +151,7 @@ def plan(cfg: HetNetBenchConfig) -> list[Run]:
 
 def slot_keys(root: Path, n: int) -> list[Path]:
     """``n`` identity files, one per replica slot, reused by every arm so slot i draws the same data in each."""
-    from hlbp.peer.net.records import load_or_create_identity
+    from hlbp.peer.net.validation import load_or_create_identity
 
     root.mkdir(parents=True, exist_ok=True)
     paths = [root / f"slot{i}.key" for i in range(n)]

@@ -194,8 +194,8 @@ def swarm(cfg: NetworkBenchConfig, model: str, n: int, data: Any) -> Iterator[Sw
     from hlbp.peer.data.streams import TokenStream
     from hlbp.peer.model.decoder import build_model, preset, split
     from hlbp.peer.net.dht import SafeDHT
-    from hlbp.peer.net.records import load_or_create_identity
     from hlbp.peer.net.transport import P2PBlobTransport
+    from hlbp.peer.net.validation import load_or_create_identity
     from hlbp.peer.rounds.diloco import sigint_preserved
     from hlbp.peer.rounds.outer import OuterConfig
     from hlbp.peer.rounds.sparseloco import RoundConfig, RoundRunner

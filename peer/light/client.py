@@ -30,7 +30,7 @@ from hlbp.protocol.frames import (
     header_length,
     parse_body_size,
 )
-from hlbp.protocol.records import MAX_ARTIFACT_BYTES
+from hlbp.protocol.manifest import MAX_ARTIFACT_BYTES
 from hlbp.protocol.snapshot import MAX_SNAPSHOT_BYTES, Snapshot, decode_snapshot, snapshot_request
 
 SNAPSHOT_PROTOCOL = "/hlbp/snapshot/1"  # hlbp.peer.net.snapshot.SNAPSHOT_HANDLER

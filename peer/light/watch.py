@@ -13,7 +13,7 @@ from hlbp.peer.common.errors import UserInputError
 from hlbp.peer.light.client import Fetched, LightDialError, fetch_artifact, fetch_snapshot
 from hlbp.peer.light.trust import trusted_signers
 from hlbp.protocol import ProtocolError
-from hlbp.protocol.records import Artifact, Manifest
+from hlbp.protocol.manifest import Artifact, Manifest
 from hlbp.protocol.snapshot import Snapshot, SnapshotView, verify_snapshot
 
 MAX_INITIAL_PEERS = 8  # initial peers tried in turn before giving up

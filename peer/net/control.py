@@ -2,10 +2,10 @@
 
 - :func:`connect_dht` starts a hivemind DHT whose p2pd uses this peer's Ed25519 identity, retrying the initial
   peers with exponential backoff and failing with every address tried and what to check.
-- The records themselves are verified by :mod:`hlbp.peer.net.records` (inside the DHT process and by readers).
+- The records themselves are verified by :mod:`hlbp.peer.net.validation` (inside the DHT process and by readers).
 - :class:`ControlPlane` wraps the DHT for the main process: publish and read records, serve and fetch artifacts,
   probe bandwidth and ask a peer to dial us back. Data-plane requests run in the DHT process's event loop, over
-  one raw hivemind stream handler: a length-prefixed msgpack header, then the body (hlbp.protocol.records).
+  one raw hivemind stream handler: a length-prefixed msgpack header, then the body (hlbp.protocol.manifest).
 - :class:`hlbp.peer.net.heartbeat.Heartbeat` refreshes this peer's announcement before it expires.
 """
 
@@ -33,7 +33,7 @@ from hlbp.peer.net.dataplane import (
     watch_parent,
 )
 from hlbp.peer.net.dht import DHT_DIED, SafeDHT
-from hlbp.peer.net.records import (
+from hlbp.peer.net.validation import (
     RecordReader,
     choose_manifest,
     dht_time,
@@ -42,7 +42,7 @@ from hlbp.peer.net.records import (
 )
 from hlbp.protocol import ProtocolError
 from hlbp.protocol.identity import Identity, sha256_hex
-from hlbp.protocol.records import (
+from hlbp.protocol.manifest import (
     MANIFEST_KEY,
     MAX_PROBE_BYTES,
     Announcement,

@@ -2,7 +2,7 @@
 
 It runs inside the DHT process (hivemind's ``DHT.run_coroutine``), on that process's P2P instance, so serving an
 artifact or a probe never takes the main process's time. Requests and responses are explicit msgpack headers with
-size limits (:mod:`hlbp.protocol.records`), never pickles. :class:`hlbp.peer.net.control.ControlPlane` is the main
+size limits (:mod:`hlbp.protocol.manifest`), never pickles. :class:`hlbp.peer.net.control.ControlPlane` is the main
 process's handle on it.
 """
 

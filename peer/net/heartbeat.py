@@ -9,8 +9,8 @@ from dataclasses import replace
 from typing import Any
 
 from hlbp.peer.net.control import ControlPlane, _describe
-from hlbp.peer.net.records import dht_time
-from hlbp.protocol.records import Announcement, SignedManifest
+from hlbp.peer.net.validation import dht_time
+from hlbp.protocol.manifest import Announcement, SignedManifest
 
 logger = logging.getLogger(__name__)
 

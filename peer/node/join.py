@@ -27,11 +27,11 @@ from hlbp.peer.common.errors import UserInputError
 from hlbp.peer.light.trust import trusted_signers
 from hlbp.peer.net.control import ControlPlane, NetworkConfig, software_version
 from hlbp.peer.net.heartbeat import Heartbeat
-from hlbp.peer.net.records import load_or_create_identity
+from hlbp.peer.net.validation import load_or_create_identity
 from hlbp.peer.node.capacity import measure, measure_bandwidth, measure_throughput, model_warmup
 from hlbp.peer.node.roles import Capacity, PeerView, Role, Thresholds, choose_role
 from hlbp.protocol.identity import sha256_hex
-from hlbp.protocol.records import Announcement, SignedManifest
+from hlbp.protocol.manifest import Announcement, SignedManifest
 
 logger = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ from typing import Any
 def read_round_checks(dht: Any, run_id: str) -> list[Any]:
     """Every replica's last published round state (signed ``checks`` records); unverifiable ones are skipped."""
     from hlbp.protocol import ProtocolError
-    from hlbp.protocol.roundrecords import checks_key, parse_checks
+    from hlbp.protocol.roundwire import checks_key, parse_checks
 
     found = dht.get(checks_key(run_id), latest=True)
     if found is None or not isinstance(found.value, dict):

@@ -16,7 +16,7 @@ import torch
 
 from hlbp.peer.rounds.rules import fingerprint_cluster, majority_checksums
 from hlbp.peer.rounds.statesync import shard_fingerprint
-from hlbp.protocol.roundrecords import ShardChecks
+from hlbp.protocol.roundwire import ShardChecks
 
 logger = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ from hlbp.peer.rounds.outer import Contribution
 from hlbp.peer.rounds.payloads import BadPayload, Payloads, error_text
 from hlbp.peer.rounds.state import ReplicaState
 from hlbp.protocol import ProtocolError
-from hlbp.protocol.roundrecords import AcceptedSet
+from hlbp.protocol.roundwire import AcceptedSet
 
 logger = logging.getLogger(__name__)
 

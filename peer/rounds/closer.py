@@ -32,7 +32,7 @@ from hlbp.peer.rounds.rules import (
     pick_accepted,
     widen_for_late,
 )
-from hlbp.protocol.roundrecords import (
+from hlbp.protocol.roundwire import (
     KIND_ACCEPTED,
     KIND_CONTRIB,
     AcceptedSet,

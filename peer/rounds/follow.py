@@ -31,7 +31,7 @@ from hlbp.peer.net.transport import TransportError
 from hlbp.peer.rounds.outer import make_outer
 from hlbp.peer.rounds.rules import majority_checksums
 from hlbp.peer.rounds.statesync import fetch_state, shard_checksum
-from hlbp.protocol.roundrecords import ShardChecks
+from hlbp.protocol.roundwire import ShardChecks
 
 logger = logging.getLogger(__name__)
 

@@ -35,7 +35,7 @@ from hlbp.peer.rounds.verify import StateSync
 from hlbp.peer.train.metricslog import MetricsLog
 from hlbp.peer.train.trainer import InnerTrainer
 from hlbp.protocol.identity import Identity
-from hlbp.protocol.roundrecords import (
+from hlbp.protocol.roundwire import (
     ShardChecks,
 )
 

@@ -40,7 +40,7 @@ from collections.abc import Mapping
 import torch
 
 from hlbp.peer.rounds.outer import Contribution, OuterConfig
-from hlbp.protocol.records import Hyperparameters
+from hlbp.protocol.manifest import Hyperparameters
 from hlbp.protocol.sparse import SparseTensor, decompress
 
 OVERLAPS = Hyperparameters.OVERLAPS

@@ -32,7 +32,7 @@ from hlbp.peer.rounds.config import RoundConfig, RoundStats
 from hlbp.peer.rounds.outer import Contribution, OuterConfig
 from hlbp.peer.rounds.overlap import landing_shift, phase_start
 from hlbp.peer.rounds.state import ReplicaState
-from hlbp.protocol.roundrecords import ShardChecks
+from hlbp.protocol.roundwire import ShardChecks
 
 logger = logging.getLogger(__name__)
 

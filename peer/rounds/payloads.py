@@ -26,7 +26,7 @@ from hlbp.peer.rounds.contribution import contribution_from_bytes, contribution_
 from hlbp.peer.rounds.outer import Contribution, OuterConfig
 from hlbp.protocol import ProtocolError
 from hlbp.protocol.identity import sha256_hex
-from hlbp.protocol.roundrecords import ContribNotice
+from hlbp.protocol.roundwire import ContribNotice
 
 
 class BadPayload(ProtocolError):

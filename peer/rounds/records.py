@@ -19,7 +19,7 @@ from hlbp.peer.rounds.config import RoundConfig
 from hlbp.peer.rounds.inbox import Both, DhtPoll, Inbox, found_entries, merge
 from hlbp.protocol import ProtocolError
 from hlbp.protocol.identity import Identity
-from hlbp.protocol.roundrecords import (
+from hlbp.protocol.roundwire import (
     KIND_ACCEPTED,
     KIND_CHECKS,
     KIND_CONTRIB,

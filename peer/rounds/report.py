@@ -8,7 +8,7 @@ import torch
 
 from hlbp.peer.rounds.config import RoundStats
 from hlbp.peer.train.metricslog import MetricsLog
-from hlbp.protocol.roundrecords import ShardChecks
+from hlbp.protocol.roundwire import ShardChecks
 
 
 class RoundReporter:

@@ -13,7 +13,7 @@ from collections.abc import Set as AbstractSet
 from enum import Enum
 
 from hlbp.peer.rounds.statesync import fingerprints_agree
-from hlbp.protocol.roundrecords import AcceptedSet, ShardChecks
+from hlbp.protocol.roundwire import AcceptedSet, ShardChecks
 
 
 def coordinator_order(round_: int, peers: Sequence[str]) -> list[str]:

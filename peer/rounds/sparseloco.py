@@ -45,7 +45,7 @@ from hlbp.peer.rounds.payloads import PayloadEncoder, Payloads, payload_name
 from hlbp.peer.rounds.rules import payload_limit
 from hlbp.peer.rounds.state import Start
 from hlbp.protocol.identity import sha256_hex
-from hlbp.protocol.roundrecords import KIND_CONTRIB, AcceptedSet, ContribNotice, ShardChecks, round_key
+from hlbp.protocol.roundwire import KIND_CONTRIB, AcceptedSet, ContribNotice, ShardChecks, round_key
 
 __all__ = ["RoundConfig", "RoundRunner", "RoundStats"]  # the config and stats live with the shared base
 

@@ -31,8 +31,8 @@ from hlbp.peer.rounds.rules import checks_settled
 from hlbp.peer.rounds.state import ReplicaState
 from hlbp.peer.rounds.statesync import encode_state, fetch_state, shard_checksum, state_name
 from hlbp.protocol import ProtocolError
-from hlbp.protocol.records import decode_announcement, peers_key
-from hlbp.protocol.roundrecords import KIND_CHECKS, ShardChecks, checks_key, parse_checks
+from hlbp.protocol.manifest import decode_announcement, peers_key
+from hlbp.protocol.roundwire import KIND_CHECKS, ShardChecks, checks_key, parse_checks
 
 logger = logging.getLogger(__name__)
 

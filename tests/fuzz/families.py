@@ -59,7 +59,7 @@ from hlbp.protocol.activations import decode_activations
 from hlbp.protocol.dense import decode_dense, encode_dense
 from hlbp.protocol.frames import decode_header, encode_header, header_length, parse_body_size, parse_request
 from hlbp.protocol.identity import Identity
-from hlbp.protocol.records import (
+from hlbp.protocol.manifest import (
     Announcement,
     Artifact,
     Manifest,
@@ -68,7 +68,7 @@ from hlbp.protocol.records import (
     encode_announcement,
     encode_manifest,
 )
-from hlbp.protocol.roundrecords import (
+from hlbp.protocol.roundwire import (
     KIND_ACCEPTED,
     KIND_CHECKS,
     KIND_CONTRIB,

@@ -19,7 +19,7 @@ from mutators import flip_bytes, mutate_tree, pack_tree
 from oracles import BadAccept, mutate_sealed
 
 from hlbp.protocol.identity import Identity
-from hlbp.protocol.records import (
+from hlbp.protocol.manifest import (
     KIND_ANNOUNCEMENT,
     KIND_MANIFEST,
     Announcement,
@@ -28,7 +28,7 @@ from hlbp.protocol.records import (
     encode_announcement,
     encode_manifest,
 )
-from hlbp.protocol.roundrecords import KIND_ACCEPTED, KIND_CHECKS, AcceptedSet, ShardChecks, sign
+from hlbp.protocol.roundwire import KIND_ACCEPTED, KIND_CHECKS, AcceptedSet, ShardChecks, sign
 from hlbp.protocol.snapshot import Snapshot, SnapshotView, decode_snapshot, encode_snapshot, verify_snapshot
 
 INPUTS = 800

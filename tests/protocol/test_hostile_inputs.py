@@ -17,8 +17,8 @@ from hlbp.protocol import envelope as env
 from hlbp.protocol.dense import decode_dense, encode_dense, read_header
 from hlbp.protocol.frames import decode_header
 from hlbp.protocol.identity import ENVELOPE_MAGIC, ENVELOPE_SCHEMA, Identity, _signed_message, b58decode
-from hlbp.protocol.records import Manifest, check_run_id, check_sha256, decode_manifest, encode_manifest
-from hlbp.protocol.roundrecords import (
+from hlbp.protocol.manifest import Manifest, check_run_id, check_sha256, decode_manifest, encode_manifest
+from hlbp.protocol.roundwire import (
     KIND_ACCEPTED,
     KIND_CHECKS,
     KIND_CONTRIB,

@@ -11,8 +11,8 @@ import pytest
 
 from hlbp.protocol import ProtocolError
 from hlbp.protocol.identity import Identity
-from hlbp.protocol.records import Announcement, Artifact, Manifest, encode_announcement, encode_manifest
-from hlbp.protocol.roundrecords import KIND_ACCEPTED, KIND_CHECKS, AcceptedSet, ShardChecks, sign
+from hlbp.protocol.manifest import Announcement, Artifact, Manifest, encode_announcement, encode_manifest
+from hlbp.protocol.roundwire import KIND_ACCEPTED, KIND_CHECKS, AcceptedSet, ShardChecks, sign
 from hlbp.protocol.snapshot import (
     MAX_SNAPSHOT_BYTES,
     SECTIONS,

@@ -15,7 +15,7 @@ import pytest
 from hivemind.utils import get_dht_time
 
 from hlbp.peer.net.control import NetworkConfig, connect_dht
-from hlbp.peer.net.records import load_or_create_identity, record_validator
+from hlbp.peer.net.validation import load_or_create_identity, record_validator
 
 pytestmark = pytest.mark.slow
 

@@ -12,7 +12,7 @@ from hivemind.utils import MSGPackSerializer
 
 from hlbp.peer.common.errors import UserInputError
 from hlbp.peer.net.control import check_initial_peers
-from hlbp.peer.net.records import (
+from hlbp.peer.net.validation import (
     RecordReader,
     choose_manifest,
     dht_time,
@@ -20,7 +20,7 @@ from hlbp.peer.net.records import (
     record_validator,
 )
 from hlbp.protocol.identity import Identity, seal
-from hlbp.protocol.records import (
+from hlbp.protocol.manifest import (
     KIND_MANIFEST,
     MANIFEST_KEY,
     Announcement,

@@ -15,7 +15,7 @@ from hlbp.peer.model.subspace import constrained_names
 from hlbp.peer.node.replica import codec_config, replica_model
 from hlbp.peer.rounds.outer import pseudo_gradient
 from hlbp.peer.train.trainer import InnerTrainer, OptimConfig
-from hlbp.protocol.records import ActivationCodec, Manifest
+from hlbp.protocol.manifest import ActivationCodec, Manifest
 
 VOCAB = 300
 SEED = 11

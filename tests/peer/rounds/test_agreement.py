@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from hlbp.peer.rounds.agreement import ExactAgreement, FingerprintAgreement
-from hlbp.protocol.roundrecords import ShardChecks
+from hlbp.protocol.roundwire import ShardChecks
 
 A, B, C = "a" * 64, "b" * 64, "c" * 64
 

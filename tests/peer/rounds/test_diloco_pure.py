@@ -12,8 +12,8 @@ from hlbp.peer.rounds.statesync import fingerprints_agree, shard_fingerprint
 from hlbp.peer.sim.launcher import states_agree
 from hlbp.protocol import ProtocolError
 from hlbp.protocol.identity import Identity
-from hlbp.protocol.records import Hyperparameters
-from hlbp.protocol.roundrecords import KIND_CHECKS, ShardChecks, parse_checks, sign
+from hlbp.protocol.manifest import Hyperparameters
+from hlbp.protocol.roundwire import KIND_CHECKS, ShardChecks, parse_checks, sign
 
 D = "ab" * 32
 

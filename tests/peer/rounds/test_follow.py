@@ -30,7 +30,7 @@ from hlbp.peer.rounds.statesync import encode_state, shard_checksum, state_name
 from hlbp.peer.train.trainer import InnerTrainer, OptimConfig
 from hlbp.protocol import ProtocolError
 from hlbp.protocol.identity import Identity, sha256_hex
-from hlbp.protocol.roundrecords import AcceptedSet, ShardChecks
+from hlbp.protocol.roundwire import AcceptedSet, ShardChecks
 
 CONFIG = ModelConfig(vocab_size=64, d_model=32, n_layers=4, n_heads=4, d_ff=64, max_seq_len=16)
 BOUNDS = [(0, 2), (2, 4)]

@@ -58,7 +58,7 @@ def test_a_stale_push_never_hides_the_newer_dht_record_and_a_newer_push_wins() -
     from hlbp.peer.rounds.inbox import Both, merge
     from hlbp.peer.rounds.records import _newer
     from hlbp.protocol.identity import Identity
-    from hlbp.protocol.roundrecords import KIND_CHECKS, ShardChecks, parse_checks, sign
+    from hlbp.protocol.roundwire import KIND_CHECKS, ShardChecks, parse_checks, sign
 
     me = Identity.generate()
 

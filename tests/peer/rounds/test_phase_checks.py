@@ -111,7 +111,7 @@ def test_a_mark_for_another_round_does_not_cut_this_phase() -> None:
 def test_a_peer_that_pushes_its_checksums_is_pushed_our_next_records() -> None:
     # a restarted peer sits its first round out (no notice) and pushes its checksums to the round's members: from
     # then on they push it their records, so its catch-up phase hears of the next round's notices at once
-    from hlbp.protocol.roundrecords import KIND_CONTRIB, checks_key, round_key
+    from hlbp.protocol.roundwire import KIND_CONTRIB, checks_key, round_key
 
     replica = _replica(_LateExchange(r=5, at=3, mark=False))
     replica.state.round = 6

@@ -16,7 +16,7 @@ from faulty_peer import program
 from round_records import ROUND_TIMEOUT_S, rounds_as_of, state_round, wait_rounds
 
 from hlbp.peer.sim.launcher import Replica, SimConfig, Swarm, checksums_agree, poll
-from hlbp.protocol.records import Hyperparameters
+from hlbp.protocol.manifest import Hyperparameters
 
 pytestmark = pytest.mark.slow
 

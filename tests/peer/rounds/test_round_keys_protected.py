@@ -4,9 +4,9 @@ import hivemind
 import pytest
 from hivemind.utils import get_dht_time
 
-from hlbp.peer.net.records import record_validator
+from hlbp.peer.net.validation import record_validator
 from hlbp.protocol.identity import Identity
-from hlbp.protocol.roundrecords import KIND_CONTRIB, MAX_RECORD_BYTES, ContribNotice, round_key, sign
+from hlbp.protocol.roundwire import KIND_CONTRIB, MAX_RECORD_BYTES, ContribNotice, round_key, sign
 
 
 @pytest.mark.slow

@@ -11,7 +11,7 @@ from hlbp.peer.rounds.rules import (
     widen_for_late,
 )
 from hlbp.peer.rounds.statesync import shard_checksum
-from hlbp.protocol.roundrecords import AcceptedSet, ShardChecks
+from hlbp.protocol.roundwire import AcceptedSet, ShardChecks
 
 PEERS = [f"12D3KooWpeer{i:02d}xxxxxxxxxxxxxxxx" for i in range(6)]
 

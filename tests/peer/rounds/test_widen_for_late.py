@@ -17,7 +17,7 @@ from hlbp.peer.rounds.outer import OuterConfig
 from hlbp.peer.rounds.payloads import Payloads
 from hlbp.peer.rounds.records import RoundRecords
 from hlbp.protocol.identity import Identity
-from hlbp.protocol.roundrecords import KIND_CONTRIB, ContribNotice, round_key, sign
+from hlbp.protocol.roundwire import KIND_CONTRIB, ContribNotice, round_key, sign
 
 RUN = "late-test"
 IDS = {name: Identity.generate() for name in ("me", "on_time", "late", "other")}

@@ -1,6 +1,6 @@
 """Signed DHT records of the round protocol: contribution notices, accepted sets and shard checksums.
 
-Each record is a :func:`hlbp.protocol.records.seal` envelope, so it is bound to its signer's peer id; the body
+Each record is a :func:`hlbp.protocol.manifest.seal` envelope, so it is bound to its signer's peer id; the body
 names the run and round, so a record cannot be replayed into another round. Parsing enforces types, ranges and
 sizes and raises :class:`ProtocolError` for anything else. Unknown body fields are ignored (forward compatible).
 """

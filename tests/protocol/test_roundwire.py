@@ -6,7 +6,7 @@ from hypothesis import strategies as st
 
 from hlbp.protocol import ProtocolError
 from hlbp.protocol.identity import Identity
-from hlbp.protocol.roundrecords import (
+from hlbp.protocol.roundwire import (
     KIND_ACCEPTED,
     KIND_CHECKS,
     KIND_CONTRIB,

@@ -22,7 +22,7 @@ from hivemind.utils import MSGPackSerializer, get_dht_time
 from hlbp.peer.common.errors import UserInputError
 from hlbp.protocol import ProtocolError, RecordExpired
 from hlbp.protocol.identity import Identity, open_envelope
-from hlbp.protocol.records import (
+from hlbp.protocol.manifest import (
     KIND_ANNOUNCEMENT,
     KIND_MANIFEST,
     MANIFEST_KEY,

@@ -18,7 +18,7 @@ from hlbp.protocol.identity import (
     public_key_from_peer_id,
     seal,
 )
-from hlbp.protocol.records import (
+from hlbp.protocol.manifest import (
     KIND_ANNOUNCEMENT,
     KIND_MANIFEST,
     MAX_ANNOUNCEMENT_BYTES,
@@ -197,7 +197,7 @@ def test_data_plane_headers():
 
 
 def test_round_settings_and_allow_list_travel_in_the_manifest():
-    from hlbp.protocol.records import Hyperparameters
+    from hlbp.protocol.manifest import Hyperparameters
 
     members = tuple(sorted(_identity(s).peer_id for s in (4, 5)))
     hp = Hyperparameters(aggregation="mean", weighting="tokens", clip_median=False, max_contribution_ratio=3.0,
@@ -222,7 +222,7 @@ def test_round_settings_and_allow_list_travel_in_the_manifest():
 
 
 def test_overlap_defaults_to_eager_for_sparseloco_and_none_for_diloco():
-    from hlbp.protocol.records import Hyperparameters
+    from hlbp.protocol.manifest import Hyperparameters
 
     assert Hyperparameters().overlap == "eager" and Hyperparameters(outer="diloco").overlap == "none"
     # a body that does not name it gets its outer's default; a manifest always names it (to_body), so a run keeps
@@ -241,7 +241,7 @@ def test_overlap_defaults_to_eager_for_sparseloco_and_none_for_diloco():
 def test_variant_a_runs_do_not_overlap_their_full_replicas():
     # their full replicas train the constrained network, whose parameters an overlapped landing cannot shift
     from hlbp.peer.model.subspace import CONSTRAINED
-    from hlbp.protocol.records import ActivationCodec
+    from hlbp.protocol.manifest import ActivationCodec
 
     assert ActivationCodec.CONSTRAINED == CONSTRAINED  # the protocol's copy of the model's list
     body = _manifest().to_body()
