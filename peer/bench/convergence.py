@@ -35,7 +35,7 @@ from hlbp.peer.data.streams import prepare_data
 from hlbp.peer.model.decoder import build_model, preset
 from hlbp.peer.rounds.outer import OuterConfig
 from hlbp.peer.rounds.overlap import OVERLAPS
-from hlbp.peer.sim.engine import SimConfig, make_full_replicas, run_outer_simulation, run_single_adamw
+from hlbp.peer.sim.engine import EngineConfig, make_full_replicas, run_outer_simulation, run_single_adamw
 from hlbp.peer.train.trainer import OptimConfig, pick_device
 from hlbp.protocol.manifest import Hyperparameters
 from hlbp.protocol.sparse import transmitted_fraction
@@ -286,7 +286,7 @@ def run_method(
     data = prepare_data(cfg.data, cfg.cache_dir, vocab_size=cfg.vocab_size)
     model = preset(cfg.model, vocab_size=data.vocab_size, max_seq_len=max(cfg.seq_len, 8))
     optim = OptimConfig(lr=cfg.lr * m.lr_mult, warmup_steps=cfg.warmup_steps)
-    sim = SimConfig(
+    sim = EngineConfig(
         model=model, outer=m.outer or OuterConfig(), optim=optim, replicas=cfg.replicas, rounds=cfg.rounds,
         inner_steps=cfg.inner_steps, batch_size=cfg.batch_size, seq_len=cfg.seq_len, seed=cfg.seed,
         eval_batches=cfg.eval_batches, overlap=m.overlap,

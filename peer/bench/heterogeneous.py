@@ -35,7 +35,7 @@ from hlbp.peer.model.decoder import ModelConfig, preset
 from hlbp.peer.model.pipeline import initial_state, run_model_config
 from hlbp.peer.model.subspace import SHORT_NAMES, VARIANTS, CodecConfig
 from hlbp.peer.rounds.outer import OuterConfig
-from hlbp.peer.sim.engine import SimConfig, run_outer_simulation
+from hlbp.peer.sim.engine import EngineConfig, run_outer_simulation
 from hlbp.peer.sim.pipeline import PipelineReplica, make_replica
 from hlbp.peer.train.trainer import OptimConfig, evaluate, micro_batches, pick_device
 
@@ -132,7 +132,7 @@ def run_heterogeneous_bench(
     for cell in plan:
         label = cell.label()
         config, replicas = build_replicas(cfg, cell, base, data, device)
-        sim = SimConfig(model=config, outer=outer, replicas=cfg.replicas, rounds=cfg.rounds,
+        sim = EngineConfig(model=config, outer=outer, replicas=cfg.replicas, rounds=cfg.rounds,
                         inner_steps=cfg.inner_steps, batch_size=cfg.batch_size, seq_len=cfg.seq_len, seed=cfg.seed,
                         eval_batches=cfg.eval_batches)
         pipes = [r for r in replicas if len(r.model.stages) > 1]

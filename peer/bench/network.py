@@ -173,7 +173,7 @@ def _run_threads(targets: list[Callable[[], Any]], timeout: float) -> list[Any]:
 
 
 @dataclass
-class Swarm:
+class BenchSwarm:
     """The live objects of one (model, N) configuration; built and torn down by :func:`swarm`."""
 
     dhts: list[Any]
@@ -186,7 +186,7 @@ class Swarm:
 
 
 @contextmanager
-def swarm(cfg: NetworkBenchConfig, model: str, n: int, data: Any) -> Iterator[Swarm]:
+def swarm(cfg: NetworkBenchConfig, model: str, n: int, data: Any) -> Iterator[BenchSwarm]:
     """Start N peers on loopback; every daemon and thread is stopped on exit, also after an error."""
     import hivemind
     from hivemind.averaging import DecentralizedAverager
@@ -206,7 +206,7 @@ def swarm(cfg: NetworkBenchConfig, model: str, n: int, data: Any) -> Iterator[Sw
         stages = split(model_cfg, 2)
     shards = [[name for name, _ in s.named_parameters()] for s in stages]
     stop = threading.Event()
-    sw = Swarm([], [], [], [], [], 0, stop)
+    sw = BenchSwarm([], [], [], [], [], 0, stop)
     with ExitStack() as stack:
         tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="hlbp-bench-net-"))  # removed last
         root = hivemind.DHT(start=True, host_maddrs=LOCAL)
@@ -248,7 +248,7 @@ def swarm(cfg: NetworkBenchConfig, model: str, n: int, data: Any) -> Iterator[Sw
         yield sw
 
 
-def sparse_round(sw: Swarm, timeout: float) -> dict[str, Any]:
+def sparse_round(sw: BenchSwarm, timeout: float) -> dict[str, Any]:
     """One SparseLoCo round on every peer at once; per-peer seconds and bytes from their RoundStats."""
     tx0 = loopback_tx_bytes()
     stats = _run_threads([lambda r=r: r.run(1)[-1] for r in sw.runners], timeout)
@@ -267,7 +267,7 @@ def sparse_round(sw: Swarm, timeout: float) -> dict[str, Any]:
     }
 
 
-def dense_round(sw: Swarm, timeout: float) -> dict[str, Any]:
+def dense_round(sw: BenchSwarm, timeout: float) -> dict[str, Any]:
     """One dense all-reduce: matchmaking first, then every peer triggers and is timed to its averaged result."""
     from hivemind.averaging.control import AveragingStage
 

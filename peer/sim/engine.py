@@ -24,7 +24,7 @@ from hlbp.peer.rounds.overlap import landing_shift, phase_start
 from hlbp.peer.train.trainer import InnerTrainer, OptimConfig, evaluate, micro_batches
 
 
-class Replica(Protocol):
+class EngineReplica(Protocol):
     """What the simulation needs of a replica: its parameters, and H inner steps on its own data."""
 
     name: str
@@ -60,7 +60,7 @@ class FullReplica:
 
 
 @dataclass
-class SimConfig:
+class EngineConfig:
     """One simulated run: R replicas, ``rounds`` outer rounds of ``inner_steps`` AdamW steps each."""
 
     model: ModelConfig
@@ -83,12 +83,12 @@ class SimConfig:
             raise ValueError(f"land_after must be in [0, inner_steps), got {self.land_after}")
 
 
-ReplicaFactory = Callable[[int, Stage, InnerTrainer], Replica]
+ReplicaFactory = Callable[[int, Stage, InnerTrainer], EngineReplica]
 
 
-def make_full_replicas(cfg: SimConfig, data: PreparedData, device: torch.device) -> list[Replica]:
+def make_full_replicas(cfg: EngineConfig, data: PreparedData, device: torch.device) -> list[EngineReplica]:
     """R full replicas starting from identical weights (seed), each drawing its own data (rank)."""
-    out: list[Replica] = []
+    out: list[EngineReplica] = []
     optim = dataclasses.replace(cfg.optim, total_steps=cfg.rounds * cfg.inner_steps)
     for r in range(cfg.replicas):
         torch.manual_seed(cfg.seed)
@@ -99,9 +99,9 @@ def make_full_replicas(cfg: SimConfig, data: PreparedData, device: torch.device)
 
 
 def run_outer_simulation(
-    cfg: SimConfig,
+    cfg: EngineConfig,
     data: PreparedData,
-    replicas: Sequence[Replica],
+    replicas: Sequence[EngineReplica],
     device: torch.device,
     on_round: Callable[[dict[str, Any]], None] | None = None,
 ) -> dict[str, Any]:
@@ -192,7 +192,7 @@ def run_outer_simulation(
 
 
 def run_single_adamw(
-    cfg: SimConfig, data: PreparedData, device: torch.device, on_round: Callable[[dict[str, Any]], None] | None = None
+    cfg: EngineConfig, data: PreparedData, device: torch.device, on_round: Callable[[dict[str, Any]], None] | None = None
 ) -> dict[str, Any]:
     """The data-parallel ideal: one AdamW run with R times the batch over the same total tokens."""
     torch.manual_seed(cfg.seed)

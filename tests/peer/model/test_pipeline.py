@@ -18,7 +18,7 @@ from hlbp.peer.model.subspace import (
     drift_table,
 )
 from hlbp.peer.rounds.outer import OuterConfig, SparseLoCo
-from hlbp.peer.sim.engine import FullReplica, SimConfig, run_outer_simulation
+from hlbp.peer.sim.engine import EngineConfig, FullReplica, run_outer_simulation
 from hlbp.peer.sim.pipeline import make_replica
 from hlbp.peer.train.trainer import InnerTrainer, OptimConfig, evaluate, micro_batches
 from hlbp.protocol.activations import frame_size
@@ -128,7 +128,7 @@ def test_variant_a_invariant_holds_after_inner_steps_and_sparseloco_rounds(built
     assert_invariant()
     pipe.train(2)
     assert_invariant()
-    sim = SimConfig(model=config, outer=OuterConfig(kind="sparseloco", k=64), optim=optim, replicas=2, rounds=2,
+    sim = EngineConfig(model=config, outer=OuterConfig(kind="sparseloco", k=64), optim=optim, replicas=2, rounds=2,
                     inner_steps=2, batch_size=2, seq_len=16, eval_batches=2)
     result = run_outer_simulation(sim, builtin_data, replicas, CPU)
     assert_invariant()

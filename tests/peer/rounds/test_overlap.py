@@ -9,7 +9,7 @@ from hlbp.peer.data.streams import PreparedData
 from hlbp.peer.model.decoder import preset
 from hlbp.peer.rounds.outer import OuterConfig, make_outer
 from hlbp.peer.rounds.overlap import landing_shift, phase_start, proxy_step
-from hlbp.peer.sim.engine import SimConfig, make_full_replicas, run_outer_simulation
+from hlbp.peer.sim.engine import EngineConfig, make_full_replicas, run_outer_simulation
 from hlbp.peer.train.trainer import OptimConfig
 from hlbp.protocol.sparse import decompress
 
@@ -53,14 +53,14 @@ def test_landing_keeps_the_inner_progress_and_replaces_the_start() -> None:
     with pytest.raises(ValueError, match="differ in names"):
         landing_shift(start, {"w": new["w"]})
     with pytest.raises(ValueError, match="land_after"):
-        SimConfig(model=preset("tiny", vocab_size=64, max_seq_len=32), outer=OuterConfig(), inner_steps=2,
+        EngineConfig(model=preset("tiny", vocab_size=64, max_seq_len=32), outer=OuterConfig(), inner_steps=2,
                   land_after=2)
 
 
 def _run(data: PreparedData, overlap: str, replicas: int, rounds: int = 3, inner_steps: int = 2,
          land_after: int = 0) -> dict:
     model = preset("tiny", vocab_size=data.vocab_size, max_seq_len=32)
-    sim = SimConfig(model=model, outer=OuterConfig(k=64, aggregation="selectors"),
+    sim = EngineConfig(model=model, outer=OuterConfig(k=64, aggregation="selectors"),
                     optim=OptimConfig(lr=3e-3, warmup_steps=2), replicas=replicas, rounds=rounds,
                     inner_steps=inner_steps, batch_size=2, seq_len=32, eval_batches=2, overlap=overlap,
                     land_after=land_after)
