@@ -105,11 +105,20 @@ class Checkpoints:
 
     def resume(self, state: ReplicaState) -> bool:
         """Load this run's checkpoint into ``state`` and the trainer, if there is one; the caller then checks it is
-        current."""
+        current. A checkpoint that cannot be used (damaged, truncated, another model's) is moved aside, named in one
+        warning, and the round loop syncs from its peers instead: under a restart policy a peer must not crash-loop
+        on its own file."""
         if self.path is None:
             return False
-        saved = load_replica(self.path, self.run_id, {n: tuple(t.shape) for n, t in state.anchor.items()},
-                             list(state.outers))
+        try:
+            saved = load_replica(self.path, self.run_id, {n: tuple(t.shape) for n, t in state.anchor.items()},
+                                 list(state.outers))
+        except UserInputError as exc:
+            aside = self.path.with_name(f"{self.path.name}.unusable-{int(time.time())}")
+            self.path.replace(aside)
+            logger.warning("%s; moved it to %s and starting without it (the peer syncs from the others)", exc,
+                           aside.name)
+            return False
         if saved is None:
             return False
         self.trainer.load_state(saved.tensors, saved.header)

@@ -8,6 +8,7 @@ or torch allocate anything, and the JSON header is size-bounded and nesting-boun
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 from typing import Any
@@ -30,11 +31,26 @@ FORMAT = "hlbp-checkpoint"
 FORMAT_VERSION = 1
 
 
+def tensors_digest(tensors: dict[str, torch.Tensor]) -> str:
+    """sha256 over every tensor's name, dtype, shape and bytes, in name order: what a checkpoint's tensors were
+    when saved. safetensors checks a file's layout, not its contents, so flipped bytes on disk would otherwise load
+    as silently wrong parameters."""
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name].detach().contiguous().cpu()
+        h.update(f"{name}\0{t.dtype}\0{tuple(t.shape)}\0".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy())
+    return h.hexdigest()
+
+
 def save_checkpoint(path: Path, tensors: dict[str, torch.Tensor], header: dict[str, Any]) -> None:
-    """Save tensors and a JSON-serialisable header atomically (temporary file, fsync, rename)."""
-    meta = {"format": FORMAT, "version": str(FORMAT_VERSION), "header": json.dumps(header, sort_keys=True)}
+    """Save tensors and a JSON-serialisable header atomically (temporary file, fsync, rename), with the tensors'
+    checksum (:func:`tensors_digest`) in the metadata."""
+    cpu = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
+    meta = {"format": FORMAT, "version": str(FORMAT_VERSION), "header": json.dumps(header, sort_keys=True),
+            "sha256": tensors_digest(cpu)}
     with atomic_path(Path(path)) as tmp:
-        save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(tmp), metadata=meta)
+        save_file(cpu, str(tmp), metadata=meta)
 
 
 def _read_prefix(path: Path) -> bytes:
@@ -85,6 +101,10 @@ def load_checkpoint(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]
         raise UserInputError(f"checkpoint {path} has a damaged header ({type(exc).__name__}); delete it") from None
     if not isinstance(header, dict):
         raise UserInputError(f"checkpoint {path} has a damaged header; delete it")
+    digest = meta.get("sha256")  # absent in checkpoints written before it was kept
+    if digest is not None and digest != tensors_digest(tensors):
+        raise UserInputError(f"checkpoint {path} is damaged: its tensors do not match the checksum saved with them; "
+                             "delete it")
     return tensors, header
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 
+import pytest
 import torch
 
 from hlbp.peer.model.decoder import build_model, preset
@@ -75,3 +76,34 @@ def test_non_finite_global_parameters_are_never_saved_or_resumed(tmp_path) -> No
     tensors[f"anchor.{names[0]}"][0] = float("inf")
     save_checkpoint(ckpt, tensors, header)
     assert not (r := replica()).checkpoints.resume(r.state)
+
+
+@pytest.mark.parametrize("damage", ["flipped", "truncated", "garbage"])
+def test_a_damaged_checkpoint_is_moved_aside_and_the_replica_starts_without_it(tmp_path, damage: str) -> None:
+    torch.manual_seed(0)
+    model = build_model(preset("tiny", vocab_size=256))
+    trainer = InnerTrainer(model, OptimConfig(lr=1e-3, warmup_steps=1, total_steps=10), _batches, torch.device("cpu"))
+    names = [n for n, _ in model.named_parameters()]
+    ckpt = tmp_path / "checkpoint.safetensors"
+
+    def replica() -> _Replica:
+        return _Replica(None, Identity.generate(), None, trainer, OuterConfig(), [names],  # type: ignore[arg-type]
+                        RoundConfig(run_id="t", inner_steps=2), threading.Event(), checkpoint=ckpt)
+
+    first = replica()
+    first.state.round = 3
+    first.save()
+    data = bytearray(ckpt.read_bytes())
+    if damage == "flipped":
+        data[-7] ^= 0x10  # a tensor byte: the file's layout stays valid
+    elif damage == "truncated":
+        data = data[: len(data) // 2]
+    else:
+        data = bytearray(b"\x00" * 64)
+    ckpt.write_bytes(bytes(data))
+    second = replica()
+    assert not second.checkpoints.resume(second.state)  # no exception: the round loop syncs from peers instead
+    assert second.round == 0
+    assert not ckpt.exists()
+    (aside,) = tmp_path.glob("checkpoint.safetensors.unusable-*")
+    assert aside.read_bytes() == bytes(data)  # kept, for whoever wants to look at it

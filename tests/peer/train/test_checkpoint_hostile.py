@@ -78,3 +78,17 @@ def test_unpadded_but_valid_file_written_by_safetensors_still_loads(tmp_path):
     save_file({"x": torch.ones(3)}, str(path), metadata={"format": "hlbp-checkpoint", "version": "1", "header": "{}"})
     tensors, header = load_checkpoint(path)
     assert header == {} and torch.equal(tensors["x"], torch.ones(3))
+
+
+def test_flipped_tensor_bytes_fail_the_checksum(ckpt):
+    data = bytearray(ckpt.read_bytes())
+    data[-3] ^= 0x01  # inside model.w's bytes: the layout stays valid, the value changes
+    ckpt.write_bytes(bytes(data))
+    with pytest.raises(UserInputError, match="is damaged: its tensors do not match the checksum"):
+        load_checkpoint(ckpt)
+
+
+def test_a_truncated_checkpoint_is_a_user_error(ckpt):
+    ckpt.write_bytes(ckpt.read_bytes()[:-5])
+    with pytest.raises(UserInputError, match="delete it"):
+        load_checkpoint(ckpt)
