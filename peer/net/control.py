@@ -11,8 +11,10 @@
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
+import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -106,6 +108,34 @@ def check_initial_peers(maddrs: list[str]) -> list[str]:
     return good
 
 
+def check_ports_free(host_maddrs: list[str]) -> None:
+    """Raise UserInputError when a TCP port that ``host_maddrs`` names explicitly is already taken on its address.
+
+    p2pd does not fail when one of its listen addresses cannot be bound: it listens on the others (or on nothing
+    useful) and the node starts as if all were well, unreachable at the address its operator printed. Binding the
+    port ourselves first turns that into one clear line. Port 0 (any free port) and non-TCP addresses are left to
+    the daemon.
+    """
+    for text in host_maddrs:
+        parts = text.strip("/").split("/")
+        if len(parts) < 4 or parts[0] not in ("ip4", "ip6") or parts[2] != "tcp" or not parts[3].isdigit():
+            continue
+        host, port = parts[1], int(parts[3])
+        if port == 0:
+            continue
+        family = socket.AF_INET6 if parts[0] == "ip6" else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            # as the daemon binds: a port left in TIME_WAIT by a peer that just restarted is free, a listener is not
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind((host, port))
+            except OSError as exc:
+                if exc.errno == errno.EADDRINUSE:
+                    raise UserInputError(f"TCP port {port} on {host} is already in use by another process; stop it "
+                                         "or listen on another port (--host-maddrs)") from None
+                raise UserInputError(f"cannot listen on {text}: {exc.strerror or exc}") from None
+
+
 def connect_dht(net: NetworkConfig, identity_path: Path, validator: Any,
                 sleep: Callable[[float], None] = time.sleep) -> Any:
     """Start a hivemind DHT and join through ``net.initial_peers``, retrying with exponential backoff.
@@ -113,6 +143,7 @@ def connect_dht(net: NetworkConfig, identity_path: Path, validator: Any,
     Raises UserInputError naming every address tried and what usually fixes it.
     """
     peers = check_initial_peers(net.initial_peers)
+    check_ports_free(list(net.host_maddrs))
     kwargs = {
         "host_maddrs": net.host_maddrs,
         "announce_maddrs": net.announce_maddrs or None,
