@@ -20,6 +20,7 @@ import dataclasses
 import re
 import struct
 from dataclasses import dataclass, field
+from enum import IntEnum
 from typing import Any
 
 import msgpack
@@ -48,6 +49,19 @@ _PEER = re.compile(r"[1-9A-HJ-NP-Za-km-z]{1,128}")  # base58, as a libp2p peer i
 _ID_DTYPES = {2: "<u2", 4: "<u4"}
 
 
+class Reason(IntEnum):
+    """What a ``pong`` or a ``fail`` says, as a code the receiver acts on (``reason`` is only text for the log).
+
+    A header with a code outside this enum is refused with a :class:`ProtocolError`, like any other bad field."""
+
+    NONE = 0
+    ROUND = 1  # pong: the stage's round gate is closed (it is exchanging an outer round); its next step waits
+    STREAM_CLOSED = 2  # fail: the stream to the named peer closed with micro-batches in flight
+    UNREACHABLE = 3  # fail: the named peer could not be dialled
+    INCOMPLETE = 4  # fail: a finish arrived before the step's micro-batches had all accumulated at the named peer
+    ALREADY_APPLIED = 5  # fail: the named peer already applied this step; re-running it cannot help
+
+
 @dataclass(frozen=True)
 class StageMessage:
     """A decoded header; fields an op does not use keep their defaults."""
@@ -68,6 +82,7 @@ class StageMessage:
     opt_step: int = 0  # finish/done: index of the optimizer step
     peer: str = ""  # fail: the peer that failed
     reason: str = ""  # fail/abort: why, for the log
+    code: Reason = Reason.NONE  # pong/fail: what happened, as a code the receiver acts on
     busy: tuple[float, ...] = field(default=())  # bwd/loss: seconds each stage computed for this micro-batch
     tokens: int = 0  # finish/done: tokens of the step (what a stage's round contribution is weighted by)
     round_end: bool = False  # finish/done: the swarm's last inner step of the round; stages contribute after it
@@ -85,6 +100,14 @@ def _busy(body: dict[str, Any]) -> tuple[float, ...]:
     if not isinstance(value, list) or len(value) > MAX_ROUTE + 1:
         raise ProtocolError(f"stage message busy must be a list of at most {MAX_ROUTE + 1} numbers")
     return tuple(_float({"s": s}, "s", 0.0, 1e6) for s in value)
+
+
+def _reason(body: dict[str, Any]) -> Reason:
+    value = _int(body, "code", 0, 255, 0)
+    try:
+        return Reason(value)
+    except ValueError:
+        raise ProtocolError(f"stage message has an unknown reason code {value}") from None
 
 
 def parse_header(obj: Any) -> StageMessage:
@@ -111,6 +134,7 @@ def parse_header(obj: Any) -> StageMessage:
         opt_step=_int(obj, "opt_step", 0, 2**40, 0),
         peer=_str(obj, "peer", 128, "", pattern=re.compile(r"|" + _PEER.pattern)),
         reason=_str(obj, "reason", 200, ""),
+        code=_reason(obj),
         busy=_busy(obj),
         tokens=_int(obj, "tokens", 0, 1 << 40, 0),
         round_end=_bool(obj, "round_end", False),
@@ -124,7 +148,11 @@ def header_map(msg: StageMessage) -> dict[str, Any]:
         value = getattr(msg, f.name)
         default = f.default if f.default is not dataclasses.MISSING else ()
         if f.name != "op" and value != default:
-            out[f.name] = list(value) if isinstance(value, tuple) else value
+            if isinstance(value, tuple):
+                value = list(value)
+            elif isinstance(value, Reason):
+                value = int(value)  # a plain msgpack integer on the wire
+            out[f.name] = value
     return out
 
 

@@ -37,7 +37,7 @@ from hlbp.peer.swarm.routing import Bans, Candidate, LatencyTracker, choose_chai
 from hlbp.peer.swarm.server import max_body_bytes
 from hlbp.peer.swarm.worker import StageWorker
 from hlbp.protocol import ProtocolError
-from hlbp.protocol.stagewire import StageMessage, encode_message, encode_targets
+from hlbp.protocol.stagewire import Reason, StageMessage, encode_message, encode_targets
 
 logger = logging.getLogger(__name__)
 
@@ -169,7 +169,7 @@ class Driver:
     def wait_ready(self, timeout: float) -> bool:
         """Wait (at most ``timeout`` seconds) until no peer of the current chain is exchanging an outer round.
 
-        A stage peer answers a ping with ``reason="round"`` while its round gate is closed (hlbp.peer.swarm.gate);
+        A stage peer answers a ping with :attr:`Reason.ROUND` while its round gate is closed (hlbp.peer.swarm.gate);
         the next step's micro-batches would wait there and run into their deadline, so the driver waits here
         instead. Returns whether the chain was ready in time (a silent peer counts as ready: the step finds it).
         Banned peers are not asked: the next step will not use them, and a dead one would cost a ping timeout."""
@@ -205,7 +205,7 @@ class Driver:
             kind, conn, msg, _ = item
             if kind == "msg" and msg.op == "pong":
                 answered.add(conn.peer)
-                if msg.reason == "round":
+                if msg.code == Reason.ROUND:
                     exchanging.add(conn.peer)
             else:
                 requeue.append(item)
@@ -354,7 +354,7 @@ class Driver:
                 return StepResult(loss, time.perf_counter() - start, list(chain), retried)
             elif msg.op == "fail":
                 failed = msg.peer or conn.peer
-                if "already applied" in msg.reason:
+                if msg.code == Reason.ALREADY_APPLIED:
                     raise self._abandon(mbs, f"{failed[:12]}… {msg.reason}")
             if failed is None:
                 continue

@@ -39,6 +39,7 @@ from hlbp.protocol import ProtocolError
 from hlbp.protocol.stagewire import (
     DOWNSTREAM,
     UPSTREAM,
+    Reason,
     StageMessage,
     decode_targets,
     encode_message,
@@ -123,7 +124,8 @@ class StageServer:
             return
         if msg.op == "ping":
             exchanging = self.gate is not None and self.gate.closed  # the driver waits before its next step
-            conn.send(encode_message(StageMessage("pong", session=msg.session, reason="round" if exchanging else "")))
+            conn.send(encode_message(StageMessage("pong", session=msg.session,
+                                                  code=Reason.ROUND if exchanging else Reason.NONE)))
         elif msg.op in ("fwd", "eval"):
             with self._lock:
                 if msg.session != self._session:
@@ -157,16 +159,16 @@ class StageServer:
         if lost:
             logger.warning("stage stream to %s closed with %d micro-batches waiting for backward", conn.peer[:12],
                            len(lost))
-            self._fail(conn.peer, f"stream closed with {len(lost)} micro-batches in flight")
+            self._fail(conn.peer, Reason.STREAM_CLOSED, f"stream closed with {len(lost)} micro-batches in flight")
 
     def _send_up(self, msg: StageMessage, body: bytes = b"") -> None:
         up = self._upstream
         if up is not None:
             up.send(encode_message(msg, body))
 
-    def _fail(self, peer: str, reason: str) -> None:
+    def _fail(self, peer: str, code: Reason, reason: str) -> None:
         self.counters.fails_sent += 1
-        self._send_up(StageMessage("fail", session=self._session, step=self.worker.step, peer=peer,
+        self._send_up(StageMessage("fail", session=self._session, step=self.worker.step, peer=peer, code=code,
                                    reason=reason[:200]))
 
     def _put(self, priority: int, job: Callable[[], None]) -> None:
@@ -226,7 +228,7 @@ class StageServer:
         try:
             down = self.links.dial(nxt)
         except ConnectionError as exc:
-            self._fail(nxt, str(exc))
+            self._fail(nxt, Reason.UNREACHABLE, str(exc))
             return
         down.send(encode_message(replace(msg, route=rest), data + targets_bytes))
 
@@ -245,7 +247,7 @@ class StageServer:
         try:
             down = self.links.dial(msg.route[0])
         except ConnectionError as exc:
-            self._fail(msg.route[0], str(exc))
+            self._fail(msg.route[0], Reason.UNREACHABLE, str(exc))
             return
         down.send(encode_message(replace(msg, route=msg.route[1:]), data + targets_bytes))
 
@@ -271,14 +273,14 @@ class StageServer:
         if (msg.session, msg.step) != (self.worker.session, self.worker.step) or \
                 len(self.worker.accumulated) != msg.count:
             have = len(self.worker.accumulated) if msg.step == self.worker.step else 0
-            self._fail(self.peer_id, f"finish of step {msg.step}: {have} of {msg.count} micro-batches accumulated here")
+            self._fail(self.peer_id, Reason.INCOMPLETE, f"finish of step {msg.step}: {have} of {msg.count} micro-batches accumulated here")
             return
         total = msg.sumsq + self.worker.sumsq()
         if msg.route:
             try:
                 down = self.links.dial(msg.route[0])
             except ConnectionError as exc:
-                self._fail(msg.route[0], str(exc))
+                self._fail(msg.route[0], Reason.UNREACHABLE, str(exc))
                 return
             down.send(encode_message(replace(msg, sumsq=min(total, 1e300), route=msg.route[1:])))
             return

@@ -90,7 +90,7 @@ def test_structured_fuzz_only_raises_protocol_error() -> None:
     values = [0, -1, 2**64 - 1, -(2**63), 1.5, float("inf"), "", "x" * 300, b"\0", [], {}, None, True, ["12D3KooWabc"] * 40]
     for _ in range(2000):
         header = dict(base)
-        key = rng.choice([*base, "count", "sumsq", "peer", "busy", "bogus"])
+        key = rng.choice([*base, "count", "sumsq", "peer", "busy", "code", "bogus"])
         header[key] = rng.choice(values)
         head = msgpack.packb(header, use_bin_type=True)
         raw = bytearray(body)
@@ -118,3 +118,18 @@ def test_round_end_and_tokens_travel_and_are_bounded() -> None:
     for bad in ({"op": "done", "tokens": -1}, {"op": "done", "tokens": 1 << 41}, {"op": "done", "round_end": 1}):
         with _pytest.raises(ProtocolError):
             parse_header(msgpack.unpackb(msgpack.packb(bad)))
+
+
+def test_reason_codes_travel_as_integers_and_an_unknown_one_is_refused() -> None:
+    from hlbp.protocol.stagewire import Reason
+
+    for code in Reason:
+        msg = StageMessage("fail", session=1, step=2, peer="12D3KooWabc", code=code, reason="text for the log")
+        got, _ = decode_message(encode_message(msg), 0)
+        assert got == msg and type(got.code) is Reason
+    assert header_map(StageMessage("pong", code=Reason.ROUND)) == {"op": "pong", "code": 1}
+    assert "code" not in header_map(StageMessage("pong"))
+    for bad in (max(Reason) + 1, 255, 256, -1, "already applied", 1.0, True):
+        head = msgpack.packb({"op": "fail", "code": bad}, use_bin_type=True)
+        with pytest.raises(ProtocolError):
+            decode_message(LENGTH.pack(len(head)) + head + LENGTH.pack(0), 0)
