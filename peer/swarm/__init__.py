@@ -5,5 +5,7 @@ swarms").
 - :mod:`routing`: bans with backoff, deadlines from measured latency, the chain choice (pure);
 - :mod:`links`: long-lived stage streams over hivemind's P2P;
 - :mod:`server`: a stage peer serving forward and backward;
+- :mod:`events`: what reaches the driver, as typed events decoded where a message arrives;
+- :mod:`step`: the state of one step of the driver, its micro-batches and which are in flight (pure);
 - :mod:`driver`: stage 0, its micro-batches in flight, retries and the step.
 """

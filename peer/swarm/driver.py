@@ -32,9 +32,22 @@ from typing import Any
 import torch
 
 from hlbp.peer.model.subspace import ActivationCodec
+from hlbp.peer.swarm.events import (
+    Backward,
+    BadPeer,
+    Done,
+    Event,
+    Failed,
+    Loss,
+    Pong,
+    StreamClosed,
+    UnexpectedMessage,
+    decode_answer,
+)
 from hlbp.peer.swarm.links import Conn, StageLinks
 from hlbp.peer.swarm.routing import Bans, Candidate, LatencyTracker, choose_chain
 from hlbp.peer.swarm.server import max_body_bytes
+from hlbp.peer.swarm.step import MicroBatch, PeerFailed, StepState, micro_batches
 from hlbp.peer.swarm.worker import StageWorker
 from hlbp.protocol import ProtocolError
 from hlbp.protocol.stagewire import Reason, StageMessage, encode_message, encode_targets
@@ -84,17 +97,6 @@ class StepAbandoned(RuntimeError):
     """The step could not finish; its state was dropped everywhere and it is counted."""
 
 
-@dataclass
-class _Mb:
-    x: torch.Tensor
-    y: torch.Tensor
-    weight: float
-    attempt: int = -1  # -1: never sent
-    sent_at: float = 0.0
-    done: bool = False
-    loss: float = 0.0
-
-
 CandidatesFn = Callable[[], Sequence[Sequence[Candidate]]]
 
 
@@ -115,7 +117,7 @@ class Driver:
         self.latency = LatencyTracker(override_s=cfg.deadline_s, min_s=cfg.min_deadline_s, max_s=cfg.max_deadline_s)
         self.counters = DriverCounters()
         self.measured: dict[str, float] = {}  # tokens/s per stage peer, from the busy times they report
-        self._inbox: queue.Queue[tuple[str, Any, Any, bytes]] = queue.Queue()
+        self._inbox: queue.Queue[Event] = queue.Queue()
         self.links = StageLinks(dht, self._on_message, self._on_closed, self._on_bad, lambda _peer: False,
                                 max_body_bytes(codec, max_tokens, vocab_size))
         self.peer_id = self.links.peer_id
@@ -123,17 +125,19 @@ class Driver:
     # --- loop thread: everything goes to the inbox --------------------------------------------------------------
 
     def _on_message(self, conn: Conn, msg: StageMessage, body: bytes) -> None:
-        if msg.op in ("fwd", "eval", "finish", "abort", "ping"):
-            self._on_bad(conn.peer, f"a {msg.op} message sent to the driver")
+        try:
+            answer = decode_answer(conn, msg, body)
+        except UnexpectedMessage as exc:
+            self._on_bad(conn.peer, str(exc))
             return
-        self._inbox.put(("msg", conn, msg, body))
+        self._inbox.put(answer)
 
     def _on_closed(self, conn: Conn) -> None:
-        self._inbox.put(("closed", conn, None, b""))
+        self._inbox.put(StreamClosed(conn))
 
     def _on_bad(self, peer: str, error: str) -> None:
         logger.warning("stage peer %s sent a bad message (%s); banning it", peer[:12], error)
-        self._inbox.put(("bad", peer, error, b""))
+        self._inbox.put(BadPeer(peer, error))
 
     # --- chain ---------------------------------------------------------------------------------------------------
 
@@ -196,26 +200,25 @@ class Driver:
         answered: set[str] = set()
         exchanging: set[str] = set()
         deadline = time.monotonic() + self.cfg.ping_timeout_s
-        requeue = []
+        requeue: list[Event] = []
         while time.monotonic() < deadline and len(answered) < len(peers):
             try:
-                item = self._inbox.get(timeout=max(0.01, deadline - time.monotonic()))
+                event = self._inbox.get(timeout=max(0.01, deadline - time.monotonic()))
             except queue.Empty:
                 break
-            kind, conn, msg, _ = item
-            if kind == "msg" and msg.op == "pong":
-                answered.add(conn.peer)
-                if msg.code == Reason.ROUND:
-                    exchanging.add(conn.peer)
+            if isinstance(event, Pong):
+                answered.add(event.conn.peer)
+                if event.exchanging:
+                    exchanging.add(event.conn.peer)
             else:
-                requeue.append(item)
-        for item in requeue:
-            self._inbox.put(item)
+                requeue.append(event)
+        for event in requeue:
+            self._inbox.put(event)
         return [p for p in peers if p not in answered], [p for p in peers if p in exchanging]
 
     # --- one step ----------------------------------------------------------------------------------------------------
 
-    def _send(self, i: int, mb: _Mb, chain: list[str]) -> None:
+    def _send(self, i: int, mb: MicroBatch, chain: list[str]) -> None:
         mb.attempt += 1
         mb.done = False
         out = self.worker.forward(i, mb.attempt, mb.x)
@@ -225,7 +228,7 @@ class Driver:
         mb.sent_at = time.monotonic()
         self.links.dial(chain[0]).send(encode_message(msg, data))
 
-    def _abandon(self, step_mbs: list[_Mb], reason: str) -> StepAbandoned:
+    def _abandon(self, step_mbs: list[MicroBatch], reason: str) -> StepAbandoned:
         self.counters.steps_abandoned += 1
         self.counters.microbatches_abandoned += len(step_mbs)
         self.worker.reset()
@@ -246,137 +249,166 @@ class Driver:
         ``round_end`` marks the swarm's last inner step of an outer round: every stage of the chain then stops
         starting steps and contributes its shard's pseudo-gradient (hlbp.peer.swarm.gate). ``give_up()`` is asked
         while the step waits for a chain (every half second): True abandons the step at once (the outer round it
-        belongs to has closed without the swarm, so waiting longer only puts the swarm further behind)."""
+        belongs to has closed without the swarm, so waiting longer only puts the swarm further behind).
+
+        Each turn sends what the window allows, then handles one event (or a deadline); a handler returns the
+        step's result, :class:`PeerFailed` (the step then moves to another chain), or None to go on."""
         start = time.perf_counter()
         self.step_seq += 1
-        n = min(self.cfg.micro_batches, x.shape[0])
-        mbs = [_Mb(a, b, b.numel() / y.numel()) for a, b in zip(torch.tensor_split(x, n), torch.tensor_split(y, n))]
-        window = min(n, self.cfg.in_flight or n)
+        mbs = micro_batches(x, y, self.cfg.micro_batches)
         chain = self._choose(mbs[0].y.numel(), give_up)
         if chain is None:
             raise self._abandon(mbs, "no complete chain of stage peers")
         self.worker.begin(self.session, self.step_seq)
-        retried = 0
-        waits = 0  # deadlines renewed because a stage said it is exchanging a round (bounded: a peer may lie)
-        finishing = False
+        window = min(len(mbs), self.cfg.in_flight or len(mbs))
+        step = StepState(mbs, chain, window, opt_step, lr, int(y.numel()), round_end, give_up, start)
         while True:
             if self.stop is not None and self.stop.is_set():
                 raise self._abandon(mbs, "this peer is stopping")
-            inflight = [i for i, m in enumerate(mbs) if m.attempt >= 0 and not m.done and m.sent_at > 0]
-            failed: str | None = None
-            if not finishing:
-                for i in [i for i, m in enumerate(mbs) if m.attempt < 0 or (not m.done and m.sent_at == 0)]:
-                    if len(inflight) >= window:
-                        break
-                    try:
-                        self._send(i, mbs[i], chain)
-                    except ConnectionError as exc:  # stage 1 cannot be dialled: it failed
-                        logger.warning("%s", exc)
-                        mbs[i].sent_at = 0.0
-                        failed = chain[0]
-                        break
-                    inflight.append(i)
-                if failed is None and all(m.done for m in mbs):
-                    finishing = True
-                    finish_at = time.monotonic()
-                    self._send_finish(chain, len(mbs), opt_step, lr, int(y.numel()), round_end)
-            kind = "none" if failed is not None else "timeout"
-            deadline = self.latency.deadline()
-            oldest = min((mbs[i].sent_at for i in inflight if mbs[i].sent_at), default=None)
-            if finishing:
-                oldest = finish_at
-            wait = 1.0 if oldest is None else max(0.0, oldest + deadline - time.monotonic())
-            if failed is None:
-                try:
-                    kind, conn, msg, body = self._inbox.get(timeout=min(wait, 1.0))
-                except queue.Empty:
-                    kind = "timeout"
-            if kind == "none":
-                pass
-            elif kind == "timeout":
-                if oldest is not None and time.monotonic() > oldest + deadline:
-                    silent, exchanging = self._ping(chain)
-                    failed = silent[0] if silent else None
-                    if failed is None and exchanging and waits < self.cfg.max_attempts:
-                        waits += 1  # waiting at a stage's round gate, not lost: a new deadline, a few times
-                        for i in inflight:
-                            mbs[i].sent_at = time.monotonic()
-                        finish_at = time.monotonic()
-                        continue
-                    if failed is None and exchanging:
-                        failed = exchanging[0]  # says "round" past every renewed deadline: treat it as failed
-                    if failed is None:  # everyone answers: the micro-batches were lost; run them again
-                        stale = [i for i in inflight if not mbs[i].done]
-                        if finishing or any(mbs[i].attempt + 1 >= self.cfg.max_attempts for i in stale):
-                            raise self._abandon(mbs, f"micro-batches past their {deadline:.1f} s deadline, "
-                                                     "and every stage peer answers")
-                        for i in stale:
-                            mbs[i].sent_at = 0.0
-                        retried += len(stale)
-                        self.counters.microbatches_retried += len(stale)
-                        logger.warning("%d micro-batches past their %.1f s deadline; sending them again",
-                                       len(stale), deadline)
-                        continue
-            elif kind == "closed":
-                if conn.peer in chain and conn.peer == chain[0] and (inflight or finishing):
-                    failed = conn.peer
-            elif kind == "bad":
-                failed = conn if conn in chain else None
-                self.bans.fail(conn, time.monotonic())
-            elif msg.session != self.session or msg.step != self.step_seq:
-                continue  # a late answer to an older step or session
-            elif msg.op == "bwd":
-                m = mbs[msg.mb] if msg.mb < len(mbs) else None
-                if m is None or m.done or msg.attempt != m.attempt:
-                    continue
-                try:
-                    grad = self.codec.decode_backward(body, (m.x.shape[0], m.x.shape[1])).tensor
-                except ProtocolError as exc:
-                    self._on_bad(conn.peer, str(exc))
-                    continue
-                t0 = time.perf_counter()
-                self.worker.backward(msg.mb, msg.attempt, grad)
-                m.done, m.loss = True, msg.loss
-                self.latency.add(time.monotonic() - m.sent_at)
-                self._account(chain, msg.busy, m.y.numel(), time.perf_counter() - t0)
-            elif msg.op == "done" and finishing:
-                self.latency.add((time.monotonic() - finish_at) / 2)
-                ok = msg.scale > 0 and self.worker.apply(msg.lr, msg.scale)
-                if not ok:
-                    self.worker.reset()
-                    self.counters.steps_skipped += 1
-                self.counters.steps += 1
-                self.counters.microbatches += len(mbs)
-                self.counters.tokens += int(y.numel())
-                for p in chain:
-                    self.bans.ok(p)
-                loss = sum(m.loss * m.weight for m in mbs)
-                return StepResult(loss, time.perf_counter() - start, list(chain), retried)
-            elif msg.op == "fail":
-                failed = msg.peer or conn.peer
-                if msg.code == Reason.ALREADY_APPLIED:
-                    raise self._abandon(mbs, f"{failed[:12]}… {msg.reason}")
-            if failed is None:
-                continue
-            # a stage peer failed: ban it, choose another chain, re-run what went through the old one
-            self.counters.failures += 1
-            seconds = self.bans.fail(failed, time.monotonic())
-            logger.warning("stage peer %s failed; banned for %.0f s", failed[:12], seconds)
-            if failed == self.peer_id:
-                raise self._abandon(mbs, "this driver was named as failed")
-            chain = self._choose(mbs[0].y.numel(), give_up)
-            if chain is None:
-                raise self._abandon(mbs, f"no stage peer can replace {failed[:12]}…")
-            sent = [m for m in mbs if m.attempt >= 0]
-            if any(m.attempt + 1 >= self.cfg.max_attempts for m in sent):
-                raise self._abandon(mbs, f"a micro-batch failed {self.cfg.max_attempts} times")
-            for m in sent:
-                m.done, m.sent_at = False, 0.0
-            retried += len(sent)
-            self.counters.microbatches_retried += len(sent)
-            finishing = False
-            logger.warning("re-running %d micro-batches of step %d through %s", len(sent), self.step_seq,
-                           " -> ".join(p[:12] for p in chain))
+            outcome = self._send_more(step)
+            if outcome is None:
+                outcome = self._next(step)
+            if isinstance(outcome, StepResult):
+                return outcome
+            if isinstance(outcome, PeerFailed):
+                self._reroute(step, outcome.peer)
+
+    def _send_more(self, step: StepState) -> PeerFailed | None:
+        """Send micro-batches up to the window, then the finish once all are done; the first stage's peer if it
+        could not be dialled."""
+        if step.finishing:
+            return None
+        inflight = step.inflight()
+        for i in step.unsent():
+            if len(inflight) >= step.window:
+                break
+            try:
+                self._send(i, step.mbs[i], step.chain)
+            except ConnectionError as exc:  # stage 1 cannot be dialled: it failed
+                logger.warning("%s", exc)
+                step.mbs[i].sent_at = 0.0
+                return PeerFailed(step.chain[0])
+            inflight.append(i)
+        if all(m.done for m in step.mbs):
+            step.finishing = True
+            step.finish_at = time.monotonic()
+            self._send_finish(step.chain, len(step.mbs), step.opt_step, step.lr, step.tokens, step.round_end)
+        return None
+
+    def _next(self, step: StepState) -> StepResult | PeerFailed | None:
+        """Wait for the next event, at most until the oldest micro-batch (or the finish) is past its deadline,
+        and handle it."""
+        inflight = step.inflight()
+        deadline = self.latency.deadline()
+        oldest = step.oldest_sent()
+        wait = 1.0 if oldest is None else max(0.0, oldest + deadline - time.monotonic())
+        try:
+            event = self._inbox.get(timeout=min(wait, 1.0))
+        except queue.Empty:
+            if oldest is not None and time.monotonic() > oldest + deadline:
+                return self._on_deadline(step, inflight, deadline)
+            return None
+        if isinstance(event, StreamClosed):
+            closed = event.conn.peer
+            return PeerFailed(closed) if closed == step.chain[0] and (inflight or step.finishing) else None
+        if isinstance(event, BadPeer):
+            self.bans.fail(event.peer, time.monotonic())
+            return PeerFailed(event.peer) if event.peer in step.chain else None
+        if not event.belongs_to(self.session, self.step_seq):
+            return None  # a late answer to an older step or session
+        if isinstance(event, Backward):
+            self._on_backward(step, event)
+        elif isinstance(event, Done) and step.finishing:
+            return self._on_done(step, event)
+        elif isinstance(event, Failed):
+            return self._on_failed(step, event)
+        return None
+
+    def _on_deadline(self, step: StepState, inflight: list[int], deadline: float) -> PeerFailed | None:
+        """The oldest micro-batch (or the finish) is past its deadline: ping the chain. A silent peer failed; a
+        peer at its round gate gets a new deadline a few times; if everyone answers, the micro-batches were lost
+        and go again."""
+        silent, exchanging = self._ping(step.chain)
+        if silent:
+            return PeerFailed(silent[0])
+        if exchanging and step.waits < self.cfg.max_attempts:
+            step.waits += 1  # waiting at a stage's round gate, not lost: a new deadline, a few times
+            for i in inflight:
+                step.mbs[i].sent_at = time.monotonic()
+            step.finish_at = time.monotonic()
+            return None
+        if exchanging:
+            return PeerFailed(exchanging[0])  # says it is exchanging past every renewed deadline: treat it as failed
+        stale = [i for i in inflight if not step.mbs[i].done]
+        if step.finishing or any(step.mbs[i].attempt + 1 >= self.cfg.max_attempts for i in stale):
+            raise self._abandon(step.mbs, f"micro-batches past their {deadline:.1f} s deadline, "
+                                          "and every stage peer answers")
+        for i in stale:
+            step.mbs[i].sent_at = 0.0
+        step.retried += len(stale)
+        self.counters.microbatches_retried += len(stale)
+        logger.warning("%d micro-batches past their %.1f s deadline; sending them again", len(stale), deadline)
+        return None
+
+    def _on_backward(self, step: StepState, event: Backward) -> None:
+        """A micro-batch's gradient came back: backward through stage 0; stale attempts are dropped."""
+        msg = event.msg
+        m = step.mbs[msg.mb] if msg.mb < len(step.mbs) else None
+        if m is None or m.done or msg.attempt != m.attempt:
+            return
+        try:
+            grad = self.codec.decode_backward(event.body, (m.x.shape[0], m.x.shape[1])).tensor
+        except ProtocolError as exc:
+            self._on_bad(event.conn.peer, str(exc))
+            return
+        t0 = time.perf_counter()
+        self.worker.backward(msg.mb, msg.attempt, grad)
+        m.done, m.loss = True, msg.loss
+        self.latency.add(time.monotonic() - m.sent_at)
+        self._account(step.chain, msg.busy, m.y.numel(), time.perf_counter() - t0)
+
+    def _on_done(self, step: StepState, event: Done) -> StepResult:
+        """The chain finished the step: apply it here too (or skip it everywhere, non-finite) and count it."""
+        msg = event.msg
+        self.latency.add((time.monotonic() - step.finish_at) / 2)
+        ok = msg.scale > 0 and self.worker.apply(msg.lr, msg.scale)
+        if not ok:
+            self.worker.reset()
+            self.counters.steps_skipped += 1
+        self.counters.steps += 1
+        self.counters.microbatches += len(step.mbs)
+        self.counters.tokens += step.tokens
+        for p in step.chain:
+            self.bans.ok(p)
+        return StepResult(step.loss(), time.perf_counter() - step.started, list(step.chain), step.retried)
+
+    def _on_failed(self, step: StepState, event: Failed) -> PeerFailed:
+        """A stage named a failed peer; one that already applied the step abandons it (re-running cannot help)."""
+        if event.code == Reason.ALREADY_APPLIED:
+            raise self._abandon(step.mbs, f"{event.peer[:12]}… {event.msg.reason}")
+        return PeerFailed(event.peer)
+
+    def _reroute(self, step: StepState, failed: str) -> None:
+        """A stage peer failed: ban it, choose another chain, re-run what went through the old one."""
+        self.counters.failures += 1
+        seconds = self.bans.fail(failed, time.monotonic())
+        logger.warning("stage peer %s failed; banned for %.0f s", failed[:12], seconds)
+        if failed == self.peer_id:
+            raise self._abandon(step.mbs, "this driver was named as failed")
+        chain = self._choose(step.mbs[0].y.numel(), step.give_up)
+        if chain is None:
+            raise self._abandon(step.mbs, f"no stage peer can replace {failed[:12]}…")
+        sent = [m for m in step.mbs if m.attempt >= 0]
+        if any(m.attempt + 1 >= self.cfg.max_attempts for m in sent):
+            raise self._abandon(step.mbs, f"a micro-batch failed {self.cfg.max_attempts} times")
+        for m in sent:
+            m.done, m.sent_at = False, 0.0
+        step.chain = chain
+        step.retried += len(sent)
+        self.counters.microbatches_retried += len(sent)
+        step.finishing = False
+        logger.warning("re-running %d micro-batches of step %d through %s", len(sent), self.step_seq,
+                       " -> ".join(p[:12] for p in chain))
 
     def _send_finish(self, chain: list[str], count: int, opt_step: int, lr: float, tokens: int,
                      round_end: bool) -> None:
@@ -419,12 +451,12 @@ class Driver:
         deadline = time.monotonic() + max(30.0, self.latency.deadline())
         while waiting and time.monotonic() < deadline:
             try:
-                kind, _conn, msg, _ = self._inbox.get(timeout=0.5)
+                event = self._inbox.get(timeout=0.5)
             except queue.Empty:
                 continue
-            if kind == "msg" and msg.op == "loss" and msg.session == self.session and msg.mb in waiting:
-                n = waiting.pop(msg.mb)
-                total += msg.loss * n
+            if isinstance(event, Loss) and event.msg.session == self.session and event.msg.mb in waiting:
+                n = waiting.pop(event.msg.mb)
+                total += event.msg.loss * n
                 count += n
         return total / count if not waiting and count else None
 

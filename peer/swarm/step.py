@@ -1,0 +1,80 @@
+"""The state of one inner step of a swarm's driver (pure, no network): its micro-batches, the chain they travel,
+and which of them are in flight, to be sent, or done.
+
+:class:`hlbp.peer.swarm.driver.Driver` owns one :class:`StepState` per step and changes it from its event
+handlers; the questions asked of it (what is in flight, what is left to send, how the batch splits) live here so
+they can be tested without a swarm.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class MicroBatch:
+    """One micro-batch of the step: its inputs and targets, its share of the step's tokens, and its attempts."""
+
+    x: torch.Tensor
+    y: torch.Tensor
+    weight: float
+    attempt: int = -1  # -1: never sent
+    sent_at: float = 0.0
+    done: bool = False
+    loss: float = 0.0
+
+
+@dataclass
+class StepState:
+    """The step under way: its micro-batches, the chain they travel and how far the step has come."""
+
+    mbs: list[MicroBatch]
+    chain: list[str]
+    window: int  # most micro-batches in the chain at once
+    opt_step: int
+    lr: float
+    tokens: int
+    round_end: bool
+    give_up: Callable[[], bool] | None
+    started: float  # perf_counter at the start
+    retried: int = 0
+    waits: int = 0  # deadlines renewed because a stage said it is exchanging a round (bounded: a peer may lie)
+    finishing: bool = False  # every micro-batch is done and the finish is under way
+    finish_at: float = 0.0  # monotonic time the finish was sent (or its deadline renewed)
+
+    def inflight(self) -> list[int]:
+        """The micro-batches sent and not yet back."""
+        return [i for i, m in enumerate(self.mbs) if m.attempt >= 0 and not m.done and m.sent_at > 0]
+
+    def unsent(self) -> list[int]:
+        """The micro-batches never sent, or to be sent again."""
+        return [i for i, m in enumerate(self.mbs) if m.attempt < 0 or (not m.done and m.sent_at == 0)]
+
+
+    def oldest_sent(self) -> float | None:
+        """When the oldest micro-batch in flight was sent (the finish, once it is under way); None if none is."""
+        if self.finishing:
+            return self.finish_at
+        return min((self.mbs[i].sent_at for i in self.inflight() if self.mbs[i].sent_at), default=None)
+
+    def loss(self) -> float:
+        """The step's training loss: each micro-batch's loss weighted by its share of the tokens."""
+        return sum(m.loss * m.weight for m in self.mbs)
+
+
+@dataclass(frozen=True)
+class PeerFailed:
+    """What a handler of the step found: ``peer`` failed, so the step moves to another chain."""
+
+    peer: str
+
+
+def micro_batches(x: torch.Tensor, y: torch.Tensor, count: int) -> list[MicroBatch]:
+    """The batch (x, y) [batch, seq] split into at most ``count`` micro-batches, each weighted by its share of
+    the targets (so the step's gradient is the whole batch's)."""
+    n = min(count, x.shape[0])
+    pairs = zip(torch.tensor_split(x, n), torch.tensor_split(y, n))
+    return [MicroBatch(a, b, b.numel() / y.numel()) for a, b in pairs]
