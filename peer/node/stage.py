@@ -42,6 +42,7 @@ from hlbp.peer.node.stagerounds import PhaseStopped, make_stage_rounds, serve_ph
 from hlbp.peer.rounds.config import RoundStats
 from hlbp.peer.swarm.driver import Driver, DriverConfig, StepAbandoned
 from hlbp.peer.swarm.gate import RoundGate
+from hlbp.peer.swarm.phase import sticky_every
 from hlbp.peer.swarm.routing import Candidate
 from hlbp.peer.swarm.server import StageServer
 from hlbp.peer.swarm.worker import StageWorker
@@ -318,17 +319,6 @@ def _serve(ctx: TrainContext, options: StageOptions, worker: StageWorker, codec:
             "final_round": runner.round - 1, "in_sync": runner.in_sync}
 
 
-def _sticky_every(check: Callable[[], bool], seconds: float) -> Callable[[], bool]:
-    """``check()`` asked at most every ``seconds`` (a DHT read each time), and True for good once it was True."""
-    state = {"at": 0.0, "value": False}
-
-    def ask() -> bool:
-        if not state["value"] and time.monotonic() - state["at"] >= seconds:
-            state["value"], state["at"] = bool(check()), time.monotonic()
-        return state["value"]
-    return ask
-
-
 def _is_driver(view: SwarmView, me: str) -> bool:
     stage0 = [p for p, _ in view.at_stage(0)]
     return not stage0 or min(stage0 + [me]) == me
@@ -404,7 +394,7 @@ def _drive(ctx: TrainContext, options: StageOptions, worker: StageWorker, codec:
         the round closes without the swarm."""
         driver.wait_ready(60.0)  # the chain has loaded the last round's result
         steps = tokens = 0
-        closed = _sticky_every(lambda: runner.round_closed(r), 0.5)
+        closed = sticky_every(lambda: runner.round_closed(r), 0.5)
         waiting = False
         while steps < inner:
             if ctx.stop.is_set():
