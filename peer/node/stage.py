@@ -40,9 +40,9 @@ from hlbp.peer.node.replica import codec_config, inner_schedule  # shared with f
 from hlbp.peer.node.roles import Role
 from hlbp.peer.node.stagerounds import PhaseStopped, make_stage_rounds, serve_phase
 from hlbp.peer.rounds.config import RoundStats
-from hlbp.peer.swarm.driver import Driver, DriverConfig, StepAbandoned
+from hlbp.peer.swarm.driver import Driver, DriverConfig
 from hlbp.peer.swarm.gate import RoundGate
-from hlbp.peer.swarm.phase import sticky_every
+from hlbp.peer.swarm.phase import PhaseConfig, StepLimitReached, SwarmPhase, driver_report
 from hlbp.peer.swarm.routing import Candidate
 from hlbp.peer.swarm.server import StageServer
 from hlbp.peer.swarm.worker import StageWorker
@@ -324,21 +324,31 @@ def _is_driver(view: SwarmView, me: str) -> bool:
     return not stage0 or min(stage0 + [me]) == me
 
 
-def _drive(ctx: TrainContext, options: StageOptions, worker: StageWorker, codec: Any, vocab: int, view: SwarmView,
-           echo: Callable[[str], None], start_step: int, config: Any, moved: list[Role]) -> dict[str, Any]:
-    peer = ctx.peer
-    m = peer.manifest.manifest
-    me = peer.plane.peer_id
-    steps_done: list[Callable[[], int]] = [lambda: 0]  # the driver's step counter, once it drives
-    rebalance = _rebalancer(ctx, options, view, lambda: steps_done[0]())
+def _stand_by(ctx: TrainContext, view: SwarmView, rebalance: Rebalancer, echo: Callable[[str], None]) -> Role | None:
+    """Wait while another stage-0 peer drives this swarm; the confirmed move that ends the wait, if any."""
+    me = ctx.peer.plane.peer_id
     if not _is_driver(view, me):
         echo("another stage-0 peer drives this swarm; standing by")
     while not _is_driver(view, me) and not ctx.stop.is_set():
         ctx.stop.wait(1.0)
         move = rebalance.check()
         if move is not None:
-            moved.append(move)
-            return {"peer": me, "role": "stage", "stage": 0, "swarm": peer.role.swarm, "driver": False}
+            return move
+    return None
+
+
+def _drive(ctx: TrainContext, options: StageOptions, worker: StageWorker, codec: Any, vocab: int, view: SwarmView,
+           echo: Callable[[str], None], start_step: int, config: Any, moved: list[Role]) -> dict[str, Any]:
+    """Stage 0: stand by while another peer drives, then drive the swarm's inner phases inside the round loop."""
+    peer = ctx.peer
+    m = peer.manifest.manifest
+    me = peer.plane.peer_id
+    swarm: SwarmPhase | None = None  # built once this peer drives
+    rebalance = _rebalancer(ctx, options, view, lambda: swarm.steps_done() if swarm is not None else 0)
+    move = _stand_by(ctx, view, rebalance, echo)
+    if move is not None:
+        moved.append(move)
+        return {"peer": me, "role": "stage", "stage": 0, "swarm": peer.role.swarm, "driver": False}
     data = prepare_data(m.data_recipe, ctx.cache_dir, tokenizer_path=peer.tokenizer_path)
     stream = TokenStream(data.train, m.hparams.seq_len, m.hparams.batch_size, seed=m.seed, rank=data_rank(me))
     # the validation batches every replica of the run scores (the full replicas' too, so losses compare)
@@ -354,84 +364,27 @@ def _drive(ctx: TrainContext, options: StageOptions, worker: StageWorker, codec:
                     max_tokens=m.hparams.batch_size * m.hparams.seq_len, stop=ctx.stop)
     metrics = MetricsLog(ctx.out_dir / "metrics.jsonl")
     optim = inner_schedule(m.hparams.lr, m.hparams.schedule_total)
-    state = {"opt_step": start_step, "seq": start_step, "saved": time.monotonic()}
-    start = time.perf_counter()
-    val_losses: list[float] = []
     inner = m.hparams.inner_steps
-
-    def step_once(round_end: bool, give_up: Callable[[], bool] | None = None) -> bool:
-        """One inner step through the chain, logged; False if it was abandoned."""
-        x, y = stream.batch(state["seq"])
-        state["seq"] += 1
-        opt_step = state["opt_step"]
-        record: dict[str, Any] = {"event": "step", "step": opt_step, "seq": state["seq"] - 1, "round": runner.round}
-        try:
-            result = driver.train_step(x, y, opt_step, lr_at(opt_step, optim), round_end=round_end, give_up=give_up)
-        except StepAbandoned as exc:
-            record.update(abandoned=str(exc))
-        else:
-            state["opt_step"] = opt_step = opt_step + 1
-            record.update(loss=result.loss, seconds=result.seconds, retried=result.retried, chain=result.chain)
-            if options.eval_every and val and opt_step % options.eval_every == 0:
-                v = driver.evaluate(val)
-                if v is not None:
-                    val_losses.append(v)
-                    record["val_loss"] = v
-            echo(f"step {opt_step - 1}: loss {result.loss:.4f} in {result.seconds:.2f} s"
-                 + (f", {result.retried} micro-batches retried" if result.retried else "")
-                 + (f", val {record['val_loss']:.4f}" if "val_loss" in record else ""))
-        c = driver.counters
-        record.update(tokens=c.tokens, microbatches=c.microbatches, microbatches_retried=c.microbatches_retried,
-                      microbatches_abandoned=c.microbatches_abandoned, steps_abandoned=c.steps_abandoned)
-        metrics.write(**record)
-        if time.monotonic() - state["saved"] >= options.checkpoint_every_s:
-            save_stage(ctx, worker, state["opt_step"])
-            state["saved"] = time.monotonic()
-        return "abandoned" not in record
+    phase_cfg = PhaseConfig(inner_steps=inner, step_tokens=m.hparams.batch_size * m.hparams.seq_len,
+                            eval_every=options.eval_every, checkpoint_every_s=options.checkpoint_every_s,
+                            max_steps=ctx.max_steps)
+    swarm = SwarmPhase(driver, stream, val, metrics, phase_cfg, lr=lambda step: lr_at(step, optim),
+                       save=lambda step: save_stage(ctx, worker, step),
+                       round_closed=lambda r: runner.round_closed(r), stop=ctx.stop, echo=echo, start_step=start_step)
 
     def phase(r: int) -> tuple[int, int]:
-        """The swarm's inner phase of round r: up to H steps, the last marked as the round's end, cut short when
-        the round closes without the swarm."""
-        driver.wait_ready(60.0)  # the chain has loaded the last round's result
-        steps = tokens = 0
-        closed = sticky_every(lambda: runner.round_closed(r), 0.5)
-        waiting = False
-        while steps < inner:
-            if ctx.stop.is_set():
-                break  # the steps so far go into the error-feedback buffer (see PhaseStopped)
-            if ctx.max_steps is not None and state["opt_step"] >= start_step + ctx.max_steps:
-                raise PhaseStopped("--max-steps reached")
-            if closed():
-                echo(f"round {r} closed after {steps} of the swarm's {inner} steps; taking its result")
-                break
-            if not driver.has_chain():  # a stage has no usable peer: a straggler until one serves it
-                if not waiting:
-                    echo(f"round {r}: no complete chain of stage peers; waiting for one")
-                    waiting = True
-                ctx.stop.wait(0.5)
-                continue
-            if step_once(round_end=steps + 1 == inner, give_up=closed):
-                steps += 1
-                tokens += m.hparams.batch_size * m.hparams.seq_len
-        return steps, tokens
-
-    def evaluate(_anchor: object) -> float | None:
-        # the chain's stage weights are the anchor when the round loop reports (stage peers never overlap)
-        driver.wait_ready(60.0)
-        return driver.evaluate(val)
+        try:
+            return swarm.run(r)
+        except StepLimitReached as exc:
+            raise PhaseStopped(str(exc)) from exc
 
     runner, transport = make_stage_rounds(ctx, worker, config, phase, metrics, options.checkpoint_every_s,
-                                          evaluate=evaluate if val else None, on_round=_round_echo(echo, 0),
+                                          evaluate=swarm.score if val else None, on_round=_round_echo(echo, 0),
                                           codec=codec)
     echo(f"driving swarm {peer.role.swarm}: {n_stages} stages, {cfg.micro_batches} micro-batches per step, "
          f"{inner} steps per round; rounds: {runner.start()}; at round {runner.round}")
     try:
-        if val:
-            first = driver.evaluate(val)
-            if first is not None:
-                val_losses.append(first)
-                echo(f"validation loss before training: {first:.4f}")
-        steps_done[0] = lambda: driver.counters.steps
+        swarm.validate_first()
         while not ctx.stop.is_set():
             try:
                 runner.history.append(runner.run_round())
@@ -441,29 +394,16 @@ def _drive(ctx: TrainContext, options: StageOptions, worker: StageWorker, codec:
             if move is not None:
                 moved.append(move)
                 break
-        if val and (not val_losses or not options.eval_every or state["opt_step"] % options.eval_every):
-            v = driver.evaluate(val)
-            if v is not None:
-                val_losses.append(v)
+        swarm.validate_last()
     finally:
         driver.close()
         runner.save()
         runner.close()
         transport.close()
         metrics.close()
-        save_stage(ctx, worker, state["opt_step"])
-    opt_step = state["opt_step"]
-    wall = time.perf_counter() - start
-    c = driver.counters
-    echo(f"driver: {c.steps} steps, {c.steps_abandoned} abandoned, {c.microbatches} micro-batches done, "
-         f"{c.microbatches_retried} retried, {c.microbatches_abandoned} abandoned, {c.tokens / max(wall, 1e-9):,.0f} "
-         f"tokens/s" + (f", validation {val_losses[0]:.4f} -> {val_losses[-1]:.4f}" if val_losses else ""))
-    return {"peer": me, "role": "stage", "stage": 0, "swarm": peer.role.swarm, "driver": True,
-            "steps": c.steps, "steps_abandoned": c.steps_abandoned, "steps_skipped": c.steps_skipped,
-            "microbatches": c.microbatches, "microbatches_retried": c.microbatches_retried,
-            "microbatches_abandoned": c.microbatches_abandoned, "failures": c.failures, "tokens": c.tokens,
-            "seconds": wall, "tokens_per_s": c.tokens / max(wall, 1e-9), "val_losses": val_losses,
-            "busy_fractions": driver.busy_fractions(wall), "opt_step": opt_step, "data_rank": data_rank(me),
-            "busy_s": dict(c.busy_s), "stream_bytes": driver.links.byte_totals(),
-            "rounds": [dataclasses.asdict(r) for r in runner.history], "final_round": runner.round - 1,
-            "in_sync": runner.in_sync}
+        swarm.save()
+    summary = swarm.summary()
+    echo(driver_report(summary))
+    return {"peer": me, "role": "stage", "stage": 0, "swarm": peer.role.swarm, "driver": True, **summary,
+            "data_rank": data_rank(me), "rounds": [dataclasses.asdict(r) for r in runner.history],
+            "final_round": runner.round - 1, "in_sync": runner.in_sync}
