@@ -308,12 +308,14 @@ class Driver:
             if oldest is not None and time.monotonic() > oldest + deadline:
                 return self._on_deadline(step, inflight, deadline)
             return None
+        return self._handle(step, event, inflight)
+
+    def _handle(self, step: StepState, event: Event, inflight: list[int]) -> StepResult | PeerFailed | None:
+        """Dispatch one event of the step to its handler; answers to another step or session are dropped."""
         if isinstance(event, StreamClosed):
-            closed = event.conn.peer
-            return PeerFailed(closed) if closed == step.chain[0] and (inflight or step.finishing) else None
+            return self._on_stream_closed(step, event, inflight)
         if isinstance(event, BadPeer):
-            self.bans.fail(event.peer, time.monotonic())
-            return PeerFailed(event.peer) if event.peer in step.chain else None
+            return self._on_bad_peer(step, event)
         if not event.belongs_to(self.session, self.step_seq):
             return None  # a late answer to an older step or session
         if isinstance(event, Backward):
@@ -322,7 +324,17 @@ class Driver:
             return self._on_done(step, event)
         elif isinstance(event, Failed):
             return self._on_failed(step, event)
-        return None
+        return None  # a pong or loss outside a ping or an evaluation, or a done before the finish: nothing to do
+
+    def _on_stream_closed(self, step: StepState, event: StreamClosed, inflight: list[int]) -> PeerFailed | None:
+        """The stream to stage 1 closed while the step needs it: that peer failed."""
+        closed = event.conn.peer
+        return PeerFailed(closed) if closed == step.chain[0] and (inflight or step.finishing) else None
+
+    def _on_bad_peer(self, step: StepState, event: BadPeer) -> PeerFailed | None:
+        """A peer sent bytes that did not decode: banned; if it is in the chain, it failed."""
+        self.bans.fail(event.peer, time.monotonic())
+        return PeerFailed(event.peer) if event.peer in step.chain else None
 
     def _on_deadline(self, step: StepState, inflight: list[int], deadline: float) -> PeerFailed | None:
         """The oldest micro-batch (or the finish) is past its deadline: ping the chain. A silent peer failed; a
