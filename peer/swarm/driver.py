@@ -47,7 +47,7 @@ from hlbp.peer.swarm.events import (
 from hlbp.peer.swarm.links import Conn, StageLinks
 from hlbp.peer.swarm.routing import Bans, Candidate, LatencyTracker, choose_chain
 from hlbp.peer.swarm.server import max_body_bytes
-from hlbp.peer.swarm.step import MicroBatch, PeerFailed, StepState, micro_batches
+from hlbp.peer.swarm.step import MicroBatch, PeerFailed, StepAbandoned, StepResult, StepState, micro_batches
 from hlbp.peer.swarm.worker import StageWorker
 from hlbp.protocol import ProtocolError
 from hlbp.protocol.stagewire import Reason, StageMessage, encode_message, encode_targets
@@ -83,18 +83,6 @@ class DriverCounters:
     failures: int = 0  # stage peers failed and banned
     tokens: int = 0  # training tokens of completed steps
     busy_s: dict[str, float] = field(default_factory=dict)  # compute seconds per stage peer (driver: "driver")
-
-
-@dataclass
-class StepResult:
-    loss: float  # token-weighted mean training loss of the step
-    seconds: float
-    chain: list[str]
-    retried: int
-
-
-class StepAbandoned(RuntimeError):
-    """The step could not finish; its state was dropped everywhere and it is counted."""
 
 
 CandidatesFn = Callable[[], Sequence[Sequence[Candidate]]]

@@ -15,6 +15,18 @@ import torch
 
 
 @dataclass
+class StepResult:
+    loss: float  # token-weighted mean training loss of the step
+    seconds: float
+    chain: list[str]
+    retried: int
+
+
+class StepAbandoned(RuntimeError):
+    """The step could not finish; its state was dropped everywhere and it is counted."""
+
+
+@dataclass
 class MicroBatch:
     """One micro-batch of the step: its inputs and targets, its share of the step's tokens, and its attempts."""
 
