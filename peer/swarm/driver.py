@@ -22,7 +22,6 @@ Failures never lose a micro-batch silently:
 from __future__ import annotations
 
 import logging
-import queue
 import random
 import time
 from collections.abc import Callable, Sequence
@@ -38,8 +37,8 @@ from hlbp.peer.swarm.events import (
     Done,
     Event,
     Failed,
+    Inbox,
     Loss,
-    Pong,
     StreamClosed,
     UnexpectedMessage,
     decode_answer,
@@ -105,7 +104,7 @@ class Driver:
         self.latency = LatencyTracker(override_s=cfg.deadline_s, min_s=cfg.min_deadline_s, max_s=cfg.max_deadline_s)
         self.counters = DriverCounters()
         self.measured: dict[str, float] = {}  # tokens/s per stage peer, from the busy times they report
-        self._inbox: queue.Queue[Event] = queue.Queue()
+        self._inbox = Inbox()
         self.links = StageLinks(dht, self._on_message, self._on_closed, self._on_bad, lambda _peer: False,
                                 max_body_bytes(codec, max_tokens, vocab_size))
         self.peer_id = self.links.peer_id
@@ -185,23 +184,7 @@ class Driver:
                     encode_message(StageMessage("ping", session=self.session)))
             except ConnectionError:
                 continue
-        answered: set[str] = set()
-        exchanging: set[str] = set()
-        deadline = time.monotonic() + self.cfg.ping_timeout_s
-        requeue: list[Event] = []
-        while time.monotonic() < deadline and len(answered) < len(peers):
-            try:
-                event = self._inbox.get(timeout=max(0.01, deadline - time.monotonic()))
-            except queue.Empty:
-                break
-            if isinstance(event, Pong):
-                answered.add(event.conn.peer)
-                if event.exchanging:
-                    exchanging.add(event.conn.peer)
-            else:
-                requeue.append(event)
-        for event in requeue:
-            self._inbox.put(event)
+        answered, exchanging = self._inbox.pongs(len(peers), self.cfg.ping_timeout_s)
         return [p for p in peers if p not in answered], [p for p in peers if p in exchanging]
 
     # --- one step ----------------------------------------------------------------------------------------------------
@@ -290,9 +273,8 @@ class Driver:
         deadline = self.latency.deadline()
         oldest = step.oldest_sent()
         wait = 1.0 if oldest is None else max(0.0, oldest + deadline - time.monotonic())
-        try:
-            event = self._inbox.get(timeout=min(wait, 1.0))
-        except queue.Empty:
+        event = self._inbox.get(timeout=min(wait, 1.0))
+        if event is None:
             if oldest is not None and time.monotonic() > oldest + deadline:
                 return self._on_deadline(step, inflight, deadline)
             return None
@@ -450,10 +432,7 @@ class Driver:
         total, count = 0.0, 0
         deadline = time.monotonic() + max(30.0, self.latency.deadline())
         while waiting and time.monotonic() < deadline:
-            try:
-                event = self._inbox.get(timeout=0.5)
-            except queue.Empty:
-                continue
+            event = self._inbox.get(timeout=0.5)
             if isinstance(event, Loss) and event.msg.session == self.session and event.msg.mb in waiting:
                 n = waiting.pop(event.msg.mb)
                 total += event.msg.loss * n

@@ -4,11 +4,14 @@ loop dispatches on types and never on op strings or reason text.
 A stage peer answers the driver with ``bwd``, ``loss``, ``done``, ``fail`` and ``pong`` (upstream ops,
 :data:`hlbp.protocol.stagewire.UPSTREAM`); any other op sent to the driver is :class:`UnexpectedMessage`, a
 :class:`ProtocolError` that bans its sender. A stream that closes and a peer whose bytes did not decode are
-events too, so the step loop learns of them in order with the answers.
+events too, so the step loop learns of them in order with the answers. The :class:`Inbox` holds them in arrival
+order.
 """
 
 from __future__ import annotations
 
+import queue
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -96,3 +99,41 @@ def decode_answer(conn: Any, msg: StageMessage, body: bytes) -> Answer:
     if msg.op == "pong":
         return Pong(conn, msg, exchanging=msg.code == Reason.ROUND)
     raise UnexpectedMessage(f"a {msg.op} message sent to the driver")
+
+
+class Inbox:
+    """The driver's events in arrival order: the links' loop thread puts them, the driver's thread takes them."""
+
+    def __init__(self) -> None:
+        self._queue: queue.Queue[Event] = queue.Queue()
+
+    def put(self, event: Event) -> None:
+        self._queue.put(event)
+
+    def get(self, timeout: float) -> Event | None:
+        """The next event, or None if none arrives within ``timeout`` seconds."""
+        try:
+            return self._queue.get(timeout=timeout)
+        except queue.Empty:
+            return None
+
+    def pongs(self, count: int, timeout: float) -> tuple[set[str], set[str]]:
+        """Wait up to ``timeout`` seconds for ``count`` pongs: (the peers that answered, those of them that said
+        they are exchanging a round). Every other event that arrives meanwhile is queued again, in order."""
+        answered: set[str] = set()
+        exchanging: set[str] = set()
+        deadline = time.monotonic() + timeout
+        requeue: list[Event] = []
+        while time.monotonic() < deadline and len(answered) < count:
+            event = self.get(timeout=max(0.01, deadline - time.monotonic()))
+            if event is None:
+                break
+            if isinstance(event, Pong):
+                answered.add(event.conn.peer)
+                if event.exchanging:
+                    exchanging.add(event.conn.peer)
+            else:
+                requeue.append(event)
+        for event in requeue:
+            self.put(event)
+        return answered, exchanging

@@ -10,8 +10,10 @@ import torch
 
 from hlbp.peer.swarm.events import (
     Backward,
+    BadPeer,
     Done,
     Failed,
+    Inbox,
     Loss,
     Pong,
     UnexpectedMessage,
@@ -93,3 +95,17 @@ def test_the_step_knows_what_is_in_flight_unsent_and_oldest() -> None:
     step.finishing, step.finish_at = True, 20.0
     assert step.oldest_sent() == 20.0  # the finish's deadline counts once it is under way
     assert step.loss() == pytest.approx(2.0 * 0.25)
+
+
+def test_the_inbox_collects_pongs_and_keeps_every_other_event_in_order() -> None:
+    inbox = Inbox()
+    assert inbox.get(0.0) is None
+    early = decode_answer(FakeConn(STAGE), StageMessage("done", step=1), b"")
+    bad = BadPeer(OTHER, "a frame that does not decode")
+    inbox.put(early)
+    inbox.put(decode_answer(FakeConn(STAGE), StageMessage("pong", code=Reason.ROUND), b""))
+    inbox.put(bad)
+    inbox.put(decode_answer(FakeConn(OTHER), StageMessage("pong"), b""))
+    assert inbox.pongs(2, 1.0) == ({STAGE, OTHER}, {STAGE})
+    assert inbox.get(0.0) == early and inbox.get(0.0) == bad and inbox.get(0.0) is None
+    assert inbox.pongs(1, 0.05) == (set(), set())  # nobody answers in time
