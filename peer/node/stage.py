@@ -337,20 +337,15 @@ def _stand_by(ctx: TrainContext, view: SwarmView, rebalance: Rebalancer, echo: C
     return None
 
 
-def _drive(ctx: TrainContext, options: StageOptions, worker: StageWorker, codec: Any, vocab: int, view: SwarmView,
-           echo: Callable[[str], None], start_step: int, config: Any, moved: list[Role]) -> dict[str, Any]:
-    """Stage 0: stand by while another peer drives, then drive the swarm's inner phases inside the round loop."""
+def _swarm_phase(ctx: TrainContext, options: StageOptions, worker: StageWorker, codec: Any, vocab: int,
+                 view: SwarmView, echo: Callable[[str], None], start_step: int, metrics: MetricsLog,
+                 round_closed: Callable[[int], bool]) -> SwarmPhase:
+    """The driving peer's phase: its data stream, validation batches and driver, from the manifest."""
     peer = ctx.peer
     m = peer.manifest.manifest
-    me = peer.plane.peer_id
-    swarm: SwarmPhase | None = None  # built once this peer drives
-    rebalance = _rebalancer(ctx, options, view, lambda: swarm.steps_done() if swarm is not None else 0)
-    move = _stand_by(ctx, view, rebalance, echo)
-    if move is not None:
-        moved.append(move)
-        return {"peer": me, "role": "stage", "stage": 0, "swarm": peer.role.swarm, "driver": False}
     data = prepare_data(m.data_recipe, ctx.cache_dir, tokenizer_path=peer.tokenizer_path)
-    stream = TokenStream(data.train, m.hparams.seq_len, m.hparams.batch_size, seed=m.seed, rank=data_rank(me))
+    stream = TokenStream(data.train, m.hparams.seq_len, m.hparams.batch_size, seed=m.seed,
+                         rank=data_rank(peer.plane.peer_id))
     # the validation batches every replica of the run scores (the full replicas' too, so losses compare)
     val = val_batches(data.val, m.hparams.seq_len, m.hparams.batch_size, options.eval_batches) \
         if options.eval_batches else []
@@ -360,31 +355,47 @@ def _drive(ctx: TrainContext, options: StageOptions, worker: StageWorker, codec:
         return [[Candidate(p, t) for p, t in view.at_stage(s)] for s in range(1, n_stages)]
 
     cfg = DriverConfig(micro_batches=options.micro_batches, in_flight=options.in_flight, deadline_s=options.deadline_s)
-    driver = Driver(peer.plane.dht, worker, codec, vocab, cfg, candidates,
-                    max_tokens=m.hparams.batch_size * m.hparams.seq_len, stop=ctx.stop)
-    metrics = MetricsLog(ctx.out_dir / "metrics.jsonl")
+    step_tokens = m.hparams.batch_size * m.hparams.seq_len
+    driver = Driver(peer.plane.dht, worker, codec, vocab, cfg, candidates, max_tokens=step_tokens, stop=ctx.stop)
     optim = inner_schedule(m.hparams.lr, m.hparams.schedule_total)
-    inner = m.hparams.inner_steps
-    phase_cfg = PhaseConfig(inner_steps=inner, step_tokens=m.hparams.batch_size * m.hparams.seq_len,
+    phase_cfg = PhaseConfig(inner_steps=m.hparams.inner_steps, step_tokens=step_tokens,
                             eval_every=options.eval_every, checkpoint_every_s=options.checkpoint_every_s,
                             max_steps=ctx.max_steps)
-    swarm = SwarmPhase(driver, stream, val, metrics, phase_cfg, lr=lambda step: lr_at(step, optim),
-                       save=lambda step: save_stage(ctx, worker, step),
-                       round_closed=lambda r: runner.round_closed(r), stop=ctx.stop, echo=echo, start_step=start_step)
+    return SwarmPhase(driver, stream, val, metrics, phase_cfg, lr=lambda step: lr_at(step, optim),
+                      save=lambda step: save_stage(ctx, worker, step), round_closed=round_closed, stop=ctx.stop,
+                      echo=echo, start_step=start_step)
+
+
+def _drive(ctx: TrainContext, options: StageOptions, worker: StageWorker, codec: Any, vocab: int, view: SwarmView,
+           echo: Callable[[str], None], start_step: int, config: Any, moved: list[Role]) -> dict[str, Any]:
+    """Stage 0: stand by while another peer drives, then drive the swarm's inner phases inside the round loop."""
+    peer = ctx.peer
+    m = peer.manifest.manifest
+    me = peer.plane.peer_id
+    swarm: SwarmPhase | None = None  # built once this peer drives; until then its work counts 0 steps
+    rebalance = _rebalancer(ctx, options, view, lambda: swarm.steps_done() if swarm is not None else 0)
+    move = _stand_by(ctx, view, rebalance, echo)
+    if move is not None:
+        moved.append(move)
+        return {"peer": me, "role": "stage", "stage": 0, "swarm": peer.role.swarm, "driver": False}
+    metrics = MetricsLog(ctx.out_dir / "metrics.jsonl")
+    # driving: the same phase as swarm, never None, for the closures below (they run once it exists)
+    driving = swarm = _swarm_phase(ctx, options, worker, codec, vocab, view, echo, start_step, metrics,
+                                   round_closed=lambda r: runner.round_closed(r))
 
     def phase(r: int) -> tuple[int, int]:
         try:
-            return swarm.run(r)
+            return driving.run(r)
         except StepLimitReached as exc:
             raise PhaseStopped(str(exc)) from exc
 
     runner, transport = make_stage_rounds(ctx, worker, config, phase, metrics, options.checkpoint_every_s,
-                                          evaluate=swarm.score if val else None, on_round=_round_echo(echo, 0),
-                                          codec=codec)
-    echo(f"driving swarm {peer.role.swarm}: {n_stages} stages, {cfg.micro_batches} micro-batches per step, "
-         f"{inner} steps per round; rounds: {runner.start()}; at round {runner.round}")
+                                          evaluate=driving.score if driving.val else None,
+                                          on_round=_round_echo(echo, 0), codec=codec)
+    echo(f"driving swarm {peer.role.swarm}: {len(m.stages)} stages, {options.micro_batches} micro-batches per "
+         f"step, {m.hparams.inner_steps} steps per round; rounds: {runner.start()}; at round {runner.round}")
     try:
-        swarm.validate_first()
+        driving.validate_first()
         while not ctx.stop.is_set():
             try:
                 runner.history.append(runner.run_round())
@@ -394,15 +405,15 @@ def _drive(ctx: TrainContext, options: StageOptions, worker: StageWorker, codec:
             if move is not None:
                 moved.append(move)
                 break
-        swarm.validate_last()
+        driving.validate_last()
     finally:
-        driver.close()
+        driving.close()
         runner.save()
         runner.close()
         transport.close()
         metrics.close()
-        swarm.save()
-    summary = swarm.summary()
+        driving.save()
+    summary = driving.summary()
     echo(driver_report(summary))
     return {"peer": me, "role": "stage", "stage": 0, "swarm": peer.role.swarm, "driver": True, **summary,
             "data_rank": data_rank(me), "rounds": [dataclasses.asdict(r) for r in runner.history],

@@ -186,6 +186,10 @@ class SwarmPhase:
         self.save_stage(self.opt_step)
         self._saved = time.monotonic()
 
+    def close(self) -> None:
+        """Close the driver's stage streams (the phase runs no more steps)."""
+        self.driver.close()
+
     def steps_done(self) -> int:
         """Steps the driver finished (the rebalancer's measure of this peer's work)."""
         return self.driver.counters.steps
