@@ -46,7 +46,15 @@ from hlbp.peer.swarm.events import (
 from hlbp.peer.swarm.links import Conn, StageLinks
 from hlbp.peer.swarm.routing import Bans, Candidate, LatencyTracker, choose_chain
 from hlbp.peer.swarm.server import max_body_bytes
-from hlbp.peer.swarm.step import MicroBatch, PeerFailed, StepAbandoned, StepResult, StepState, micro_batches
+from hlbp.peer.swarm.step import (
+    Abandon,
+    MicroBatch,
+    PeerFailed,
+    StepAbandoned,
+    StepResult,
+    StepState,
+    micro_batches,
+)
 from hlbp.peer.swarm.worker import StageWorker
 from hlbp.protocol import ProtocolError
 from hlbp.protocol.stagewire import Reason, StageMessage, encode_message, encode_targets
@@ -199,7 +207,7 @@ class Driver:
         mb.sent_at = time.monotonic()
         self.links.dial(chain[0]).send(encode_message(msg, data))
 
-    def _abandon(self, step_mbs: list[MicroBatch], reason: str) -> StepAbandoned:
+    def _abandon(self, step_mbs: list[MicroBatch], cause: Abandon, reason: str) -> StepAbandoned:
         self.counters.steps_abandoned += 1
         self.counters.microbatches_abandoned += len(step_mbs)
         self.worker.reset()
@@ -211,7 +219,7 @@ class Driver:
             except ConnectionError:
                 pass
         logger.warning("step %d abandoned (%d micro-batches): %s", self.step_seq, len(step_mbs), reason)
-        return StepAbandoned(reason)
+        return StepAbandoned(cause, reason)
 
     def train_step(self, x: torch.Tensor, y: torch.Tensor, opt_step: int, lr: float,
                    round_end: bool = False, give_up: Callable[[], bool] | None = None) -> StepResult:
@@ -229,13 +237,13 @@ class Driver:
         mbs = micro_batches(x, y, self.cfg.micro_batches)
         chain = self._choose(mbs[0].y.numel(), give_up)
         if chain is None:
-            raise self._abandon(mbs, "no complete chain of stage peers")
+            raise self._abandon(mbs, Abandon.NO_CHAIN, "no complete chain of stage peers")
         self.worker.begin(self.session, self.step_seq)
         window = min(len(mbs), self.cfg.in_flight or len(mbs))
         step = StepState(mbs, chain, window, opt_step, lr, int(y.numel()), round_end, give_up, start)
         while True:
             if self.stop is not None and self.stop.is_set():
-                raise self._abandon(mbs, "this peer is stopping")
+                raise self._abandon(mbs, Abandon.STOPPING, "this peer is stopping")
             outcome = self._send_more(step)
             if outcome is None:
                 outcome = self._next(step)
@@ -323,8 +331,8 @@ class Driver:
             return PeerFailed(exchanging[0])  # says it is exchanging past every renewed deadline: treat it as failed
         stale = [i for i in inflight if not step.mbs[i].done]
         if step.finishing or any(step.mbs[i].attempt + 1 >= self.cfg.max_attempts for i in stale):
-            raise self._abandon(step.mbs, f"micro-batches past their {deadline:.1f} s deadline, "
-                                          "and every stage peer answers")
+            raise self._abandon(step.mbs, Abandon.DEADLINE, f"micro-batches past their {deadline:.1f} s deadline, "
+                                "and every stage peer answers")
         for i in stale:
             step.mbs[i].sent_at = 0.0
         step.retried += len(stale)
@@ -367,7 +375,7 @@ class Driver:
     def _on_failed(self, step: StepState, event: Failed) -> PeerFailed:
         """A stage named a failed peer; one that already applied the step abandons it (re-running cannot help)."""
         if event.code == Reason.ALREADY_APPLIED:
-            raise self._abandon(step.mbs, f"{event.peer[:12]}… {event.msg.reason}")
+            raise self._abandon(step.mbs, Abandon.ALREADY_APPLIED, f"{event.peer[:12]}… {event.msg.reason}")
         return PeerFailed(event.peer)
 
     def _reroute(self, step: StepState, failed: str) -> None:
@@ -376,13 +384,14 @@ class Driver:
         seconds = self.bans.fail(failed, time.monotonic())
         logger.warning("stage peer %s failed; banned for %.0f s", failed[:12], seconds)
         if failed == self.peer_id:
-            raise self._abandon(step.mbs, "this driver was named as failed")
+            raise self._abandon(step.mbs, Abandon.NAMED_AS_FAILED, "this driver was named as failed")
         chain = self._choose(step.mbs[0].y.numel(), step.give_up)
         if chain is None:
-            raise self._abandon(step.mbs, f"no stage peer can replace {failed[:12]}…")
+            raise self._abandon(step.mbs, Abandon.NO_REPLACEMENT, f"no stage peer can replace {failed[:12]}…")
         sent = [m for m in step.mbs if m.attempt >= 0]
         if any(m.attempt + 1 >= self.cfg.max_attempts for m in sent):
-            raise self._abandon(step.mbs, f"a micro-batch failed {self.cfg.max_attempts} times")
+            raise self._abandon(step.mbs, Abandon.TOO_MANY_ATTEMPTS,
+                                f"a micro-batch failed {self.cfg.max_attempts} times")
         for m in sent:
             m.done, m.sent_at = False, 0.0
         step.chain = chain

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from enum import Enum
 
 import torch
 
@@ -22,8 +23,25 @@ class StepResult:
     retried: int
 
 
+class Abandon(Enum):
+    """Why a step was abandoned."""
+
+    NO_CHAIN = "no chain"  # no complete chain of stage peers within the wait
+    STOPPING = "stopping"  # this peer is stopping
+    DEADLINE = "deadline"  # past the deadline although every stage peer answers (or the finish was lost)
+    ALREADY_APPLIED = "already applied"  # a stage already applied the step: re-running it cannot help
+    NAMED_AS_FAILED = "named as failed"  # a stage named this driver as the failed peer
+    NO_REPLACEMENT = "no replacement"  # no stage peer can replace the one that failed
+    TOO_MANY_ATTEMPTS = "too many attempts"  # a micro-batch failed ``max_attempts`` times
+
+
 class StepAbandoned(RuntimeError):
-    """The step could not finish; its state was dropped everywhere and it is counted."""
+    """The step could not finish; its state was dropped everywhere and it is counted. ``cause`` says why (the
+    message is for the log)."""
+
+    def __init__(self, cause: Abandon, reason: str) -> None:
+        super().__init__(reason)
+        self.cause = cause
 
 
 @dataclass

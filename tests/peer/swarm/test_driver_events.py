@@ -109,3 +109,10 @@ def test_the_inbox_collects_pongs_and_keeps_every_other_event_in_order() -> None
     assert inbox.pongs(2, 1.0) == ({STAGE, OTHER}, {STAGE})
     assert inbox.get(0.0) == early and inbox.get(0.0) == bad and inbox.get(0.0) is None
     assert inbox.pongs(1, 0.05) == (set(), set())  # nobody answers in time
+
+
+def test_an_abandoned_step_says_why_as_a_cause_and_as_text() -> None:
+    from hlbp.peer.swarm.step import Abandon, StepAbandoned
+
+    exc = StepAbandoned(Abandon.ALREADY_APPLIED, "12D3KooWstage… applied step 3 already")
+    assert exc.cause is Abandon.ALREADY_APPLIED and str(exc) == "12D3KooWstage… applied step 3 already"

@@ -23,6 +23,7 @@ from hlbp.peer.swarm.phase import (
     due_for_validation,
     needs_last_validation,
 )
+from hlbp.peer.swarm.step import Abandon
 
 
 @dataclass
@@ -46,7 +47,7 @@ class FakeDriver:
         if opt_step in self.abandon:
             self.abandon.discard(opt_step)
             self.counters.steps_abandoned += 1
-            raise StepAbandoned("no complete chain of stage peers")
+            raise StepAbandoned(Abandon.NO_CHAIN, "no complete chain of stage peers")
         self.counters.steps += 1
         return StepResult(loss=1.0, seconds=0.1, chain=["12D3KooWstage"], retried=0)
 
