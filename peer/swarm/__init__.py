@@ -7,5 +7,6 @@ swarms").
 - :mod:`server`: a stage peer serving forward and backward;
 - :mod:`events`: what reaches the driver, as typed events decoded where a message arrives;
 - :mod:`step`: the state of one step of the driver, its micro-batches and which are in flight (pure);
-- :mod:`driver`: stage 0, its micro-batches in flight, retries and the step.
+- :mod:`driver`: stage 0, its micro-batches in flight, retries and the step;
+- :mod:`phase`: stage 0's inner phase of each outer round (steps, logging, validation), for the round loop.
 """
