@@ -272,7 +272,7 @@ def data_rank(peer_id: str) -> int:
     return int.from_bytes(hashlib.sha256(peer_id.encode()).digest()[:4], "big") % 65536
 
 
-def default_train_hook(ctx: TrainContext) -> None:
+def run_local(ctx: TrainContext) -> None:
     """``--local-only``: a full replica trains alone with the inner trainer, without outer rounds; any other role
     holds its place until stopped."""
     peer = ctx.peer

@@ -1,6 +1,6 @@
 """A full replica inside a run: the manifest's model and data, the inner trainer, and outer rounds.
 
-``replica_train_hook`` is what ``hlbp join`` runs after the peer has announced itself as a full replica. It builds
+``run_replica`` is what ``hlbp join`` runs after the peer has announced itself as a full replica. It builds
 everything from the signed manifest (so every replica starts from identical weights), then hands over to
 :class:`hlbp.peer.rounds.sparseloco.RoundRunner` until stopped or until ``rounds`` rounds are done, and leaves a summary.
 
@@ -181,7 +181,7 @@ def contributors_counter(plane: Any, m: Any) -> Callable[[], int]:
     return expected
 
 
-def replica_train_hook(ctx: TrainContext, options: ReplicaOptions, echo: Any = print) -> dict[str, Any]:
+def run_replica(ctx: TrainContext, options: ReplicaOptions, echo: Any = print) -> dict[str, Any]:
     """Train with outer rounds until stopped; returns (and writes to summary.json) what happened."""
     if options.threads:
         torch.set_num_threads(options.threads)

@@ -13,9 +13,9 @@ from pathlib import Path
 from typing import Any
 
 from hlbp.peer.common.signals import stop_on_signals
-from hlbp.peer.node.join import JoinConfig, TrainContext, default_train_hook, join
-from hlbp.peer.node.replica import ReplicaOptions, replica_train_hook
-from hlbp.peer.node.stage import StageOptions, stage_train_hook
+from hlbp.peer.node.join import JoinConfig, TrainContext, run_local, join
+from hlbp.peer.node.replica import ReplicaOptions, run_replica
+from hlbp.peer.node.stage import StageOptions, run_stage
 
 
 @dataclass(frozen=True)
@@ -46,13 +46,13 @@ def run_join(plan: JoinPlan, echo: Callable[[str], None], faults: Callable[[Any]
             echo("holding the role without training (--no-train); Ctrl-C or SIGTERM to leave")
             stop.wait()
         elif peer.role.kind != "replica":
-            stage_train_hook(ctx, plan.stage, echo)
+            run_stage(ctx, plan.stage, echo)
         elif not plan.local_only and not stop.is_set():
-            replica_train_hook(ctx, replace(plan.replica, faults=faults), echo)
+            run_replica(ctx, replace(plan.replica, faults=faults), echo)
         elif not stop.is_set():
             training.set()  # from here a signal also interrupts the training loop, which does not poll `stop`
             try:
-                default_train_hook(ctx)
+                run_local(ctx)
             except KeyboardInterrupt:
                 echo("stopping training")
             finally:

@@ -163,7 +163,7 @@ def save_stage(ctx: TrainContext, worker: StageWorker, opt_step: int) -> None:
                                                      "opt_step": opt_step, "optimizer": desc})
 
 
-def stage_train_hook(ctx: TrainContext, options: StageOptions, echo: Callable[[str], None] = print) -> dict[str, Any]:
+def run_stage(ctx: TrainContext, options: StageOptions, echo: Callable[[str], None] = print) -> dict[str, Any]:
     """Serve (or, at stage 0, drive) this peer's stage until stopped or ``ctx.max_steps`` steps; returns the
     summary it also writes to ``summary.json``.
 
@@ -298,7 +298,7 @@ def _serve(ctx: TrainContext, options: StageOptions, worker: StageWorker, codec:
             move = rebalance.check()
             if move is not None:
                 moved.append(move)
-                ctx.stop.set()  # this role's stop only (stage_train_hook links it to the process's)
+                ctx.stop.set()  # this role's stop only (run_stage links it to the process's)
     finally:
         server.close()
         if thread.is_alive():
