@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from hlbp.peer.common.signals import stop_on_signals
-from hlbp.peer.node.join import JoinConfig, TrainContext, run_local, join
+from hlbp.peer.node.join import JoinConfig, TrainContext, join, run_local
 from hlbp.peer.node.replica import ReplicaOptions, run_replica
 from hlbp.peer.node.stage import StageOptions, run_stage
 
