@@ -38,7 +38,7 @@ from hlbp.peer.common.errors import UserInputError
 from hlbp.protocol import ProtocolError
 from hlbp.protocol.manifest import (
     PROTOCOL_VERSION,
-    ActivationCodec,
+    CodecSpec,
     Hyperparameters,
     Manifest,
     Placement,
@@ -63,7 +63,7 @@ class RunConfig:
     vocab_size: int = 8192  # BPE size when the bootstrap trains the tokenizer
     model_overrides: dict[str, Any] = field(default_factory=dict)
     hparams: dict[str, Any] = field(default_factory=dict)  # fields of records.Hyperparameters
-    codec: dict[str, Any] = field(default_factory=dict)  # fields of records.ActivationCodec
+    codec: dict[str, Any] = field(default_factory=dict)  # fields of manifest.CodecSpec
     placement: dict[str, Any] = field(default_factory=dict)  # fields of records.Placement
     allowed_peers: list[str] = field(default_factory=list)  # closed run: who may contribute (empty: anyone)
 
@@ -81,7 +81,7 @@ def load_run_config(path: Path | None) -> RunConfig:
     unknown = sorted(set(raw) - _TOP_KEYS)
     if unknown:
         raise UserInputError(f"run config {path}: unknown keys {', '.join(unknown)}; known: {', '.join(sorted(_TOP_KEYS))}")
-    for section, cls in (("hparams", Hyperparameters), ("codec", ActivationCodec), ("placement", Placement)):
+    for section, cls in (("hparams", Hyperparameters), ("codec", CodecSpec), ("placement", Placement)):
         value = raw.get(section, {})
         if not isinstance(value, dict):
             raise UserInputError(f"run config {path}: [{section}] must be a table")

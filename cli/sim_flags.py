@@ -82,7 +82,7 @@ class SimFlags:
                        help="A fast smoke run: 2 replicas, 2 rounds, 5 inner steps.")
 
     def __post_init__(self) -> None:
-        from hlbp.protocol.manifest import ActivationCodec, Hyperparameters
+        from hlbp.protocol.manifest import CodecSpec, Hyperparameters
 
         if self.quick:
             self.full, self.rounds, self.inner_steps = 2, 2, 5
@@ -97,7 +97,7 @@ class SimFlags:
             raise UserInputError(f"--overlap must be none, naive or eager, got {overlap!r}")
         if overlap not in ("", "none") and outer != "sparseloco":
             raise UserInputError("--overlap works with --outer sparseloco only")
-        if overlap not in ("", "none") and codec in ActivationCodec.CONSTRAINED:
+        if overlap not in ("", "none") and codec in CodecSpec.CONSTRAINED:
             raise UserInputError(f"--codec {codec} trains constrained full replicas, which do not overlap yet; "
                                  "leave --overlap out or set it to none")
         if self.small_tensors not in Hyperparameters.SMALL_TENSORS:
@@ -120,9 +120,9 @@ class SimFlags:
     def overlap_mode(self) -> str:
         """The overlap the run will use: --overlap, or when it is left out the manifest's default (the outer's,
         none for a variant-A codec; records.Hyperparameters)."""
-        from hlbp.protocol.manifest import ActivationCodec, Hyperparameters
+        from hlbp.protocol.manifest import CodecSpec, Hyperparameters
 
-        constrained = self.codec in ActivationCodec.CONSTRAINED
+        constrained = self.codec in CodecSpec.CONSTRAINED
         return self.overlap or Hyperparameters.default_overlap(self.outer, constrained)
 
     def config(self) -> SimConfig:

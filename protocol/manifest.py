@@ -127,7 +127,7 @@ class Hyperparameters:
 
     @classmethod
     def from_body(cls, body: dict[str, Any], constrained: bool = False) -> Hyperparameters:
-        """``constrained``: the run's full replicas train the constrained network (ActivationCodec, variants A)."""
+        """``constrained``: the run's full replicas train the constrained network (CodecSpec, variants A)."""
         d = cls()
         outer = _str(body, "outer", 16, d.outer, choices=cls.OUTERS)
         hp = cls(
@@ -167,7 +167,7 @@ class Hyperparameters:
 
 
 @dataclass(frozen=True)
-class ActivationCodec:
+class CodecSpec:
     """How activations cross a stage boundary: dense, or a subspace variant with k values per token."""
 
     name: str = "dense"  # dense, subspace-a (exact), subspace-a-drift, or subspace-b (decoupled, lossy)
@@ -189,7 +189,7 @@ class ActivationCodec:
         return out
 
     @classmethod
-    def from_body(cls, body: dict[str, Any]) -> ActivationCodec:
+    def from_body(cls, body: dict[str, Any]) -> CodecSpec:
         codec = cls(name=_str(body, "name", 32, "dense", choices=cls.NAMES), k=_int(body, "k", 0, 1 << 16, 0),
                     dtype=_str(body, "dtype", 8, "", choices=cls.DTYPES))
         if codec.name != "dense" and codec.k < 1:
@@ -244,7 +244,7 @@ class Manifest:
     model_overrides: dict[str, _OverrideValue] = field(default_factory=dict)  # preset fields changed for this run
     data_recipe: str = "builtin"  # corpus spec, as hlbp.peer.data.streams understands it
     hparams: Hyperparameters = field(default_factory=Hyperparameters)
-    codec: ActivationCodec = field(default_factory=ActivationCodec)
+    codec: CodecSpec = field(default_factory=CodecSpec)
     placement: Placement = field(default_factory=Placement)
     artifacts: tuple[Artifact, ...] = ()  # files served by hash; includes tokenizer.json
     allowed_peers: tuple[str, ...] = ()  # closed run: only these peer ids may contribute (empty: open to anyone)
@@ -277,7 +277,7 @@ class Manifest:
         proto = _int(body, "proto", 0, 1 << 30)
         if proto != PROTOCOL_VERSION:
             raise ProtocolVersionMismatch(proto)
-        codec = ActivationCodec.from_body(_map(body, "codec"))
+        codec = CodecSpec.from_body(_map(body, "codec"))
         return cls(
             run_id=_str(body, "run", 64, pattern=_RUN_ID_RE),
             protocol_version=proto,

@@ -241,9 +241,9 @@ def test_overlap_defaults_to_eager_for_sparseloco_and_none_for_diloco():
 def test_variant_a_runs_do_not_overlap_their_full_replicas():
     # their full replicas train the constrained network, whose parameters an overlapped landing cannot shift
     from hlbp.peer.model.subspace import CONSTRAINED
-    from hlbp.protocol.manifest import ActivationCodec
+    from hlbp.protocol.manifest import CodecSpec
 
-    assert ActivationCodec.CONSTRAINED == CONSTRAINED  # the protocol's copy of the model's list
+    assert CodecSpec.CONSTRAINED == CONSTRAINED  # the protocol's copy of the model's list
     body = _manifest().to_body()
     hparams = {k: v for k, v in body["hparams"].items() if k != "overlap"}
     for name in ("subspace-a", "subspace-a-drift"):

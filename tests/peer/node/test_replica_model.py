@@ -15,7 +15,7 @@ from hlbp.peer.model.subspace import constrained_names
 from hlbp.peer.node.replica import codec_config, replica_model
 from hlbp.peer.rounds.outer import pseudo_gradient
 from hlbp.peer.train.trainer import InnerTrainer, OptimConfig
-from hlbp.protocol.manifest import ActivationCodec, Manifest
+from hlbp.protocol.manifest import CodecSpec, Manifest
 
 VOCAB = 300
 SEED = 11
@@ -26,7 +26,7 @@ CPU = torch.device("cpu")
 def _manifest(codec: str, k: int = 0) -> Manifest:
     return Manifest(run_id="replica-model", seed=SEED, model="tiny", tokenizer_hash="0" * 64, stages=STAGES,
                     model_overrides={"d_model": 64, "n_heads": 4, "d_ff": 128, "max_seq_len": 32},
-                    codec=ActivationCodec(name=codec, k=k))
+                    codec=CodecSpec(name=codec, k=k))
 
 
 def _weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
