@@ -185,7 +185,7 @@ def heterogeneous(
     import torch
 
     from hlbp.peer.bench.heterogeneous import HeterogeneousBenchConfig, run_heterogeneous_bench
-    from hlbp.peer.model.subspace import CodecConfig
+    from hlbp.peer.model.codec import CodecConfig
 
     network_only = {"--variant": variant, "--ratio": ratio, "--weighting": weighting, "--plot": plot,
                     "--swarm-wan-delay-ms": swarm_wan_delay_ms, "--swarm-wan-mbps": swarm_wan_mbps,

@@ -29,16 +29,10 @@ from torch import nn
 from hlbp.peer.bench.report import print_table, write_result
 from hlbp.peer.data.streams import TokenStream, prepare_data, val_batches
 from hlbp.peer.model.basis import off_span
+from hlbp.peer.model.codec import SHORT_NAMES, CodecConfig
 from hlbp.peer.model.decoder import preset
 from hlbp.peer.model.pipeline import PipelineModel, initial_state, run_model_config
-from hlbp.peer.model.subspace import (
-    CONSTRAINED,
-    SHORT_NAMES,
-    VARIANTS,
-    CodecConfig,
-    SubspaceCodec,
-    make_codec,
-)
+from hlbp.peer.model.subspace import CONSTRAINED, VARIANTS, SubspaceCodec, make_codec
 from hlbp.peer.rounds.outer import OuterConfig, SparseLoCo
 from hlbp.peer.sim.pipeline import PipelineReplica, make_replica
 from hlbp.peer.train.trainer import OptimConfig, micro_batches, pick_device

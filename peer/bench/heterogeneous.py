@@ -31,9 +31,10 @@ from rich.console import Console
 
 from hlbp.peer.bench.report import print_table, write_result
 from hlbp.peer.data.streams import TokenStream, prepare_data, val_batches
+from hlbp.peer.model.codec import SHORT_NAMES, CodecConfig
 from hlbp.peer.model.decoder import ModelConfig, preset
 from hlbp.peer.model.pipeline import initial_state, run_model_config
-from hlbp.peer.model.subspace import SHORT_NAMES, VARIANTS, CodecConfig
+from hlbp.peer.model.subspace import VARIANTS
 from hlbp.peer.rounds.outer import OuterConfig
 from hlbp.peer.sim.engine import EngineConfig, run_outer_simulation
 from hlbp.peer.sim.pipeline import PipelineReplica, make_replica

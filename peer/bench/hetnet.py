@@ -99,7 +99,7 @@ class HetNetBenchConfig:
 
     def check(self) -> None:
         """Reject settings that cannot run, before any process starts."""
-        from hlbp.peer.model.subspace import CodecConfig
+        from hlbp.peer.model.codec import CodecConfig
 
         if self.variant == "dense":
             raise UserInputError("--variant must be a subspace codec (the uncompressed arm is the dense one)")

@@ -92,9 +92,9 @@ def final_global_loss(cfg: Any, raw: dict[str, Any], data: Any) -> dict[str, Any
     import torch
 
     from hlbp.peer.data.streams import val_batches
+    from hlbp.peer.model.codec import CodecConfig
     from hlbp.peer.model.decoder import build_model, preset, split
     from hlbp.peer.model.pipeline import initial_state, run_model_config
-    from hlbp.peer.model.subspace import CodecConfig
     from hlbp.peer.rounds.statesync import shard_checksum
     from hlbp.peer.sim.report import stage_name
     from hlbp.peer.train.checkpoint import load_checkpoint

@@ -110,7 +110,7 @@ class PipelineBenchConfig:
 def parse_codec(spec: str, d_model: int) -> tuple[str, int, str]:
     """(kind, absolute k, k/d label) of ``"kind"`` or ``"kind@k/d"``; dense has k = d_model."""
     from hlbp.peer.model.basis import resolve_rank
-    from hlbp.peer.model.subspace import CodecConfig
+    from hlbp.peer.model.codec import CodecConfig
 
     kind, _, ratio = spec.partition("@")
     CodecConfig(kind)  # rejects unknown kinds with the list of known ones

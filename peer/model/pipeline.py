@@ -14,7 +14,7 @@ Keeping T_fixed in step across peers: after each outer step every stage needs th
 synchronized embedding: here that is simply the replica's own stage-0 embedding after ``load_params``; in a network
 run stage 0 holds it and every other stage peer follows the embedding's shard of each round (it applies the same
 accepted contributions to a copy of it, hlbp.peer.rounds.follow), and each rebuilds its codec's table from it with
-:meth:`hlbp.peer.model.subspace.ActivationCodec.rebuild_table` before the next step.
+:meth:`hlbp.peer.model.codec.ActivationCodec.rebuild_table` before the next step.
 """
 
 from __future__ import annotations
@@ -24,13 +24,9 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from hlbp.peer.model.codec import ActivationCodec, CodecConfig
 from hlbp.peer.model.decoder import ModelConfig, Stage, build_model, load_from_full, partition, split
-from hlbp.peer.model.subspace import (
-    ActivationCodec,
-    CodecConfig,
-    constrained_model_config,
-    make_codec,
-)
+from hlbp.peer.model.subspace import constrained_model_config, make_codec
 
 
 def run_model_config(

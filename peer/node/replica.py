@@ -26,9 +26,10 @@ import torch
 
 from hlbp.peer.common.files import atomic_write_bytes
 from hlbp.peer.data.streams import TokenStream, prepare_data, val_batches
+from hlbp.peer.model.codec import CodecConfig
 from hlbp.peer.model.decoder import ModelConfig, Stage, preset, split
 from hlbp.peer.model.pipeline import initial_model, run_model_config
-from hlbp.peer.model.subspace import CodecConfig, SubspaceConstraint
+from hlbp.peer.model.subspace import SubspaceConstraint
 from hlbp.peer.net.prometheus import MetricsServer, PeerMetrics
 from hlbp.peer.net.transport import P2PBlobTransport
 from hlbp.peer.node.join import TrainContext, data_rank

@@ -34,9 +34,10 @@ from typing import Any
 
 import torch
 
+from hlbp.peer.model.codec import ActivationCodec
 from hlbp.peer.model.decoder import split
 from hlbp.peer.model.pipeline import initial_state
-from hlbp.peer.model.subspace import REBUILT, ActivationCodec
+from hlbp.peer.model.subspace import REBUILT
 from hlbp.peer.net.transport import P2PBlobTransport
 from hlbp.peer.node.replica import contributors_counter, round_settings
 from hlbp.peer.rounds.sparseloco import RoundRunner, RoundStats

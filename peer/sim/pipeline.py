@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import torch
 
+from hlbp.peer.model.codec import CodecConfig
 from hlbp.peer.model.decoder import ModelConfig
 from hlbp.peer.model.pipeline import PipelineModel, build_pipeline
-from hlbp.peer.model.subspace import CodecConfig, SubspaceCodec, SubspaceConstraint, anchor_table
+from hlbp.peer.model.subspace import SubspaceCodec, SubspaceConstraint, anchor_table
 from hlbp.peer.train.trainer import BatchFn, InnerTrainer, OptimConfig
 
 

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from hlbp.peer.model.subspace import ActivationCodec
+from hlbp.peer.model.codec import ActivationCodec
 from hlbp.peer.swarm.events import (
     Backward,
     BadPeer,

@@ -30,7 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from hlbp.peer.model.subspace import ActivationCodec
+from hlbp.peer.model.codec import ActivationCodec
 from hlbp.peer.swarm.gate import RoundGate
 from hlbp.peer.swarm.links import Conn, StageLinks
 from hlbp.peer.swarm.routing import Bans

@@ -43,7 +43,8 @@ from oracles import (
 
 from hlbp.peer.common.errors import UserInputError
 from hlbp.peer.model.basis import fixed_table, subspace_basis
-from hlbp.peer.model.subspace import DenseCodec, SubspaceCodec
+from hlbp.peer.model.codec import DenseCodec
+from hlbp.peer.model.subspace import SubspaceCodec
 from hlbp.peer.rounds.contribution import contribution_from_bytes, contribution_to_bytes
 from hlbp.peer.rounds.outer import OuterConfig, make_outer
 from hlbp.peer.rounds.statesync import encode_state, parse_state, shard_checksum

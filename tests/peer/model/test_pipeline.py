@@ -10,13 +10,10 @@ import torch
 from hlbp.peer.bench.heterogeneous import HeterogeneousBenchConfig, cells, half_vs_all
 from hlbp.peer.data.streams import TokenStream, val_batches
 from hlbp.peer.model.basis import fixed_table, off_span, project_writer, subspace_basis
+from hlbp.peer.model.codec import CodecConfig
 from hlbp.peer.model.decoder import ModelConfig, build_model
 from hlbp.peer.model.pipeline import build_pipeline, initial_state, run_model_config
-from hlbp.peer.model.subspace import (
-    CodecConfig,
-    constrained_names,
-    drift_table,
-)
+from hlbp.peer.model.subspace import constrained_names, drift_table
 from hlbp.peer.rounds.outer import OuterConfig, SparseLoCo
 from hlbp.peer.sim.engine import EngineConfig, FullReplica, run_outer_simulation
 from hlbp.peer.sim.pipeline import make_replica

@@ -7,10 +7,9 @@ import torch
 
 from hlbp.peer.common.errors import UserInputError
 from hlbp.peer.model.basis import fixed_table, off_span, project_rows, resolve_rank, subspace_basis
+from hlbp.peer.model.codec import CodecConfig, DenseCodec
 from hlbp.peer.model.decoder import ModelConfig, build_model
 from hlbp.peer.model.subspace import (
-    CodecConfig,
-    DenseCodec,
     SubspaceCodec,
     SubspaceConstraint,
     absorb_drift,

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from hlbp.peer.model.basis import fixed_table
-from hlbp.peer.model.subspace import CodecConfig, anchor_table, make_codec
+from hlbp.peer.model.codec import CodecConfig
+from hlbp.peer.model.subspace import anchor_table, make_codec
 
 D, VOCAB, SEQ = 32, 50, 8
 

@@ -22,7 +22,8 @@ import torch
 from safetensors.torch import load_file
 
 from hlbp.peer.model.basis import fixed_table
-from hlbp.peer.model.subspace import CodecConfig, make_codec
+from hlbp.peer.model.codec import CodecConfig
+from hlbp.peer.model.subspace import make_codec
 from hlbp.peer.sim.launcher import SimConfig, run_simulation
 from hlbp.peer.train.metricslog import read_metrics
 

@@ -10,9 +10,10 @@ import hivemind
 import pytest
 import torch
 
+from hlbp.peer.model.codec import CodecConfig
 from hlbp.peer.model.decoder import load_from_full, preset, split
 from hlbp.peer.model.pipeline import initial_state
-from hlbp.peer.model.subspace import CodecConfig, make_codec
+from hlbp.peer.model.subspace import make_codec
 from hlbp.peer.sim.launcher import poll
 from hlbp.peer.swarm.driver import Driver, DriverConfig
 from hlbp.peer.swarm.links import StageLinks

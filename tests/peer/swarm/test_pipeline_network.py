@@ -19,9 +19,9 @@ import pytest
 import torch
 
 from hlbp.peer.data.streams import PreparedData, TokenStream
+from hlbp.peer.model.codec import CodecConfig
 from hlbp.peer.model.decoder import build_model, preset
 from hlbp.peer.model.pipeline import initial_state, run_model_config
-from hlbp.peer.model.subspace import CodecConfig
 from hlbp.peer.node.replica import inner_schedule
 from hlbp.peer.sim.launcher import Replica, SimConfig, Swarm, poll
 from hlbp.peer.sim.pipeline import make_replica
