@@ -36,8 +36,8 @@ from hlbp.peer.swarm.events import (
     BadPeer,
     Done,
     Event,
-    Failed,
-    Inbox,
+    EventQueue,
+    FailReport,
     Loss,
     StreamClosed,
     UnexpectedMessage,
@@ -112,7 +112,7 @@ class Driver:
         self.latency = LatencyTracker(override_s=cfg.deadline_s, min_s=cfg.min_deadline_s, max_s=cfg.max_deadline_s)
         self.counters = DriverCounters()
         self.measured: dict[str, float] = {}  # tokens/s per stage peer, from the busy times they report
-        self._inbox = Inbox()
+        self._inbox = EventQueue()
         self.links = StageLinks(dht, self._on_message, self._on_closed, self._on_bad, lambda _peer: False,
                                 max_body_bytes(codec, max_tokens, vocab_size))
         self.peer_id = self.links.peer_id
@@ -300,7 +300,7 @@ class Driver:
             self._on_backward(step, event)
         elif isinstance(event, Done) and step.finishing:
             return self._on_done(step, event)
-        elif isinstance(event, Failed):
+        elif isinstance(event, FailReport):
             return self._on_failed(step, event)
         return None  # a pong or loss outside a ping or an evaluation, or a done before the finish: nothing to do
 
@@ -372,7 +372,7 @@ class Driver:
             self.bans.ok(p)
         return StepResult(step.loss(), time.perf_counter() - step.started, list(step.chain), step.retried)
 
-    def _on_failed(self, step: StepState, event: Failed) -> PeerFailed:
+    def _on_failed(self, step: StepState, event: FailReport) -> PeerFailed:
         """A stage named a failed peer; one that already applied the step abandons it (re-running cannot help)."""
         if event.code == Reason.ALREADY_APPLIED:
             raise self._abandon(step.mbs, Abandon.ALREADY_APPLIED, f"{event.peer[:12]}… {event.msg.reason}")

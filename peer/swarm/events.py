@@ -4,7 +4,7 @@ loop dispatches on types and never on op strings or reason text.
 A stage peer answers the driver with ``bwd``, ``loss``, ``done``, ``fail`` and ``pong`` (upstream ops,
 :data:`hlbp.protocol.stagewire.UPSTREAM`); any other op sent to the driver is :class:`UnexpectedMessage`, a
 :class:`ProtocolError` that bans its sender. A stream that closes and a peer whose bytes did not decode are
-events too, so the step loop learns of them in order with the answers. The :class:`Inbox` holds them in arrival
+events too, so the step loop learns of them in order with the answers. The :class:`EventQueue` holds them in arrival
 order.
 """
 
@@ -53,7 +53,7 @@ class Done(Answer):
 
 
 @dataclass(frozen=True)
-class Failed(Answer):
+class FailReport(Answer):
     """``fail``: a stage names the ``peer`` that failed (itself or one it could not reach), and why (``code``)."""
 
     peer: str
@@ -82,7 +82,7 @@ class BadPeer:
     error: str
 
 
-Event = Backward | Loss | Done | Failed | Pong | StreamClosed | BadPeer
+Event = Backward | Loss | Done | FailReport | Pong | StreamClosed | BadPeer
 
 
 def decode_answer(conn: Any, msg: StageMessage, body: bytes) -> Answer:
@@ -95,13 +95,13 @@ def decode_answer(conn: Any, msg: StageMessage, body: bytes) -> Answer:
     if msg.op == "done":
         return Done(conn, msg)
     if msg.op == "fail":
-        return Failed(conn, msg, peer=msg.peer or conn.peer, code=msg.code)
+        return FailReport(conn, msg, peer=msg.peer or conn.peer, code=msg.code)
     if msg.op == "pong":
         return Pong(conn, msg, exchanging=msg.code == Reason.ROUND)
     raise UnexpectedMessage(f"a {msg.op} message sent to the driver")
 
 
-class Inbox:
+class EventQueue:
     """The driver's events in arrival order: the links' loop thread puts them, the driver's thread takes them."""
 
     def __init__(self) -> None:

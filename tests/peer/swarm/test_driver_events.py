@@ -12,8 +12,8 @@ from hlbp.peer.swarm.events import (
     Backward,
     BadPeer,
     Done,
-    Failed,
-    Inbox,
+    EventQueue,
+    FailReport,
     Loss,
     Pong,
     UnexpectedMessage,
@@ -47,9 +47,9 @@ def test_each_upstream_op_decodes_to_its_event() -> None:
 def test_a_fail_names_the_failed_peer_or_its_sender_and_carries_its_code() -> None:
     conn = FakeConn(STAGE)
     named = decode_answer(conn, StageMessage("fail", peer=OTHER, code=Reason.ALREADY_APPLIED), b"")
-    assert isinstance(named, Failed) and named.peer == OTHER and named.code is Reason.ALREADY_APPLIED
+    assert isinstance(named, FailReport) and named.peer == OTHER and named.code is Reason.ALREADY_APPLIED
     unnamed = decode_answer(conn, StageMessage("fail", code=Reason.STREAM_CLOSED), b"")
-    assert isinstance(unnamed, Failed) and unnamed.peer == STAGE and unnamed.code is Reason.STREAM_CLOSED
+    assert isinstance(unnamed, FailReport) and unnamed.peer == STAGE and unnamed.code is Reason.STREAM_CLOSED
 
 
 @pytest.mark.parametrize("op", sorted(DOWNSTREAM))
@@ -98,7 +98,7 @@ def test_the_step_knows_what_is_in_flight_unsent_and_oldest() -> None:
 
 
 def test_the_inbox_collects_pongs_and_keeps_every_other_event_in_order() -> None:
-    inbox = Inbox()
+    inbox = EventQueue()
     assert inbox.get(0.0) is None
     early = decode_answer(FakeConn(STAGE), StageMessage("done", step=1), b"")
     bad = BadPeer(OTHER, "a frame that does not decode")
