@@ -27,12 +27,12 @@ train a different run than the operator meant. Example::
 from __future__ import annotations
 
 import hashlib
+import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import msgpack
-import tomllib
 
 from hlbp.peer.common.errors import UserInputError
 from hlbp.protocol import ProtocolError

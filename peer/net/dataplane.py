@@ -63,7 +63,7 @@ async def _dial_back(maddrs: tuple[str, ...], observed: Any) -> tuple[list[str],
             _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), DIALBACK_TIMEOUT_S)
             writer.close()
             reachable.append(text)
-        except (OSError, asyncio.TimeoutError):
+        except (TimeoutError, OSError):
             unreachable.append(text)
     return reachable, unreachable
 
@@ -88,7 +88,7 @@ async def _handle(stream_info: Any, reader: asyncio.StreamReader, writer: asynci
             reachable, unreachable = await _dial_back(arg, stream_info.addr)
             writer.write(encode_header({"size": 0, "reachable": reachable, "unreachable": unreachable}))
         await writer.drain()
-    except (ProtocolError, asyncio.IncompleteReadError, asyncio.TimeoutError, ConnectionError) as exc:
+    except (TimeoutError, ProtocolError, asyncio.IncompleteReadError, ConnectionError) as exc:
         logger.debug("data-plane request from %s failed: %s", getattr(stream_info, "peer_id", "?"), exc)
     finally:
         writer.close()

@@ -88,7 +88,7 @@ async def _handle(stream_info: Any, reader: asyncio.StreamReader, writer: asynci
         parse_snapshot_request(decode_header(await asyncio.wait_for(reader.readexactly(length), REQUEST_TIMEOUT_S)))
         try:
             body = await _snapshot_body()
-        except asyncio.TimeoutError:
+        except TimeoutError:
             writer.write(encode_header({"error": "this node's DHT did not answer in time; try another peer"}))
         else:
             writer.write(encode_header({"size": len(body)}))
@@ -101,7 +101,7 @@ async def _handle(stream_info: Any, reader: asyncio.StreamReader, writer: asynci
         except (ConnectionError, ProtocolError):
             pass
         logger.debug("snapshot request from %s refused: %s", getattr(stream_info, "peer_id", "?"), exc)
-    except (asyncio.IncompleteReadError, asyncio.TimeoutError, ConnectionError) as exc:
+    except (TimeoutError, asyncio.IncompleteReadError, ConnectionError) as exc:
         logger.debug("snapshot request from %s failed: %s", getattr(stream_info, "peer_id", "?"), exc)
     finally:
         writer.close()

@@ -167,7 +167,7 @@ class P2PBlobTransport:
                 handler(sender, key, body)
             writer.write(_frame({"ok": True}))
             await writer.drain()
-        except (ProtocolError, asyncio.IncompleteReadError, asyncio.TimeoutError, ConnectionError, struct.error) as e:
+        except (TimeoutError, ProtocolError, asyncio.IncompleteReadError, ConnectionError, struct.error) as e:
             logger.debug("push from %s failed: %s", sender, e)
         except Exception as e:  # noqa: BLE001 - a handler's bug must not end the transport's loop
             logger.warning("handling a push from %s failed: %s: %s", sender[:16], type(e).__name__, e)
@@ -227,7 +227,7 @@ class P2PBlobTransport:
             await writer.drain()
             if data is not None:
                 self.bytes_served += len(data)
-        except (ProtocolError, asyncio.IncompleteReadError, asyncio.TimeoutError, ConnectionError, struct.error) as e:
+        except (TimeoutError, ProtocolError, asyncio.IncompleteReadError, ConnectionError, struct.error) as e:
             logger.debug("blob request from %s failed: %s", getattr(info, "peer_id", "?"), e)
         finally:
             writer.close()
@@ -246,7 +246,7 @@ class P2PBlobTransport:
                     return data
                 try:  # no await between the check and here: a wake-up scheduled after it cannot be missed
                     await asyncio.wait_for(self._wakers.setdefault(name, asyncio.Event()).wait(), left)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     pass
         finally:
             self._waiters -= 1

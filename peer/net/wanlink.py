@@ -21,8 +21,7 @@ import threading
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-
-from typing_extensions import Self
+from typing import Self
 
 CHUNK = 16 * 1024  # bytes per scheduled segment: small enough that the rate limit is smooth
 

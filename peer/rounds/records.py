@@ -11,7 +11,6 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from collections.abc import Set as AbstractSet
-from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 from hlbp.peer.net.dht import DHT_DIED
@@ -148,7 +147,8 @@ class RoundRecords:
         if not key.startswith(prefix):
             return False
         r, _, kind = key[len(prefix):].partition(":")
-        return kind in (KIND_CONTRIB, KIND_ACCEPTED) and r.isdigit() and self.current_round() - 2 <= int(r) <= self.current_round() + 2
+        now = self.current_round()
+        return kind in (KIND_CONTRIB, KIND_ACCEPTED) and r.isdigit() and now - 2 <= int(r) <= now + 2
 
     def _result(self, future: Any, what: str) -> Any:
         """A DHT call's result, or None (logged) if it outlasts ``dht_timeout_s``. A dead DHT process never
@@ -157,7 +157,7 @@ class RoundRecords:
         while True:
             try:
                 return future.result(timeout=max(0.0, min(1.0, deadline - time.monotonic())))
-            except FutureTimeout:  # concurrent.futures' own class on Python 3.10, the builtin from 3.11
+            except TimeoutError:  # concurrent.futures.TimeoutError is the builtin since Python 3.11
                 if not self.dht.is_alive():
                     raise ConnectionError(DHT_DIED) from None
                 if self.stop.is_set():

@@ -19,9 +19,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-
-from typing_extensions import Self
+from typing import Any, Self
 
 from hlbp.peer.net.wanlink import WanEmulator, free_port
 from hlbp.peer.sim.report import checksums_agree, count_params, stage_name, states_agree, summarize

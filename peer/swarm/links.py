@@ -143,7 +143,7 @@ class StageLinks:
                 self.on_message(conn, msg, body)
         except ProtocolError as exc:
             self.on_bad(conn.peer, str(exc))
-        except (asyncio.IncompleteReadError, asyncio.TimeoutError, ConnectionError, OSError) as exc:
+        except (TimeoutError, asyncio.IncompleteReadError, ConnectionError, OSError) as exc:
             logger.debug("stage stream %r ended: %s", conn, type(exc).__name__)
         except asyncio.CancelledError:
             pass
