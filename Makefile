@@ -16,6 +16,16 @@ HLBP := $(VENV)/bin/hlbp
 setup: $(VENV)/.hlbp-installed
 
 $(VENV)/.hlbp-installed: pyproject.toml setup.py
+	@# the light client's libp2p extra builds fastecdsa from source: it needs a C compiler and the GMP headers
+	@if ! command -v cc >/dev/null 2>&1 || ! printf '#include <gmp.h>\n' | cc -E -x c - >/dev/null 2>&1; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    echo "installing a C compiler and the GMP headers (Debian packages gcc, libgmp-dev) for fastecdsa"; \
+	    apt-get update -qq && apt-get install -y -qq gcc libgmp-dev >/dev/null; \
+	  else \
+	    echo "hlbp needs a C compiler and the GMP headers to build fastecdsa (Debian/Ubuntu: gcc libgmp-dev;" \
+	         "Fedora: gcc gmp-devel; macOS: brew install gmp)"; exit 1; \
+	  fi; \
+	fi
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# Install the CPU build of torch explicitly when none is present, so no multi-GB CUDA build is pulled.
