@@ -29,6 +29,7 @@ from hlbp.peer.rounds.rules import (
     close_verdict,
     coordinator_order,
     coordinator_ranking,
+    in_turn,
     pick_accepted,
     widen_for_late,
 )
@@ -119,10 +120,10 @@ class Closer:
         self.last_close: tuple[int, float, float, frozenset[str]] | None = None
 
     def round_closed(self, r: int, wait: bool = True) -> bool:
-        """Whether round r has an accepted set (``wait``: read now; else as the phase's poller last read)."""
-        if wait:
-            return self.accepted(r) is not None
-        return self.accepted(r, self.round_records(r, False, self.records.phase_poller)[1]) is not None
+        """Whether round r has an accepted set from one of its contributors (``wait``: read now; else as the
+        phase's poller last read): a set from a key that contributed nothing does not cut our phase short."""
+        notices, sets = self.round_records(r, wait, self.records.phase_poller)
+        return any(s.coordinator in notices for s in sets if not self.bans.refused_by_all(s.coordinator, r))
 
     def round_started(self, r: int, wait: bool = True) -> bool:
         """Whether others already announced round r (or it closed)."""
@@ -165,7 +166,11 @@ class Closer:
                 arrivals.setdefault(sender, now)
             order = coordinator_ranking(r, {p: set(n.digests) for p, n in notices.items()
                                             if not self.bans.refused_by_all(p, r)}, self.n_shards)
-            accepted = self.accepted(r, sets, order)
+            if notices and first_seen is None:
+                first_seen = now
+            counted = [s for s in sets if in_turn(s, order, first_seen, now, self.window, self.cfg.max_deadline_s,
+                                                  self.cfg.takeover_s)]
+            accepted = self.accepted(r, counted, order)
             if accepted is not None:
                 self.bans.honour(accepted, r, self.me)
                 on_time = [arrivals[s] for s in accepted.senders() if s in arrivals]
@@ -174,27 +179,25 @@ class Closer:
                     self.window = adapt_window([t - min(on_time) for t in on_time], self.cfg.min_deadline_s,
                                                self.cfg.max_deadline_s, self.window)
                 return accepted
-            if notices:
-                first_seen = first_seen if first_seen is not None else now
-                if self.me in order:
-                    rank = order.index(self.me)
-                    due = first_seen + self.window + rank * self.cfg.takeover_s
-                    if (rank == 0 and len(notices) >= expected) or now >= due:
-                        admitted = self.choose(r, self.admit(r, notices), notices)
-                        verdict = close_verdict(len(admitted), self.cfg.min_contributors, now, first_seen,
-                                                self.cfg.max_deadline_s, rank, self.cfg.takeover_s)
-                        if verdict is not Verdict.WAIT:
-                            if verdict is Verdict.EMPTY:
-                                logger.warning("round %d: %d of the %d contributions the run requires arrived within "
-                                               "%.0f s; closing it empty (nobody's parameters move)", r,
-                                               len(admitted), self.cfg.min_contributors, self.cfg.max_deadline_s)
-                                admitted = {}
-                            members = tuple((s, n.tokens, n.digests) for s, n in sorted(admitted.items()))
-                            banned = self.bans.travelling(r)
-                            body = AcceptedSet(self.me, r, members, banned).to_body(self.cfg.run_id)
-                            self.records.store(round_key(self.cfg.run_id, r, KIND_ACCEPTED), body, KIND_ACCEPTED,
-                                               set(notices))
-                            continue
+            if self.me in order and first_seen is not None:
+                rank = order.index(self.me)
+                due = first_seen + self.window + rank * self.cfg.takeover_s
+                if (rank == 0 and len(notices) >= expected) or now >= due:
+                    admitted = self.choose(r, self.admit(r, notices), notices)
+                    verdict = close_verdict(len(admitted), self.cfg.min_contributors, now, first_seen,
+                                            self.cfg.max_deadline_s, rank, self.cfg.takeover_s)
+                    if verdict is not Verdict.WAIT:
+                        if verdict is Verdict.EMPTY:
+                            logger.warning("round %d: %d of the %d contributions the run requires arrived within "
+                                           "%.0f s; closing it empty (nobody's parameters move)", r,
+                                           len(admitted), self.cfg.min_contributors, self.cfg.max_deadline_s)
+                            admitted = {}
+                        members = tuple((s, n.tokens, n.digests) for s, n in sorted(admitted.items()))
+                        banned = self.bans.travelling(r)
+                        body = AcceptedSet(self.me, r, members, banned).to_body(self.cfg.run_id)
+                        self.records.store(round_key(self.cfg.run_id, r, KIND_ACCEPTED), body, KIND_ACCEPTED,
+                                           set(notices))
+                        continue
             if now > give_up:
                 logger.warning("round %d: nobody closed the round within %.0f s; moving on", r,
                                give_up - (first_seen or give_up))

@@ -174,3 +174,25 @@ def test_checks_settled_waits_for_everyone_in_a_dense_run():
     seen = [ShardChecks(PEERS[i], 3, {0: "a" * 64}, {0: (1.0, 2.0)}) for i in (1, 2)]
     assert not checks_settled(seen, mine, members)  # fingerprints agree only up to rounding: no early verdict
     assert checks_settled(seen, mine, members, online=set(PEERS[1:3]))
+
+
+def test_only_the_coordinator_whose_turn_it_is_closes_a_round() -> None:
+    from hlbp.peer.rounds.rules import in_turn
+    from hlbp.protocol.roundwire import AcceptedSet
+
+    order = ["first", "second", "third"]
+    members = (("first", 10, {0: "a" * 64}),)
+
+    def counts(coordinator: str, now: float, with_members: bool = True) -> bool:
+        s = AcceptedSet(coordinator, 7, members if with_members else ())
+        return in_turn(s, order, first_seen=100.0, now=now, window=4.0, max_window=30.0, takeover_s=3.0)
+
+    assert counts("first", 100.1)  # the first-ranked coordinator's set counts at once
+    assert not counts("second", 104.0) and counts("second", 107.0)  # a takeover counts once it is due here
+    assert not counts("third", 109.9) and counts("third", 110.0)
+    assert not counts("stranger", 1e9)  # a key that contributed nothing never closes a round
+    assert not counts("first", 129.9, with_members=False)  # an empty set only after the longest window
+    assert counts("first", 130.0, with_members=False)
+    assert not counts("second", 132.9, with_members=False) and counts("second", 133.0, with_members=False)
+    s = AcceptedSet("first", 7, members)
+    assert not in_turn(s, order, first_seen=None, now=1e9, window=4.0, max_window=30.0, takeover_s=3.0)
