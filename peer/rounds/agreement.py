@@ -26,6 +26,8 @@ Donors = tuple[list[str], dict[str, dict[int, str]]]  # the peers holding the ag
 class Agreement(Protocol):
     """How a round loop tells the agreed state after a round."""
 
+    member_votes: bool  # whether only a round's members (its accepted set's senders) vote on its state
+
     def fingerprints(self, anchor: Mapping[str, torch.Tensor],
                      shards: Sequence[Sequence[str]]) -> dict[int, tuple[float, float]]:
         """Fingerprints to publish beside the checksums."""
@@ -42,7 +44,9 @@ class Agreement(Protocol):
 
 
 class ExactAgreement:
-    """Bit-for-bit agreement: per shard, the checksum most peers published for the round."""
+    """Bit-for-bit agreement: per shard, the checksum most of the round's members published for it."""
+
+    member_votes = True
 
     def fingerprints(self, anchor: Mapping[str, torch.Tensor],
                      shards: Sequence[Sequence[str]]) -> dict[int, tuple[float, float]]:
@@ -67,7 +71,10 @@ class ExactAgreement:
 
 
 class FingerprintAgreement:
-    """Agreement up to rounding: the largest cluster of peers whose fingerprints are close (every shard held)."""
+    """Agreement up to rounding: the largest cluster of peers whose fingerprints are close (every shard held).
+    The dense baseline's all-reduce publishes no accepted set, so every checksum record of the round votes."""
+
+    member_votes = False
 
     def fingerprints(self, anchor: Mapping[str, torch.Tensor],
                      shards: Sequence[Sequence[str]]) -> dict[int, tuple[float, float]]:

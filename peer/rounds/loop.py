@@ -107,7 +107,7 @@ class ReplicaBase(ABC):
         self.phase = InnerPhase(trainer, cfg, stop, self.round_closed, self.round_started, self.phase_base,
                                 self._after_step, train)
         self.syncer = StateSync(self.me, self.shards, self.held, self.shapes, cfg, outer, transport, self.records,
-                                self.agreement)
+                                self.agreement, member_votes=self.agreement.member_votes)
 
     @property
     def round(self) -> int:

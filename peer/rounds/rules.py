@@ -94,6 +94,22 @@ def in_turn(accepted: AcceptedSet, order: Sequence[str], first_seen: float | Non
     return rank == 0 or now >= first_seen + window + rank * takeover_s
 
 
+def round_members(round_: int, notices: Mapping[str, AbstractSet[int]], sets: Sequence[AcceptedSet],
+                  n_shards: int) -> frozenset[str] | None:
+    """The members of round ``round_`` as its records show them: the senders of the accepted set of the best-ranked
+    coordinator among the contributors (``notices``: sender -> the shards its notice names), or None when no
+    contributor published one. A set from a key that contributed nothing never defines the membership."""
+    order = coordinator_ranking(round_, notices, n_shards)
+    accepted = pick_accepted([s for s in sets if s.coordinator in order], order)
+    return None if accepted is None else frozenset(accepted.senders())
+
+
+def member_checks(checks: Sequence[ShardChecks], round_: int, members: AbstractSet[str]) -> list[ShardChecks]:
+    """The checksum records of round ``round_`` that count: those of its members. Votes from keys that were not
+    members (unannounced, newly minted, or simply left out) never move the majority."""
+    return [c for c in checks if c.round == round_ and c.peer in members]
+
+
 def fingerprint_cluster(checks: Sequence[ShardChecks], round_: int, rtol: float = 1e-5) -> list[ShardChecks]:
     """The largest set of ``round_`` records whose fingerprints all agree with one member's, shard by shard.
 
@@ -180,7 +196,8 @@ def checks_settled(checks: Sequence[ShardChecks], mine: ShardChecks, members: Ma
     longer change. A tie or a close count keeps waiting, so a peer whose state differs still finds out.
     """
     r = mine.round
-    seen = {c.peer: c for c in checks if c.round == r and c.peer != mine.peer}
+    # only the round's members vote: a checksum record under any other key counts for nothing
+    seen = {c.peer: c for c in checks if c.round == r and c.peer != mine.peer and c.peer in members}
     pending = [p for p in members if p != mine.peer and p not in seen and p not in moved_on
                and (online is None or p in online)]
     if not pending:

@@ -27,14 +27,26 @@ from hlbp.peer.rounds.agreement import Agreement
 from hlbp.peer.rounds.config import RoundConfig
 from hlbp.peer.rounds.outer import OuterConfig, make_outer
 from hlbp.peer.rounds.records import RoundRecords
-from hlbp.peer.rounds.rules import checks_settled
+from hlbp.peer.rounds.rules import checks_settled, member_checks, round_members
 from hlbp.peer.rounds.state import ReplicaState
 from hlbp.peer.rounds.statesync import encode_state, fetch_state, shard_checksum, state_name
 from hlbp.protocol import ProtocolError
 from hlbp.protocol.manifest import decode_announcement, peers_key
-from hlbp.protocol.roundwire import KIND_CHECKS, ShardChecks, checks_key, parse_checks
+from hlbp.protocol.roundwire import (
+    KIND_ACCEPTED,
+    KIND_CHECKS,
+    KIND_CONTRIB,
+    ShardChecks,
+    checks_key,
+    parse_accepted,
+    parse_checks,
+    parse_contrib,
+    round_key,
+)
 
 logger = logging.getLogger(__name__)
+
+MEMBER_ROUNDS_TRIED = 3  # the newest claimed rounds a sync looks at for one whose members are known
 
 
 def online_members(entries: Mapping[Any, Any], run_id: str, now: float, me: str,
@@ -83,10 +95,13 @@ class StateSync:
 
     def __init__(self, me: str, shards: Sequence[Sequence[str]], held: Sequence[int],
                  shapes: Sequence[Mapping[str, tuple[int, ...]]], cfg: RoundConfig, outer_cfg: OuterConfig,
-                 transport: Any, records: RoundRecords, agreement: Agreement) -> None:
+                 transport: Any, records: RoundRecords, agreement: Agreement, member_votes: bool = True) -> None:
         self.me, self.shards, self.held, self.shapes = me, shards, held, shapes
         self.cfg, self.outer_cfg, self.transport, self.records = cfg, outer_cfg, transport, records
         self.agreement = agreement
+        # only a round's members vote on its state (rounds with accepted sets); the dense baseline's all-reduce
+        # publishes no accepted set, so there every checksum record of the round counts
+        self.member_votes = member_votes
 
     def checks(self, state: ReplicaState, r: int) -> ShardChecks:
         """Our checksums (and fingerprints) of the held shards, as after round r."""
@@ -107,15 +122,38 @@ class StateSync:
         """Compare our state after round r with the other members' (peer -> the shards it contributed, None: all),
         waiting until the verdict is settled or ``checks_wait_s`` passed."""
         checks = wait_for_checks(self.records, r, members, mine)
+        if self.member_votes:
+            checks = member_checks(checks, r, set(members))
         return self.agreement.agrees([c for c in checks if c.peer != self.me], mine)
+
+    def agreed_round(self) -> tuple[int, list[ShardChecks]] | None:
+        """The newest round others published checksums for whose members are known from its records, and the
+        members' checksum records of it (not ours); None when there is none. Only members vote: checksum records
+        under keys that were not members of that round count for nothing, so throwaway keys cannot outvote the
+        run. The newest few claimed rounds are tried, newest first, so a far-future claim cannot hide the real
+        one."""
+        checks = [c for c in self.records.latest_checks() if c.peer != self.me]
+        if not self.member_votes:
+            return (max(c.round for c in checks), checks) if checks else None
+        run = self.cfg.run_id
+        for r in sorted({c.round for c in checks}, reverse=True)[:MEMBER_ROUNDS_TRIED]:
+            keys = (round_key(run, r, KIND_CONTRIB), round_key(run, r, KIND_ACCEPTED))
+            contribs, sets = self.records.read(*keys)
+            notices = {n.sender: set(n.digests) for n in self.records.records(keys[0], parse_contrib, contribs, round_=r)}
+            members = round_members(r, notices, self.records.records(keys[1], parse_accepted, sets, round_=r),
+                                    len(self.shards))
+            voters = member_checks(checks, r, members or frozenset())
+            if voters:
+                return r, voters
+        return None
 
     def current(self, state: ReplicaState) -> bool | None:
         """Whether a resumed ``state`` is the agreed one of the latest round others published (None: nobody
         published any, so there is nothing to compare with)."""
-        checks = [c for c in self.records.latest_checks() if c.peer != self.me]
-        if not checks:
+        found = self.agreed_round()
+        if found is None:
             return None
-        latest = max(c.round for c in checks)
+        latest, checks = found
         return state.round == latest + 1 and self.agreement.agrees(checks, self.checks(state, latest))
 
     def sync(self, state: ReplicaState, attempts: int = 3) -> int | None:
@@ -125,11 +163,11 @@ class StateSync:
         others' notices at once instead of by polling the DHT). Returns the bytes fetched, or None when no agreed
         state exists yet (a fresh run: ``state`` is then as good as any, and in sync) or every attempt failed."""
         for _attempt in range(attempts):
-            checks = [c for c in self.records.latest_checks() if c.peer != self.me]
-            if not checks:
-                state.in_sync = True  # every peer failed the same round: ours is as good as any
+            found = self.agreed_round()
+            if found is None:
+                state.in_sync = True  # no round with known members published a state: ours is as good as any
                 return None
-            latest = max(c.round for c in checks)
+            latest, checks = found
             agreed = self.agreement.agreed(checks, latest, self.held, len(self.shards))
             if agreed is None or not agreed[0]:
                 return None

@@ -156,6 +156,38 @@ class UsurpingCloser(_Delegate):
         return self.inner.close(r)
 
 
+class SybilChecks(_Delegate):
+    """After every round, serves a poisoned state (the agreed parameters plus noise) and publishes its checksums
+    under its own key and under ``keys`` throwaway keys that never announced or contributed: a majority of
+    checksum records for a state only it serves."""
+
+    def __init__(self, inner: Any, runner: Any, keys: int) -> None:
+        from hlbp.protocol.identity import Identity
+
+        super().__init__(inner)
+        self.runner = runner
+        self.fakes = [Identity.generate() for _ in range(keys)]
+
+    def publish(self, state: Any, mine: Any, to: Any = frozenset()) -> None:
+        from hivemind.utils import get_dht_time
+
+        from hlbp.peer.rounds.state import ReplicaState
+        from hlbp.protocol.roundwire import KIND_CHECKS, ShardChecks, checks_key, sign
+
+        g = torch.Generator().manual_seed(mine.round)
+        poisoned = ReplicaState({n: t + 0.05 * torch.randn(t.shape, generator=g) for n, t in state.anchor.items()},
+                                state.outers, state.round, state.in_sync)
+        bad = self.inner.checks(poisoned, mine.round)
+        self.inner.publish(poisoned, bad, to)  # serves the poisoned state and signs its checksums as itself
+        run_id = self.runner.cfg.run_id
+        for ident in self.fakes:
+            body = ShardChecks(ident.peer_id, mine.round, bad.checksums, bad.fingerprints).to_body(run_id)
+            self.runner.dht.store(checks_key(run_id), sign(KIND_CHECKS, body, ident),
+                                  get_dht_time() + self.runner.cfg.record_ttl_s, subkey=ident.peer_id,
+                                  return_future=True)
+        print(f"sybil checksums for round {mine.round}", flush=True)
+
+
 def no_dht_notices(from_round: int) -> Callable[[str], bool]:
     """Never store contribution notices of round ``from_round`` on in the DHT: the others learn of them only from
     our pushes."""
@@ -196,6 +228,7 @@ FAULTS: dict[str, Callable[[Any, str], None]] = {
     "freeze": lambda runner, arg: setattr(runner, "encoder", FreezingEncoder(runner.encoder, int(arg or 2))),
     "die-after-apply": lambda runner, arg: setattr(runner, "syncer", DyingSync(runner.syncer, int(arg or 1))),
     "no-dht-notices": lambda runner, arg: setattr(runner.records, "keep_store", no_dht_notices(int(arg or 1))),
+    "sybil-checks": lambda runner, arg: setattr(runner, "syncer", SybilChecks(runner.syncer, runner, int(arg or 10))),
     "usurper": lambda runner, arg: setattr(runner, "closer", UsurpingCloser(runner.closer, arg == "empty")),
 }
 

@@ -196,3 +196,25 @@ def test_only_the_coordinator_whose_turn_it_is_closes_a_round() -> None:
     assert not counts("second", 132.9, with_members=False) and counts("second", 133.0, with_members=False)
     s = AcceptedSet("first", 7, members)
     assert not in_turn(s, order, first_seen=None, now=1e9, window=4.0, max_window=30.0, takeover_s=3.0)
+
+
+def test_only_a_rounds_members_vote_on_its_state() -> None:
+    from hlbp.peer.rounds.rules import checks_settled, majority_checksums, member_checks, round_members
+    from hlbp.protocol.roundwire import AcceptedSet
+
+    good, bad = "a" * 64, "b" * 64
+    honest = [ShardChecks(p, 5, {0: good}) for p in ("h1", "h2")]
+    throwaway = [ShardChecks(f"sybil{i}", 5, {0: bad}) for i in range(10)]
+    assert majority_checksums([*honest, *throwaway], 5)[0] == bad  # counted as before: the keys outvote the run
+    members = {"h1", "h2", "me"}
+    assert majority_checksums(member_checks([*honest, *throwaway], 5, members), 5)[0] == good
+    mine = ShardChecks("me", 5, {0: good})
+    # the verdict is settled by the members' records alone, and the throwaway votes cannot unsettle it
+    assert checks_settled([*honest, *throwaway], mine, dict.fromkeys(members))
+    assert not checks_settled(throwaway, mine, dict.fromkeys(members))  # members still to publish: keep waiting
+
+    notices = {"h1": {0}, "h2": {0}, "me": {0}}
+    sets = [AcceptedSet("sybil0", 5, (("sybil0", 1, {0: "c" * 64}),)),  # a key that contributed nothing
+            *(AcceptedSet(p, 5, tuple((m, 1, {0: "d" * 64}) for m in sorted(notices))) for p in notices)]
+    assert round_members(5, notices, sets, 1) == frozenset(notices)
+    assert round_members(5, notices, sets[:1], 1) is None  # only a stranger's set: the members are unknown
