@@ -89,11 +89,14 @@ def test_an_outsider_is_ignored_and_never_accepted(swarm: tuple[Swarm, dict[str,
     outsider.proc.wait_for("is not in run closed-test's allow-list", 60)
     line = f"ignoring round records of {peer['outsider'][:16]}: it is not in the run's allow-list"
     # A member logs the outsider when it reads the outsider's records, and those exist only in round 0: the outsider
-    # never syncs (nobody serves it), so it never contributes again. A member that closed round 0 on pushed records
-    # alone, before its first DHT read of the round completed (a CI run saw b do so under load), never reads them;
-    # so at least one member must log it, and each that does, once.
+    # never syncs (nobody serves it), so it never contributes again. The transport refuses the outsider's pushes, so
+    # a member that closed round 0 on pushed records alone, before its first DHT read of the round completed, never
+    # reads them at all (seen for both members on a loaded box). So the test waits until a member logs it or both
+    # are past the rounds its records could be read in; whoever logged it logged it once.
     procs = [sw.replicas[name].proc for name in ("a", "b")]
-    poll(lambda: any(p.find(line) for p in procs), ROUND_TIMEOUT_S, "a member to log the outsider")
+    poll(lambda: any(p.find(line) for p in procs)
+         or all(len(sw.replicas[name].rounds()) >= 3 for name in ("a", "b")), ROUND_TIMEOUT_S,
+         "a member to log the outsider, or both to finish 3 rounds")
     assert all(len(p.find(line)) <= 1 for p in procs)  # logged once, not at every poll
     for name in ("a", "b"):
         assert all(rec["members"] <= len(MEMBERS) for rec in sw.replicas[name].rounds())
