@@ -246,6 +246,9 @@ def verify_snapshot(snap: Snapshot, anchors: set[str], explicit: bool, now: floa
             rejected.append(Rejected("checks", peer_id, str(exc)))
     accepted = []
     for coordinator, data in snap.accepted.items():
+        if snap.accepted_round is None:  # a set of any round would pass for the round the view shows
+            rejected.append(Rejected("accepted", coordinator, "the snapshot names no round for its accepted sets"))
+            continue
         try:
             accepted.append(parse_accepted(data, coordinator, run_id, round_=snap.accepted_round))
         except ProtocolError as exc:

@@ -170,3 +170,11 @@ def test_requests_name_the_op_and_schema():
     for bad in ({"op": "artifact"}, {"op": "snapshot", "v": 2}, {}):
         with pytest.raises(ProtocolError):
             parse_snapshot_request(bad)
+
+
+def test_accepted_sets_of_a_snapshot_that_names_no_round_are_rejected(swarm):
+    boot, a, _b, snap = swarm
+    view = verify_snapshot(_with(snap, accepted_round=None), {boot.peer_id}, False, NOW)
+    assert view.accepted == []
+    assert [(r.kind, r.author, r.reason) for r in view.rejected] == [
+        ("accepted", a.peer_id, "the snapshot names no round for its accepted sets")]
