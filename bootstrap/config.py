@@ -76,6 +76,8 @@ def load_run_config(path: Path | None) -> RunConfig:
         raw = tomllib.loads(Path(path).read_text(encoding="utf-8"))
     except OSError as exc:
         raise UserInputError(f"cannot read run config {path}: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        raise UserInputError(f"run config {path} is not UTF-8 text (byte {exc.start}): save it as UTF-8") from None
     except tomllib.TOMLDecodeError as exc:
         raise UserInputError(f"run config {path} is not valid TOML: {exc}") from None
     unknown = sorted(set(raw) - _TOP_KEYS)

@@ -250,6 +250,8 @@ def _json_documents(path: Path, name: str) -> list[Document]:
             records = json.loads(text)
         except json.JSONDecodeError as e:
             raise UserInputError(f"{path} is not valid JSON ({e.msg} at line {e.lineno})") from e
+        except RecursionError:
+            raise UserInputError(f"{path} nests JSON too deeply to be a list of text records") from None
         pairs = [_record_text(r, f"{path} record {i}") for i, r in enumerate(records)]
         return [Document(rid or f"{name}#{i}", t) for i, (rid, t) in enumerate(pairs) if t.strip()]
     docs = []
@@ -262,6 +264,8 @@ def _json_documents(path: Path, name: str) -> list[Document]:
             raise UserInputError(
                 f"{path} line {lineno} is not valid JSON ({e.msg}); fix or remove that line"
             ) from e
+        except RecursionError:
+            raise UserInputError(f"{path} line {lineno} nests JSON too deeply to be a text record") from None
         rid, body = _record_text(record, f"{path} line {lineno}")
         if body.strip():
             docs.append(Document(rid or f"{name}#L{lineno}", body))

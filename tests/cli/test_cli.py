@@ -98,3 +98,15 @@ def test_fault_hooks_are_no_flags():
 def test_log_level_variable_is_checked():
     out = run("bootstrap", "--host-maddrs", "/ip4/127.0.0.1/tcp/0", env={"HLBP_LOG_LEVEL": "chatty"})
     assert out.returncode == 2 and "HLBP_LOG_LEVEL must be" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_a_run_config_that_is_not_utf8_is_one_line_and_exit_2(tmp_path) -> None:
+    import subprocess
+    import sys
+
+    config = tmp_path / "run.toml"
+    config.write_bytes(b"\xff\xfe[hparams]\n")
+    run = subprocess.run([sys.executable, "-m", "hlbp.cli.main", "bootstrap", "--run-config", str(config)],
+                         capture_output=True, text=True, timeout=120, check=False)
+    assert run.returncode == 2, run.stderr
+    assert "is not UTF-8 text" in run.stderr and "Traceback" not in run.stderr

