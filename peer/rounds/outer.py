@@ -85,6 +85,20 @@ def _weights(contributions: Sequence[Contribution], token_weighted: bool) -> lis
     return w
 
 
+def _clip_values(values: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Contributions' values of one tensor, each clamped to the median contribution's largest magnitude.
+
+    Median-norm clipping bounds a contribution's weight, but under the mean over selectors the weight cancels on
+    the coordinates a contribution alone selected: there its raw value is the update. A contribution just under
+    the norm bound that concentrates on coordinates of its own would then move the update tens to hundreds of
+    times as far as an honest one (``tests/peer/rounds/test_influence.py``). Clamped to the magnitudes most
+    contributions have, it moves any coordinate at most as far as an honest contribution's largest value does.
+    """
+    peaks = torch.stack([v.abs().max() if v.numel() else torch.zeros((), dtype=torch.float32) for v in values])
+    cap = float(peaks.median())
+    return [v.clamp(-cap, cap) for v in values]
+
+
 class OuterOptimizer(ABC):
     """The interface the round protocol calls; see the module docstring."""
 
@@ -138,11 +152,11 @@ class SparseLoCo(OuterOptimizer):
         """The combined pseudo-gradient Δ per parameter (zero where no contribution selected anything)."""
         cfg = self.config
         w = _weights(contributions, cfg.token_weighted)
+        values = {name: [c.tensors[name].dense_values() for c in contributions] for name in names}
         if cfg.clip_median and len(contributions) > 1:
-            norms = [
-                math.sqrt(sum(float(s.dense_values().double().pow(2).sum()) for s in c.tensors.values()))
-                for c in contributions
-            ]
+            values = {name: _clip_values(vs) for name, vs in values.items()}
+            norms = [math.sqrt(sum(float(values[name][i].double().pow(2).sum()) for name in names))
+                     for i in range(len(contributions))]
             median = float(torch.tensor(norms, dtype=torch.float64).median())
             w = [wi * (min(1.0, median / n) if n > 0 else 1.0) for wi, n in zip(w, norms)]
         total = sum(_weights(contributions, cfg.token_weighted))
@@ -152,10 +166,9 @@ class SparseLoCo(OuterOptimizer):
             numel = math.prod(ref.shape)
             num = torch.zeros(numel, dtype=torch.float32)
             den = torch.zeros(numel, dtype=torch.float32)
-            for wi, c in zip(w, contributions):
-                s = c.tensors[name]
-                idx = s.flat_indices()
-                num.index_add_(0, idx, s.dense_values() * wi)
+            for wi, c, v in zip(w, contributions, values[name]):
+                idx = c.tensors[name].flat_indices()
+                num.index_add_(0, idx, v * wi)
                 if cfg.aggregation == "selectors":
                     den.index_add_(0, idx, torch.full((idx.numel(),), wi, dtype=torch.float32))
             if cfg.aggregation == "mean":
