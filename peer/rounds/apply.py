@@ -111,14 +111,14 @@ class Applier:
         state.anchor.update(new)
         if self.loss_of is not None:
             loss = self.loss_of(state.anchor)
-            reason = guard.loss_reason(state.last_guard_loss, loss, self.guard)
+            reason = guard.loss_reason(state.guard_losses, loss, self.guard)
             if reason:
                 state.anchor.update(old)
                 self.on_restore()
                 norms = {c.sender: guard.contribution_norm(c) for cs in per_shard.values() for c in cs}
                 return self._refuse(r, {p: "largest contribution of a round whose loss exploded"
                                         for p in guard.culprits(norms)}, reason)
-            state.last_guard_loss = loss
+            state.guard_losses = [*state.guard_losses[-guard.LOSS_WINDOW + 1:], loss]
         self.last_copies = self._copies(r, {s: per_shard[s] for s in self.held})
         return Applied()
 

@@ -9,7 +9,8 @@ Median-norm clipping (:class:`hlbp.peer.rounds.outer.OuterConfig` ``clip_median`
    refused and its sender banned, by the coordinator before it accepts and by every peer before it applies;
 2. per round, before commit: the new parameters are finite, ‖θ_s(t+1) − θ_s(t)‖ ≤ ``max_update_ratio`` ·
    ‖θ_s(t)‖, and (where the runner has the run's fixed guard batch) the loss on it did not jump by more than
-   ``max_loss_jump`` times. A round that fails is refused as a whole: nobody's parameters move.
+   ``max_loss_jump`` times in one round, nor climb to ``max_loss_rise`` times the lowest of the last few rounds.
+   A round that fails is refused as a whole: nobody's parameters move.
 
 Every function here is pure and computes in float64 from the same accepted set and the same anchor, so every
 in-sync peer reaches the same verdict and the shard checksums still agree. The bounds are loose on purpose:
@@ -37,6 +38,12 @@ class GuardConfig:
     max_contribution_ratio: float = 8.0  # ‖Δ̂_r‖ / ‖θ_s‖ above this: refused, sender banned (honest: ≤ 0.7)
     max_loss_jump: float = 10.0  # guard-batch loss after the step above this times the last one: round refused
     max_update_ratio: float = 8.0  # ‖θ(t+1) − θ(t)‖ / ‖θ(t)‖ of a shard above this: round refused (honest: ≤ 0.82)
+    # guard-batch loss above this times the lowest of the last LOSS_WINDOW committed rounds: refused (a slow climb,
+    # each step under max_loss_jump, is caught once it adds up to this)
+    max_loss_rise: float = 2.0
+
+
+LOSS_WINDOW = 8  # committed rounds whose guard-batch losses a slow climb is measured against
 
 
 def norm(tensors: Mapping[str, torch.Tensor]) -> float:
@@ -84,17 +91,26 @@ def refuse_reason(ratio: float, cfg: GuardConfig) -> str | None:
     return None
 
 
-def loss_reason(previous: float | None, loss: float, cfg: GuardConfig) -> str | None:
+def loss_reason(recent: Sequence[float], loss: float, cfg: GuardConfig) -> str | None:
     """Why a round whose new parameters score ``loss`` on the run's fixed guard batch must be refused, or None.
 
-    The guard batch is the same for every peer and so are the parameters, so the verdict is too (a factor of 10
-    leaves float differences between machines far from the edge). ``previous`` is the last committed round's loss
-    (None right after a start or a sync: then only finiteness is checked).
+    The guard batch is the same for every peer and so are the parameters, so the verdict is too (factors of 2 and
+    10 leave float differences between machines far from the edge). ``recent`` are the guard losses of the last
+    committed rounds, oldest first (empty right after a start or a sync: then only finiteness is checked). A jump
+    of ``max_loss_jump`` over the last one is refused, and so is a slow climb: ``max_loss_rise`` over the lowest of
+    the last :data:`LOSS_WINDOW`, which a poisoner growing the loss a little each round reaches within a few rounds.
     """
     if not math.isfinite(loss):
         return "the loss on the guard batch is not finite"
-    if previous is not None and math.isfinite(previous) and loss > cfg.max_loss_jump * previous:
-        return f"the loss on the guard batch jumped from {previous:.4g} to {loss:.4g} (bound {cfg.max_loss_jump:g}x)"
+    window = [x for x in recent[-LOSS_WINDOW:] if math.isfinite(x)]
+    if not window:
+        return None
+    if loss > cfg.max_loss_jump * window[-1]:
+        return (f"the loss on the guard batch jumped from {window[-1]:.4g} to {loss:.4g} "
+                f"(bound {cfg.max_loss_jump:g}x)")
+    if loss > cfg.max_loss_rise * min(window):
+        return (f"the loss on the guard batch climbed to {loss:.4g}, {loss / min(window):.3g}x the lowest of the "
+                f"last {len(window)} rounds (bound {cfg.max_loss_rise:g}x)")
     return None
 
 

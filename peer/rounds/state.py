@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 
 import torch
@@ -14,7 +14,7 @@ from hlbp.peer.rounds.outer import OuterOptimizer
 class ReplicaState:
     """What a replica's rounds change: the anchor θ(r) (the global parameters every in-sync replica agrees on,
     the result of round ``round - 1``), one outer optimizer per held (or followed) shard, the next round to run,
-    whether our state is the agreed one, and the guard batch's loss after the last committed round.
+    whether our state is the agreed one, and the guard batch's losses after the last committed rounds.
 
     One thread owns it at a time: without overlap the round loop's; under overlap the exchange thread changes the
     anchor and outer optimizers of the round in flight while the main thread only reads the anchor's tensors,
@@ -25,7 +25,9 @@ class ReplicaState:
     outers: dict[int, OuterOptimizer]
     round: int = 0
     in_sync: bool = True
-    last_guard_loss: float | None = None  # None after a start or a sync: then only finiteness counts
+    # the guard-batch losses of the last committed rounds, oldest first (empty after a start or a sync: then only
+    # finiteness counts); the loss guard measures jumps and slow climbs against them
+    guard_losses: list[float] = field(default_factory=list)
 
 
 class StartKind(Enum):

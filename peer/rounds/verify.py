@@ -185,7 +185,7 @@ class StateSync:
                 fresh = make_outer(self.outer_cfg)
                 fresh.load_state(shard.outer)
                 state.outers[s] = fresh  # a synced peer starts with an empty error-feedback buffer
-            state.round, state.in_sync, state.last_guard_loss = latest + 1, True, None
+            state.round, state.in_sync, state.guard_losses = latest + 1, True, []
             logger.info("synced state of round %d from %d donors", latest, len(donors))
             self.publish(state, self.checks(state, latest), {c.peer for c in checks})
             return n_bytes

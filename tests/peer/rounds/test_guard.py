@@ -65,8 +65,20 @@ def test_culprits_are_the_same_on_every_peer() -> None:
 
 
 def test_loss_jump_rule() -> None:
-    assert guard.loss_reason(None, 9.0, CFG) is None  # after a start or a sync only finiteness counts
-    assert guard.loss_reason(None, float("nan"), CFG) == "the loss on the guard batch is not finite"
-    assert guard.loss_reason(7.0, 8.5, CFG) is None  # an honest bad round
-    assert "jumped from 7 to 80" in guard.loss_reason(7.0, 80.0, CFG)
-    assert guard.loss_reason(7.0, float("inf"), CFG) == "the loss on the guard batch is not finite"
+    assert guard.loss_reason([], 9.0, CFG) is None  # after a start or a sync only finiteness counts
+    assert guard.loss_reason([], float("nan"), CFG) == "the loss on the guard batch is not finite"
+    assert guard.loss_reason([7.0], 8.5, CFG) is None  # an honest bad round
+    assert "jumped from 7 to 80" in guard.loss_reason([7.0], 80.0, CFG)
+    assert guard.loss_reason([7.0], float("inf"), CFG) == "the loss on the guard batch is not finite"
+
+
+def test_the_loss_guard_catches_a_slow_climb() -> None:
+    # the attack seen live: each round under the 10x jump bound (8.11 -> 14.6 -> 79 -> 664 ...)
+    climb = [8.11, 14.6, 79.0, 664.0]
+    refused_at = next(i for i in range(1, len(climb)) if guard.loss_reason(climb[:i], climb[i], CFG))
+    assert refused_at == 2  # 79 is 9.7x the lowest of the rounds before: refused before it compounds
+    assert "climbed to 79" in guard.loss_reason(climb[:2], 79.0, CFG)
+    honest = [9.0, 7.9, 7.4, 7.6, 7.1, 7.3, 6.9]  # training noise on a fixed batch: never refused
+    assert all(guard.loss_reason(honest[:i], honest[i], CFG) is None for i in range(1, len(honest)))
+    # only the last LOSS_WINDOW rounds count: an old low point does not hold a later plateau hostage
+    assert guard.loss_reason([1.0] + [3.0] * guard.LOSS_WINDOW, 3.5, CFG) is None
