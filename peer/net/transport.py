@@ -34,6 +34,7 @@ from typing import Any, Protocol
 
 import msgpack
 
+from hlbp.peer.net.ratelimit import RateLimiter
 from hlbp.protocol import ProtocolError
 
 logger = logging.getLogger(__name__)
@@ -41,6 +42,8 @@ logger = logging.getLogger(__name__)
 HANDLER = "/hlbp/blob/1"
 PUSH_HANDLER = "/hlbp/push/1"
 MAX_PUSH = 64 * 1024  # a pushed record's body: round records stay under 48 KiB
+PUSH_RATE = 20.0  # pushes a second a peer may send us, sustained (an honest one sends a few a round)
+PUSH_BURST = 100.0  # pushes a peer may send us at once
 MAX_HEADER = 4096
 MAX_NAME = 256
 MAX_WAITERS = 64  # requests held open at once while our own fetch of their name finishes
@@ -126,6 +129,9 @@ class P2PBlobTransport:
         self.bytes_served = 0
         self.bytes_fetched = 0
         self.on_push: Callable[[str, str, bytes], None] | None = None  # (sender, key, body) of each push received
+        # a peer pushes a few records a round (its notice, an accepted set, its checksums): far more is a flood,
+        # refused before its frame is read
+        self.push_limit = RateLimiter(rate=PUSH_RATE, burst=PUSH_BURST)
         self.pushes_sent = 0
         self.push_failures = 0
         self._blobs: dict[str, bytes] = {}
@@ -154,6 +160,10 @@ class P2PBlobTransport:
         try:
             if self.allowed is not None and not self.allowed(sender):
                 logger.debug("refused a push from %s: not in the run's allow-list", sender)
+                return
+            if not self.push_limit.allow(sender):
+                if self.push_limit.banned(sender):
+                    logger.debug("refused a push from %s: banned for flooding", sender)
                 return
             head = await _read_frame(reader, self.request_timeout)
             key, size = head.get("key"), head.get("size")

@@ -97,3 +97,22 @@ def test_the_allow_list_holds_for_pushes(pair) -> None:
         assert got == []
     finally:
         receiver.allowed = None
+
+
+def test_a_push_flood_is_refused_past_the_peers_rate(pair) -> None:
+    import time
+
+    receiver, sender, got = pair
+    got.clear()
+    refused = receiver.push_limit.refused
+    done = sender.pushes_sent + sender.push_failures
+    n = int(tr.PUSH_BURST) * 3
+    t0 = time.monotonic()
+    for i in range(n):
+        sender.push([receiver.peer_id], f"flood{i}", b"x" * 1000)
+    poll(lambda: sender.pushes_sent + sender.push_failures - done >= n, 60, "every push to be acknowledged or fail")
+    elapsed = time.monotonic() - t0
+    # the burst, plus what the rate refilled while they came in; the refused ones were never read
+    assert int(tr.PUSH_BURST) <= len(got) <= tr.PUSH_BURST + tr.PUSH_RATE * elapsed + 1, (len(got), elapsed)
+    # most of the rest was refused by the limit (under 300 concurrent streams a few fail on the way instead)
+    assert n // 3 <= receiver.push_limit.refused - refused <= n - len(got)
