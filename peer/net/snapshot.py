@@ -7,7 +7,8 @@ client verifies every record itself, so serving needs no trust and signs nothing
 
 Like :mod:`hlbp.peer.net.dataplane`, the handler runs inside the DHT process, on its P2P instance and DHT node, so
 serving never takes the main process's time. One snapshot is built at most once a second and shared by every
-request in that second, so a flood of requests costs the node's DHT no more than one reader.
+request in that second, so a flood of requests costs the node's DHT no more than one reader; and each peer may ask
+a few times a second at most (a light client asks once per look), so one peer cannot keep the node sending.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any
 from hivemind.utils import get_dht_time
 
 from hlbp.peer.net.dataplane import REQUEST_TIMEOUT_S
+from hlbp.peer.net.ratelimit import RateLimiter
 from hlbp.protocol import ProtocolError
 from hlbp.protocol.frames import decode_header, encode_header, header_length
 from hlbp.protocol.manifest import MANIFEST_KEY, peers_key
@@ -31,6 +33,7 @@ logger = logging.getLogger(__name__)
 SNAPSHOT_HANDLER = "/hlbp/snapshot/1"
 CACHE_S = 1.0  # a snapshot is rebuilt at most this often
 DHT_READ_TIMEOUT_S = 10.0  # reading the records from the DHT; a slower DHT answers with an error
+REQUEST_RATE, REQUEST_BURST = 2.0, 10.0  # snapshot requests a second a peer may make, sustained and at once
 
 
 class _State:
@@ -43,6 +46,7 @@ class _State:
         self.built_at = -1e9
         self.body = b""
         self.lock: asyncio.Lock | None = None
+        self.limit = RateLimiter(rate=REQUEST_RATE, burst=REQUEST_BURST)
 
 
 _STATE = _State()
@@ -84,6 +88,10 @@ async def _snapshot_body() -> bytes:
 
 async def _handle(stream_info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
     try:
+        if not _STATE.limit.allow(str(getattr(stream_info, "peer_id", ""))):
+            writer.write(encode_header({"error": "too many snapshot requests from this peer; ask less often"}))
+            await writer.drain()
+            return
         length = header_length(await asyncio.wait_for(reader.readexactly(4), REQUEST_TIMEOUT_S))
         parse_snapshot_request(decode_header(await asyncio.wait_for(reader.readexactly(length), REQUEST_TIMEOUT_S)))
         try:
