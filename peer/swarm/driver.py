@@ -55,7 +55,7 @@ from hlbp.peer.swarm.step import (
     StepState,
     micro_batches,
 )
-from hlbp.peer.swarm.worker import StageWorker
+from hlbp.peer.swarm.worker import StageWorker, done_fault
 from hlbp.protocol import ProtocolError
 from hlbp.protocol.stagewire import Reason, StageMessage, encode_message, encode_targets
 
@@ -357,11 +357,16 @@ class Driver:
         self.latency.add(time.monotonic() - m.sent_at)
         self._account(step.chain, msg.busy, m.y.numel(), time.perf_counter() - t0)
 
-    def _on_done(self, step: StepState, event: Done) -> StepResult:
+    def _on_done(self, step: StepState, event: Done) -> StepResult | PeerFailed:
         """The chain finished the step: apply it here too (or skip it everywhere, non-finite) and count it."""
         msg = event.msg
+        fault = done_fault(msg.lr, msg.scale, msg.sumsq, step.lr, self.cfg.max_norm,
+                           min(self.worker.sumsq(), 1e300))
+        if fault is not None:  # never stepped as its sender chose: it failed (banned), the step runs on another chain
+            logger.warning("stage peer %s sent a done that does not add up: %s", event.conn.peer[:12], fault)
+            return PeerFailed(event.conn.peer)
         self.latency.add((time.monotonic() - step.finish_at) / 2)
-        ok = msg.scale > 0 and self.worker.apply(msg.lr, msg.scale)
+        ok = msg.scale > 0 and self.worker.apply(step.lr, msg.scale)
         if not ok:
             self.worker.reset()
             self.counters.steps_skipped += 1

@@ -34,7 +34,7 @@ from hlbp.peer.model.codec import ActivationCodec
 from hlbp.peer.swarm.gate import RoundGate
 from hlbp.peer.swarm.links import Conn, StageLinks
 from hlbp.peer.swarm.routing import Bans
-from hlbp.peer.swarm.worker import StageStateError, StageWorker, clip_scale
+from hlbp.peer.swarm.worker import StageStateError, StageWorker, clip_scale, done_fault
 from hlbp.protocol import ProtocolError
 from hlbp.protocol.stagewire import (
     DOWNSTREAM,
@@ -92,6 +92,7 @@ class StageServer:
         self._lock = threading.Lock()
         self._upstream: Conn | None = None  # the stream of the session under way
         self._session = -1
+        self._forwarded: tuple[int, int, float, float, float] | None = None  # the last finish passed down (see _finish)
         self._pending: dict[tuple[int, int], tuple[str, float]] = {}  # (mb, attempt) -> (downstream peer, fwd s)
         self._eval_upstream: dict[tuple[int, int], Conn] = {}
         self._warned: set[str] = set()
@@ -142,6 +143,12 @@ class StageServer:
         elif msg.op == "abort":
             self._put(APPLY, lambda: self._abort(msg))
         elif msg.op == "done":
+            fault = self._done_fault(msg)
+            if fault is not None:  # not applied, not passed up: the driver re-runs the step on another chain
+                self._on_bad(conn.peer, fault)
+                self._put(APPLY, lambda: self._apply(replace(msg, scale=0.0, tokens=0, round_end=False)))
+                self._fail(conn.peer, Reason.BAD_DONE, fault)
+                return
             self._put(APPLY, lambda: self._apply(msg))
             self._send_up(msg)
         elif msg.op == "loss":
@@ -165,6 +172,14 @@ class StageServer:
         up = self._upstream
         if up is not None:
             up.send(encode_message(msg, body))
+
+    def _done_fault(self, msg: StageMessage) -> str | None:
+        """Why a ``done`` from downstream must not be applied (:func:`done_fault`), or None."""
+        forwarded = self._forwarded
+        if forwarded is None or forwarded[:2] != (msg.session, msg.step):
+            return None  # not a step this stage finished: _apply refuses it as out of step
+        _session, _step, lr, max_norm, total = forwarded
+        return done_fault(msg.lr, msg.scale, msg.sumsq, lr, max_norm, total)
 
     def _fail(self, peer: str, code: Reason, reason: str) -> None:
         self.counters.fails_sent += 1
@@ -282,6 +297,8 @@ class StageServer:
             except ConnectionError as exc:
                 self._fail(msg.route[0], Reason.UNREACHABLE, str(exc))
                 return
+            # what a done for this step must agree with: the driver's rate and at least the norm counted so far
+            self._forwarded = (msg.session, msg.step, msg.lr, msg.max_norm, min(total, 1e300))
             down.send(encode_message(replace(msg, sumsq=min(total, 1e300), route=msg.route[1:])))
             return
         scale = clip_scale(total, msg.max_norm)

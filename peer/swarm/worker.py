@@ -178,3 +178,24 @@ def clip_scale(total_sumsq: float, max_norm: float) -> float:
     if not math.isfinite(total_sumsq):
         return float("nan")
     return min(1.0, max_norm / (math.sqrt(total_sumsq) + 1e-6))
+
+
+def done_fault(done_lr: float, done_scale: float, done_sumsq: float, lr: float, max_norm: float,
+               forwarded_sumsq: float) -> str | None:
+    """Why a step's ``done`` (from the chain's last stage, relayed up) must not be applied here, or None.
+
+    A stage knows the step's learning rate (the driver's, from the finish it forwarded) and the squared gradient
+    norm it forwarded down, and every stage computes the clipping scale with the same function. So a ``done``
+    whose rate differs, whose total norm is below what this stage already counted, or whose scale is not the one
+    its norm gives, was made up: applying it would step this stage's weights as its sender chose (a rate of 10
+    made an honest driver's contribution break the round bound by 18-41x).
+    """
+    if done_lr != lr:
+        return f"its done names learning rate {done_lr:.6g}, the step's is {lr:.6g}"
+    if not done_sumsq >= forwarded_sumsq * (1 - 1e-9):
+        return f"its done's squared gradient norm {done_sumsq:.6g} is below the {forwarded_sumsq:.6g} counted here"
+    expect = clip_scale(done_sumsq, max_norm)
+    expect = expect if math.isfinite(expect) else 0.0
+    if not abs(done_scale - expect) <= 1e-9 * max(1.0, expect):
+        return f"its done's clipping scale {done_scale:.6g} is not the {expect:.6g} its norm gives"
+    return None

@@ -137,3 +137,17 @@ def test_chain_is_sticky_and_otherwise_least_expected_finish_time() -> None:
     bans.fail("slow", 0)
     assert choose_chain([stage], ["slow"], bans, 1, 100) == ["fast"]
     assert choose_chain([stage, []], [None, None], bans, 1, 100) is None  # a stage nobody serves
+
+
+def test_a_done_that_does_not_add_up_is_refused() -> None:
+    from hlbp.peer.swarm.worker import clip_scale, done_fault
+
+    total = 4.0 + 5.0  # this stage counted 4.0; the last stage added its own 5.0
+    honest = clip_scale(total, 1.0)
+    assert done_fault(1e-3, honest, total, 1e-3, 1.0, 4.0) is None
+    assert "learning rate 10" in done_fault(10.0, honest, total, 1e-3, 1.0, 4.0)  # the attack seen live
+    assert "learning rate 0.03" in done_fault(0.03, honest, total, 1e-3, 1.0, 4.0)
+    assert "below the 4 counted here" in done_fault(1e-3, clip_scale(1.0, 1.0), 1.0, 1e-3, 1.0, 4.0)
+    assert "clipping scale 1" in done_fault(1e-3, 1.0, total, 1e-3, 1.0, 4.0)  # a scale of 1 undoes the clipping
+    assert done_fault(1e-3, 1.0, total, 1e-3, 0.0, 4.0) is None  # no clipping in the run: scale 1 is right
+    assert done_fault(1e-3, 0.0, 1e300, 1e-3, 1.0, 4.0) is None  # a non-finite step: skipped everywhere
