@@ -2,11 +2,29 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
-from hlbp.peer.sim.launcher import Swarm, poll
+from hlbp.peer.sim.launcher import SimConfig, Swarm, poll
+from hlbp.protocol.manifest import Hyperparameters
 
 ROUND_TIMEOUT_S = 120.0  # a bound on waiting for a few rounds on 2 busy cores, not an expected duration
+INNER_STEPS = 6
+MAX_DEADLINE_S = 10.0  # the manifest's longest collection window
+# the shortest: the peers share 2 cores here, so equal work finishes up to a second apart, and the window must
+# absorb that jitter or honest peers become stragglers
+MIN_DEADLINE_S = 2.0
+TAKEOVER_S = 3.0  # RoundConfig.takeover_s: how long each further-ranked coordinator waits past the window
+# the run's overlap mode: CI runs the default (eager, Hyperparameters.DEFAULT_OVERLAP); HLBP_TEST_OVERLAP=none runs
+# every fault with each round in turn (the suite's 15-minute budget has no room for both)
+OVERLAP = os.environ.get("HLBP_TEST_OVERLAP") or Hyperparameters.DEFAULT_OVERLAP["sparseloco"]
+
+
+def rounds_config() -> SimConfig:
+    """The run of the round-protocol tests: tiny model, H = 6, windows of 2 to 10 s, 40 rounds at most."""
+    return SimConfig(n_full=0, rounds=40, inner_steps=INNER_STEPS, batch_size=4, seq_len=64, round_deadline_s=4.0,
+                     min_deadline_s=MIN_DEADLINE_S, max_deadline_s=MAX_DEADLINE_S, seed=7, threads=1,
+                     run_id="rounds-test", ttl_s=10.0, overlap=OVERLAP)
 
 
 def by_round(swarm: Swarm) -> dict[int, dict[str, dict[str, Any]]]:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -48,7 +50,8 @@ def test_a_non_finite_inner_loss_rolls_back_instead_of_exiting() -> None:
     assert not trainer.optimizer.state  # fresh AdamW moments
 
 
-def test_non_finite_global_parameters_are_never_saved_or_resumed(tmp_path) -> None:
+def _checkpointed(tmp_path) -> tuple[Callable[[], _Replica], list[str], Path]:
+    """A maker of replicas that share one tiny model's trainer and one checkpoint file, its names and that path."""
     torch.manual_seed(0)
     model = build_model(preset("tiny", vocab_size=256))
     trainer = InnerTrainer(model, OptimConfig(lr=1e-3, warmup_steps=1, total_steps=10), _batches, torch.device("cpu"))
@@ -58,6 +61,12 @@ def test_non_finite_global_parameters_are_never_saved_or_resumed(tmp_path) -> No
     def replica() -> _Replica:
         return _Replica(None, Identity.generate(), None, trainer, OuterConfig(), [names],  # type: ignore[arg-type]
                         RoundConfig(run_id="t", inner_steps=2), threading.Event(), checkpoint=ckpt)
+
+    return replica, names, ckpt
+
+
+def test_non_finite_global_parameters_are_never_saved_or_resumed(tmp_path) -> None:
+    replica, names, ckpt = _checkpointed(tmp_path)
 
     first = replica()
     first.state.round = 3
@@ -80,15 +89,7 @@ def test_non_finite_global_parameters_are_never_saved_or_resumed(tmp_path) -> No
 
 @pytest.mark.parametrize("damage", ["flipped", "truncated", "garbage"])
 def test_a_damaged_checkpoint_is_moved_aside_and_the_replica_starts_without_it(tmp_path, damage: str) -> None:
-    torch.manual_seed(0)
-    model = build_model(preset("tiny", vocab_size=256))
-    trainer = InnerTrainer(model, OptimConfig(lr=1e-3, warmup_steps=1, total_steps=10), _batches, torch.device("cpu"))
-    names = [n for n, _ in model.named_parameters()]
-    ckpt = tmp_path / "checkpoint.safetensors"
-
-    def replica() -> _Replica:
-        return _Replica(None, Identity.generate(), None, trainer, OuterConfig(), [names],  # type: ignore[arg-type]
-                        RoundConfig(run_id="t", inner_steps=2), threading.Event(), checkpoint=ckpt)
+    replica, names, ckpt = _checkpointed(tmp_path)
 
     first = replica()
     first.state.round = 3

@@ -8,35 +8,30 @@ join, die and restart are tests/peer/rounds/test_round_churn.py's.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 
 import pytest
 from faulty_peer import program
-from round_records import ROUND_TIMEOUT_S, rounds_as_of, state_round, wait_rounds
+from round_records import (
+    INNER_STEPS,
+    MAX_DEADLINE_S,
+    ROUND_TIMEOUT_S,
+    rounds_as_of,
+    rounds_config,
+    state_round,
+    wait_rounds,
+)
 
-from hlbp.peer.sim.launcher import Replica, SimConfig, Swarm, checksums_agree, poll
-from hlbp.protocol.manifest import Hyperparameters
+from hlbp.peer.sim.launcher import Replica, Swarm, checksums_agree, poll
 
 pytestmark = pytest.mark.slow
 
-INNER_STEPS = 6
 DELAY_S = 4.0  # the straggler's sleep per inner step: 24 s of inner phase against the honest peers' few seconds
-MAX_DEADLINE_S = 10.0  # the manifest's longest collection window
-# the shortest: 8 processes share 2 cores here, so equal work finishes up to a second apart, and the window must
-# absorb that jitter or honest peers become stragglers (the straggler itself is about 20 s behind)
-MIN_DEADLINE_S = 2.0
-TAKEOVER_S = 3.0  # RoundConfig.takeover_s: how long each further-ranked coordinator waits past the window
-# the run's overlap mode: CI runs the default (eager, Hyperparameters.DEFAULT_OVERLAP); HLBP_TEST_OVERLAP=none runs
-# every fault with each round in turn (the suite's 15-minute budget has no room for both)
-OVERLAP = os.environ.get("HLBP_TEST_OVERLAP") or Hyperparameters.DEFAULT_OVERLAP["sparseloco"]
 
 
 @pytest.fixture(scope="module")
 def swarm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Swarm]:
-    cfg = SimConfig(n_full=0, rounds=40, inner_steps=INNER_STEPS, batch_size=4, seq_len=64, round_deadline_s=4.0,
-                    min_deadline_s=MIN_DEADLINE_S, max_deadline_s=MAX_DEADLINE_S, seed=7, threads=1, run_id="rounds-test", ttl_s=10.0, overlap=OVERLAP)
-    with Swarm(cfg, tmp_path_factory.mktemp("swarm")) as sw:
+    with Swarm(rounds_config(), tmp_path_factory.mktemp("swarm")) as sw:
         sw.start()
         for name in ("a", "b", "c"):
             sw.add(name)
