@@ -89,7 +89,7 @@ def test_non_finite_global_parameters_are_never_saved_or_resumed(tmp_path) -> No
 
 @pytest.mark.parametrize("damage", ["flipped", "truncated", "garbage"])
 def test_a_damaged_checkpoint_is_moved_aside_and_the_replica_starts_without_it(tmp_path, damage: str) -> None:
-    replica, names, ckpt = _checkpointed(tmp_path)
+    replica, _names, ckpt = _checkpointed(tmp_path)
 
     first = replica()
     first.state.round = 3
