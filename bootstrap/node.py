@@ -18,14 +18,8 @@ from hlbp.peer.common.errors import UserInputError
 from hlbp.peer.net.control import ControlPlane, NetworkConfig, software_version
 from hlbp.peer.net.heartbeat import Heartbeat
 from hlbp.peer.net.validation import dht_time, load_or_create_identity
-from hlbp.protocol.manifest import (
-    Announcement,
-    Hyperparameters,
-    Manifest,
-    SignedManifest,
-    decode_manifest,
-    encode_manifest,
-)
+from hlbp.protocol.announcement import Announcement
+from hlbp.protocol.manifest import Hyperparameters, Manifest, SignedManifest, decode_manifest, encode_manifest
 
 logger = logging.getLogger(__name__)
 

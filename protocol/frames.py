@@ -10,7 +10,7 @@ import msgpack
 from hlbp.protocol.errors import ProtocolError
 from hlbp.protocol.fields import _int, _str, _str_list
 from hlbp.protocol.identity import _unpack
-from hlbp.protocol.manifest import _SHA256_RE, MAX_HEADER_BYTES, MAX_PROBE_BYTES
+from hlbp.protocol.manifest import MAX_HEADER_BYTES, MAX_PROBE_BYTES, SHA256_RE
 
 FRAME_PREFIX_BYTES = 4
 OPS = ("artifact", "probe", "dialback")
@@ -45,7 +45,7 @@ def parse_request(header: dict[str, Any]) -> tuple[str, Any]:
     """(op, argument) of a request: artifact -> sha256, probe -> byte count, dialback -> multiaddrs."""
     op = _str(header, "op", 16, choices=OPS)
     if op == "artifact":
-        return op, _str(header, "sha256", 64, pattern=_SHA256_RE)
+        return op, _str(header, "sha256", 64, pattern=SHA256_RE)
     if op == "probe":
         return op, _int(header, "bytes", 1, MAX_PROBE_BYTES)
     return op, _str_list(header, "maddrs", 8, 256)

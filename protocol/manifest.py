@@ -1,11 +1,6 @@
-"""Control-plane records: schemas, msgpack codecs with size limits, signatures.
-
-Two records travel through the DHT, each wrapped in a signed envelope:
-
-- the run manifest, published by the bootstrap: what model, tokenizer, data, hyperparameters and stage partition
-  every peer of the run uses;
-- a peer announcement, published by every peer and refreshed by heartbeats: its role, stage, swarm, measured
-  capacity, software version and reachability.
+"""The run manifest, published by the bootstrap: what model, tokenizer, data, hyperparameters and stage partition
+every peer of the run uses; its schema, msgpack codec with size limits, and signature. The other control-plane
+record, a peer's announcement, is in :mod:`hlbp.protocol.announcement`.
 
 An envelope (:mod:`hlbp.protocol.identity`) is bound to its sender: the signer is an Ed25519 libp2p peer id, which
 embeds the public key itself (an "identity" multihash), so the same key that p2pd uses for the peer's transport
@@ -24,36 +19,25 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar
 
-from hlbp.protocol.errors import ProtocolError, RecordExpired
-from hlbp.protocol.fields import _bool, _float, _int, _opt_int, _str, _str_list
+from hlbp.protocol.errors import ProtocolError
+from hlbp.protocol.fields import _bool, _float, _int, _str, _str_list
 from hlbp.protocol.identity import Identity, open_envelope, public_key_from_peer_id, seal
 from hlbp.protocol.sparse import SMALL_TENSOR_RULES
 
 PROTOCOL_VERSION = 1  # bumped when peers of different versions can no longer train together
 KIND_MANIFEST = "manifest"
-KIND_ANNOUNCEMENT = "announce"
 
 MAX_MANIFEST_BYTES = 16 * 1024  # a manifest is a few hundred bytes; the cap bounds what a forger can make us parse
-MAX_ANNOUNCEMENT_BYTES = 4 * 1024
 MAX_HEADER_BYTES = 4 * 1024  # a data-plane request or response header
-MAX_RECORD_TTL_S = 3600.0  # an announcement may not claim to live longer than this
-MAX_CLOCK_SKEW_S = 120.0  # tolerated difference between a signer's clock and ours
 MAX_ARTIFACT_BYTES = 256 * 1024 * 1024  # largest artifact a fetcher accepts unless the manifest says less
 MAX_PROBE_BYTES = 64 * 1024 * 1024  # largest bandwidth probe a server sends
 MAX_ALLOWED_PEERS = 256  # a closed run's allow-list; each id is about 52 bytes, and the manifest stays under 16 KiB
 
 MANIFEST_KEY = "hlbp:manifest"  # DHT key; subkey is the signer's peer id
 
-ROLES = ("replica", "stage", "bootstrap")
-REACHABILITY = ("public", "client", "unknown")
 
-_RUN_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")  # used with fullmatch, like every pattern here
-_SHA256_RE = re.compile(r"[0-9a-f]{64}")
-
-
-def peers_key(run_id: str) -> str:
-    """DHT key under which the peers of ``run_id`` announce themselves, one subkey (their peer id) each."""
-    return f"hlbp:{run_id}:peers"
+RUN_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")  # used with fullmatch, like every pattern here
+SHA256_RE = re.compile(r"[0-9a-f]{64}")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -62,11 +46,11 @@ def peers_key(run_id: str) -> str:
 
 def check_run_id(run_id: str) -> str:
     """Run ids name DHT keys and directories, so they are short and use a safe alphabet."""
-    return _str({"run_id": run_id}, "run_id", 64, pattern=_RUN_ID_RE)
+    return _str({"run_id": run_id}, "run_id", 64, pattern=RUN_ID_RE)
 
 
 def check_sha256(digest: str) -> str:
-    return _str({"sha256": digest}, "sha256", 64, pattern=_SHA256_RE)
+    return _str({"sha256": digest}, "sha256", 64, pattern=SHA256_RE)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -224,7 +208,7 @@ class Artifact:
     def from_body(cls, body: dict[str, Any]) -> Artifact:
         return cls(
             name=_str(body, "name", 128, pattern=re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")),
-            sha256=_str(body, "sha256", 64, pattern=_SHA256_RE),
+            sha256=_str(body, "sha256", 64, pattern=SHA256_RE),
             size=_int(body, "size", 0, MAX_ARTIFACT_BYTES),
         )
 
@@ -279,13 +263,13 @@ class Manifest:
             raise ProtocolVersionMismatch(proto)
         codec = CodecSpec.from_body(_map(body, "codec"))
         return cls(
-            run_id=_str(body, "run", 64, pattern=_RUN_ID_RE),
+            run_id=_str(body, "run", 64, pattern=RUN_ID_RE),
             protocol_version=proto,
             issued_at=_float(body, "issued_at", 0.0, 1e11),
             seed=_int(body, "seed", 0, (1 << 63) - 1),
             model=_str(body, "model", 64),
             model_overrides=_overrides(body.get("model_overrides", {})),
-            tokenizer_hash=_str(body, "tokenizer_hash", 64, pattern=_SHA256_RE),
+            tokenizer_hash=_str(body, "tokenizer_hash", 64, pattern=SHA256_RE),
             data_recipe=_str(body, "data_recipe", 1024, "builtin"),
             hparams=Hyperparameters.from_body(_map(body, "hparams"), constrained=codec.constrains_replicas),
             stages=check_stages(body.get("stages")),
@@ -385,116 +369,3 @@ def decode_manifest(data: Any, *, signer: str | None = None) -> SignedManifest:
     :class:`ProtocolVersionMismatch`."""
     env = open_envelope(data, KIND_MANIFEST, max_bytes=MAX_MANIFEST_BYTES, signer=signer)
     return SignedManifest(Manifest.from_body(env.body), env.signer, env.digest, data)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Peer announcement
-# ---------------------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Announcement:
-    """What a peer tells the swarm about itself. Signed, expiring, versioned by ``seq``."""
-
-    run_id: str  # the run this peer takes part in
-    role: str  # replica, stage or bootstrap
-    swarm: int | None = None  # pipeline swarm, for stage peers
-    stage: int | None = None  # stage index within the swarm, for stage peers
-    throughput: float = 0.0  # measured training speed, in full-model tokens/s
-    bandwidth: float = 0.0  # measured download bandwidth from a peer, bytes/s
-    memory_gb: float = 0.0  # available memory when it joined
-    software: str = ""  # hlbp version string
-    reachability: str = "unknown"  # public: others can dial it; client: it only dials out
-    online: bool = True  # False in the last record a peer writes when it leaves
-    maddrs: tuple[str, ...] = ()  # multiaddrs it listens on, for data-plane streams
-    artifacts: tuple[str, ...] = ()  # sha256 of the artifacts it serves
-    manifest_signer: str = ""  # the manifest this peer follows: signer peer id ...
-    manifest_digest: str = ""  # ... and envelope digest; lets a joiner trust a manifest through this peer
-    seq: int = 0  # grows with every record the peer writes; the newest wins
-    issued_at: float = 0.0  # signer's clock when written: the peer's "last seen"
-    expires_at: float = 0.0  # readers drop the record after this time
-    protocol_version: int = PROTOCOL_VERSION
-
-    def to_body(self) -> dict[str, Any]:
-        return {
-            "run": self.run_id,
-            "proto": self.protocol_version,
-            "seq": self.seq,
-            "issued_at": self.issued_at,
-            "expires_at": self.expires_at,
-            "role": self.role,
-            "swarm": self.swarm,
-            "stage": self.stage,
-            "throughput": self.throughput,
-            "bandwidth": self.bandwidth,
-            "memory_gb": self.memory_gb,
-            "software": self.software,
-            "reachability": self.reachability,
-            "online": self.online,
-            "maddrs": list(self.maddrs),
-            "artifacts": list(self.artifacts),
-            "manifest_signer": self.manifest_signer,
-            "manifest_digest": self.manifest_digest,
-        }
-
-    @classmethod
-    def from_body(cls, body: dict[str, Any]) -> Announcement:
-        proto = _int(body, "proto", 0, 1 << 30)
-        if proto != PROTOCOL_VERSION:
-            raise ProtocolVersionMismatch(proto)
-        online = body.get("online", True)
-        if not isinstance(online, bool):
-            raise ProtocolError("record field 'online' must be a boolean")
-        ann = cls(
-            run_id=_str(body, "run", 64, pattern=_RUN_ID_RE),
-            protocol_version=proto,
-            seq=_int(body, "seq", 0, (1 << 63) - 1),
-            issued_at=_float(body, "issued_at", 0.0, 1e11),
-            expires_at=_float(body, "expires_at", 0.0, 1e11),
-            role=_str(body, "role", 16, choices=ROLES),
-            swarm=_opt_int(body, "swarm", 0, 1 << 20),
-            stage=_opt_int(body, "stage", 0, 255),
-            throughput=_float(body, "throughput", 0.0, 1e12, 0.0),
-            bandwidth=_float(body, "bandwidth", 0.0, 1e13, 0.0),
-            memory_gb=_float(body, "memory_gb", 0.0, 1e6, 0.0),
-            software=_str(body, "software", 64, ""),
-            reachability=_str(body, "reachability", 16, "unknown", choices=REACHABILITY),
-            online=online,
-            maddrs=_str_list(body, "maddrs", 8, 256),
-            artifacts=_str_list(body, "artifacts", 16, 64, pattern=_SHA256_RE),
-            manifest_signer=_str(body, "manifest_signer", 64, ""),
-            manifest_digest=_str(body, "manifest_digest", 64, ""),
-        )
-        if ann.role == "stage" and (ann.swarm is None or ann.stage is None):
-            raise ProtocolError("a stage peer's record must name its swarm and stage")
-        if not 0 < ann.expires_at - ann.issued_at <= MAX_RECORD_TTL_S:
-            raise ProtocolError(f"a record must expire within {MAX_RECORD_TTL_S:.0f} s of being issued")
-        return ann
-
-
-@dataclass(frozen=True)
-class SignedAnnouncement:
-    announcement: Announcement
-    peer_id: str  # the signer, which is the announcing peer
-    size: int  # envelope bytes, for reporting
-
-
-def encode_announcement(announcement: Announcement, identity: Identity) -> bytes:
-    data = seal(KIND_ANNOUNCEMENT, announcement.to_body(), identity)
-    if len(data) > MAX_ANNOUNCEMENT_BYTES:
-        raise ProtocolError(f"an announcement encodes to {len(data)} bytes, over the {MAX_ANNOUNCEMENT_BYTES} limit")
-    return data
-
-
-def decode_announcement(data: Any, *, now: float, signer: str | None = None,
-                        run_id: str | None = None) -> SignedAnnouncement:
-    """Verify and parse an announcement; expired records raise RecordExpired, other bad ones ProtocolError."""
-    env = open_envelope(data, KIND_ANNOUNCEMENT, max_bytes=MAX_ANNOUNCEMENT_BYTES, signer=signer)
-    ann = Announcement.from_body(env.body)
-    if ann.expires_at < now:
-        raise RecordExpired(f"the record of {env.signer[:60]} expired {now - ann.expires_at:.0f} s ago")
-    if ann.issued_at > now + MAX_CLOCK_SKEW_S:
-        raise ProtocolError(f"the record of {env.signer[:60]} is dated {ann.issued_at - now:.0f} s in the future")
-    if run_id is not None and ann.run_id != run_id:
-        raise ProtocolError(f"the record of {env.signer[:60]} belongs to run {ann.run_id!r}, not {run_id!r}")
-    return SignedAnnouncement(ann, env.signer, len(data))

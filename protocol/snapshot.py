@@ -20,15 +20,13 @@ from typing import Any
 
 import msgpack
 
+from hlbp.protocol.announcement import MAX_ANNOUNCEMENT_BYTES, SignedAnnouncement, decode_announcement
 from hlbp.protocol.errors import ProtocolError, RecordExpired
 from hlbp.protocol.manifest import (
-    _RUN_ID_RE,
-    MAX_ANNOUNCEMENT_BYTES,
     MAX_MANIFEST_BYTES,
+    RUN_ID_RE,
     ProtocolVersionMismatch,
-    SignedAnnouncement,
     SignedManifest,
-    decode_announcement,
     decode_manifest,
 )
 from hlbp.protocol.roundwire import (
@@ -144,7 +142,7 @@ def decode_snapshot(data: Any) -> Snapshot:
     if body.get("v") != SNAPSHOT_SCHEMA:
         raise ProtocolError(f"snapshot schema {preview(body.get('v'), 8)} is not {SNAPSHOT_SCHEMA}; upgrade hlbp")
     run_id = body.get("run")
-    if not isinstance(run_id, str) or not _RUN_ID_RE.fullmatch(run_id):
+    if not isinstance(run_id, str) or not RUN_ID_RE.fullmatch(run_id):
         raise ProtocolError("snapshot field 'run' is not a run id")
     served_at = body.get("time")
     if isinstance(served_at, bool) or not isinstance(served_at, (int, float)) or not math.isfinite(served_at):

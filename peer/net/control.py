@@ -43,17 +43,14 @@ from hlbp.peer.net.validation import (
     record_validator,
 )
 from hlbp.protocol import ProtocolError
+from hlbp.protocol.announcement import Announcement, SignedAnnouncement, encode_announcement, peers_key
 from hlbp.protocol.identity import Identity, sha256_hex
 from hlbp.protocol.manifest import (
     MANIFEST_KEY,
     MAX_PROBE_BYTES,
-    Announcement,
     Artifact,
     ProtocolVersionMismatch,
-    SignedAnnouncement,
     SignedManifest,
-    encode_announcement,
-    peers_key,
 )
 
 logger = logging.getLogger(__name__)

@@ -10,7 +10,8 @@ from typing import Any
 
 from hlbp.peer.net.control import ControlPlane, _describe
 from hlbp.peer.net.validation import dht_time
-from hlbp.protocol.manifest import Announcement, SignedManifest
+from hlbp.protocol.announcement import Announcement
+from hlbp.protocol.manifest import SignedManifest
 
 logger = logging.getLogger(__name__)
 

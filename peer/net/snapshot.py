@@ -23,8 +23,9 @@ from hivemind.utils import get_dht_time
 from hlbp.peer.net.dataplane import REQUEST_TIMEOUT_S
 from hlbp.peer.net.ratelimit import RateLimiter
 from hlbp.protocol import ProtocolError
+from hlbp.protocol.announcement import peers_key
 from hlbp.protocol.frames import decode_header, encode_header, header_length
-from hlbp.protocol.manifest import MANIFEST_KEY, peers_key
+from hlbp.protocol.manifest import MANIFEST_KEY
 from hlbp.protocol.roundwire import KIND_ACCEPTED, checks_key, parse_checks, round_key
 from hlbp.protocol.snapshot import build_snapshot, encode_snapshot, parse_snapshot_request
 

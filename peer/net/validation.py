@@ -21,20 +21,22 @@ from hivemind.utils import MSGPackSerializer, get_dht_time
 
 from hlbp.peer.common.errors import UserInputError
 from hlbp.protocol import ProtocolError, RecordExpired
-from hlbp.protocol.identity import Identity, open_envelope
-from hlbp.protocol.manifest import (
+from hlbp.protocol.announcement import (
     KIND_ANNOUNCEMENT,
-    KIND_MANIFEST,
-    MANIFEST_KEY,
     MAX_ANNOUNCEMENT_BYTES,
     MAX_CLOCK_SKEW_S,
+    SignedAnnouncement,
+    decode_announcement,
+    peers_key,
+)
+from hlbp.protocol.identity import Identity, open_envelope
+from hlbp.protocol.manifest import (
+    KIND_MANIFEST,
+    MANIFEST_KEY,
     MAX_MANIFEST_BYTES,
     ProtocolVersionMismatch,
-    SignedAnnouncement,
     SignedManifest,
-    decode_announcement,
     decode_manifest,
-    peers_key,
 )
 from hlbp.protocol.snapshot import choose_manifest  # noqa: F401 - re-exported: the control plane's choice too
 

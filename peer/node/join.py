@@ -30,8 +30,9 @@ from hlbp.peer.net.heartbeat import Heartbeat
 from hlbp.peer.net.validation import load_or_create_identity
 from hlbp.peer.node.capacity import measure, measure_bandwidth, measure_throughput, model_warmup
 from hlbp.peer.node.roles import Capacity, PeerView, Role, Thresholds, choose_role
+from hlbp.protocol.announcement import Announcement
 from hlbp.protocol.identity import sha256_hex
-from hlbp.protocol.manifest import Announcement, SignedManifest
+from hlbp.protocol.manifest import SignedManifest
 
 logger = logging.getLogger(__name__)
 

@@ -31,7 +31,7 @@ from hlbp.peer.rounds.rules import checks_settled, member_checks, round_members
 from hlbp.peer.rounds.state import ReplicaState
 from hlbp.peer.rounds.statesync import encode_state, fetch_state, shard_checksum, state_name
 from hlbp.protocol import ProtocolError
-from hlbp.protocol.manifest import decode_announcement, peers_key
+from hlbp.protocol.announcement import decode_announcement, peers_key
 from hlbp.protocol.roundwire import (
     KIND_ACCEPTED,
     KIND_CHECKS,

@@ -57,18 +57,11 @@ from hlbp.peer.train.checkpoint import (
 from hlbp.protocol import ProtocolError
 from hlbp.protocol import envelope as env
 from hlbp.protocol.activations import decode_activations
+from hlbp.protocol.announcement import Announcement, decode_announcement, encode_announcement
 from hlbp.protocol.dense import decode_dense, encode_dense
 from hlbp.protocol.frames import decode_header, encode_header, header_length, parse_body_size, parse_request
 from hlbp.protocol.identity import Identity
-from hlbp.protocol.manifest import (
-    Announcement,
-    Artifact,
-    Manifest,
-    decode_announcement,
-    decode_manifest,
-    encode_announcement,
-    encode_manifest,
-)
+from hlbp.protocol.manifest import Artifact, Manifest, decode_manifest, encode_manifest
 from hlbp.protocol.roundwire import (
     KIND_ACCEPTED,
     KIND_CHECKS,

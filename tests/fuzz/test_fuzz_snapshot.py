@@ -18,16 +18,9 @@ from fuzzlib import FAMILY_BUILDERS, run_family
 from mutators import flip_bytes, mutate_tree, pack_tree
 from oracles import BadAccept, mutate_sealed
 
+from hlbp.protocol.announcement import KIND_ANNOUNCEMENT, Announcement, encode_announcement
 from hlbp.protocol.identity import Identity
-from hlbp.protocol.manifest import (
-    KIND_ANNOUNCEMENT,
-    KIND_MANIFEST,
-    Announcement,
-    Artifact,
-    Manifest,
-    encode_announcement,
-    encode_manifest,
-)
+from hlbp.protocol.manifest import KIND_MANIFEST, Artifact, Manifest, encode_manifest
 from hlbp.protocol.roundwire import KIND_ACCEPTED, KIND_CHECKS, AcceptedSet, ShardChecks, sign
 from hlbp.protocol.snapshot import Snapshot, SnapshotView, decode_snapshot, encode_snapshot, verify_snapshot
 

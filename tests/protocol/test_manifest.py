@@ -8,6 +8,13 @@ import msgpack
 import pytest
 
 from hlbp.protocol import ProtocolError, RecordExpired
+from hlbp.protocol.announcement import (
+    KIND_ANNOUNCEMENT,
+    MAX_ANNOUNCEMENT_BYTES,
+    Announcement,
+    decode_announcement,
+    encode_announcement,
+)
 from hlbp.protocol.frames import decode_header, encode_header, header_length, parse_body_size, parse_request
 from hlbp.protocol.identity import (
     Identity,
@@ -19,16 +26,11 @@ from hlbp.protocol.identity import (
     seal,
 )
 from hlbp.protocol.manifest import (
-    KIND_ANNOUNCEMENT,
     KIND_MANIFEST,
-    MAX_ANNOUNCEMENT_BYTES,
-    Announcement,
     Artifact,
     Manifest,
     ProtocolVersionMismatch,
-    decode_announcement,
     decode_manifest,
-    encode_announcement,
     encode_manifest,
 )
 

@@ -10,8 +10,9 @@ import msgpack
 import pytest
 
 from hlbp.protocol import ProtocolError
+from hlbp.protocol.announcement import Announcement, encode_announcement
 from hlbp.protocol.identity import Identity
-from hlbp.protocol.manifest import Announcement, Artifact, Manifest, encode_announcement, encode_manifest
+from hlbp.protocol.manifest import Artifact, Manifest, encode_manifest
 from hlbp.protocol.roundwire import KIND_ACCEPTED, KIND_CHECKS, AcceptedSet, ShardChecks, sign
 from hlbp.protocol.snapshot import (
     MAX_SNAPSHOT_BYTES,

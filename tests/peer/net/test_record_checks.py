@@ -19,17 +19,9 @@ from hlbp.peer.net.validation import (
     load_or_create_identity,
     record_validator,
 )
+from hlbp.protocol.announcement import Announcement, encode_announcement, peers_key
 from hlbp.protocol.identity import Identity, seal
-from hlbp.protocol.manifest import (
-    KIND_MANIFEST,
-    MANIFEST_KEY,
-    Announcement,
-    Manifest,
-    decode_manifest,
-    encode_announcement,
-    encode_manifest,
-    peers_key,
-)
+from hlbp.protocol.manifest import KIND_MANIFEST, MANIFEST_KEY, Manifest, decode_manifest, encode_manifest
 
 SHA = "cd" * 32
 

@@ -14,14 +14,9 @@ from control_helpers import LOOPBACK, Proc, free_tcp_port, joiner_peer_id, poll,
 
 from hlbp.peer.node.join import thresholds_for
 from hlbp.peer.node.roles import Capacity, PeerView, choose_role
+from hlbp.protocol.announcement import KIND_ANNOUNCEMENT, Announcement, encode_announcement, peers_key
 from hlbp.protocol.identity import Identity, seal
-from hlbp.protocol.manifest import (
-    KIND_ANNOUNCEMENT,
-    KIND_MANIFEST,
-    Announcement,
-    encode_announcement,
-    peers_key,
-)
+from hlbp.protocol.manifest import KIND_MANIFEST
 
 pytestmark = pytest.mark.slow
 
