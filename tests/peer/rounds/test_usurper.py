@@ -2,9 +2,10 @@
 (holding only itself, or holding nobody) is ignored, and the honest coordinator's set is the one applied.
 
 Real ``hlbp join`` processes on 127.0.0.1: three honest replicas and one usurper, which publishes its set of every
-round the moment its exchange starts. Identities are drawn so that the usurper is never the first-ranked
-coordinator of the rounds checked: in its own turn a coordinator chooses the members, which this test does not
-claim to prevent.
+round the moment its exchange starts. Identities are drawn so that the usurper ranks last among the coordinators of
+the rounds checked: in its own turn a coordinator chooses the members, which this test does not claim to prevent,
+and a takeover is its turn too once every better-ranked coordinator has let its delay pass (on a loaded box a slow
+coordinator can, so one such round is tolerated; without the rule the usurper's set took every round at once).
 """
 
 from __future__ import annotations
@@ -28,11 +29,11 @@ ROUNDS = 4  # rounds checked
 
 
 def _identities() -> dict[str, Identity]:
-    """Identities under which the usurper ranks below an honest coordinator in every round checked."""
+    """Identities under which the usurper ranks last among the coordinators of every round checked."""
     while True:
         ids = {name: Identity.generate() for name in (*HONEST, "usurper")}
         peers = [ident.peer_id for ident in ids.values()]
-        if all(coordinator_order(r, peers)[0] != ids["usurper"].peer_id for r in range(ROUNDS + 1)):
+        if all(coordinator_order(r, peers)[-1] == ids["usurper"].peer_id for r in range(ROUNDS + 1)):
             return ids
 
 
@@ -59,10 +60,13 @@ def test_a_set_published_out_of_turn_is_never_applied(swarm: Swarm) -> None:
     usurper.proc.wait_for("usurping round 0", 120)
     wait_rounds(swarm, list(HONEST), ROUNDS)
     rounds = by_round(swarm)
+    # a round the honest coordinator closed: the honest contributions in its set (and the usurper's own, valid);
+    # the usurper's sets hold no honest contribution at all
+    honest_rounds = [r for r in range(ROUNDS)
+                     if sum(rounds[r][name]["accepted"] for name in HONEST) >= 2 and rounds[r]["a"]["members"] >= 3]
+    assert len(honest_rounds) >= ROUNDS - 1, {r: [rounds[r][n] for n in HONEST] for r in range(ROUNDS)}
     for r in range(ROUNDS):
-        honest = [rounds[r][name] for name in HONEST]
-        # the honest coordinator's set: every honest contribution in it (and the usurper's own, which is valid)
-        assert all(rec["accepted"] and rec["members"] >= 3 for rec in honest), (r, honest)
-        assert checksums_agree(honest), (r, honest)
+        in_sync = [rounds[r][name] for name in HONEST if rounds[r][name]["in_sync"]]
+        assert len(in_sync) >= 2 and checksums_agree(in_sync), (r, [rounds[r][n] for n in HONEST])
     losses = [rounds[r]["a"]["val_loss"] for r in range(ROUNDS)]
     assert losses[-1] < losses[0], losses
