@@ -118,12 +118,33 @@ class Closer:
         # the last closed round as we saw it close: (round, its first arrival, its window, the accepted senders),
         # for widen_for_late
         self.last_close: tuple[int, float, float, frozenset[str]] | None = None
+        self.last_expected: float = math.inf  # contributors expected at the last close (inf: not known yet)
 
     def round_closed(self, r: int, wait: bool = True) -> bool:
-        """Whether round r has an accepted set from one of its contributors (``wait``: read now; else as the
-        phase's poller last read): a set from a key that contributed nothing does not cut our phase short."""
+        """Whether round r has an accepted set that counts (:meth:`counted`), read now (``wait``) or as the phase's
+        poller last read: a set published out of turn does not cut our phase short."""
         notices, sets = self.round_records(r, wait, self.records.phase_poller)
-        return any(s.coordinator in notices for s in sets if not self.bans.refused_by_all(s.coordinator, r))
+        return bool(self.counted(r, notices, sets, time.monotonic()))
+
+    def counted(self, r: int, notices: dict[str, ContribNotice], sets: list[AcceptedSet], now: float,
+                first_seen: float | None = None) -> list[AcceptedSet]:
+        """The published sets of round r that count now (:func:`hlbp.peer.rounds.rules.in_turn`), with the
+        contributors ranked from ``notices``. The first arrival is the earliest notice pushed to us (the inbox
+        notes when), or ``first_seen`` where that is earlier or nothing was pushed."""
+        order = self.ranking(r, notices)
+        landed = [at for sender, at in self.records.inbox.arrived(round_key(self.cfg.run_id, r, KIND_CONTRIB)).items()
+                  if sender in notices]
+        firsts = [t for t in (first_seen, min(landed, default=None)) if t is not None]
+        first = min(firsts) if firsts else (now if notices else None)
+        complete = len(notices) >= self.last_expected
+        return [s for s in sets if in_turn(s, order, first, now, self.window, self.cfg.max_deadline_s,
+                                           self.cfg.takeover_s, complete)]
+
+    def ranking(self, r: int, notices: dict[str, ContribNotice]) -> list[str]:
+        """The coordinator order of round r among the contributions seen (peers every peer's guard refused
+        rank nowhere while banned)."""
+        return coordinator_ranking(r, {p: set(n.digests) for p, n in notices.items()
+                                       if not self.bans.refused_by_all(p, r)}, self.n_shards)
 
     def round_started(self, r: int, wait: bool = True) -> bool:
         """Whether others already announced round r (or it closed)."""
@@ -155,6 +176,7 @@ class Closer:
         give_up = time.monotonic() + self.cfg.max_deadline_s + 30 * self.cfg.takeover_s
         # 0 from the announcements means they could not be read: wait out the window rather than close on the first
         expected = self.expected() or math.inf
+        self.last_expected = expected  # read once a round (a DHT read): the phase's checks use it too
         self.widen_for_late()
         self.close_window = self.window
         while not self.stop.is_set():
@@ -164,13 +186,10 @@ class Closer:
             self.on_poll(r)  # e.g. an overlapped phase takes in the round's result as far as it is fetched
             for sender in notices:
                 arrivals.setdefault(sender, now)
-            order = coordinator_ranking(r, {p: set(n.digests) for p, n in notices.items()
-                                            if not self.bans.refused_by_all(p, r)}, self.n_shards)
+            order = self.ranking(r, notices)
             if notices and first_seen is None:
                 first_seen = now
-            counted = [s for s in sets if in_turn(s, order, first_seen, now, self.window, self.cfg.max_deadline_s,
-                                                  self.cfg.takeover_s)]
-            accepted = self.accepted(r, counted, order)
+            accepted = self.accepted(r, self.counted(r, notices, sets, now, first_seen), order)
             if accepted is not None:
                 self.bans.honour(accepted, r, self.me)
                 on_time = [arrivals[s] for s in accepted.senders() if s in arrivals]
