@@ -29,7 +29,6 @@ from hlbp.peer.rounds.rules import (
     close_verdict,
     coordinator_order,
     coordinator_ranking,
-    in_turn,
     pick_accepted,
     widen_for_late,
 )
@@ -118,33 +117,12 @@ class Closer:
         # the last closed round as we saw it close: (round, its first arrival, its window, the accepted senders),
         # for widen_for_late
         self.last_close: tuple[int, float, float, frozenset[str]] | None = None
-        self.last_expected: float = math.inf  # contributors expected at the last close (inf: not known yet)
 
     def round_closed(self, r: int, wait: bool = True) -> bool:
-        """Whether round r has an accepted set that counts (:meth:`counted`), read now (``wait``) or as the phase's
-        poller last read: a set published out of turn does not cut our phase short."""
-        notices, sets = self.round_records(r, wait, self.records.phase_poller)
-        return bool(self.counted(r, notices, sets, time.monotonic()))
-
-    def counted(self, r: int, notices: dict[str, ContribNotice], sets: list[AcceptedSet], now: float,
-                first_seen: float | None = None) -> list[AcceptedSet]:
-        """The published sets of round r that count now (:func:`hlbp.peer.rounds.rules.in_turn`), with the
-        contributors ranked from ``notices``. The first arrival is the earliest notice pushed to us (the inbox
-        notes when), or ``first_seen`` where that is earlier or nothing was pushed."""
-        order = self.ranking(r, notices)
-        landed = [at for sender, at in self.records.inbox.arrived(round_key(self.cfg.run_id, r, KIND_CONTRIB)).items()
-                  if sender in notices]
-        firsts = [t for t in (first_seen, min(landed, default=None)) if t is not None]
-        first = min(firsts) if firsts else (now if notices else None)
-        complete = len(notices) >= self.last_expected
-        return [s for s in sets if in_turn(s, order, first, now, self.window, self.cfg.max_deadline_s,
-                                           self.cfg.takeover_s, complete)]
-
-    def ranking(self, r: int, notices: dict[str, ContribNotice]) -> list[str]:
-        """The coordinator order of round r among the contributions seen (peers every peer's guard refused
-        rank nowhere while banned)."""
-        return coordinator_ranking(r, {p: set(n.digests) for p, n in notices.items()
-                                       if not self.bans.refused_by_all(p, r)}, self.n_shards)
+        """Whether round r has an accepted set (``wait``: read now; else as the phase's poller last read)."""
+        if wait:
+            return self.accepted(r) is not None
+        return self.accepted(r, self.round_records(r, False, self.records.phase_poller)[1]) is not None
 
     def round_started(self, r: int, wait: bool = True) -> bool:
         """Whether others already announced round r (or it closed)."""
@@ -176,7 +154,6 @@ class Closer:
         give_up = time.monotonic() + self.cfg.max_deadline_s + 30 * self.cfg.takeover_s
         # 0 from the announcements means they could not be read: wait out the window rather than close on the first
         expected = self.expected() or math.inf
-        self.last_expected = expected  # read once a round (a DHT read): the phase's checks use it too
         self.widen_for_late()
         self.close_window = self.window
         while not self.stop.is_set():
@@ -186,10 +163,9 @@ class Closer:
             self.on_poll(r)  # e.g. an overlapped phase takes in the round's result as far as it is fetched
             for sender in notices:
                 arrivals.setdefault(sender, now)
-            order = self.ranking(r, notices)
-            if notices and first_seen is None:
-                first_seen = now
-            accepted = self.accepted(r, self.counted(r, notices, sets, now, first_seen), order)
+            order = coordinator_ranking(r, {p: set(n.digests) for p, n in notices.items()
+                                            if not self.bans.refused_by_all(p, r)}, self.n_shards)
+            accepted = self.accepted(r, sets, order)
             if accepted is not None:
                 self.bans.honour(accepted, r, self.me)
                 on_time = [arrivals[s] for s in accepted.senders() if s in arrivals]
@@ -198,25 +174,27 @@ class Closer:
                     self.window = adapt_window([t - min(on_time) for t in on_time], self.cfg.min_deadline_s,
                                                self.cfg.max_deadline_s, self.window)
                 return accepted
-            if self.me in order and first_seen is not None:
-                rank = order.index(self.me)
-                due = first_seen + self.window + rank * self.cfg.takeover_s
-                if (rank == 0 and len(notices) >= expected) or now >= due:
-                    admitted = self.choose(r, self.admit(r, notices), notices)
-                    verdict = close_verdict(len(admitted), self.cfg.min_contributors, now, first_seen,
-                                            self.cfg.max_deadline_s, rank, self.cfg.takeover_s)
-                    if verdict is not Verdict.WAIT:
-                        if verdict is Verdict.EMPTY:
-                            logger.warning("round %d: %d of the %d contributions the run requires arrived within "
-                                           "%.0f s; closing it empty (nobody's parameters move)", r,
-                                           len(admitted), self.cfg.min_contributors, self.cfg.max_deadline_s)
-                            admitted = {}
-                        members = tuple((s, n.tokens, n.digests) for s, n in sorted(admitted.items()))
-                        banned = self.bans.travelling(r)
-                        body = AcceptedSet(self.me, r, members, banned).to_body(self.cfg.run_id)
-                        self.records.store(round_key(self.cfg.run_id, r, KIND_ACCEPTED), body, KIND_ACCEPTED,
-                                           set(notices))
-                        continue
+            if notices:
+                first_seen = first_seen if first_seen is not None else now
+                if self.me in order:
+                    rank = order.index(self.me)
+                    due = first_seen + self.window + rank * self.cfg.takeover_s
+                    if (rank == 0 and len(notices) >= expected) or now >= due:
+                        admitted = self.choose(r, self.admit(r, notices), notices)
+                        verdict = close_verdict(len(admitted), self.cfg.min_contributors, now, first_seen,
+                                                self.cfg.max_deadline_s, rank, self.cfg.takeover_s)
+                        if verdict is not Verdict.WAIT:
+                            if verdict is Verdict.EMPTY:
+                                logger.warning("round %d: %d of the %d contributions the run requires arrived within "
+                                               "%.0f s; closing it empty (nobody's parameters move)", r,
+                                               len(admitted), self.cfg.min_contributors, self.cfg.max_deadline_s)
+                                admitted = {}
+                            members = tuple((s, n.tokens, n.digests) for s, n in sorted(admitted.items()))
+                            banned = self.bans.travelling(r)
+                            body = AcceptedSet(self.me, r, members, banned).to_body(self.cfg.run_id)
+                            self.records.store(round_key(self.cfg.run_id, r, KIND_ACCEPTED), body, KIND_ACCEPTED,
+                                               set(notices))
+                            continue
             if now > give_up:
                 logger.warning("round %d: nobody closed the round within %.0f s; moving on", r,
                                give_up - (first_seen or give_up))

@@ -73,29 +73,6 @@ def pick_accepted(sets: Sequence[AcceptedSet], order: Sequence[str]) -> Accepted
     return min(ranked, key=lambda s: rank[s.coordinator])
 
 
-def in_turn(accepted: AcceptedSet, order: Sequence[str], first_seen: float | None, now: float, window: float,
-            max_window: float, takeover_s: float, complete: bool) -> bool:
-    """Whether a published accepted set counts yet: only the coordinator whose turn it is may close a round.
-
-    ``order``: the coordinator ranking of the contributions seen (a publisher that is not among them never counts:
-    a key that contributed nothing cannot close a round). A ranking over what was seen so far can put anyone
-    first (a peer that announces first is, until the others' notices arrive), so the first-ranked set counts at
-    once only when ``complete`` (every contributor expected has been seen), else once the window after the first
-    arrival has passed, as its publisher may send it only then; the k-th ranked one's only once its takeover is
-    due here (``first_seen + window + k * takeover_s``). A set published out of turn waits, and the set of a
-    better-ranked coordinator that arrives meanwhile wins. An empty set (nobody's parameters move) counts only once
-    the manifest's longest window has passed as well, as a coordinator may publish one only then
-    (:func:`close_verdict`): an empty set at a round's start cannot stop the run. Honest peers see the first
-    arrival at slightly different times, so a set may count a little later on one than on another.
-    """
-    if accepted.coordinator not in order or first_seen is None:
-        return False
-    rank = list(order).index(accepted.coordinator)
-    if not accepted.members:
-        return now >= first_seen + max_window + rank * takeover_s
-    return (rank == 0 and complete) or now >= first_seen + window + rank * takeover_s
-
-
 def round_members(round_: int, notices: Mapping[str, AbstractSet[int]], sets: Sequence[AcceptedSet],
                   n_shards: int) -> frozenset[str] | None:
     """The members of round ``round_`` as its records show them: the senders of the accepted set of the best-ranked

@@ -135,27 +135,6 @@ class DyingSync(_Delegate):
         self.inner.publish(state, mine, to)
 
 
-class UsurpingCloser(_Delegate):
-    """Publishes its own accepted set of every round as soon as its exchange starts, whoever's turn it is: one
-    holding only its own contribution, or (``empty``) none at all. Then closes the round as an honest peer would."""
-
-    def __init__(self, inner: Any, empty: bool) -> None:
-        super().__init__(inner)
-        self.empty = empty
-
-    def close(self, r: int) -> Any:
-        from hlbp.protocol.roundwire import KIND_ACCEPTED, AcceptedSet, round_key
-
-        notices, _sets = self.inner.round_records(r, wait=False)
-        mine = notices.get(self.inner.me)
-        members = () if self.empty or mine is None else ((mine.sender, mine.tokens, mine.digests),)
-        run_id = self.inner.cfg.run_id
-        body = AcceptedSet(self.inner.me, r, members).to_body(run_id)
-        self.inner.records.store(round_key(run_id, r, KIND_ACCEPTED), body, KIND_ACCEPTED, set(notices))
-        print(f"usurping round {r}", flush=True)
-        return self.inner.close(r)
-
-
 class SybilChecks(_Delegate):
     """After every round, serves a poisoned state (the agreed parameters plus noise) and publishes its checksums
     under its own key and under ``keys`` throwaway keys that never announced or contributed: a majority of
@@ -229,7 +208,6 @@ FAULTS: dict[str, Callable[[Any, str], None]] = {
     "die-after-apply": lambda runner, arg: setattr(runner, "syncer", DyingSync(runner.syncer, int(arg or 1))),
     "no-dht-notices": lambda runner, arg: setattr(runner.records, "keep_store", no_dht_notices(int(arg or 1))),
     "sybil-checks": lambda runner, arg: setattr(runner, "syncer", SybilChecks(runner.syncer, runner, int(arg or 10))),
-    "usurper": lambda runner, arg: setattr(runner, "closer", UsurpingCloser(runner.closer, arg == "empty")),
 }
 
 

@@ -176,31 +176,6 @@ def test_checks_settled_waits_for_everyone_in_a_dense_run():
     assert checks_settled(seen, mine, members, online=set(PEERS[1:3]))
 
 
-def test_only_the_coordinator_whose_turn_it_is_closes_a_round() -> None:
-    from hlbp.peer.rounds.rules import in_turn
-    from hlbp.protocol.roundwire import AcceptedSet
-
-    order = ["first", "second", "third"]
-    members = (("first", 10, {0: "a" * 64}),)
-
-    def counts(coordinator: str, now: float, with_members: bool = True, complete: bool = True) -> bool:
-        s = AcceptedSet(coordinator, 7, members if with_members else ())
-        return in_turn(s, order, first_seen=100.0, now=now, window=4.0, max_window=30.0, takeover_s=3.0,
-                       complete=complete)
-
-    assert counts("first", 100.1)  # the first-ranked coordinator's set counts at once once everybody is seen
-    # first among the notices seen so far is no turn yet: only once the window has passed
-    assert not counts("first", 103.9, complete=False) and counts("first", 104.0, complete=False)
-    assert not counts("second", 104.0) and counts("second", 107.0)  # a takeover counts once it is due here
-    assert not counts("third", 109.9) and counts("third", 110.0)
-    assert not counts("stranger", 1e9)  # a key that contributed nothing never closes a round
-    assert not counts("first", 129.9, with_members=False)  # an empty set only after the longest window
-    assert counts("first", 130.0, with_members=False)
-    assert not counts("second", 132.9, with_members=False) and counts("second", 133.0, with_members=False)
-    s = AcceptedSet("first", 7, members)
-    assert not in_turn(s, order, first_seen=None, now=1e9, window=4.0, max_window=30.0, takeover_s=3.0, complete=True)
-
-
 def test_only_a_rounds_members_vote_on_its_state() -> None:
     from hlbp.peer.rounds.rules import checks_settled, majority_checksums, member_checks, round_members
     from hlbp.protocol.roundwire import AcceptedSet
