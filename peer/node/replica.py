@@ -143,7 +143,8 @@ def round_settings(m: Any, checkpoint_every_s: float) -> tuple[OuterConfig, Roun
                         outer_lr=hp.outer_lr, momentum=hp.momentum, clip_median=hp.clip_median,
                         aggregation=hp.aggregation,  # type: ignore[arg-type]
                         small_tensors=hp.small_tensors,
-                        token_weighted=hp.weighting == "tokens")
+                        token_weighted=hp.weighting == "tokens",
+                        max_tokens=hp.inner_steps * hp.batch_size * hp.seq_len)
     rcfg = RoundConfig(run_id=m.run_id, inner_steps=hp.inner_steps, deadline_s=hp.round_deadline_s,
                        min_deadline_s=hp.min_deadline_s, max_deadline_s=hp.max_deadline_s,
                        min_contributors=hp.min_contributors, checkpoint_every_s=checkpoint_every_s,

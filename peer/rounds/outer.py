@@ -41,6 +41,9 @@ class OuterConfig:
     aggregation: Literal["mean", "selectors"] = "mean"  # paper's 1/R mean, or reference code's mean over selectors
     clip_median: bool = False  # scale each contribution to at most the median contribution norm
     token_weighted: bool = False  # weight contributions by tokens processed instead of equally
+    # the most tokens one contribution's weight may claim: what H inner steps of the manifest's batch hold (0: no
+    # cap). A claimed count is the sender's word; without a cap a claim of 2**40 made the round its own
+    max_tokens: int = 0
     small_tensors: str = "topk"  # 1-D and sub-chunk tensors: the run's k, or "dense" (every value, 2-bit)
     # DiLoCo
     outer_lr: float = 0.7  # Nesterov SGD learning rate
@@ -78,8 +81,10 @@ def pseudo_gradient(anchor: Tensors, local: Tensors) -> dict[str, torch.Tensor]:
     return {n: anchor[n].detach().float().cpu() - local[n].detach().float().cpu() for n in anchor}
 
 
-def _weights(contributions: Sequence[Contribution], token_weighted: bool) -> list[float]:
-    w = [float(c.tokens) if token_weighted else 1.0 for c in contributions]
+def _weights(contributions: Sequence[Contribution], token_weighted: bool, max_tokens: int = 0) -> list[float]:
+    """Each contribution's weight: 1, or (``token_weighted``) its claimed tokens, capped at ``max_tokens`` if set."""
+    cap = float(max_tokens) if max_tokens > 0 else math.inf
+    w = [min(float(c.tokens), cap) if token_weighted else 1.0 for c in contributions]
     if any(not math.isfinite(x) or x < 0 for x in w) or (w and sum(w) <= 0):
         raise ValueError(f"contribution weights must be finite, non-negative and not all zero: {w}")
     return w
@@ -151,7 +156,7 @@ class SparseLoCo(OuterOptimizer):
     def aggregate(self, contributions: Sequence[Contribution], names: Sequence[str]) -> dict[str, torch.Tensor]:
         """The combined pseudo-gradient Δ per parameter (zero where no contribution selected anything)."""
         cfg = self.config
-        w = _weights(contributions, cfg.token_weighted)
+        w = _weights(contributions, cfg.token_weighted, cfg.max_tokens)
         values = {name: [c.tensors[name].dense_values() for c in contributions] for name in names}
         if cfg.clip_median and len(contributions) > 1:
             values = {name: _clip_values(vs) for name, vs in values.items()}
@@ -159,7 +164,7 @@ class SparseLoCo(OuterOptimizer):
                      for i in range(len(contributions))]
             median = float(torch.tensor(norms, dtype=torch.float64).median())
             w = [wi * (min(1.0, median / n) if n > 0 else 1.0) for wi, n in zip(w, norms)]
-        total = sum(_weights(contributions, cfg.token_weighted))
+        total = sum(_weights(contributions, cfg.token_weighted, cfg.max_tokens))
         out = {}
         for name in names:
             ref = contributions[0].tensors[name]
@@ -206,7 +211,7 @@ class DiLoCo(OuterOptimizer):
     def apply(self, anchor: Tensors, contributions: Sequence[Contribution]) -> dict[str, torch.Tensor]:
         if not contributions:
             return {n: t.detach().float().cpu().clone() for n, t in anchor.items()}
-        w = _weights(contributions, self.config.token_weighted)
+        w = _weights(contributions, self.config.token_weighted, self.config.max_tokens)
         total = sum(w)
         mu, lr = self.config.momentum, self.config.outer_lr
         out = {}

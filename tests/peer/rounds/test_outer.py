@@ -70,6 +70,19 @@ def test_token_weighting():
     torch.testing.assert_close(out, torch.full((4096,), -0.5))
 
 
+def test_a_claimed_token_count_weighs_no_more_than_a_full_round_of_the_manifests_batch():
+    cfg = OuterConfig(k=4096, quant_bits=None, token_weighted=True, max_tokens=100)
+    anchor = {"w": torch.zeros(4096)}
+    liar = SparseLoCo(cfg).contribute(anchor, {"w": -torch.ones(4096)}, "liar", tokens=2**40)
+    honest = SparseLoCo(cfg).contribute(anchor, {"w": torch.ones(4096)}, "b", tokens=100)
+    out = SparseLoCo(cfg).apply(anchor, [liar, honest])["w"]
+    torch.testing.assert_close(out, torch.zeros(4096))  # capped at 100 tokens: equal weights, they cancel
+    dense = DiLoCo(OuterConfig(kind="diloco", token_weighted=True, max_tokens=100, momentum=0.0, outer_lr=1.0))
+    c1 = dense.contribute(anchor, {"w": -torch.ones(4096)}, "liar", tokens=2**40)
+    c2 = dense.contribute(anchor, {"w": torch.ones(4096)}, "b", tokens=100)
+    torch.testing.assert_close(dense.apply(anchor, [c1, c2])["w"], torch.zeros(4096))
+
+
 def test_withdraw_restores_the_buffer():
     opt = SparseLoCo(OuterConfig(k=64))
     anchor, local = _params(3), _params(4)
