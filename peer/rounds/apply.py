@@ -96,6 +96,10 @@ class Applier:
             if over:
                 return self._refuse(r, {p: f"shard {s}'s contribution norm is {v:.3g}x the shard's parameter norm"
                                         for p, v in over.items()}, "a contribution breaks the norm bound")
+            far = guard.outliers(norms, self.guard)
+            if far:  # the coordinator drops these before it accepts: only a lying one lets one through
+                return self._refuse(r, {p: f"shard {s}'s contribution norm is {v:.3g}x the round's median"
+                                        for p, v in far.items()}, "a contribution is far above the round's others")
             old = {n: state.anchor[n] for n in names}
             shard_new = state.outers[s].apply(old, contributions)
             ratio = guard.update_ratio(old, shard_new)

@@ -41,6 +41,13 @@ class GuardConfig:
     # guard-batch loss above this times the lowest of the last LOSS_WINDOW committed rounds: refused (a slow climb,
     # each step under max_loss_jump, is caught once it adds up to this)
     max_loss_rise: float = 2.0
+    # ‖Δ̂_r‖ above this times the median of the round's contributions to the shard (three or more): refused, sender
+    # banned. A poisoner just under max_contribution_ratio sends more than ten times an honest norm; honest peers of
+    # one round differ by less than this even when one of them caught up with fewer steps
+    max_vs_median: float = 8.0
+
+
+MIN_FOR_MEDIAN = 3  # contributions a shard needs before the median says what an honest norm is
 
 
 LOSS_WINDOW = 8  # committed rounds whose guard-batch losses a slow climb is measured against
@@ -74,6 +81,23 @@ def oversized(norms: Mapping[str, float], shard_scale: float, cfg: GuardConfig) 
         ratio = n / shard_scale
         if not ratio <= cfg.max_contribution_ratio:  # also catches NaN
             out[sender] = ratio
+    return out
+
+
+def outliers(norms: Mapping[str, float], cfg: GuardConfig) -> dict[str, float]:
+    """Senders whose contribution norm is above ``max_vs_median`` times the median of the others left, with that
+    ratio: removed largest first until the rest holds none, so the coordinator that drops them and every peer that
+    checks the accepted set reach the same verdict. Below :data:`MIN_FOR_MEDIAN` contributions nothing is an outlier
+    (with two, either could be the honest one)."""
+    left, out = dict(norms), {}
+    while len(left) >= MIN_FOR_MEDIAN:
+        med = sorted(left.values())[(len(left) - 1) // 2]  # the lower median: exact, the same everywhere
+        if not med > 0:
+            break
+        worst = max(left, key=lambda p: (left[p], p))
+        if left[worst] <= cfg.max_vs_median * med:
+            break
+        out[worst] = left.pop(worst) / med
     return out
 
 

@@ -13,6 +13,7 @@ import contextlib
 import random
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from typing import Any
@@ -133,6 +134,20 @@ class Payloads:
         for (rr, sender, s, _digest), c in list(self._verified.items()):
             if rr == r:
                 yield sender, s, c
+
+    def outliers(self, r: int, senders: AbstractSet[str]) -> dict[str, str]:
+        """Of ``senders``, whose checked round-r contribution to some shard is far above the others'
+        (:func:`hlbp.peer.rounds.guard.outliers`), with why: the coordinator leaves them out."""
+        norms: dict[int, dict[str, float]] = {}
+        for sender, s, c in self.checked(r):
+            if sender in senders:
+                norms.setdefault(s, {})[sender] = guard.contribution_norm(c)
+        out: dict[str, str] = {}
+        for s, shard_norms in sorted(norms.items()):
+            for sender, ratio in guard.outliers(shard_norms, self.guard).items():
+                out.setdefault(sender, f"shard {s}'s contribution norm is {ratio:.3g}x the round's median "
+                                       f"(bound {self.guard.max_vs_median:g}x)")
+        return out
 
     def mark_unreachable(self, r: int, sender: str) -> None:
         """``sender``'s round-r payload could not be had: not retried this round."""

@@ -82,3 +82,18 @@ def test_the_loss_guard_catches_a_slow_climb() -> None:
     assert all(guard.loss_reason(honest[:i], honest[i], CFG) is None for i in range(1, len(honest)))
     # only the last LOSS_WINDOW rounds count: an old low point does not hold a later plateau hostage
     assert guard.loss_reason([1.0] + [3.0] * guard.LOSS_WINDOW, 3.5, CFG) is None
+
+
+def test_a_contribution_far_above_the_rounds_median_is_an_outlier_on_every_peer() -> None:
+    cfg = GuardConfig(max_vs_median=8.0)
+    honest = {"h1": 0.30, "h2": 0.35, "h3": 0.41}
+    assert guard.outliers(honest, cfg) == {}
+    assert guard.outliers({**honest, "x": 7.9 * 10}, cfg) == {"x": pytest.approx(7.9 * 10 / 0.35)}
+    assert guard.outliers({**honest, "x": 8.0 * 0.35}, cfg) == {}  # at the bound: kept
+    # removed largest first until none is left: the two liars go, whatever order they came in
+    assert set(guard.outliers({**honest, "y": 50.0, "x": 20.0}, cfg)) == {"x", "y"}
+    assert guard.outliers({"h1": 0.3, "x": 100.0}, cfg) == {}  # two: either could be the honest one
+    assert guard.outliers({"h1": 0.0, "h2": 0.0, "x": 1.0}, cfg) == {}  # no scale to judge by
+    assert set(guard.outliers({**honest, "x": math.inf}, cfg)) == {"x"}
+    # a peer that caught up with a sixth of the steps does not make the others outliers
+    assert guard.outliers({"full1": 0.4, "full2": 0.45, "late": 0.4 / 6}, cfg) == {}
