@@ -13,25 +13,28 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from hlbp.peer.net.transport import TransportError
 from hlbp.peer.rounds.config import RoundConfig
-from hlbp.peer.rounds.inbox import DhtPoll
+from hlbp.peer.rounds.inbox import Both, DhtPoll
 from hlbp.peer.rounds.payloads import Payloads, error_text
 from hlbp.peer.rounds.records import RoundRecords
 from hlbp.peer.rounds.rules import (
     Verdict,
     adapt_window,
     close_verdict,
-    coordinator_order,
     coordinator_ranking,
     pick_accepted,
+    set_counts,
+    turn_order,
     widen_for_late,
 )
+from hlbp.protocol import ProtocolError
 from hlbp.protocol.roundwire import (
     KIND_ACCEPTED,
     KIND_CONTRIB,
@@ -44,7 +47,17 @@ from hlbp.protocol.roundwire import (
 
 logger = logging.getLogger(__name__)
 
-MAX_TRAVELLING_BAN = 64  # rounds: the longest ban a coordinator's accepted set can impose on the others
+def signed_form(value: Any, check: Callable[[bytes], Any]) -> bytes | None:
+    """Of a DHT entry's value (bytes, or a stored and a pushed one), the signed bytes ``check`` accepts."""
+    forms = [value.stored, value.pushed] if isinstance(value, Both) else [value]
+    for form in forms:
+        if isinstance(form, bytes):
+            try:
+                if check(form):
+                    return form
+            except ProtocolError:
+                continue
+    return None
 
 
 class RoundBans:
@@ -84,14 +97,6 @@ class RoundBans:
         banned."""
         return peer in self.by_guard and r < self.by_guard[peer]
 
-    def honour(self, accepted: AcceptedSet, r: int, me: str) -> None:
-        """Take the bans that travel with round r's accepted set: every coordinator honours them, for at most
-        ``MAX_TRAVELLING_BAN`` rounds (a lying coordinator cannot ban anyone for ever), and never against us."""
-        for peer, until in accepted.banned:
-            until = min(until, r + 1 + MAX_TRAVELLING_BAN)
-            if until > self.until.get(peer, (0, 0))[0] and peer != me:
-                self.until[peer] = (until, self.until.get(peer, (0, 0))[1] + 1)
-
     def travelling(self, r: int) -> tuple[tuple[str, int], ...]:
         """The bans still in force after round r, as an accepted set carries them."""
         return tuple(sorted((p, u) for p, (u, _) in self.until.items() if u > r))
@@ -117,12 +122,19 @@ class Closer:
         # the last closed round as we saw it close: (round, its first arrival, its window, the accepted senders),
         # for widen_for_late
         self.last_close: tuple[int, float, float, frozenset[str]] | None = None
+        # the members of the last round we closed (round, peer -> the shards it contributed): the next round's turn
+        # order starts with them (rules.turn_order)
+        self.prior: tuple[int, dict[str, frozenset[int]]] | None = None
+        self.raw: dict[int, tuple[dict[str, Any], dict[str, Any]]] = {}  # round -> its last-read entries
+        self.proofs: dict[int, dict[str, dict[str, bytes]]] = {}  # round -> the evidence of its members
+        self.prior_read = -1  # the last round whose members were read from its records (learn_prior)
+        self.first_seen: dict[int, float] = {}  # round -> when we first saw one of its notices (time.monotonic)
 
     def round_closed(self, r: int, wait: bool = True) -> bool:
-        """Whether round r has an accepted set (``wait``: read now; else as the phase's poller last read)."""
-        if wait:
-            return self.accepted(r) is not None
-        return self.accepted(r, self.round_records(r, False, self.records.phase_poller)[1]) is not None
+        """Whether round r has an accepted set that counts by now (``wait``: read now; else as the phase's poller
+        last read)."""
+        notices, sets = self.round_records(r, wait, self.records.phase_poller)
+        return self.accepted(r, sets, notices) is not None
 
     def round_started(self, r: int, wait: bool = True) -> bool:
         """Whether others already announced round r (or it closed)."""
@@ -135,17 +147,52 @@ class Closer:
         (``wait``), or as ``poller`` (default: the exchange's) last polled plus what was pushed since."""
         keys = (round_key(self.cfg.run_id, r, KIND_CONTRIB), round_key(self.cfg.run_id, r, KIND_ACCEPTED))
         contribs, accepted = self.records.read(*keys) if wait else (poller or self.records.poller).entries(*keys)
+        self.raw = {**{k: v for k, v in self.raw.items() if k >= r - 2}, r: (contribs, accepted)}
         notices = {n.sender: n for n in self.records.records(keys[0], parse_contrib, contribs, round_=r)}
         self.records.seen(r, notices)
+        if notices and r not in self.first_seen:
+            self.first_seen = {k: t for k, t in self.first_seen.items() if k >= r - 2}
+            self.first_seen[r] = time.monotonic()
         return notices, self.records.records(keys[1], parse_accepted, accepted, round_=r)
 
-    def accepted(self, r: int, sets: list[AcceptedSet] | None = None, order: Sequence[str] = ()) -> AcceptedSet | None:
-        """The accepted set of round r that every peer applies: the best-ranked coordinator's (``sets``: already
-        read; ``order``: the coordinator ranking, from the notices)."""
-        if sets is None:
-            sets = self.records.records(round_key(self.cfg.run_id, r, KIND_ACCEPTED), parse_accepted, round_=r)
-        sets = [x for x in sets if not self.bans.refused_by_all(x.coordinator, r)]
-        return pick_accepted(sets, order or coordinator_order(r, [s.coordinator for s in sets]))
+    def turn(self, r: int, notices: dict[str, ContribNotice]) -> tuple[list[str], bool]:
+        """Round r's turn order (:func:`hlbp.peer.rounds.rules.turn_order`) and whether its head was agreed before
+        the round (we closed round r - 1 with members; a joiner, a resynced peer or the run's first round has no
+        such order yet, and ranks the contributors it sees)."""
+        if (self.prior is None or self.prior[0] != r - 1) and self.prior_read != r - 1 and r > 0:
+            self.prior_read = r - 1  # once per round: a joiner or a resynced peer did not close round r - 1
+            self.learn_prior(r - 1)
+        prior = self.prior[1] if self.prior is not None and self.prior[0] == r - 1 else {}
+        prior = {p: s for p, s in prior.items() if not self.bans.refused_by_all(p, r)}
+        seen = {p: frozenset(n.digests) for p, n in notices.items() if not self.bans.refused_by_all(p, r)}
+        return turn_order(r, prior, seen, self.n_shards), bool(prior)
+
+    def learn_prior(self, r: int) -> None:
+        """Round r's members from its records, for a peer that did not close round r itself (a joiner, a resynced
+        or restarted peer): the set of the best-ranked contributor that published one. Without them its first
+        round after the sync waited out a window before taking any set, and it missed the next round's close."""
+        notices, sets = self.round_records(r)
+        order = coordinator_ranking(r, {p: set(n.digests) for p, n in notices.items()}, self.n_shards)
+        chosen = pick_accepted([s for s in sets if s.coordinator in order], order)
+        if chosen is not None and chosen.members:
+            self.prior = (r, {p: frozenset(d) for p, _t, d in chosen.members})
+
+    def accepted(self, r: int, sets: list[AcceptedSet], notices: dict[str, ContribNotice],
+                 expected: float = math.inf) -> AcceptedSet | None:
+        """The accepted set of round r that every peer applies: among the sets whose publisher's turn has come by
+        now (:func:`hlbp.peer.rounds.rules.set_counts`; ``expected``: how many contributors make the round
+        complete), the best-ranked one. A set published out of turn is ignored until its turn comes, and by then
+        the set of the coordinator in charge has normally replaced it."""
+        order, prior_known = self.turn(r, notices)
+        now = time.monotonic()
+        # only a contributor of the round closes it: its notice is what shows later readers (a restarted peer's
+        # sync, rules.round_members) that its set was the round's
+        counting = [x for x in sets if not self.bans.refused_by_all(x.coordinator, r) and x.coordinator in notices
+                    and set_counts(x, order, prior_known=prior_known, complete=len(notices) >= expected,
+                                   first_seen=self.first_seen.get(r), now=now, window=self.window,
+                                   max_window=self.cfg.max_deadline_s, takeover_s=self.cfg.takeover_s,
+                                   min_contributors=self.cfg.min_contributors)]
+        return pick_accepted(counting, order)
 
     def close(self, r: int) -> AcceptedSet | None:
         """Wait for round r's accepted set, publishing it ourselves when we are the coordinator in charge."""
@@ -163,11 +210,13 @@ class Closer:
             self.on_poll(r)  # e.g. an overlapped phase takes in the round's result as far as it is fetched
             for sender in notices:
                 arrivals.setdefault(sender, now)
-            order = coordinator_ranking(r, {p: set(n.digests) for p, n in notices.items()
-                                            if not self.bans.refused_by_all(p, r)}, self.n_shards)
-            accepted = self.accepted(r, sets, order)
+            order, _ = self.turn(r, notices)
+            accepted = self.accepted(r, sets, notices, expected)
             if accepted is not None:
-                self.bans.honour(accepted, r, self.me)
+                self.proofs = {**{k: v for k, v in self.proofs.items() if k >= r - 3}, r: self.evidence(r, accepted)}
+                self.check_bans(r, accepted, notices)
+                if accepted.members:
+                    self.prior = (r, {p: frozenset(d) for p, _t, d in accepted.members})
                 on_time = [arrivals[s] for s in accepted.senders() if s in arrivals]
                 if on_time:
                     self.last_close = (r, min(on_time), self.window, frozenset(accepted.senders()))
@@ -176,7 +225,7 @@ class Closer:
                 return accepted
             if notices:
                 first_seen = first_seen if first_seen is not None else now
-                if self.me in order:
+                if self.me in order and self.me in notices:
                     rank = order.index(self.me)
                     due = first_seen + self.window + rank * self.cfg.takeover_s
                     if (rank == 0 and len(notices) >= expected) or now >= due:
@@ -201,6 +250,42 @@ class Closer:
                 return None
             self.records.inbox.wait(self.cfg.poll_s)  # wakes at once for a pushed record or a finished DHT read
         return None
+
+    def evidence(self, r: int, accepted: AcceptedSet) -> dict[str, dict[str, bytes]]:
+        """The signed records that show round r's members: ``accepted`` as its coordinator signed it and that
+        coordinator's notice, as last read (:attr:`hlbp.peer.rounds.state.ReplicaState.evidence`); empty when
+        either is no longer at hand."""
+        contribs, sets = self.raw.get(r, ({}, {}))
+        keys = (round_key(self.cfg.run_id, r, KIND_CONTRIB), round_key(self.cfg.run_id, r, KIND_ACCEPTED))
+        notice = signed_form(contribs.get(accepted.coordinator), lambda v: parse_contrib(
+            v, accepted.coordinator, self.cfg.run_id, round_=r))
+        body = signed_form(sets.get(accepted.coordinator), lambda v: parse_accepted(
+            v, accepted.coordinator, self.cfg.run_id, round_=r) == accepted)
+        if notice is None or body is None:
+            return {}
+        return {keys[0]: {accepted.coordinator: notice}, keys[1]: {accepted.coordinator: body}}
+
+    def check_bans(self, r: int, accepted: AcceptedSet, notices: dict[str, ContribNotice]) -> None:
+        """Check the bans round r's accepted set carries, in the background, before taking any: a coordinator's word
+        alone bans nobody (one in its turn banned every honest peer for 64 rounds when its bans were honoured).
+
+        A sender the set shows banned whose notice of round r we have and who is no member is checked as if we
+        coordinated (:meth:`admit`): garbage, and we ban it ourselves; a contribution that checks out, and the
+        accusation is ignored. Bans of senders we cannot reach, or that the set carries from earlier rounds without
+        a notice of this one, are not taken either."""
+        members = set(accepted.senders())
+        accused = {p: notices[p] for p, until in accepted.banned
+                   if until > r and p in notices and p not in members and p != self.me and not self.bans.banned(p, r)}
+        if not accused:
+            return
+
+        def check() -> None:
+            cleared = self.admit(r, accused)
+            if cleared:
+                logger.warning("round %d: the accepted set of %s banned %s, whose contributions check out here; "
+                               "not taken", r, accepted.coordinator[:16], ", ".join(p[:16] for p in cleared))
+
+        threading.Thread(target=check, name=f"check-bans-{r}", daemon=True).start()
 
     def admit(self, r: int, notices: dict[str, ContribNotice]) -> dict[str, ContribNotice]:
         """The coordinator fetches and decodes every contribution before accepting it, so one peer's garbage
@@ -238,6 +323,9 @@ class Closer:
                 # bytes that match the sender's signed digest yet do not decode or break a bound, or a response
                 # that breaks the transfer protocol (a body above the limit): the sender sent garbage
                 self.bans.ban(r, sender, error_text(exc))
+        for sender, reason in self.payloads.outliers(r, set(admitted)).items():
+            self.bans.ban(r, sender, reason)
+            del admitted[sender]
         return admitted
 
     def widen_for_late(self) -> None:

@@ -45,6 +45,11 @@ logger = logging.getLogger(__name__)
 
 
 
+# a resumed peer behind a newer agreed state retries its sync this often, this far apart: the state's holders may
+# be restarting beside it (a whole swarm stopped and started again), and serve it once they are up
+RESUME_SYNC_ATTEMPTS = 8
+RESUME_SYNC_PAUSE_S = 3.0
+
 class ReplicaBase(ABC):
     """What every round loop shares: the anchor, outer optimizers, inner phase, DHT records, checkpoints, agreement
     checks and state sync. Subclasses implement ``run_round``.
@@ -136,10 +141,10 @@ class ReplicaBase(ABC):
         """Where the inner phase under way started: the anchor, or its overlapped start (rounds/overlap.py)."""
         return self.state.anchor
 
-    def sync(self, attempts: int = 3) -> bool:
-        """Load the newest agreed state from peers (:meth:`StateSync.sync`); False if there is none yet (a fresh
-        run) or every bounded attempt failed."""
-        received = self.syncer.sync(self.state, attempts)
+    def sync(self, attempts: int = 3, pause_s: float = 0.0) -> bool:
+        """Load the newest agreed state from peers (:meth:`StateSync.sync`, ``pause_s`` between attempts); False
+        if there is none yet (a fresh run) or every bounded attempt failed."""
+        received = self.syncer.sync(self.state, attempts, pause_s, self.stop)
         if received is None:
             return False
         self._bytes_in += received
@@ -159,6 +164,13 @@ class ReplicaBase(ABC):
         """Resume, sync or start fresh; returns which (its text is the log's)."""
         resumed = self.checkpoints.resume(self.state)
         self.records.protect(self.state.round)
+        if resumed and self.state.round > 0:
+            # serve the state we come back with at once, with the records that show who the members of its round
+            # were: peers restarting beside us from older checkpoints sync from it (waiting for our first round to
+            # serve it split a restarted swarm for two rounds)
+            self.records.protect(self.state.round - 1)
+            self.records.restore(self.state.evidence)
+            self.syncer.publish(self.state, self.syncer.checks(self.state, self.state.round - 1))
         current = self.syncer.current(self.state)
         if current is None:
             return Start(StartKind.RESUMED if resumed else StartKind.FRESH)
@@ -169,7 +181,8 @@ class ReplicaBase(ABC):
         # process's first pass is slower than the rest (tiny model, fresh process: 0.14 s against 0.07 s), so
         # take it now, off that phase
         self.trainer.warm_up()
-        if self.sync():
+        # a newer agreed state exists; its holders may be restarting too, and serve it once they are up: retry
+        if self.sync(RESUME_SYNC_ATTEMPTS if resumed else 3, RESUME_SYNC_PAUSE_S if resumed else 0.0):
             return Start(StartKind.SYNCED, self.state.round - 1)
         return Start(StartKind.FRESH_UNAGREED)
 

@@ -123,7 +123,12 @@ class OverlapLoop:
         if stats.synced:
             self.stale = True  # the phase under way started from parameters we no longer hold
         if not closed and self.runner.stop.is_set():
-            return None  # abandoned on SIGTERM: not a round to report
+            # abandoned on SIGTERM: not a round to report, and not one our state holds. The main thread counted it
+            # at the handover; a checkpoint must name the round its anchor is the result of, or a restart resumes
+            # a round ahead of its own parameters (and of the peers that stopped a round earlier)
+            if not stats.synced and self.runner.state.round == f.round + 1:
+                self.runner.state.round = f.round
+            return None
         self._last = (stats, checks, f.steps)
         return stats
 

@@ -7,6 +7,8 @@ was loaded; these decide what a checkpoint holds and whether one is this run's a
 
 from __future__ import annotations
 
+import base64
+import binascii
 import logging
 import time
 from collections.abc import Mapping
@@ -20,6 +22,7 @@ from hlbp.peer.common.errors import UserInputError
 from hlbp.peer.common.files import remove_stale_temps
 from hlbp.peer.rounds.state import ReplicaState
 from hlbp.peer.train.checkpoint import load_checkpoint, save_checkpoint
+from hlbp.protocol.roundwire import MAX_RECORD_BYTES
 
 logger = logging.getLogger(__name__)
 
@@ -42,8 +45,34 @@ class SavedReplica:
     header: dict[str, Any]
 
 
+def encode_evidence(evidence: Mapping[str, Mapping[str, bytes]]) -> dict[str, dict[str, str]]:
+    """A state's evidence (:attr:`ReplicaState.evidence`) as JSON for the checkpoint header (base64 values)."""
+    return {key: {signer: base64.b64encode(v).decode() for signer, v in by.items()} for key, by in evidence.items()}
+
+
+def decode_evidence(raw: Any) -> dict[str, dict[str, bytes]]:
+    """A checkpoint header's evidence, or nothing when it is missing or malformed (the file is as hostile as the
+    network: sizes are checked before anything is decoded, and every record is verified again by its readers)."""
+    if not isinstance(raw, dict) or len(raw) > 2:
+        return {}
+    out: dict[str, dict[str, bytes]] = {}
+    for key, by in raw.items():
+        if not isinstance(key, str) or len(key) > 512 or not isinstance(by, dict) or len(by) > 1:
+            return {}
+        for signer, text in by.items():
+            if (not isinstance(signer, str) or len(signer) > 128 or not isinstance(text, str)
+                    or len(text) > 2 * MAX_RECORD_BYTES):
+                return {}
+            try:
+                out.setdefault(key, {})[signer] = base64.b64decode(text, validate=True)
+            except (binascii.Error, ValueError):
+                return {}
+    return out
+
+
 def save_replica(path: Path, anchor: Mapping[str, torch.Tensor], outers: Mapping[int, Mapping[str, torch.Tensor]],
-                 trainer: Any, round_: int, in_sync: bool, run_id: str) -> bool:
+                 trainer: Any, round_: int, in_sync: bool, run_id: str,
+                 evidence: Mapping[str, Mapping[str, bytes]] | None = None) -> bool:
     """Save the checkpoint, unless the anchor holds a non-finite value: a poisoned state is never stored as current
     (the previous checkpoint stays, and a restart syncs from peers). Returns whether it was saved."""
     if not all(bool(torch.isfinite(t).all()) for t in anchor.values()):
@@ -53,7 +82,8 @@ def save_replica(path: Path, anchor: Mapping[str, torch.Tensor], outers: Mapping
     tensors.update({f"{ANCHOR}{n}": t for n, t in anchor.items()})
     for s, state in outers.items():
         tensors.update({f"{_outer_prefix(s)}{k}": v for k, v in state.items()})
-    save_checkpoint(path, tensors, {**header, "round": round_, "in_sync": in_sync, "run": run_id})
+    save_checkpoint(path, tensors, {**header, "round": round_, "in_sync": in_sync, "run": run_id,
+                                    "evidence": encode_evidence(evidence or {})})
     return True
 
 
@@ -96,7 +126,7 @@ class Checkpoints:
         self._saved_at = time.monotonic()
         if self.path is not None:
             save_replica(self.path, state.anchor, {s: o.state_tensors() for s, o in state.outers.items()},
-                         self.trainer, state.round, state.in_sync, self.run_id)
+                         self.trainer, state.round, state.in_sync, self.run_id, state.evidence)
 
     def save_if_due(self, state: ReplicaState) -> None:
         """Save when ``every_s`` has passed (a 1B model's checkpoint is over 20 GB); exits always save."""
@@ -126,4 +156,5 @@ class Checkpoints:
         for s, o in state.outers.items():
             o.load_state(saved.outers[s])
         state.round = saved.round
+        state.evidence = decode_evidence(saved.header.get("evidence"))
         return True

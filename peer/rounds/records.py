@@ -90,6 +90,19 @@ class RoundRecords:
                                 return_future=True)
         self._stores.append((future, key, time.monotonic()))
 
+    def restore(self, evidence: dict[str, dict[str, bytes]]) -> None:
+        """Store others' signed records again as they signed them (a checkpoint's evidence of its round's members,
+        after a restart): into our inbox and the DHT under their signers' subkeys. Nothing is trusted by this:
+        every reader verifies each record's signature, as for any other."""
+        from hivemind.utils import get_dht_time
+
+        for key, by_signer in evidence.items():
+            for signer, value in by_signer.items():
+                self.inbox.offer(signer, key, value)
+                future = self.dht.store(key, value, get_dht_time() + self.cfg.record_ttl_s, subkey=signer,
+                                        return_future=True)
+                self._stores.append((future, key, time.monotonic()))
+
     def _reap_stores(self) -> None:
         """Log the DHT stores that failed or outlasted ``dht_timeout_s``; forget the finished ones."""
         pending = []

@@ -30,6 +30,45 @@ def coordinator_ranking(round_: int, shards_of: Mapping[str, AbstractSet[int]], 
     return coordinator_order(round_, full) + coordinator_order(round_, [p for p in shards_of if p not in set(full)])
 
 
+def turn_order(round_: int, prior: Mapping[str, AbstractSet[int]], notices: Mapping[str, AbstractSet[int]],
+               n_shards: int) -> list[str]:
+    """Whose turn it is to close round ``round_``, best first: the members of the previous round (``prior``: peer ->
+    the shards it contributed, as the accepted set every peer applied says) in :func:`coordinator_ranking`, then the
+    other contributors seen (``notices``) the same way.
+
+    The first part is agreed before the round opens, so being quick to announce buys no place in it: a key that was
+    not a member last round (new, throwaway, or left out) ranks behind every member, whether or not that member has
+    announced yet. A member that died costs its successors one takeover delay, for one round only (it is no member
+    of a round it missed)."""
+    first = coordinator_ranking(round_, prior, n_shards)
+    rest = coordinator_ranking(round_, {p: s for p, s in notices.items() if p not in prior}, n_shards)
+    return first + rest
+
+
+def set_counts(s: AcceptedSet, order: Sequence[str], *, prior_known: bool, complete: bool, first_seen: float | None,
+               now: float, window: float, max_window: float, takeover_s: float, min_contributors: int) -> bool:
+    """Whether an accepted set published so far counts now, by the turn rule: a set is taken only from a peer whose
+    turn has come, as this peer's own clock sees it.
+
+    The first in ``order`` may close at once when the order was agreed before the round (``prior_known``) or every
+    expected contributor has announced (``complete``); otherwise, and for the k-th in ``order``, once the window
+    after the first notice (``first_seen``) and k takeover delays have passed here, which is when an honest k-th
+    coordinator publishes. A set without members counts only after the manifest's longest window (an honest
+    coordinator publishes one only then), so an empty set never displaces contributions announced in time; one with
+    fewer members than the run requires never counts. A publisher outside ``order`` (it contributed nothing and was
+    no member) never closes a round."""
+    if s.coordinator not in order:
+        return False
+    k = order.index(s.coordinator)
+    if not s.members:
+        return first_seen is not None and now >= first_seen + max_window + k * takeover_s
+    if len(s.members) < min_contributors:
+        return False
+    if k == 0 and (prior_known or complete):
+        return True
+    return first_seen is not None and now >= first_seen + window + k * takeover_s
+
+
 WINDOW_SHRINK = 0.75  # a window shrinks by at most a quarter a round
 
 

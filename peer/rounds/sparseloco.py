@@ -94,8 +94,8 @@ class RoundRunner(ReplicaBase):
             self.check_followed(self.state.round - 1)  # a resumed copy (or the seed's) may be behind its holders
         return how
 
-    def sync(self, attempts: int = 3) -> bool:
-        synced = super().sync(attempts)
+    def sync(self, attempts: int = 3, pause_s: float = 0.0) -> bool:
+        synced = super().sync(attempts, pause_s)
         if synced:
             self.check_followed(self.state.round - 1)
         return synced
@@ -191,6 +191,7 @@ class RoundRunner(ReplicaBase):
             stats.banned = sorted(p for p, until in accepted.banned if until > r)
             self.last_members = len(accepted.members)
             outcome = self.apply_round(r, accepted)
+            self.state.evidence = {} if isinstance(outcome, Failed) else self.closer.proofs.get(r, {})
             # Failed: the round's result holds our contribution, and the state we sync next will too
             stats.accepted = not isinstance(outcome, Refused) and self.me in accepted.senders()
             if isinstance(outcome, Failed):

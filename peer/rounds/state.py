@@ -28,6 +28,10 @@ class ReplicaState:
     # the guard-batch losses of the last committed rounds, oldest first (empty after a start or a sync: then only
     # finiteness counts); the loss guard measures jumps and slow climbs against them
     guard_losses: list[float] = field(default_factory=list)
+    # the signed records that show who the members of round ``round - 1`` were (its accepted set and its
+    # coordinator's notice: key -> signer -> signed bytes). A checkpoint keeps them and a restart stores them again:
+    # a swarm that stopped together took them out of the DHT with it, and only members' checksums vote on a state
+    evidence: dict[str, dict[str, bytes]] = field(default_factory=dict)
 
 
 class StartKind(Enum):

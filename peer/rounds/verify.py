@@ -156,13 +156,15 @@ class StateSync:
         latest, checks = found
         return state.round == latest + 1 and self.agreement.agrees(checks, self.checks(state, latest))
 
-    def sync(self, state: ReplicaState, attempts: int = 3) -> int | None:
+    def sync(self, state: ReplicaState, attempts: int = 3, pause_s: float = 0.0, stop: Any = None) -> int | None:
         """Load the newest agreed state of the held shards from peers into ``state``, in parallel from different
         donors, verified by checksum; then serve it and push its checksums to the peers whose records we read
         (they count us live and push us the next rounds' records, so a joiner's first trained phase hears of the
         others' notices at once instead of by polling the DHT). Returns the bytes fetched, or None when no agreed
         state exists yet (a fresh run: ``state`` is then as good as any, and in sync) or every attempt failed."""
-        for _attempt in range(attempts):
+        for attempt in range(attempts):
+            if attempt and pause_s and (stop.wait(pause_s) if stop is not None else time.sleep(pause_s)):
+                return None
             found = self.agreed_round()
             if found is None:
                 state.in_sync = True  # no round with known members published a state: ours is as good as any
@@ -185,7 +187,7 @@ class StateSync:
                 fresh = make_outer(self.outer_cfg)
                 fresh.load_state(shard.outer)
                 state.outers[s] = fresh  # a synced peer starts with an empty error-feedback buffer
-            state.round, state.in_sync, state.guard_losses = latest + 1, True, []
+            state.round, state.in_sync, state.guard_losses, state.evidence = latest + 1, True, [], {}
             logger.info("synced state of round %d from %d donors", latest, len(donors))
             self.publish(state, self.checks(state, latest), {c.peer for c in checks})
             return n_bytes

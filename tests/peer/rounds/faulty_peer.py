@@ -89,6 +89,24 @@ def scaled(factor: float) -> Callable[[Any], Any]:
     return rewrite
 
 
+class NearBoundEncoder(_Delegate):
+    """A poisoner that stays under the bounds: every contribution sign-flipped and scaled to ``ratio`` times its
+    shard's parameter norm (the guard refuses above ``max_contribution_ratio``, 8 by default)."""
+
+    def __init__(self, inner: Any, runner: Any, ratio: float) -> None:
+        super().__init__(inner)
+        self.runner, self.ratio = runner, ratio
+
+    def encode(self, r: int, s: int, c: Contribution) -> bytes:
+        from hlbp.peer.rounds import guard
+
+        target = self.ratio * guard.scale({n: self.runner.state.anchor[n] for n in self.runner.shards[s]})
+        factor = -target / max(guard.contribution_norm(c), 1e-12)
+        lie = replace(c, tensors={n: scaled(factor)(t) for n, t in c.tensors.items()})
+        print(f"near-bound contribution to round {r}", flush=True)
+        return self.inner.encode(r, s, lie)
+
+
 def big_table(t: Any) -> Any:
     """An outsized 2-bit lookup table: decoded magnitudes about 1e30."""
     if t.table is None:
@@ -133,6 +151,28 @@ class DyingSync(_Delegate):
             time.sleep(2.0)  # the fault's own behaviour (a member stalled, then gone), not a synchronisation
             os.kill(os.getpid(), signal.SIGKILL)
         self.inner.publish(state, mine, to)
+
+
+class UsurpingCloser(_Delegate):
+    """Publishes its own accepted set of every round as soon as its exchange starts, whoever's turn it is: one
+    holding only its own contribution, or (``empty``) none at all; then closes the round as an honest peer would."""
+
+    def __init__(self, inner: Any, empty: bool) -> None:
+        super().__init__(inner)
+        self.empty = empty
+
+    def close(self, r: int) -> Any:
+        from hlbp.protocol.roundwire import KIND_ACCEPTED, AcceptedSet, round_key
+
+        notices, _sets = self.inner.round_records(r, wait=False)
+        mine = notices.get(self.inner.me)
+        members = () if self.empty or mine is None else ((mine.sender, mine.tokens, mine.digests),)
+        run_id = self.inner.cfg.run_id
+        banned = tuple((p, r + 64) for p in notices if p != self.inner.me)  # and it bans everybody else
+        body = AcceptedSet(self.inner.me, r, members, banned).to_body(run_id)
+        self.inner.records.store(round_key(run_id, r, KIND_ACCEPTED), body, KIND_ACCEPTED, set(notices))
+        print(f"usurping round {r}", flush=True)
+        return self.inner.close(r)
 
 
 class SybilChecks(_Delegate):
@@ -202,12 +242,15 @@ FAULTS: dict[str, Callable[[Any, str], None]] = {
     "oversize": lambda runner, arg: setattr(runner, "encoder", OversizeEncoder(runner.encoder)),
     "scale": lambda runner, arg: _rewriting(scaled(float(arg or 1e6)))(runner, arg),
     "bigtable": _rewriting(big_table),
+    "near-bound": lambda runner, arg: setattr(runner, "encoder", NearBoundEncoder(runner.encoder, runner,
+                                                                                 float(arg or 7.9))),
     "nan": _rewriting(nan_table),
     "lying-coordinator": _lying_coordinator,
     "freeze": lambda runner, arg: setattr(runner, "encoder", FreezingEncoder(runner.encoder, int(arg or 2))),
     "die-after-apply": lambda runner, arg: setattr(runner, "syncer", DyingSync(runner.syncer, int(arg or 1))),
     "no-dht-notices": lambda runner, arg: setattr(runner.records, "keep_store", no_dht_notices(int(arg or 1))),
     "sybil-checks": lambda runner, arg: setattr(runner, "syncer", SybilChecks(runner.syncer, runner, int(arg or 10))),
+    "usurper": lambda runner, arg: setattr(runner, "closer", UsurpingCloser(runner.closer, arg == "empty")),
 }
 
 

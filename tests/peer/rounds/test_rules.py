@@ -196,3 +196,37 @@ def test_only_a_rounds_members_vote_on_its_state() -> None:
             *(AcceptedSet(p, 5, tuple((m, 1, {0: "d" * 64}) for m in sorted(notices))) for p in notices)]
     assert round_members(5, notices, sets, 1) == frozenset(notices)
     assert round_members(5, notices, sets[:1], 1) is None  # only a stranger's set: the members are unknown
+
+
+def test_last_rounds_members_rank_first_whoever_announced_first() -> None:
+    from hlbp.peer.rounds.rules import turn_order
+
+    prior = {"m1": {0, 1}, "m2": {0, 1}, "stage": {1}}
+    notices = {"newcomer": {0, 1}, "m2": {0, 1}}  # m1 has not announced yet; a newcomer was quick
+    order = turn_order(7, prior, notices, 2)
+    assert order[:2] == coordinator_order(7, ["m1", "m2"]) and order[2:] == ["stage", "newcomer"]
+    assert turn_order(7, {}, notices, 2) == coordinator_order(7, ["newcomer", "m2"])  # no agreed order yet
+
+
+def test_a_set_counts_only_once_its_publishers_turn_has_come() -> None:
+    from hlbp.peer.rounds.rules import set_counts
+
+    order = ["first", "second", "third"]
+    members = (("first", 10, {0: "a" * 64}), ("second", 10, {0: "b" * 64}))
+
+    def counts(coordinator: str, now: float, with_members: bool = True, prior_known: bool = True,
+               complete: bool = False, first_seen: float | None = 100.0, min_contributors: int = 1) -> bool:
+        s = AcceptedSet(coordinator, 7, members if with_members else ())
+        return set_counts(s, order, prior_known=prior_known, complete=complete, first_seen=first_seen, now=now,
+                          window=4.0, max_window=30.0, takeover_s=3.0, min_contributors=min_contributors)
+
+    assert counts("first", 100.1)  # the agreed head closes at once
+    assert counts("first", 100.1, prior_known=False, complete=True)  # or once every expected contributor announced
+    assert not counts("first", 103.9, prior_known=False) and counts("first", 104.0, prior_known=False)
+    assert not counts("second", 106.9) and counts("second", 107.0)  # a takeover counts once it is due here
+    assert not counts("third", 109.9) and counts("third", 110.0)
+    assert not counts("stranger", 1e9)  # a key that is no member and contributed nothing never closes a round
+    assert not counts("first", 129.9, with_members=False) and counts("first", 130.0, with_members=False)
+    assert not counts("second", 132.9, with_members=False) and counts("second", 133.0, with_members=False)
+    assert not counts("second", 1e9, first_seen=None)  # no notice seen: no takeover is due
+    assert not counts("first", 1e9, min_contributors=3)  # fewer members than the run requires never count
