@@ -17,6 +17,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
 from typing import Any
 
 from hlbp.peer.net.transport import TransportError
@@ -28,6 +29,7 @@ from hlbp.peer.rounds.rules import (
     Verdict,
     adapt_window,
     close_verdict,
+    coordinator_order,
     coordinator_ranking,
     pick_accepted,
     set_counts,
@@ -60,6 +62,11 @@ def signed_form(value: Any, check: Callable[[bytes], Any]) -> bytes | None:
     return None
 
 
+MISS_WINDOW = 8  # rounds: two undelivered contributions within this many ban their sender
+MAX_MISSERS = 4096  # senders whose misses are remembered
+MAX_NEWCOMER_FETCHES = 32  # parallel fetches at admission when more contributions than fetch_workers are due
+
+
 class RoundBans:
     """Whom this round loop refuses, and until which round.
 
@@ -70,6 +77,7 @@ class RoundBans:
     def __init__(self) -> None:
         self.until: dict[str, tuple[int, int]] = {}
         self.by_guard: dict[str, int] = {}
+        self.misses: dict[str, list[int]] = {}  # sender -> recent rounds whose announced payload could not be had
 
     def __contains__(self, sender: object) -> bool:
         return sender in self.until
@@ -83,6 +91,17 @@ class RoundBans:
         self.until[sender] = (r + 1 + 2**strikes, strikes)
         logger.warning("round %d: rejected the contribution of %s (%s); banned until round %d", r, sender[:16],
                        reason, self.until[sender][0])
+
+    def miss(self, r: int, sender: str) -> None:
+        """A sender whose announced contribution of round r could not be fetched: a second miss within
+        ``MISS_WINDOW`` rounds bans it like garbage (a notice costs its sender a signature, its receivers a fetch
+        timeout). At most ``MAX_MISSERS`` senders are remembered, the oldest forgotten first."""
+        recent = [x for x in self.misses.pop(sender, []) if x > r - MISS_WINDOW] + [r]
+        self.misses[sender] = recent
+        while len(self.misses) > MAX_MISSERS:
+            self.misses.pop(next(iter(self.misses)))
+        if len(recent) >= 2:
+            self.ban(r, sender, f"{len(recent)} announced contributions in {MISS_WINDOW} rounds could not be fetched")
 
     def ban_by_guard(self, r: int, sender: str, reason: str) -> None:
         """Ban a sender whose contribution made the round guard refuse the round (the same verdict everywhere)."""
@@ -280,14 +299,14 @@ class Closer:
             return
 
         def check() -> None:
-            cleared = self.admit(r, accused)
+            cleared = self.admit(r, accused, count_misses=False)  # what we cannot fetch, we do not judge
             if cleared:
                 logger.warning("round %d: the accepted set of %s banned %s, whose contributions check out here; "
                                "not taken", r, accepted.coordinator[:16], ", ".join(p[:16] for p in cleared))
 
         threading.Thread(target=check, name=f"check-bans-{r}", daemon=True).start()
 
-    def admit(self, r: int, notices: dict[str, ContribNotice]) -> dict[str, ContribNotice]:
+    def admit(self, r: int, notices: dict[str, ContribNotice], count_misses: bool = True) -> dict[str, ContribNotice]:
         """The coordinator fetches and decodes every contribution before accepting it, so one peer's garbage
         cannot make the others fail the round. A sender of garbage is banned for 2, 4, 8, ... rounds. Senders are
         checked in parallel: the round closes for everybody only when the coordinator is done."""
@@ -307,18 +326,35 @@ class Closer:
             self.payloads.await_prefetch(r, sender)
             return self.payloads.check(r, sender, candidates[sender].digests)
 
-        with ThreadPoolExecutor(max(1, min(len(candidates), self.cfg.fetch_workers))) as pool:
-            outcomes = dict(zip(candidates, pool.map(check, list(candidates))))
+        # ourselves and last round's members first, each fetch as long as it takes (bounded by the fetch timeout);
+        # anyone else only within the window: notices under fresh keys for payloads that exist nowhere stretched a
+        # round's close to 43 s (40 keys) while every fetch ran into its timeout
+        prior = self.prior[1] if self.prior is not None and self.prior[0] == r - 1 else {}
+        known = [p for p in candidates if p == self.me or p in prior]
+        others = [p for p in coordinator_order(r, list(candidates)) if p not in set(known)]
+        started = time.monotonic()
+        pool = ThreadPoolExecutor(max(self.cfg.fetch_workers, min(len(candidates), MAX_NEWCOMER_FETCHES)))
+        try:
+            futures = {p: pool.submit(check, p) for p in [*known, *others]}
+            wait_futures([futures[p] for p in known])
+            wait_futures([futures[p] for p in others], timeout=max(0.0, started + self.window - time.monotonic()))
+        finally:
+            pool.shutdown(wait=False, cancel_futures=True)  # an undelivered fetch ends at its own timeout
+        outcomes = {p: f.result() if f.done() and not f.cancelled()
+                    else TransportError(f"not delivered within the {self.window:.1f} s window")
+                    for p, f in futures.items()}
         admitted = {}
         for sender, exc in outcomes.items():
             if exc is None:
                 admitted[sender] = candidates[sender]
             elif isinstance(exc, TransportError):
                 # unreachable, slow or a broken transfer: left out of this round (not retried while we wait for
-                # more contributors, each try costs a fetch timeout), not punished
+                # more contributors, each try costs a fetch timeout); a second miss soon after bans the sender
                 self.payloads.mark_unreachable(r, sender)
                 logger.warning("round %d: could not fetch the contribution of %s (%s); leaving it out", r,
                                sender[:16], error_text(exc))
+                if count_misses:
+                    self.bans.miss(r, sender)
             else:
                 # bytes that match the sender's signed digest yet do not decode or break a bound, or a response
                 # that breaks the transfer protocol (a body above the limit): the sender sent garbage

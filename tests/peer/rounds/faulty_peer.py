@@ -207,6 +207,36 @@ class SybilChecks(_Delegate):
         print(f"sybil checksums for round {mine.round}", flush=True)
 
 
+class FakeNotices(_Delegate):
+    """With each of its own contribution notices, stores notices of the same round under ``keys`` throwaway keys
+    (the same keys every round) for payloads that exist nowhere: contributions announced and never delivered."""
+
+    def __init__(self, inner: Any, runner: Any, keys: int) -> None:
+        from hlbp.protocol.identity import Identity
+
+        super().__init__(inner)
+        self.runner = runner
+        self.fakes = [Identity.generate() for _ in range(keys)]
+
+    def store(self, key: str, body: Any, kind: str, to: Any = frozenset()) -> None:
+        from hivemind.utils import get_dht_time
+
+        from hlbp.protocol.roundwire import KIND_CONTRIB, ContribNotice, sign
+
+        self.inner.store(key, body, kind, to)
+        if kind != KIND_CONTRIB:
+            return
+        run_id = self.runner.cfg.run_id
+        for ident in self.fakes:
+            digests = {int(s): os.urandom(32).hex() for s in body["digests"]}
+            fake = ContribNotice(ident.peer_id, body["round"], body["tokens"], digests,
+                                 {s: 40_000 for s in digests})
+            self.runner.dht.store(key, sign(KIND_CONTRIB, fake.to_body(run_id), ident),
+                                  get_dht_time() + self.runner.cfg.record_ttl_s, subkey=ident.peer_id,
+                                  return_future=True)
+        print(f"fake notices for round {body['round']}", flush=True)
+
+
 def no_dht_notices(from_round: int) -> Callable[[str], bool]:
     """Never store contribution notices of round ``from_round`` on in the DHT: the others learn of them only from
     our pushes."""
@@ -250,6 +280,8 @@ FAULTS: dict[str, Callable[[Any, str], None]] = {
     "die-after-apply": lambda runner, arg: setattr(runner, "syncer", DyingSync(runner.syncer, int(arg or 1))),
     "no-dht-notices": lambda runner, arg: setattr(runner.records, "keep_store", no_dht_notices(int(arg or 1))),
     "sybil-checks": lambda runner, arg: setattr(runner, "syncer", SybilChecks(runner.syncer, runner, int(arg or 10))),
+    "fake-notices": lambda runner, arg: setattr(runner, "records", FakeNotices(runner.records, runner,
+                                                                                int(arg or 40))),
     "usurper": lambda runner, arg: setattr(runner, "closer", UsurpingCloser(runner.closer, arg == "empty")),
 }
 

@@ -97,3 +97,15 @@ def test_a_contribution_far_above_the_rounds_median_is_an_outlier_on_every_peer(
     assert set(guard.outliers({**honest, "x": math.inf}, cfg)) == {"x"}
     # a peer that caught up with a sixth of the steps does not make the others outliers
     assert guard.outliers({"full1": 0.4, "full2": 0.45, "late": 0.4 / 6}, cfg) == {}
+
+
+def test_a_second_undelivered_contribution_within_the_window_bans_its_sender() -> None:
+    from hlbp.peer.rounds.closer import MISS_WINDOW, RoundBans
+
+    bans = RoundBans()
+    bans.miss(3, "fake")
+    assert not bans.banned("fake", 4)  # one miss: a flaky link, left out of that round only
+    bans.miss(3 + MISS_WINDOW, "fake")
+    assert not bans.banned("fake", 4 + MISS_WINDOW)  # the first has left the window
+    bans.miss(4 + MISS_WINDOW, "fake")
+    assert bans.banned("fake", 5 + MISS_WINDOW)

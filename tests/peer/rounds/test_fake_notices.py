@@ -1,0 +1,43 @@
+"""Contribution notices that never deliver a payload cost the round little and their senders are banned: a peer
+with a valid key that announces, with each of its contributions, 40 more under throwaway keys (the same keys every
+round) for payloads that exist nowhere does not stretch the rounds or move the honest replicas.
+
+Real ``hlbp join`` processes on 127.0.0.1 (attack_runs.py); the fourth peer's own contributions are honest.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+from attack_runs import ATTACKER, HONEST, ROUNDS, assert_as_honest, final_losses, start
+from faulty_peer import program
+from round_records import by_round
+
+from hlbp.peer.sim.launcher import Swarm, checksums_agree
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def swarm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Swarm]:
+    with start(tmp_path_factory.mktemp("fake-notices"), program("fake-notices:40")) as sw:
+        yield sw
+
+
+def test_notices_without_payloads_neither_stretch_rounds_nor_move_the_model(
+        swarm: Swarm, honest_losses: dict[str, float]) -> None:
+    swarm.replicas[ATTACKER].proc.wait_for("fake notices for round 0", 120)
+    losses = final_losses(swarm)
+    rounds = by_round(swarm)
+    for r in range(ROUNDS):
+        honest = [rounds[r][name] for name in HONEST]
+        assert all(rec["accepted"] and rec["in_sync"] for rec in honest), (r, honest)
+        assert checksums_agree(honest), (r, honest)
+        assert honest[0]["members"] == len(HONEST) + 1, (r, honest)  # the fourth peer's real contribution is in
+    waits = {r: max(rounds[r][n]["wait_s"] for n in HONEST) for r in range(ROUNDS)}
+    print("longest close wait per round:", {r: round(w, 1) for r, w in waits.items()})
+    # undelivered payloads are waited for no longer than the window (at most the manifest's 20 s, 4 s at first),
+    # and their keys are banned at their second miss: the rounds after that close as if they were not there
+    assert waits[0] <= 15.0 and max(waits[r] for r in range(2, ROUNDS)) <= 5.0, waits
+    assert_as_honest(losses, honest_losses, rounds)
