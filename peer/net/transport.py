@@ -28,13 +28,14 @@ import logging
 import struct
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any, Protocol
 
 import msgpack
 
 from hlbp.peer.net.ratelimit import RateLimiter
+from hlbp.peer.net.reach import Dialer
 from hlbp.protocol import ProtocolError
 
 logger = logging.getLogger(__name__)
@@ -116,8 +117,13 @@ class P2PBlobTransport:
     """:class:`BlobTransport` on hivemind's P2P (p2pd); construct with a started ``hivemind.DHT``."""
 
     def __init__(self, dht: Any, request_timeout: float = 10.0, cancel: threading.Event | None = None,
-                 allowed: Callable[[str], bool] | None = None, hold_s: float = 5.0) -> None:
+                 allowed: Callable[[str], bool] | None = None, hold_s: float = 5.0,
+                 addresses: Callable[[str], Sequence[str]] | None = None) -> None:
         self.request_timeout = request_timeout
+        # peer id -> its announced multiaddrs: a stream our p2pd cannot route is retried after connecting there
+        # (hlbp.peer.net.reach); None: only the addresses p2pd learnt by itself
+        self.addresses = addresses
+        self.dialer: Dialer | None = None
         # how long a request for a name we are fetching waits for it: under the 6 s a round gives a holder
         # (RoundConfig.fetch_timeout_s / 5), so the requester still hears "not here" and moves on in time
         self.hold_s = hold_s
@@ -147,6 +153,8 @@ class P2PBlobTransport:
 
     async def _start(self, dht: Any) -> Any:
         p2p = await own_p2p(dht)
+        if self.addresses is not None:
+            self.dialer = Dialer(p2p.daemon_listen_maddr, self.addresses)
         await p2p.add_binary_stream_handler(HANDLER, self._handle)
         await p2p.add_binary_stream_handler(PUSH_HANDLER, self._handle_push)
         return p2p
@@ -195,12 +203,27 @@ class P2PBlobTransport:
             except RuntimeError:  # the loop is closed: we are leaving
                 return
 
-    async def _push(self, peer_id: str, key: str, body: bytes, timeout: float) -> None:
+    async def _open(self, peer_id: str, handler: str, timeout: float) -> tuple[asyncio.StreamReader,
+                                                                                 asyncio.StreamWriter]:
+        """A stream to ``handler`` of ``peer_id``: over a connection p2pd has or can route, else after connecting
+        at the peer's announced addresses (a peer behind NAT dials out this way, to a public peer)."""
         from hivemind.p2p import PeerID
 
+        peer = PeerID.from_base58(peer_id)
         try:
-            _, reader, writer = await asyncio.wait_for(
-                self._p2p.call_binary_stream_handler(PeerID.from_base58(peer_id), PUSH_HANDLER), timeout)
+            _, reader, writer = await asyncio.wait_for(self._p2p.call_binary_stream_handler(peer, handler), timeout)
+            return reader, writer
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            if self.dialer is None or not await self.dialer.connect(peer_id, timeout):
+                raise
+        _, reader, writer = await asyncio.wait_for(self._p2p.call_binary_stream_handler(peer, handler), timeout)
+        return reader, writer
+
+    async def _push(self, peer_id: str, key: str, body: bytes, timeout: float) -> None:
+        try:
+            reader, writer = await self._open(peer_id, PUSH_HANDLER, timeout)
             try:
                 writer.write(_frame({"key": key, "size": len(body)}) + body)
                 await writer.drain()
@@ -315,11 +338,7 @@ class P2PBlobTransport:
             return list(self._blobs)
 
     async def _fetch(self, peer_id: str, name: str, max_size: int, timeout: float) -> bytes:
-        from hivemind.p2p import PeerID
-
-        _, reader, writer = await asyncio.wait_for(
-            self._p2p.call_binary_stream_handler(PeerID.from_base58(peer_id), HANDLER), timeout
-        )
+        reader, writer = await self._open(peer_id, HANDLER, timeout)
         try:
             writer.write(_frame({"name": name}))
             await writer.drain()
