@@ -31,7 +31,7 @@ from hlbp.peer.model.decoder import ModelConfig, Stage, preset, split
 from hlbp.peer.model.pipeline import initial_model, run_model_config
 from hlbp.peer.model.subspace import SubspaceConstraint
 from hlbp.peer.net.prometheus import MetricsServer, PeerMetrics
-from hlbp.peer.net.reach import AddressBook
+from hlbp.peer.net.reach import AddressBook, Reachability
 from hlbp.peer.net.transport import P2PBlobTransport
 from hlbp.peer.node.join import TrainContext, data_rank
 from hlbp.peer.rounds.diloco import DenseRoundRunner
@@ -204,6 +204,8 @@ def run_replica(ctx: TrainContext, options: ReplicaOptions, echo: Any = print) -
     val = val_batches(data.val, hp.seq_len, hp.batch_size, options.eval_batches) if options.eval_batches else []
     guard_batch = val_batches(data.val, hp.seq_len, hp.batch_size, 1)  # the same on every peer of the run
     outer, rcfg = round_settings(m, options.checkpoint_every_s)
+    # behind NAT: say so in our notices, so that a dialable peer coordinates (hlbp.peer.rounds.rules)
+    rcfg = dataclasses.replace(rcfg, dialable=Reachability.of(peer.reachability) is not Reachability.CLIENT)
     scorer = ParamScorer(trainer, device, separate=rcfg.overlap != "none")
     if not m.may_contribute(peer.plane.peer_id):
         echo(f"warning: this peer ({peer.plane.peer_id}) is not in run {m.run_id}'s allow-list: every other peer "

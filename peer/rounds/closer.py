@@ -164,7 +164,8 @@ class Closer:
             for sender in notices:
                 arrivals.setdefault(sender, now)
             order = coordinator_ranking(r, {p: set(n.digests) for p, n in notices.items()
-                                            if not self.bans.refused_by_all(p, r)}, self.n_shards)
+                                            if not self.bans.refused_by_all(p, r)}, self.n_shards,
+                                        {p for p, n in notices.items() if not n.dialable})
             accepted = self.accepted(r, sets, order)
             if accepted is not None:
                 self.bans.honour(accepted, r, self.me)

@@ -21,13 +21,24 @@ def coordinator_order(round_: int, peers: Sequence[str]) -> list[str]:
     return sorted(set(peers), key=lambda p: hashlib.sha256(f"{round_}|{p}".encode()).digest())
 
 
-def coordinator_ranking(round_: int, shards_of: Mapping[str, AbstractSet[int]], n_shards: int) -> list[str]:
+def coordinator_ranking(round_: int, shards_of: Mapping[str, AbstractSet[int]], n_shards: int,
+                        undialable: AbstractSet[str] = frozenset()) -> list[str]:
     """The coordinator order of a round whose contributors hold different shards (``shards_of``: peer -> the
-    shards its notice names): peers that contributed every shard first, then the others, each group in rendezvous
-    order. A full replica holds every shard's anchor, so it can bound every contribution before accepting it; a
-    stage peer coordinates only when no full replica contributed."""
+    shards its notice names): peers that contributed every shard first, then the others. A full replica holds every
+    shard's anchor, so it can bound every contribution before accepting it; a stage peer coordinates only when no
+    full replica contributed.
+
+    Within each group, the ``undialable`` (their notices say nobody can dial them: behind NAT) come after the
+    others, each part in rendezvous order: a coordinator behind NAT cannot fetch the payload of another peer behind
+    NAT (neither can dial the other), so it would leave that contribution out, where a dialable one gets it over the
+    connection the NATed sender opened to it."""
     full = [p for p, held in shards_of.items() if len(held) == n_shards]
-    return coordinator_order(round_, full) + coordinator_order(round_, [p for p in shards_of if p not in set(full)])
+    partial = [p for p in shards_of if p not in set(full)]
+    order: list[str] = []
+    for group in (full, partial):
+        order += coordinator_order(round_, [p for p in group if p not in undialable])
+        order += coordinator_order(round_, [p for p in group if p in undialable])
+    return order
 
 
 WINDOW_SHRINK = 0.75  # a window shrinks by at most a quarter a round
@@ -74,11 +85,12 @@ def pick_accepted(sets: Sequence[AcceptedSet], order: Sequence[str]) -> Accepted
 
 
 def round_members(round_: int, notices: Mapping[str, AbstractSet[int]], sets: Sequence[AcceptedSet],
-                  n_shards: int) -> frozenset[str] | None:
+                  n_shards: int, undialable: AbstractSet[str] = frozenset()) -> frozenset[str] | None:
     """The members of round ``round_`` as its records show them: the senders of the accepted set of the best-ranked
     coordinator among the contributors (``notices``: sender -> the shards its notice names), or None when no
-    contributor published one. A set from a key that contributed nothing never defines the membership."""
-    order = coordinator_ranking(round_, notices, n_shards)
+    contributor published one. A set from a key that contributed nothing never defines the membership.
+    ``undialable``: the senders whose notices say they cannot be dialled (:func:`coordinator_ranking`)."""
+    order = coordinator_ranking(round_, notices, n_shards, undialable)
     accepted = pick_accepted([s for s in sets if s.coordinator in order], order)
     return None if accepted is None else frozenset(accepted.senders())
 
