@@ -205,7 +205,7 @@ def run_replica(ctx: TrainContext, options: ReplicaOptions, echo: Any = print) -
     guard_batch = val_batches(data.val, hp.seq_len, hp.batch_size, 1)  # the same on every peer of the run
     outer, rcfg = round_settings(m, options.checkpoint_every_s)
     # behind NAT: say so in our notices, so that a dialable peer coordinates (hlbp.peer.rounds.rules)
-    rcfg = dataclasses.replace(rcfg, dialable=Reachability.of(peer.reachability) is not Reachability.CLIENT)
+    rcfg = dataclasses.replace(rcfg, dialable=peer.reachability is not Reachability.CLIENT)
     scorer = ParamScorer(trainer, device, separate=rcfg.overlap != "none")
     if not m.may_contribute(peer.plane.peer_id):
         echo(f"warning: this peer ({peer.plane.peer_id}) is not in run {m.run_id}'s allow-list: every other peer "
