@@ -8,7 +8,8 @@ never saw. :class:`Dialer` connects to a peer at the addresses of its signed ann
 
 A peer behind NAT cannot be dialled at all, but a libp2p connection carries streams both ways: once it has dialled
 a public peer, that peer opens its fetches over the same connection. That is how a NATed replica's payload
-reaches the others: its notice push dials every live member just before they fetch (``P2PBlobTransport.push``).
+reaches the others: before it publishes a round's notice it connects to every dialable peer of the run
+(``P2PBlobTransport.reach_out``), so whoever fetches the payload after seeing the notice finds a connection.
 """
 
 from __future__ import annotations
@@ -85,6 +86,12 @@ class AddressBook:
 
     def maddrs(self, peer_id: str) -> tuple[str, ...]:
         return self.lookup(peer_id)[0]
+
+    def dialable(self) -> list[str]:
+        """The online peers others can dial (public or unknown), as last read: those a NATed peer reaches out to."""
+        self._refresh(force=False)
+        with self._lock:
+            return sorted(p for p, (maddrs, reach) in self._entries.items() if maddrs and reach is not Reachability.CLIENT)
 
 
 def _parse(maddrs: Sequence[str]) -> list[Multiaddr]:

@@ -92,6 +92,8 @@ class BlobTransport(Protocol):
 
     def fetch(self, peer_id: str, name: str, max_size: int, timeout: float) -> bytes: ...
 
+    def reach_out(self, timeout: float) -> int: ...
+
     def close(self) -> None: ...
 
 
@@ -118,11 +120,13 @@ class P2PBlobTransport:
 
     def __init__(self, dht: Any, request_timeout: float = 10.0, cancel: threading.Event | None = None,
                  allowed: Callable[[str], bool] | None = None, hold_s: float = 5.0,
-                 addresses: Callable[[str], Sequence[str]] | None = None) -> None:
+                 addresses: Callable[[str], Sequence[str]] | None = None,
+                 dialable_peers: Callable[[], Sequence[str]] | None = None) -> None:
         self.request_timeout = request_timeout
         # peer id -> its announced multiaddrs: a stream our p2pd cannot route is retried after connecting there
         # (hlbp.peer.net.reach); None: only the addresses p2pd learnt by itself
         self.addresses = addresses
+        self.dialable_peers = dialable_peers  # the peers :meth:`reach_out` connects to (blocking: run off the loop)
         self.dialer: Dialer | None = None
         # how long a request for a name we are fetching waits for it: under the 6 s a round gives a holder
         # (RoundConfig.fetch_timeout_s / 5), so the requester still hears "not here" and moves on in time
@@ -380,6 +384,25 @@ class P2PBlobTransport:
             raise
         except Exception as exc:  # p2pd, asyncio and the peer's bytes all fail in their own types
             raise TransportError(f"fetching {name} from {peer_id[:12]}… failed: {type(exc).__name__}: {exc}") from exc
+
+    def reach_out(self, timeout: float = 5.0) -> int:
+        """Connect to every dialable peer of the run (a peer behind NAT, before it publishes its notice), so that
+        they can open streams to us over those connections; returns how many are connected. Blocks at most about
+        ``timeout``; a peer that does not answer is only left out (it then fetches our payload from a holder)."""
+        if self.dialer is None or self.dialable_peers is None:
+            return 0
+        dialer, peers_of = self.dialer, self.dialable_peers
+
+        async def connect_all() -> int:
+            peers = [p for p in await asyncio.to_thread(peers_of) if p != self.peer_id]
+            done = await asyncio.gather(*(dialer.connect(p, timeout) for p in peers), return_exceptions=True)
+            return sum(1 for ok in done if ok is True)
+
+        try:
+            return self._run(connect_all(), timeout=timeout + 5)
+        except Exception as exc:  # noqa: BLE001 - reaching out is best effort: a fetch still tries the holders
+            logger.debug("reaching out to the run's dialable peers failed: %s", exc)
+            return 0
 
     def close(self) -> None:
         """Stop serving and end the transport's loop; the DHT and its daemon stay up for the caller to stop."""

@@ -213,7 +213,8 @@ def run_replica(ctx: TrainContext, options: ReplicaOptions, echo: Any = print) -
              "operator to add its peer id, or start it with an --identity file that is on the list.")
     book = AddressBook(lambda: peer.plane.read_peers(m.run_id))
     transport = P2PBlobTransport(peer.plane.dht, cancel=ctx.stop,
-                                 allowed=m.may_contribute if m.allowed_peers else None, addresses=book.maddrs)
+                                 allowed=m.may_contribute if m.allowed_peers else None, addresses=book.maddrs,
+                                 dialable_peers=book.dialable)
     ctx.out_dir.mkdir(parents=True, exist_ok=True)
     metrics = MetricsLog(ctx.out_dir / "metrics.jsonl")
 

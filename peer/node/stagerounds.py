@@ -140,7 +140,8 @@ def make_stage_rounds(ctx: Any, worker: StageWorker, config: Any, phase: Callabl
         rcfg = dataclasses.replace(rcfg, overlap="none")
     book = AddressBook(lambda: peer.plane.read_peers(m.run_id))
     transport = P2PBlobTransport(peer.plane.dht, cancel=ctx.stop,
-                                 allowed=m.may_contribute if m.allowed_peers else None, addresses=book.maddrs)
+                                 allowed=m.may_contribute if m.allowed_peers else None, addresses=book.maddrs,
+                                 dialable_peers=book.dialable)
 
     expected = contributors_counter(peer.plane, m)
     follow: dict[int, dict[str, torch.Tensor]] = {}
