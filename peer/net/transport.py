@@ -214,15 +214,20 @@ class P2PBlobTransport:
         from hivemind.p2p import PeerID
 
         peer = PeerID.from_base58(peer_id)
+        deadline = self._loop.time() + timeout  # the connect and the retry share the one timeout
         try:
             _, reader, writer = await asyncio.wait_for(self._p2p.call_binary_stream_handler(peer, handler), timeout)
             return reader, writer
         except asyncio.CancelledError:
             raise
         except Exception:
-            if self.dialer is None or not await self.dialer.connect(peer_id, timeout):
+            if (self.dialer is None or deadline - self._loop.time() <= 0
+                    or not await self.dialer.connect(peer_id, deadline - self._loop.time())):
                 raise
-        _, reader, writer = await asyncio.wait_for(self._p2p.call_binary_stream_handler(peer, handler), timeout)
+        left = deadline - self._loop.time()
+        if left <= 0:
+            raise TimeoutError(f"opening a stream to {peer_id[:12]}… took longer than {timeout:.1f} s")
+        _, reader, writer = await asyncio.wait_for(self._p2p.call_binary_stream_handler(peer, handler), left)
         return reader, writer
 
     async def _push(self, peer_id: str, key: str, body: bytes, timeout: float) -> None:
