@@ -52,15 +52,17 @@ class AddressBook:
     DHT, so call :meth:`lookup` from a worker thread, never from an event loop.
     """
 
-    def __init__(self, read: Callable[[], Mapping[str, Any]], refresh_s: float = 5.0) -> None:
+    def __init__(self, read: Callable[[], Mapping[str, Any]], refresh_s: float = 5.0, min_reread_s: float = 1.0) -> None:
         self.read, self.refresh_s = read, refresh_s
+        # a peer we do not know forces a re-read, but at most this often: fetches named by strangers cost one read
+        self.min_reread_s = min(min_reread_s, refresh_s)
         self._entries: dict[str, tuple[tuple[str, ...], Reachability]] = {}
         self._read_at = -float("inf")
         self._lock = threading.Lock()
 
     def _refresh(self, force: bool) -> None:
         with self._lock:
-            if not force and time.monotonic() - self._read_at < self.refresh_s:
+            if time.monotonic() - self._read_at < (self.min_reread_s if force else self.refresh_s):
                 return
             self._read_at = time.monotonic()
         try:
