@@ -115,23 +115,29 @@ def _port_fix(maddrs: list[str]) -> str:
             "forwarded port with --host-maddrs /ip4/0.0.0.0/tcp/PORT --announce-maddrs /ip4/<public IP>/tcp/PORT")
 
 
-def reachability_line(reachability: Reachability, role_kind: str, maddrs: list[str]) -> str:
-    """The one line ``hlbp join`` prints about how others reach this peer, and so how its work travels."""
+def reachability_line(reachability: Reachability, role_kind: str, maddrs: list[str], checked: bool = True) -> str:
+    """The one line ``hlbp join`` prints about how others reach this peer, and so how its work travels
+    (``checked``: a peer was asked to dial us back; False: --reachability public or client said so)."""
     if reachability is Reachability.PUBLIC:
-        return "reachability: public (a peer of the run dialled us back); others fetch from this peer directly"
+        why = "a peer of the run dialled us back" if checked else "--reachability public, not checked"
+        return f"reachability: public ({why}); others fetch from this peer directly"
     if reachability is Reachability.UNKNOWN:
         return "reachability: unknown (no peer answered the dial-back check); assuming others can dial this peer"
     what = "its contributions" if role_kind == "replica" else "what it serves"
-    return (f"reachability: behind NAT (no peer could dial {', '.join(maddrs) or 'any of our addresses'}); this "
+    why = f"no peer could dial {', '.join(maddrs) or 'any of our addresses'}" if checked else \
+        "--reachability client, not checked"
+    return (f"reachability: behind NAT ({why}); this "
             f"peer runs as a DHT client and serves {what} over the connections it opens to public peers, and "
             f"coordinates a round only when no public peer contributed. To be dialable, {_port_fix(maddrs)}")
 
 
-def stage_refusal(maddrs: list[str], replica_fits: bool) -> str:
-    """Why a peer behind NAT may not hold a pipeline stage, and what fixes it."""
+def stage_refusal(maddrs: list[str], replica_fits: bool, checked: bool = True) -> str:
+    """Why a peer behind NAT may not hold a pipeline stage, and what fixes it (``checked``: as in
+    :func:`reachability_line`)."""
     instead = "; or join as a full replica with --role replica, which works behind NAT" if replica_fits else ""
-    return (f"a stage peer must be dialable, and no peer of the run could dial this machine at "
-            f"{', '.join(maddrs) or 'any address'} (behind NAT or a firewall): its neighbours open streams to it "
+    why = (f"no peer of the run could dial this machine at {', '.join(maddrs) or 'any address'} (behind NAT or a "
+           "firewall)") if checked else "--reachability client says nobody can dial this machine"
+    return (f"a stage peer must be dialable, and {why}: its neighbours open streams to it "
             f"for every micro-batch, and activations through relays are too slow and relays drop after 30 minutes. "
             f"To fix it, {_port_fix(maddrs)}{instead}")
 
@@ -247,7 +253,8 @@ def join(cfg: JoinConfig, echo: Callable[[str], None]) -> JoinedPeer:
                 raise UserInputError(message + "; free memory, or force a role with --role/--stage")
             echo(f"warning: {message}; continuing because the role was forced")
         if role.kind == "stage" and reachability is Reachability.CLIENT:
-            raise UserInputError(stage_refusal(maddrs, capacity.memory_gb >= thresholds.replica_memory_gb))
+            raise UserInputError(stage_refusal(maddrs, capacity.memory_gb >= thresholds.replica_memory_gb,
+                                               checked=cfg.reachability == "auto"))
 
         record = Announcement(
             run_id=m.run_id, role=role.kind, swarm=role.swarm, stage=role.stage, throughput=capacity.throughput,
@@ -267,7 +274,7 @@ def join(cfg: JoinConfig, echo: Callable[[str], None]) -> JoinedPeer:
     echo(f"role: {where} ({role.reason})")
     echo(f"capacity: {capacity.memory_gb:.1f} GB, {capacity.throughput:,.0f} tok/s, "
          f"{capacity.bandwidth / 1e6:,.1f} MB/s")
-    echo(reachability_line(reachability, role.kind, maddrs))
+    echo(reachability_line(reachability, role.kind, maddrs, checked=cfg.reachability == "auto"))
     echo(f"announced in {seconds:.1f} s ({heartbeat.last_size}-byte record, refreshed every {cfg.ttl / 3:.0f} s)")
     return JoinedPeer(plane, heartbeat, signed, role, capacity, tokenizer_path, seconds, reachability, tmp)
 
