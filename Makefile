@@ -26,6 +26,13 @@ $(VENV)/.hlbp-installed: pyproject.toml setup.py
 	         "Fedora: gcc gmp-devel; macOS: brew install gmp)"; exit 1; \
 	  fi; \
 	fi
+	@# the NAT test (tests/peer/net/test_nat.py) builds home routers in network namespaces with ip and iptables; as
+	@# root on Debian/Ubuntu they are installed here, elsewhere the test is skipped and says which is missing
+	@if ! { command -v iptables && command -v ip; } >/dev/null 2>&1 && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	  echo "installing iptables and iproute2 (Debian packages) for the NAT test's routers"; \
+	  (apt-get install -y -qq iptables iproute2 >/dev/null 2>&1 || (apt-get update -qq && apt-get install -y -qq iptables iproute2 >/dev/null)) \
+	    || echo "could not install iptables and iproute2: the NAT test will be skipped"; \
+	fi
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# Install the CPU build of torch explicitly when none is present, so no multi-GB CUDA build is pulled.

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hlbp.protocol.errors import ProtocolError
+from hlbp.protocol.fields import _bool
 from hlbp.protocol.identity import Identity, open_envelope, seal
 from hlbp.protocol.untrusted import preview
 
@@ -91,10 +92,16 @@ class ContribNotice:
     tokens: int
     digests: dict[int, str]  # shard -> sha256 hex of the framed contribution
     sizes: dict[int, int]  # shard -> bytes of the framed contribution
+    # False: nobody can dial the sender (behind NAT): it serves its payload only over connections it opened, so it
+    # coordinates only after every dialable contributor (hlbp.peer.rounds.rules.coordinator_ranking)
+    dialable: bool = True
 
     def to_body(self, run_id: str) -> dict[str, Any]:
-        return {"run": run_id, "round": self.round, "tokens": self.tokens, "digests": _keys(self.digests),
+        body = {"run": run_id, "round": self.round, "tokens": self.tokens, "digests": _keys(self.digests),
                 "sizes": _keys(self.sizes)}
+        if not self.dialable:  # absent means dialable: a dialable peer's notice is the same bytes as before
+            body["dialable"] = False
+        return body
 
 
 @dataclass(frozen=True)
@@ -162,7 +169,7 @@ def parse_contrib(data: Any, signer: str, run_id: str, round_: int | None = None
         if not isinstance(size, int) or isinstance(size, bool) or not 0 < size <= MAX_PAYLOAD_BYTES:
             raise ProtocolError(f"contribution size of shard {shard} out of range")
         sizes[shard] = size
-    return ContribNotice(signer, r, tokens, digests, sizes)
+    return ContribNotice(signer, r, tokens, digests, sizes, dialable=_bool(body, "dialable", True))
 
 
 def parse_accepted(data: Any, signer: str, run_id: str, round_: int | None = None) -> AcceptedSet:

@@ -28,13 +28,14 @@ import logging
 import struct
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any, Protocol
 
 import msgpack
 
 from hlbp.peer.net.ratelimit import RateLimiter
+from hlbp.peer.net.reach import Dialer
 from hlbp.protocol import ProtocolError
 
 logger = logging.getLogger(__name__)
@@ -91,6 +92,8 @@ class BlobTransport(Protocol):
 
     def fetch(self, peer_id: str, name: str, max_size: int, timeout: float) -> bytes: ...
 
+    def reach_out(self, timeout: float) -> int: ...
+
     def close(self) -> None: ...
 
 
@@ -116,8 +119,15 @@ class P2PBlobTransport:
     """:class:`BlobTransport` on hivemind's P2P (p2pd); construct with a started ``hivemind.DHT``."""
 
     def __init__(self, dht: Any, request_timeout: float = 10.0, cancel: threading.Event | None = None,
-                 allowed: Callable[[str], bool] | None = None, hold_s: float = 5.0) -> None:
+                 allowed: Callable[[str], bool] | None = None, hold_s: float = 5.0,
+                 addresses: Callable[[str], Sequence[str]] | None = None,
+                 dialable_peers: Callable[[], Sequence[str]] | None = None) -> None:
         self.request_timeout = request_timeout
+        # peer id -> its announced multiaddrs: a stream our p2pd cannot route is retried after connecting there
+        # (hlbp.peer.net.reach); None: only the addresses p2pd learnt by itself
+        self.addresses = addresses
+        self.dialable_peers = dialable_peers  # the peers :meth:`reach_out` connects to (blocking: run off the loop)
+        self.dialer: Dialer | None = None
         # how long a request for a name we are fetching waits for it: under the 6 s a round gives a holder
         # (RoundConfig.fetch_timeout_s / 5), so the requester still hears "not here" and moves on in time
         self.hold_s = hold_s
@@ -147,6 +157,8 @@ class P2PBlobTransport:
 
     async def _start(self, dht: Any) -> Any:
         p2p = await own_p2p(dht)
+        if self.addresses is not None:
+            self.dialer = Dialer(p2p.daemon_listen_maddr, self.addresses)
         await p2p.add_binary_stream_handler(HANDLER, self._handle)
         await p2p.add_binary_stream_handler(PUSH_HANDLER, self._handle_push)
         return p2p
@@ -195,12 +207,32 @@ class P2PBlobTransport:
             except RuntimeError:  # the loop is closed: we are leaving
                 return
 
-    async def _push(self, peer_id: str, key: str, body: bytes, timeout: float) -> None:
+    async def _open(self, peer_id: str, handler: str, timeout: float) -> tuple[asyncio.StreamReader,
+                                                                                 asyncio.StreamWriter]:
+        """A stream to ``handler`` of ``peer_id``: over a connection p2pd has or can route, else after connecting
+        at the peer's announced addresses (a peer behind NAT dials out this way, to a public peer)."""
         from hivemind.p2p import PeerID
 
+        peer = PeerID.from_base58(peer_id)
+        deadline = self._loop.time() + timeout  # the connect and the retry share the one timeout
         try:
-            _, reader, writer = await asyncio.wait_for(
-                self._p2p.call_binary_stream_handler(PeerID.from_base58(peer_id), PUSH_HANDLER), timeout)
+            _, reader, writer = await asyncio.wait_for(self._p2p.call_binary_stream_handler(peer, handler), timeout)
+            return reader, writer
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            if (self.dialer is None or deadline - self._loop.time() <= 0
+                    or not await self.dialer.connect(peer_id, deadline - self._loop.time())):
+                raise
+        left = deadline - self._loop.time()
+        if left <= 0:
+            raise TimeoutError(f"opening a stream to {peer_id[:12]}… took longer than {timeout:.1f} s")
+        _, reader, writer = await asyncio.wait_for(self._p2p.call_binary_stream_handler(peer, handler), left)
+        return reader, writer
+
+    async def _push(self, peer_id: str, key: str, body: bytes, timeout: float) -> None:
+        try:
+            reader, writer = await self._open(peer_id, PUSH_HANDLER, timeout)
             try:
                 writer.write(_frame({"key": key, "size": len(body)}) + body)
                 await writer.drain()
@@ -315,11 +347,7 @@ class P2PBlobTransport:
             return list(self._blobs)
 
     async def _fetch(self, peer_id: str, name: str, max_size: int, timeout: float) -> bytes:
-        from hivemind.p2p import PeerID
-
-        _, reader, writer = await asyncio.wait_for(
-            self._p2p.call_binary_stream_handler(PeerID.from_base58(peer_id), HANDLER), timeout
-        )
+        reader, writer = await self._open(peer_id, HANDLER, timeout)
         try:
             writer.write(_frame({"name": name}))
             await writer.drain()
@@ -361,6 +389,25 @@ class P2PBlobTransport:
             raise
         except Exception as exc:  # p2pd, asyncio and the peer's bytes all fail in their own types
             raise TransportError(f"fetching {name} from {peer_id[:12]}… failed: {type(exc).__name__}: {exc}") from exc
+
+    def reach_out(self, timeout: float = 5.0) -> int:
+        """Connect to every dialable peer of the run (a peer behind NAT, before it publishes its notice), so that
+        they can open streams to us over those connections; returns how many are connected. Blocks at most about
+        ``timeout``; a peer that does not answer is only left out (it then fetches our payload from a holder)."""
+        if self.dialer is None or self.dialable_peers is None:
+            return 0
+        dialer, peers_of = self.dialer, self.dialable_peers
+
+        async def connect_all() -> int:
+            peers = [p for p in await asyncio.to_thread(peers_of) if p != self.peer_id]
+            done = await asyncio.gather(*(dialer.connect(p, timeout) for p in peers), return_exceptions=True)
+            return sum(1 for ok in done if ok is True)
+
+        try:
+            return self._run(connect_all(), timeout=timeout + 5)
+        except Exception as exc:  # noqa: BLE001 - reaching out is best effort: a fetch still tries the holders
+            logger.debug("reaching out to the run's dialable peers failed: %s", exc)
+            return 0
 
     def close(self) -> None:
         """Stop serving and end the transport's loop; the DHT and its daemon stay up for the caller to stop."""

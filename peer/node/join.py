@@ -4,7 +4,8 @@ The steps, in order, each with a bounded wait:
 
 1. connect to the initial peers (exponential backoff; a clear error listing every address);
 2. fetch and verify the run manifest (signature, signer trust, protocol version);
-3. check that others can dial us; if not, fall back to DHT client mode and say how to fix it;
+3. check that others can dial us; if not, fall back to DHT client mode and say how to fix it (a full replica still
+   contributes, over the connections it opens; a stage peer is refused: hlbp.peer.net.reach);
 4. fetch the run's artifacts by content hash from any peer that serves them;
 5. measure memory, tokens/s and bandwidth (each can be forced by a flag);
 6. choose a role with hlbp.peer.node.roles and announce it; a heartbeat keeps the record fresh;
@@ -27,6 +28,7 @@ from hlbp.peer.common.errors import UserInputError
 from hlbp.peer.light.trust import trusted_signers
 from hlbp.peer.net.control import ControlPlane, NetworkConfig, software_version
 from hlbp.peer.net.heartbeat import Heartbeat
+from hlbp.peer.net.reach import Reachability
 from hlbp.peer.net.validation import load_or_create_identity
 from hlbp.peer.node.capacity import measure, measure_bandwidth, measure_throughput, model_warmup
 from hlbp.peer.node.roles import Capacity, PeerView, Role, Thresholds, choose_role
@@ -73,7 +75,7 @@ class JoinedPeer:
     capacity: Capacity
     tokenizer_path: Path
     join_seconds: float  # from the start of join() to the first announcement
-    reachability: str
+    reachability: Reachability  # whether others could dial it back at join
     _tmp: tempfile.TemporaryDirectory | None = None
 
     def leave(self) -> None:
@@ -93,8 +95,8 @@ def _cache_dir(cfg: JoinConfig) -> Path:
     return default_cache_dir()
 
 
-def check_reachability(plane: ControlPlane, helpers: list[str]) -> tuple[str, list[str]]:
-    """("public" | "client" | "unknown", our addresses) after asking the first helper that answers to dial us."""
+def check_reachability(plane: ControlPlane, helpers: list[str]) -> tuple[Reachability, list[str]]:
+    """(whether others can dial us, our addresses) after asking the first helper that answers to dial us."""
     maddrs = plane.maddrs()
     for peer_id in helpers:
         try:
@@ -102,18 +104,42 @@ def check_reachability(plane: ControlPlane, helpers: list[str]) -> tuple[str, li
         except Exception as exc:  # noqa: BLE001 - a helper that can't help: ask the next one
             logger.debug("dial-back through %s failed: %s", peer_id, exc)
             continue
-        return ("public" if reachable else "client"), maddrs
-    return "unknown", maddrs
+        return (Reachability.PUBLIC if reachable else Reachability.CLIENT), maddrs
+    return Reachability.UNKNOWN, maddrs
 
 
-def _client_mode_hint(maddrs: list[str]) -> str:
+def _port_fix(maddrs: list[str]) -> str:
+    """What makes this machine dialable: the port to forward and the flags that announce it."""
     ports = sorted({a.split("/tcp/")[1].split("/")[0] for a in maddrs if "/tcp/" in a})
-    return (
-        f"other peers cannot dial this machine at {', '.join(maddrs) or 'any address'}; running as a DHT client "
-        f"(it still trains, but serves nothing). To fix it, forward TCP port {', '.join(ports) or '<port>'} to this "
-        "machine, or listen on a fixed port with --host-maddrs /ip4/0.0.0.0/tcp/PORT and pass "
-        "--announce-maddrs /ip4/<public IP>/tcp/PORT"
-    )
+    return (f"forward TCP port {', '.join(ports) or '<port>'} on your router to this machine, or listen on a fixed "
+            "forwarded port with --host-maddrs /ip4/0.0.0.0/tcp/PORT --announce-maddrs /ip4/<public IP>/tcp/PORT")
+
+
+def reachability_line(reachability: Reachability, role_kind: str, maddrs: list[str], checked: bool = True) -> str:
+    """The one line ``hlbp join`` prints about how others reach this peer, and so how its work travels
+    (``checked``: a peer was asked to dial us back; False: --reachability public or client said so)."""
+    if reachability is Reachability.PUBLIC:
+        why = "a peer of the run dialled us back" if checked else "--reachability public, not checked"
+        return f"reachability: public ({why}); others fetch from this peer directly"
+    if reachability is Reachability.UNKNOWN:
+        return "reachability: unknown (no peer answered the dial-back check); assuming others can dial this peer"
+    what = "its contributions" if role_kind == "replica" else "what it serves"
+    why = f"no peer could dial {', '.join(maddrs) or 'any of our addresses'}" if checked else \
+        "--reachability client, not checked"
+    return (f"reachability: behind NAT ({why}); this "
+            f"peer runs as a DHT client and serves {what} over the connections it opens to public peers, and "
+            f"coordinates a round only when no public peer contributed. To be dialable, {_port_fix(maddrs)}")
+
+
+def stage_refusal(maddrs: list[str], replica_fits: bool, checked: bool = True) -> str:
+    """Why a peer behind NAT may not hold a pipeline stage, and what fixes it (``checked``: as in
+    :func:`reachability_line`)."""
+    instead = "; or join as a full replica with --role replica, which works behind NAT" if replica_fits else ""
+    why = (f"no peer of the run could dial this machine at {', '.join(maddrs) or 'any address'} (behind NAT or a "
+           "firewall)") if checked else "--reachability client says nobody can dial this machine"
+    return (f"a stage peer must be dialable, and {why}: its neighbours open streams to it "
+            f"for every micro-batch, and activations through relays are too slow and relays drop after 30 minutes. "
+            f"To fix it, {_port_fix(maddrs)}{instead}")
 
 
 def thresholds_for(signed: SignedManifest) -> Thresholds:
@@ -181,12 +207,12 @@ def join(cfg: JoinConfig, echo: Callable[[str], None]) -> JoinedPeer:
         plane.watch_run(m.run_id)
         echo(f"run {m.run_id}: model {m.model}, {len(m.stages)} stages, signed by {signed.signer}")
 
-        reachability = "client" if cfg.net.client_mode else "public"
+        reachability = Reachability.CLIENT if cfg.net.client_mode else Reachability.PUBLIC
+        maddrs = plane.maddrs()
         if cfg.reachability == "auto":
             helpers = [a for a in sorted(anchors) if a != plane.peer_id] + [signed.signer]
             reachability, maddrs = check_reachability(plane, list(dict.fromkeys(helpers)))
-            if reachability == "client":
-                echo("warning: " + _client_mode_hint(maddrs))
+            if reachability is Reachability.CLIENT:
                 plane.shutdown()
                 cfg.net.client_mode = True
                 plane = ControlPlane.connect(cfg.net, identity_path, run_ids=(m.run_id,), identity=identity)
@@ -226,11 +252,14 @@ def join(cfg: JoinConfig, echo: Callable[[str], None]) -> JoinedPeer:
             if cfg.role is None and cfg.stage is None and cfg.swarm is None:
                 raise UserInputError(message + "; free memory, or force a role with --role/--stage")
             echo(f"warning: {message}; continuing because the role was forced")
+        if role.kind == "stage" and reachability is Reachability.CLIENT:
+            raise UserInputError(stage_refusal(maddrs, capacity.memory_gb >= thresholds.replica_memory_gb,
+                                               checked=cfg.reachability == "auto"))
 
         record = Announcement(
             run_id=m.run_id, role=role.kind, swarm=role.swarm, stage=role.stage, throughput=capacity.throughput,
             bandwidth=capacity.bandwidth, memory_gb=capacity.memory_gb, software=software_version(),
-            reachability=reachability, maddrs=tuple(plane.maddrs()[:8]), artifacts=(m.tokenizer_hash,),
+            reachability=reachability.value, maddrs=tuple(plane.maddrs()[:8]), artifacts=(m.tokenizer_hash,),
             manifest_signer=signed.signer, manifest_digest=signed.digest,
         )
         heartbeat = Heartbeat(plane, record, cfg.ttl, manifest=signed)
@@ -244,7 +273,8 @@ def join(cfg: JoinConfig, echo: Callable[[str], None]) -> JoinedPeer:
     where = "full replica" if role.kind == "replica" else f"stage {role.stage} of swarm {role.swarm}"
     echo(f"role: {where} ({role.reason})")
     echo(f"capacity: {capacity.memory_gb:.1f} GB, {capacity.throughput:,.0f} tok/s, "
-         f"{capacity.bandwidth / 1e6:,.1f} MB/s; reachability {reachability}")
+         f"{capacity.bandwidth / 1e6:,.1f} MB/s")
+    echo(reachability_line(reachability, role.kind, maddrs, checked=cfg.reachability == "auto"))
     echo(f"announced in {seconds:.1f} s ({heartbeat.last_size}-byte record, refreshed every {cfg.ttl / 3:.0f} s)")
     return JoinedPeer(plane, heartbeat, signed, role, capacity, tokenizer_path, seconds, reachability, tmp)
 

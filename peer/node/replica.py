@@ -31,6 +31,7 @@ from hlbp.peer.model.decoder import ModelConfig, Stage, preset, split
 from hlbp.peer.model.pipeline import initial_model, run_model_config
 from hlbp.peer.model.subspace import SubspaceConstraint
 from hlbp.peer.net.prometheus import MetricsServer, PeerMetrics
+from hlbp.peer.net.reach import AddressBook, Reachability
 from hlbp.peer.net.transport import P2PBlobTransport
 from hlbp.peer.node.join import TrainContext, data_rank
 from hlbp.peer.rounds.diloco import DenseRoundRunner
@@ -204,13 +205,17 @@ def run_replica(ctx: TrainContext, options: ReplicaOptions, echo: Any = print) -
     val = val_batches(data.val, hp.seq_len, hp.batch_size, options.eval_batches) if options.eval_batches else []
     guard_batch = val_batches(data.val, hp.seq_len, hp.batch_size, 1)  # the same on every peer of the run
     outer, rcfg = round_settings(m, options.checkpoint_every_s)
+    # behind NAT: say so in our notices, so that a dialable peer coordinates (hlbp.peer.rounds.rules)
+    rcfg = dataclasses.replace(rcfg, dialable=peer.reachability is not Reachability.CLIENT)
     scorer = ParamScorer(trainer, device, separate=rcfg.overlap != "none")
     if not m.may_contribute(peer.plane.peer_id):
         echo(f"warning: this peer ({peer.plane.peer_id}) is not in run {m.run_id}'s allow-list: every other peer "
              "ignores its contributions and records and refuses to serve it, so it cannot take part. Ask the run's "
              "operator to add its peer id, or start it with an --identity file that is on the list.")
+    book = AddressBook(lambda: peer.plane.read_peers(m.run_id))
     transport = P2PBlobTransport(peer.plane.dht, cancel=ctx.stop,
-                                 allowed=m.may_contribute if m.allowed_peers else None)
+                                 allowed=m.may_contribute if m.allowed_peers else None, addresses=book.maddrs,
+                                 dialable_peers=book.dialable)
     ctx.out_dir.mkdir(parents=True, exist_ok=True)
     metrics = MetricsLog(ctx.out_dir / "metrics.jsonl")
 

@@ -38,6 +38,7 @@ from hlbp.peer.model.codec import ActivationCodec
 from hlbp.peer.model.decoder import split
 from hlbp.peer.model.pipeline import initial_state
 from hlbp.peer.model.subspace import REBUILT
+from hlbp.peer.net.reach import AddressBook
 from hlbp.peer.net.transport import P2PBlobTransport
 from hlbp.peer.node.replica import contributors_counter, round_settings
 from hlbp.peer.rounds.sparseloco import RoundRunner, RoundStats
@@ -137,8 +138,10 @@ def make_stage_rounds(ctx: Any, worker: StageWorker, config: Any, phase: Callabl
         logger.info("the run overlaps rounds (%s); stage peers do not overlap yet and run each round in turn",
                     rcfg.overlap)
         rcfg = dataclasses.replace(rcfg, overlap="none")
+    book = AddressBook(lambda: peer.plane.read_peers(m.run_id))
     transport = P2PBlobTransport(peer.plane.dht, cancel=ctx.stop,
-                                 allowed=m.may_contribute if m.allowed_peers else None)
+                                 allowed=m.may_contribute if m.allowed_peers else None, addresses=book.maddrs,
+                                 dialable_peers=book.dialable)
 
     expected = contributors_counter(peer.plane, m)
     follow: dict[int, dict[str, torch.Tensor]] = {}

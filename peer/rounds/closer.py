@@ -144,6 +144,7 @@ class Closer:
         # the members of the last round we closed (round, peer -> the shards it contributed): the next round's turn
         # order starts with them (rules.turn_order)
         self.prior: tuple[int, dict[str, frozenset[int]]] | None = None
+        self.prior_undialable: frozenset[str] = frozenset()  # the members of that round whose notices said NATed
         self.raw: dict[int, tuple[dict[str, Any], dict[str, Any]]] = {}  # round -> its last-read entries
         self.proofs: dict[int, dict[str, dict[str, bytes]]] = {}  # round -> the evidence of its members
         self.prior_read = -1  # the last round whose members were read from its records (learn_prior)
@@ -184,17 +185,22 @@ class Closer:
         prior = self.prior[1] if self.prior is not None and self.prior[0] == r - 1 else {}
         prior = {p: s for p, s in prior.items() if not self.bans.refused_by_all(p, r)}
         seen = {p: frozenset(n.digests) for p, n in notices.items() if not self.bans.refused_by_all(p, r)}
-        return turn_order(r, prior, seen, self.n_shards), bool(prior)
+        # behind NAT as the notices said: last round's for its members (agreed before the round), this round's for
+        # the others
+        undialable = self.prior_undialable | {p for p, n in notices.items() if not n.dialable and p not in prior}
+        return turn_order(r, prior, seen, self.n_shards, undialable), bool(prior)
 
     def learn_prior(self, r: int) -> None:
         """Round r's members from its records, for a peer that did not close round r itself (a joiner, a resynced
         or restarted peer): the set of the best-ranked contributor that published one. Without them its first
         round after the sync waited out a window before taking any set, and it missed the next round's close."""
         notices, sets = self.round_records(r)
-        order = coordinator_ranking(r, {p: set(n.digests) for p, n in notices.items()}, self.n_shards)
+        undialable = {p for p, n in notices.items() if not n.dialable}
+        order = coordinator_ranking(r, {p: set(n.digests) for p, n in notices.items()}, self.n_shards, undialable)
         chosen = pick_accepted([s for s in sets if s.coordinator in order], order)
         if chosen is not None and chosen.members:
             self.prior = (r, {p: frozenset(d) for p, _t, d in chosen.members})
+            self.prior_undialable = frozenset(p for p in self.prior[1] if p in undialable)
 
     def accepted(self, r: int, sets: list[AcceptedSet], notices: dict[str, ContribNotice],
                  expected: float = math.inf) -> AcceptedSet | None:
@@ -236,6 +242,8 @@ class Closer:
                 self.check_bans(r, accepted, notices)
                 if accepted.members:
                     self.prior = (r, {p: frozenset(d) for p, _t, d in accepted.members})
+                    self.prior_undialable = frozenset(p for p in self.prior[1]
+                                                      if p in notices and not notices[p].dialable)
                 on_time = [arrivals[s] for s in accepted.senders() if s in arrivals]
                 if on_time:
                     self.last_close = (r, min(on_time), self.window, frozenset(accepted.senders()))

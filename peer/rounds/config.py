@@ -35,6 +35,7 @@ class RoundConfig:
     guard: GuardConfig = field(default_factory=GuardConfig)  # bounds on a contribution and on a round's update
     allowed_peers: frozenset[str] = frozenset()  # closed run: only these peers' round records count (empty: all)
     overlap: str = "none"  # a round's exchange runs during the next inner phase: none, naive or eager (overlap.py)
+    dialable: bool = True  # others can dial this peer; False (behind NAT): its notices say so, and it coordinates last
 
     def admits(self, peer_id: str) -> bool:
         """Whether ``peer_id``'s round records count in this run (the manifest's allow-list)."""

@@ -21,17 +21,28 @@ def coordinator_order(round_: int, peers: Sequence[str]) -> list[str]:
     return sorted(set(peers), key=lambda p: hashlib.sha256(f"{round_}|{p}".encode()).digest())
 
 
-def coordinator_ranking(round_: int, shards_of: Mapping[str, AbstractSet[int]], n_shards: int) -> list[str]:
+def coordinator_ranking(round_: int, shards_of: Mapping[str, AbstractSet[int]], n_shards: int,
+                        undialable: AbstractSet[str] = frozenset()) -> list[str]:
     """The coordinator order of a round whose contributors hold different shards (``shards_of``: peer -> the
-    shards its notice names): peers that contributed every shard first, then the others, each group in rendezvous
-    order. A full replica holds every shard's anchor, so it can bound every contribution before accepting it; a
-    stage peer coordinates only when no full replica contributed."""
+    shards its notice names): peers that contributed every shard first, then the others. A full replica holds every
+    shard's anchor, so it can bound every contribution before accepting it; a stage peer coordinates only when no
+    full replica contributed.
+
+    Within each group, the ``undialable`` (their notices say nobody can dial them: behind NAT) come after the
+    others, each part in rendezvous order: a coordinator behind NAT cannot fetch the payload of another peer behind
+    NAT (neither can dial the other), so it would leave that contribution out, where a dialable one gets it over the
+    connection the NATed sender opened to it."""
     full = [p for p, held in shards_of.items() if len(held) == n_shards]
-    return coordinator_order(round_, full) + coordinator_order(round_, [p for p in shards_of if p not in set(full)])
+    partial = [p for p in shards_of if p not in set(full)]
+    order: list[str] = []
+    for group in (full, partial):
+        order += coordinator_order(round_, [p for p in group if p not in undialable])
+        order += coordinator_order(round_, [p for p in group if p in undialable])
+    return order
 
 
 def turn_order(round_: int, prior: Mapping[str, AbstractSet[int]], notices: Mapping[str, AbstractSet[int]],
-               n_shards: int) -> list[str]:
+               n_shards: int, undialable: AbstractSet[str] = frozenset()) -> list[str]:
     """Whose turn it is to close round ``round_``, best first: the members of the previous round (``prior``: peer ->
     the shards it contributed, as the accepted set every peer applied says) in :func:`coordinator_ranking`, then the
     other contributors seen (``notices``) the same way.
@@ -39,9 +50,9 @@ def turn_order(round_: int, prior: Mapping[str, AbstractSet[int]], notices: Mapp
     The first part is agreed before the round opens, so being quick to announce buys no place in it: a key that was
     not a member last round (new, throwaway, or left out) ranks behind every member, whether or not that member has
     announced yet. A member that died costs its successors one takeover delay, for one round only (it is no member
-    of a round it missed)."""
-    first = coordinator_ranking(round_, prior, n_shards)
-    rest = coordinator_ranking(round_, {p: s for p, s in notices.items() if p not in prior}, n_shards)
+    of a round it missed). ``undialable``: peers behind NAT, each part ranks them last (:func:`coordinator_ranking`)."""
+    first = coordinator_ranking(round_, prior, n_shards, undialable)
+    rest = coordinator_ranking(round_, {p: s for p, s in notices.items() if p not in prior}, n_shards, undialable)
     return first + rest
 
 
@@ -113,11 +124,12 @@ def pick_accepted(sets: Sequence[AcceptedSet], order: Sequence[str]) -> Accepted
 
 
 def round_members(round_: int, notices: Mapping[str, AbstractSet[int]], sets: Sequence[AcceptedSet],
-                  n_shards: int) -> frozenset[str] | None:
+                  n_shards: int, undialable: AbstractSet[str] = frozenset()) -> frozenset[str] | None:
     """The members of round ``round_`` as its records show them: the senders of the accepted set of the best-ranked
     coordinator among the contributors (``notices``: sender -> the shards its notice names), or None when no
-    contributor published one. A set from a key that contributed nothing never defines the membership."""
-    order = coordinator_ranking(round_, notices, n_shards)
+    contributor published one. A set from a key that contributed nothing never defines the membership.
+    ``undialable``: the senders whose notices say they cannot be dialled (:func:`coordinator_ranking`)."""
+    order = coordinator_ranking(round_, notices, n_shards, undialable)
     accepted = pick_accepted([s for s in sets if s.coordinator in order], order)
     return None if accepted is None else frozenset(accepted.senders())
 

@@ -169,7 +169,9 @@ class RoundRunner(ReplicaBase):
         if not self.stop.is_set():
             # no look-up first whether the round already closed (a round trip on every round's critical path):
             # a late notice is harmless, _close then finds the round closed and withdraws our contribution
-            notice = ContribNotice(self.me, r, tokens, digests, sizes)
+            if not self.cfg.dialable:  # behind NAT: whoever fetches our payload needs a connection we opened
+                self.transport.reach_out()
+            notice = ContribNotice(self.me, r, tokens, digests, sizes, dialable=self.cfg.dialable)
             self.records.store(round_key(self.cfg.run_id, r, KIND_CONTRIB), notice.to_body(self.cfg.run_id), KIND_CONTRIB)
             stats.contributed = True
         return mine

@@ -139,9 +139,10 @@ class StateSync:
         for r in sorted({c.round for c in checks}, reverse=True)[:MEMBER_ROUNDS_TRIED]:
             keys = (round_key(run, r, KIND_CONTRIB), round_key(run, r, KIND_ACCEPTED))
             contribs, sets = self.records.read(*keys)
-            notices = {n.sender: set(n.digests) for n in self.records.records(keys[0], parse_contrib, contribs, round_=r)}
+            parsed = self.records.records(keys[0], parse_contrib, contribs, round_=r)
+            notices = {n.sender: set(n.digests) for n in parsed}
             members = round_members(r, notices, self.records.records(keys[1], parse_accepted, sets, round_=r),
-                                    len(self.shards))
+                                    len(self.shards), {n.sender for n in parsed if not n.dialable})
             voters = member_checks(checks, r, members or frozenset())
             if voters:
                 return r, voters

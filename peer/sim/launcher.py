@@ -263,8 +263,9 @@ class Swarm:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def start(self) -> str:
-        """Start the bootstrap; returns the multiaddr joiners dial."""
+    def start(self, program: Sequence[str] | None = None, listen: str | None = None) -> str:
+        """Start the bootstrap; returns the multiaddr joiners dial. ``program`` runs it under another command (in a
+        network namespace, say) and ``listen`` is its listen multiaddr there (default: any loopback port)."""
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
         if self.cfg.cache_dir is not None:
@@ -275,14 +276,16 @@ class Swarm:
                 or self.cfg.swarm_wan_mbps is not None):
             self.wan = WanEmulator(self.cfg.wan_delay_ms / 1000, self.cfg.wan_mbps)
         self.bootstrap = self._spawn("bootstrap", [
-            "bootstrap", *self._listen(), "--identity", str(self.workdir / "bootstrap.key"),
-            "--run-config", str(run), "--ttl", str(self.cfg.ttl_s)])
+            "bootstrap", *self._listen(listen=listen), "--identity", str(self.workdir / "bootstrap.key"),
+            "--run-config", str(run), "--ttl", str(self.cfg.ttl_s)], program)
         self.maddr = self.bootstrap.wait_for(r"hlbp join --initial-peers (\S+)", self.cfg.startup_timeout_s).group(1)
         return self.maddr
 
-    def _listen(self, stage: bool = False) -> list[str]:
-        """Listen flags of a new process: any loopback port, or a private port behind a WAN-emulating proxy (a
-        stage peer's with the swarms' link settings where they are set)."""
+    def _listen(self, stage: bool = False, listen: str | None = None) -> list[str]:
+        """Listen flags of a new process: ``listen`` where given, else any loopback port, or a private port behind
+        a WAN-emulating proxy (a stage peer's with the swarms' link settings where they are set)."""
+        if listen is not None:
+            return ["--host-maddrs", listen]
         if self.wan is None:
             return ["--host-maddrs", LOOPBACK]
         port = free_port()
@@ -298,34 +301,40 @@ class Swarm:
         self._all.append(proc)
         return proc
 
-    def _join(self, name: str, role_flags: list[str], program: Sequence[str] | None) -> Replica:
-        """Start (or restart, reusing its identity and out-dir) ``hlbp join`` peer ``name`` with ``role_flags``."""
+    def _join(self, name: str, role_flags: list[str], program: Sequence[str] | None,
+              listen: str | None = None) -> Replica:
+        """Start (or restart, reusing its identity and out-dir) ``hlbp join`` peer ``name`` with ``role_flags``,
+        listening on ``listen`` (see :meth:`_listen`)."""
         old = self.replicas.get(name)
         identity = old.identity if old else self.workdir / f"{name}.key"
         out_dir = old.out_dir if old else self.workdir / name
-        args = ["join", "--initial-peers", self.maddr, *self._listen("--stage" in role_flags), "--identity", str(identity),
+        args = ["join", "--initial-peers", self.maddr, *self._listen("--stage" in role_flags, listen), "--identity", str(identity),
                 "--bandwidth", "1e8", "--reachability", "public", "--threads", str(self.cfg.threads),
                 "--out-dir", str(out_dir), "--ttl", str(self.cfg.ttl_s), *role_flags]
         peer = Replica(name, identity, out_dir, self._spawn(name, args, program), old.peer_id if old else "")
         self.replicas[name] = peer
         return peer
 
-    def add(self, name: str, *extra: str, rounds: int | None = None, program: Sequence[str] | None = None) -> Replica:
+    def add(self, name: str, *extra: str, rounds: int | None = None, program: Sequence[str] | None = None,
+            listen: str | None = None) -> Replica:
         """Start (or restart, reusing its identity and out-dir) replica ``name`` with extra ``hlbp join`` flags.
 
-        ``program`` replaces the command that runs ``join`` (a fault test's entry point with a fault hook)."""
+        ``program`` replaces the command that runs ``join`` (a fault test's entry point with a fault hook, or
+        ``ip netns exec NS python -m hlbp.cli.control_cmds``); ``listen``: its listen multiaddr."""
         return self._join(name, ["--role", "replica", "--throughput", "5000",
-                                 "--rounds", str(self.cfg.rounds if rounds is None else rounds), *extra], program)
+                                 "--rounds", str(self.cfg.rounds if rounds is None else rounds), *extra], program,
+                          listen)
 
     def add_stage(self, name: str, stage: int, *extra: str, max_steps: int | None = None,
-                  program: Sequence[str] | None = None, swarm: int | None = None) -> Replica:
+                  program: Sequence[str] | None = None, swarm: int | None = None,
+                  listen: str | None = None) -> Replica:
         """Start (or restart) stage peer ``name`` holding ``stage`` (stage 0 drives its swarm); ``max_steps``: the
         driver leaves after that many inner steps, a server after applying that many; ``swarm``: join that swarm
         (``--swarm``) instead of where the role policy puts a peer of that stage."""
         steps = ["--max-steps", str(max_steps)] if max_steps is not None else []
         where = ["--swarm", str(swarm)] if swarm is not None else []
         return self._join(name, ["--role", "stage", "--stage", str(stage), *where, "--throughput", "1000", *steps,
-                                 *extra], program)
+                                 *extra], program, listen)
 
     def records(self) -> dict[str, list[dict[str, Any]]]:
         """Every replica's round records so far, by replica name."""

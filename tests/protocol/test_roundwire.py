@@ -32,6 +32,14 @@ def test_round_trips():
     assert parse_checks(sign(KIND_CHECKS, c.to_body("run"), ME), ME.peer_id, "run") == c
 
 
+def test_a_notice_says_when_its_sender_cannot_be_dialled_and_a_dialable_one_is_unchanged():
+    behind_nat = ContribNotice(ME.peer_id, 5, 1, {0: D}, {0: 10}, dialable=False)
+    assert parse_contrib(sign(KIND_CONTRIB, behind_nat.to_body("run"), ME), ME.peer_id, "run", 5) == behind_nat
+    public = ContribNotice(ME.peer_id, 5, 1, {0: D}, {0: 10})
+    assert "dialable" not in public.to_body("run")  # the same bytes an older peer signs and expects
+    assert parse_contrib(sign(KIND_CONTRIB, public.to_body("run"), ME), ME.peer_id, "run", 5).dialable
+
+
 @pytest.mark.parametrize(
     "call",
     [
@@ -58,6 +66,8 @@ def test_forged_replayed_or_mistyped_records_are_refused(call):
         {"run": "run", "round": 1, "tokens": 1, "digests": {"999": D}, "sizes": {"999": 1}},
         {"run": "run", "round": 1, "tokens": 1, "digests": {"0": D}, "sizes": {"1": 1}},
         {"run": "run", "round": 1, "tokens": 1, "digests": {"0": D}, "sizes": {"0": 0}},
+        {"run": "run", "round": 1, "tokens": 1, "digests": {"0": D}, "sizes": {"0": 1}, "dialable": "no"},
+        {"run": "run", "round": 1, "tokens": 1, "digests": {"0": D}, "sizes": {"0": 1}, "dialable": 0},
         {"run": "run", "round": "1", "tokens": 1, "digests": {"0": D}, "sizes": {"0": 1}},
     ],
 )

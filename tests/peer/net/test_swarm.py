@@ -44,8 +44,8 @@ def _online(observer, run_id: str) -> dict:
 def swarm(spawn, observer_factory, tmp_path_factory) -> Swarm:
     """A bootstrap and four joiners that join one after another, each after the policy's prediction is taken.
 
-    The last joiner announces an address nobody listens on and asks for a reachability check, so it must fall
-    back to DHT client mode.
+    The first joiner (a full replica) announces an address nobody listens on and asks for a reachability check, so
+    it must fall back to DHT client mode (a stage peer would be refused instead: tests/peer/net/test_nat.py).
     """
     tmp = tmp_path_factory.mktemp("swarm")
     boot, maddr, boot_id = start_bootstrap(spawn, tmp, ttl=10)
@@ -62,7 +62,7 @@ def swarm(spawn, observer_factory, tmp_path_factory) -> Swarm:
         role = choose_role(Capacity(memory, tps, 1e8), views, len(signed.manifest.stages), thresholds)
         predicted.append((role.kind, role.swarm, role.stage))
         extra: tuple[str, ...] = ()
-        if i == len(JOINERS) - 1:
+        if i == 0:
             extra = ("--reachability", "auto", "--announce-maddrs", f"/ip4/127.0.0.1/tcp/{free_tcp_port()}")
         proc = start_joiner(spawn, maddr, tmp, *extra, memory_gb=memory, throughput=tps,
                             bandwidth=None if i == 0 else "1e8")
@@ -85,11 +85,11 @@ def test_joiners_get_the_roles_the_policy_predicts(swarm: Swarm):
 
 
 def test_an_undialable_joiner_falls_back_to_client_mode_and_says_how_to_fix_it(swarm: Swarm):
-    last = swarm.joiners[-1]
-    assert "running as a DHT client" in last.output and "--announce-maddrs" in last.output
+    first = swarm.joiners[0]
+    assert "reachability: behind NAT" in first.output and "--announce-maddrs" in first.output
     records = _online(swarm.observer, swarm.run_id)
-    assert records[swarm.ids[-1]].announcement.reachability == "client"
-    assert records[swarm.ids[0]].announcement.reachability == "public"
+    assert records[swarm.ids[0]].announcement.reachability == "client"
+    assert records[swarm.ids[-1]].announcement.reachability == "public"
 
 
 def test_status_lists_every_peer(swarm: Swarm):

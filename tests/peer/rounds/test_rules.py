@@ -111,6 +111,19 @@ def test_coordinators_that_contributed_every_shard_rank_before_stage_peers() -> 
     assert coordinator_ranking(7, {"stage-a": {1}, "stage-c": {0}}, 2) == coordinator_order(7, ["stage-a", "stage-c"])
 
 
+def test_contributors_behind_nat_coordinate_after_the_dialable_ones_of_their_group() -> None:
+    from hlbp.peer.rounds.rules import coordinator_ranking, round_members
+
+    shards = {"nat-a": {0, 1}, "pub-b": {0, 1}, "nat-c": {0, 1}, "pub-d": {0, 1}, "stage-e": {0}}
+    order = coordinator_ranking(3, shards, 2, undialable={"nat-a", "nat-c"})
+    assert order == [*coordinator_order(3, ["pub-b", "pub-d"]), *coordinator_order(3, ["nat-a", "nat-c"]), "stage-e"]
+    # only peers behind NAT contributed: one of them still coordinates
+    assert coordinator_ranking(3, {"nat-a": {0, 1}}, 2, undialable={"nat-a"}) == ["nat-a"]
+    # the members follow the same ranking: a NATed coordinator's set loses to a dialable one's
+    sets = [AcceptedSet(p, 3, ((p, 1, {0: "d"}),)) for p in ("nat-a", "pub-b")]
+    assert round_members(3, shards, sets, 2, undialable={"nat-a", "nat-c"}) == frozenset({"pub-b"})
+
+
 def test_round_standing_counts_a_stage_peer_that_agrees_on_its_one_shard() -> None:
     checks = [ShardChecks("full-1", 3, {0: "a", 1: "b"}), ShardChecks("full-2", 3, {0: "a", 1: "b"}),
               ShardChecks("stage-1", 3, {1: "b"}), ShardChecks("stage-0", 3, {0: "x"})]
