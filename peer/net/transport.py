@@ -30,13 +30,15 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import msgpack
 
 from hlbp.peer.net.ratelimit import RateLimiter
-from hlbp.peer.net.reach import Dialer
 from hlbp.protocol import ProtocolError
+
+if TYPE_CHECKING:
+    from hlbp.peer.net.reach import Dialer
 
 logger = logging.getLogger(__name__)
 
@@ -158,6 +160,10 @@ class P2PBlobTransport:
     async def _start(self, dht: Any) -> Any:
         p2p = await own_p2p(dht)
         if self.addresses is not None:
+            # reach imports hivemind's daemon bindings: not at module load, which the light client's status report
+            # reaches through the round rules, and which must not load hivemind
+            from hlbp.peer.net.reach import Dialer
+
             self.dialer = Dialer(p2p.daemon_listen_maddr, self.addresses)
         await p2p.add_binary_stream_handler(HANDLER, self._handle)
         await p2p.add_binary_stream_handler(PUSH_HANDLER, self._handle_push)
