@@ -243,3 +243,11 @@ def test_a_set_counts_only_once_its_publishers_turn_has_come() -> None:
     assert not counts("second", 132.9, with_members=False) and counts("second", 133.0, with_members=False)
     assert not counts("second", 1e9, first_seen=None)  # no notice seen: no takeover is due
     assert not counts("first", 1e9, min_contributors=3)  # fewer members than the run requires never count
+
+
+def test_members_behind_nat_take_their_turn_after_the_dialable_members() -> None:
+    from hlbp.peer.rounds.rules import turn_order
+
+    prior = {"m1": {0, 1}, "m2": {0, 1}, "m3": {0, 1}}
+    order = turn_order(7, prior, {"new": {0, 1}}, 2, undialable={"m1", "new"})
+    assert order[:2] == coordinator_order(7, ["m2", "m3"]) and order[2:] == ["m1", "new"]
