@@ -100,19 +100,24 @@ def test_the_allow_list_holds_for_pushes(pair) -> None:
 
 
 def test_a_push_flood_is_refused_past_the_peers_rate(pair) -> None:
-    import time
+    from hlbp.peer.net.ratelimit import RateLimiter
 
     receiver, sender, got = pair
     got.clear()
-    refused = receiver.push_limit.refused
-    done = sender.pushes_sent + sender.push_failures
-    n = int(tr.PUSH_BURST) * 3
-    t0 = time.monotonic()
-    for i in range(n):
-        sender.push([receiver.peer_id], f"flood{i}", b"x" * 1000)
-    poll(lambda: sender.pushes_sent + sender.push_failures - done >= n, 60, "every push to be acknowledged or fail")
-    elapsed = time.monotonic() - t0
-    # the burst, plus what the rate refilled while they came in; the refused ones were never read
-    assert int(tr.PUSH_BURST) <= len(got) <= tr.PUSH_BURST + tr.PUSH_RATE * elapsed + 1, (len(got), elapsed)
-    # most of the rest was refused by the limit (under 300 concurrent streams a few fail on the way instead)
-    assert n // 3 <= receiver.push_limit.refused - refused <= n - len(got)
+    # the receiver's limiter with its clock stopped: no refill while the flood comes in, however slowly a loaded
+    # machine sends it, so exactly the burst is let through (with a running clock the count hung on the sender's
+    # speed and failed on a busy box)
+    limiter, running = RateLimiter(tr.PUSH_RATE, tr.PUSH_BURST, clock=lambda: 0.0), receiver.push_limit
+    receiver.push_limit = limiter
+    try:
+        done = sender.pushes_sent + sender.push_failures
+        n = int(tr.PUSH_BURST) * 3
+        for i in range(n):
+            sender.push([receiver.peer_id], f"flood{i}", b"x" * 1000)
+        poll(lambda: sender.pushes_sent + sender.push_failures - done >= n, 60, "every push to be acknowledged or fail")
+        poll(lambda: len(got) + limiter.refused >= n - n // 10, 30, "the pushes to be taken in or refused")
+        # the burst and no more; the rest refused unread (under 300 concurrent streams a few fail on the way instead)
+        assert tr.PUSH_BURST - n // 10 <= len(got) <= tr.PUSH_BURST, (len(got), limiter.refused)
+        assert limiter.refused >= n - tr.PUSH_BURST - n // 10, (len(got), limiter.refused)
+    finally:
+        receiver.push_limit = running
