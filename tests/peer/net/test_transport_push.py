@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -112,12 +113,14 @@ def test_a_push_flood_is_refused_past_the_peers_rate(pair) -> None:
     try:
         done = sender.pushes_sent + sender.push_failures
         n = int(tr.PUSH_BURST) * 3
-        for i in range(n):
+        deadline = time.monotonic() + 120
+        for i in range(n):  # one at a time: 300 concurrent streams on a loaded box failed on the way, unjudged
             sender.push([receiver.peer_id], f"flood{i}", b"x" * 1000)
-        poll(lambda: sender.pushes_sent + sender.push_failures - done >= n, 60, "every push to be acknowledged or fail")
-        poll(lambda: len(got) + limiter.refused >= n - n // 10, 30, "the pushes to be taken in or refused")
-        # the burst and no more; the rest refused unread (under 300 concurrent streams a few fail on the way instead)
-        assert tr.PUSH_BURST - n // 10 <= len(got) <= tr.PUSH_BURST, (len(got), limiter.refused)
-        assert limiter.refused >= n - tr.PUSH_BURST - n // 10, (len(got), limiter.refused)
+            while sender.pushes_sent + sender.push_failures - done <= i:
+                assert time.monotonic() < deadline, f"push {i} neither acknowledged nor failed"
+                time.sleep(0.001)
+        poll(lambda: len(got) + limiter.refused >= n, 30, "every push to be taken in or refused")
+        # the burst and no more; the rest refused unread
+        assert len(got) == tr.PUSH_BURST and limiter.refused == n - tr.PUSH_BURST, (len(got), limiter.refused)
     finally:
         receiver.push_limit = running
