@@ -222,6 +222,7 @@ class Closer:
     def close(self, r: int) -> AcceptedSet | None:
         """Wait for round r's accepted set, publishing it ourselves when we are the coordinator in charge."""
         first_seen: float | None = None
+        held: float | None = None  # when a set counted while a member's notice was still unread here
         arrivals: dict[str, float] = {}
         give_up = time.monotonic() + self.cfg.max_deadline_s + 30 * self.cfg.takeover_s
         # 0 from the announcements means they could not be read: wait out the window rather than close on the first
@@ -237,6 +238,15 @@ class Closer:
                 arrivals.setdefault(sender, now)
             order, _ = self.turn(r, notices)
             accepted = self.accepted(r, sets, notices, expected)
+            if accepted is not None and any(p not in notices for p in accepted.senders()) \
+                    and now < (held := held or now) + self.cfg.takeover_s:
+                # the next round's turn order ranks the members behind NAT last, as their own notices say: a peer
+                # that took the set before reading every member's notice ranked a NATed one first, and waited out a
+                # window and a takeover for the coordinator the others took at once. The notices come soon (each
+                # member published one before the coordinator saw it); a set naming a notice that never comes is
+                # taken after a takeover delay.
+                self.records.inbox.wait(self.cfg.poll_s)
+                continue
             if accepted is not None:
                 self.proofs = {**{k: v for k, v in self.proofs.items() if k >= r - 3}, r: self.evidence(r, accepted)}
                 self.check_bans(r, accepted, notices)

@@ -55,9 +55,14 @@ def lab() -> Iterator[NatLab]:
 @pytest.fixture(scope="module")
 def swarm(lab: NatLab, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Swarm]:
     """Bootstrap, a and b on the public segment; n0 and n1 behind their routers; every joiner checks whether it can
-    be dialled (--reachability auto). A stage peer behind NAT tries to join meanwhile (it must be refused)."""
-    cfg = SimConfig(n_full=0, rounds=1000, inner_steps=6, batch_size=4, seq_len=64, round_deadline_s=4.0,
-                    min_deadline_s=2.0, max_deadline_s=10.0, seed=7, threads=1, run_id="nat-test", ttl_s=10.0,
+    be dialled (--reachability auto). A stage peer behind NAT tries to join meanwhile (it must be refused).
+
+    The window is long (20 s): a round closes as soon as all four contributions are in, so it costs nothing while
+    every replica keeps up, and a replica that a loaded box slows by a few seconds is not left out as a straggler
+    (that is right in a real run, and would make this test, which asserts the NATed contributions are taken, pass
+    by luck)."""
+    cfg = SimConfig(n_full=0, rounds=1000, inner_steps=6, batch_size=4, seq_len=64, round_deadline_s=20.0,
+                    min_deadline_s=20.0, max_deadline_s=30.0, seed=7, threads=1, run_id="nat-test", ttl_s=10.0,
                     fork=False)  # each process starts inside its namespace: `ip netns exec` execs a fresh one
     with Swarm(cfg, tmp_path_factory.mktemp("nat")) as sw:
         sw.start(program=lab.public.program(*HLBP), listen=lab.public.listen())
@@ -159,7 +164,9 @@ def test_every_round_agrees_and_takes_the_natted_replicas_contributions(swarm: S
         # the NATed replicas' contributions are in every round's accepted set. (A public replica's is too, unless a
         # mutual dial between the two public ones fails under load: seen once in six runs, "all dials failed"
         # between a and b while both fetched each other's payload; it is no NAT path, so it is not asserted here.)
-        assert all(recs[n]["contributed"] and recs[n]["accepted"] for n in BEHIND_NAT), (r, recs)
+        left_out = [n for n in BEHIND_NAT if not (recs[n]["contributed"] and recs[n]["accepted"])]
+        assert not left_out, f"round {r}: {left_out} left out\n{recs}\n" + "\n".join(
+            f"--- {n}\n{swarm.replicas[n].proc.output[-6000:]}" for n in names)
         assert all(rec["members"] >= len(BEHIND_NAT) + 1 for rec in recs.values()), (r, recs)
     times = [rec["time"] for n in names for r, rec in records[n].items() if r < ROUNDS]
     print(f"rounds 0-{ROUNDS - 1} with two of four replicas behind NAT closed within {max(times) - min(times):.1f} s")
