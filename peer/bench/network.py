@@ -198,6 +198,7 @@ def swarm(cfg: NetworkBenchConfig, model: str, n: int, data: Any) -> Iterator[Be
     from hlbp.peer.net.validation import load_or_create_identity
     from hlbp.peer.rounds.diloco import sigint_preserved
     from hlbp.peer.rounds.outer import OuterConfig
+    from hlbp.peer.rounds.rules import Expected
     from hlbp.peer.rounds.sparseloco import RoundConfig, RoundRunner
     from hlbp.peer.train.trainer import InnerTrainer, OptimConfig, micro_batches
 
@@ -229,7 +230,7 @@ def swarm(cfg: NetworkBenchConfig, model: str, n: int, data: Any) -> Iterator[Be
             round_cfg = RoundConfig(run_id=run_id, inner_steps=1, deadline_s=cfg.step_timeout_s / 4,
                                     min_deadline_s=1.0, checks_wait_s=10.0)
             runner = RoundRunner(dht, identity, transport, trainer, OuterConfig(k=cfg.k), shards, round_cfg, stop,
-                                 expected=lambda: n)
+                                 expected=lambda: Expected(n))
             tensors = [torch.randn(p.shape) for p in net.parameters()]
             with sigint_preserved():  # hivemind would leave Ctrl-C ignored in this process
                 averager = DecentralizedAverager(

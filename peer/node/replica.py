@@ -37,6 +37,7 @@ from hlbp.peer.node.join import TrainContext, data_rank
 from hlbp.peer.rounds.diloco import DenseRoundRunner
 from hlbp.peer.rounds.guard import GuardConfig
 from hlbp.peer.rounds.outer import OuterConfig
+from hlbp.peer.rounds.rules import Expected
 from hlbp.peer.rounds.sparseloco import RoundConfig, RoundRunner, RoundStats
 from hlbp.peer.train.metricslog import MetricsLog
 from hlbp.peer.train.trainer import InnerTrainer, OptimConfig, evaluate, micro_batches, pick_device
@@ -155,30 +156,32 @@ def round_settings(m: Any, checkpoint_every_s: float) -> tuple[OuterConfig, Roun
     return outer, rcfg
 
 
-def expected_contributors(announcements: dict[str, Any], m: Any) -> int:
-    """How many contributions a round of run ``m`` can expect from the announced peers (peer -> announcement):
-    every online full replica, and every stage peer of a swarm that has an online peer at each stage (one per
-    stage: a standby does not train, so it does not contribute). The coordinator closes early once that many
-    arrived, instead of waiting out its window."""
-    full = sum(1 for p, a in announcements.items() if a.role == "replica" and a.online and m.may_contribute(p))
-    stages: dict[int, set[int]] = {}
+def expected_contributors(announcements: dict[str, Any], m: Any) -> Expected:
+    """The contributions a round of run ``m`` can expect from the announced peers (peer -> announcement): one from
+    every online full replica, and one per stage from every swarm that has an online peer at each stage (a standby
+    does not train, so it does not contribute), with the peers that may send them. The coordinator closes early
+    once that many of those peers announced contributions, instead of waiting out its window."""
+    full = {p for p, a in announcements.items() if a.role == "replica" and a.online and m.may_contribute(p)}
+    stages: dict[int, dict[int, set[str]]] = {}
     for p, a in announcements.items():
         if a.role == "stage" and a.online and m.may_contribute(p) and a.swarm is not None and a.stage is not None:
-            stages.setdefault(a.swarm, set()).add(a.stage)
+            stages.setdefault(a.swarm, {}).setdefault(a.stage, set()).add(p)
     n_stages = len(m.stages)
-    return full + sum(n_stages for held in stages.values() if len(held) == n_stages)
+    whole = [held for held in stages.values() if len(held) == n_stages]
+    peers = full.union(*(p for held in whole for p in held.values()))
+    return Expected(len(full) + n_stages * len(whole), frozenset(peers))
 
 
-def contributors_counter(plane: Any, m: Any) -> Callable[[], int]:
-    """A function that reads the run's announcements and returns :func:`expected_contributors` (0 when the read
-    fails: the round then waits out its window instead of closing early)."""
+def contributors_counter(plane: Any, m: Any) -> Callable[[], Expected]:
+    """A function that reads the run's announcements and returns :func:`expected_contributors` (a count of 0 when
+    the read fails: the round then waits out its window instead of closing early)."""
 
-    def expected() -> int:
+    def expected() -> Expected:
         try:
             peers = plane.read_peers(m.run_id)
         except Exception as exc:  # noqa: BLE001 - a failed read only means we wait for the window instead
             logger.debug("reading peers failed: %s", exc)
-            return 0
+            return Expected(0)
         return expected_contributors({p: a.announcement for p, a in peers.items()}, m)
 
     return expected
@@ -250,7 +253,7 @@ def run_replica(ctx: TrainContext, options: ReplicaOptions, echo: Any = print) -
     how = runner.start()
     echo(f"replica: {how}; starting at round {runner.round}")
     if how.fresh and options.wait_replicas > 1:
-        wait_for_replicas(expected, options.wait_replicas, options.wait_replicas_timeout_s, ctx.stop, echo)
+        wait_for_replicas(lambda: expected().count, options.wait_replicas, options.wait_replicas_timeout_s, ctx.stop, echo)
     try:
         history = runner.run(options.rounds)
     finally:

@@ -12,7 +12,6 @@ over the round's records and payloads, and :class:`RoundBans` keeps whom the rou
 from __future__ import annotations
 
 import logging
-import math
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -26,9 +25,12 @@ from hlbp.peer.rounds.inbox import Both, DhtPoll
 from hlbp.peer.rounds.payloads import Payloads, error_text
 from hlbp.peer.rounds.records import RoundRecords
 from hlbp.peer.rounds.rules import (
+    UNKNOWN,
+    Expected,
     Verdict,
     adapt_window,
     close_verdict,
+    complete,
     coordinator_order,
     coordinator_ranking,
     pick_accepted,
@@ -124,13 +126,14 @@ class RoundBans:
 class Closer:
     """Closes the rounds of one round loop (see the module docstring).
 
-    ``expected()``: how many contributors to wait for before closing early (0: unknown, wait out the window).
+    ``expected()``: the contributors to wait for before closing early (:class:`~hlbp.peer.rounds.rules.Expected`;
+    a count of 0: unknown, wait out the window).
     ``choose(r, admitted, notices)``: the contributions to publish as accepted when we coordinate (production:
     ``admitted`` as it is). ``on_poll(r)``: called at every poll while the round is open.
     """
 
     def __init__(self, me: str, cfg: RoundConfig, n_shards: int, records: RoundRecords, payloads: Payloads,
-                 bans: RoundBans, expected: Callable[[], float], stop: Any,
+                 bans: RoundBans, expected: Callable[[], Expected], stop: Any,
                  choose: Callable[[int, dict[str, Any], dict[str, Any]], dict[str, Any]] = lambda r, a, n: a,
                  on_poll: Callable[[int], None] = lambda r: None) -> None:
         self.me, self.cfg, self.n_shards = me, cfg, n_shards
@@ -149,6 +152,7 @@ class Closer:
         self.proofs: dict[int, dict[str, dict[str, bytes]]] = {}  # round -> the evidence of its members
         self.prior_read = -1  # the last round whose members were read from its records (learn_prior)
         self.first_seen: dict[int, float] = {}  # round -> when we first saw one of its notices (time.monotonic)
+        self.announced = UNKNOWN  # the expected contributors as last read (each close reads them anew)
 
     def round_closed(self, r: int, wait: bool = True) -> bool:
         """Whether round r has an accepted set that counts by now (``wait``: read now; else as the phase's poller
@@ -188,7 +192,7 @@ class Closer:
         # behind NAT as the notices said: last round's for its members (agreed before the round), this round's for
         # the others
         undialable = self.prior_undialable | {p for p, n in notices.items() if not n.dialable and p not in prior}
-        return turn_order(r, prior, seen, self.n_shards, undialable), bool(prior)
+        return turn_order(r, prior, seen, self.n_shards, undialable, self.announced.peers), bool(prior)
 
     def learn_prior(self, r: int) -> None:
         """Round r's members from its records, for a peer that did not close round r itself (a joiner, a resynced
@@ -203,17 +207,18 @@ class Closer:
             self.prior_undialable = frozenset(p for p in self.prior[1] if p in undialable)
 
     def accepted(self, r: int, sets: list[AcceptedSet], notices: dict[str, ContribNotice],
-                 expected: float = math.inf) -> AcceptedSet | None:
+                 expected: Expected = UNKNOWN) -> AcceptedSet | None:
         """The accepted set of round r that every peer applies: among the sets whose publisher's turn has come by
-        now (:func:`hlbp.peer.rounds.rules.set_counts`; ``expected``: how many contributors make the round
-        complete), the best-ranked one. A set published out of turn is ignored until its turn comes, and by then
+        now (:func:`hlbp.peer.rounds.rules.set_counts`; ``expected``: the contributors that make the round
+        complete, :func:`hlbp.peer.rounds.rules.complete`), the best-ranked one. A set published out of turn is ignored until its turn comes, and by then
         the set of the coordinator in charge has normally replaced it."""
         order, prior_known = self.turn(r, notices)
         now = time.monotonic()
+        whole = complete(notices, expected, lambda p: self.bans.banned(p, r))
         # only a contributor of the round closes it: its notice is what shows later readers (a restarted peer's
         # sync, rules.round_members) that its set was the round's
         counting = [x for x in sets if not self.bans.refused_by_all(x.coordinator, r) and x.coordinator in notices
-                    and set_counts(x, order, prior_known=prior_known, complete=len(notices) >= expected,
+                    and set_counts(x, order, prior_known=prior_known, complete=whole,
                                    first_seen=self.first_seen.get(r), now=now, window=self.window,
                                    max_window=self.cfg.max_deadline_s, takeover_s=self.cfg.takeover_s,
                                    min_contributors=self.cfg.min_contributors)]
@@ -225,8 +230,8 @@ class Closer:
         held: float | None = None  # when a set counted while a member's notice was still unread here
         arrivals: dict[str, float] = {}
         give_up = time.monotonic() + self.cfg.max_deadline_s + 30 * self.cfg.takeover_s
-        # 0 from the announcements means they could not be read: wait out the window rather than close on the first
-        expected = self.expected() or math.inf
+        # a count of 0 means the announcements could not be read: wait out the window rather than close on the first
+        expected = self.announced = self.expected()
         self.widen_for_late()
         self.close_window = self.window
         while not self.stop.is_set():
@@ -265,7 +270,7 @@ class Closer:
                 if self.me in order and self.me in notices:
                     rank = order.index(self.me)
                     due = first_seen + self.window + rank * self.cfg.takeover_s
-                    if (rank == 0 and len(notices) >= expected) or now >= due:
+                    if (rank == 0 and complete(notices, expected, lambda p: self.bans.banned(p, r))) or now >= due:
                         admitted = self.choose(r, self.admit(r, notices), notices)
                         verdict = close_verdict(len(admitted), self.cfg.min_contributors, now, first_seen,
                                                 self.cfg.max_deadline_s, rank, self.cfg.takeover_s)

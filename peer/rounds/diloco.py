@@ -193,7 +193,7 @@ class DenseRoundRunner(ReplicaBase):
         from hivemind.averaging.control import AveragingStage
         from hivemind.utils import get_dht_time
 
-        expected = self.expected() if self.expected else self.last_members
+        expected = self.expected().count if self.expected else self.last_members
         delta = {n: self.state.anchor[n] - self._param(n).detach().float().cpu() for n in self.names}
         if expected == 1 and self.cfg.min_contributors <= 1:  # the only live replica the control plane knows of
             self._last_group = [self.me]

@@ -30,6 +30,7 @@ from hlbp.peer.rounds.persist import Checkpoints
 from hlbp.peer.rounds.phase import InnerPhase
 from hlbp.peer.rounds.records import RoundRecords
 from hlbp.peer.rounds.report import RoundReporter
+from hlbp.peer.rounds.rules import Expected
 from hlbp.peer.rounds.state import ReplicaState, Start, StartKind
 from hlbp.peer.rounds.verify import StateSync
 from hlbp.peer.train.metricslog import MetricsLog
@@ -56,7 +57,8 @@ class ReplicaBase(ABC):
 
     ``shards``: parameter names per shard (the manifest's partition). ``held``: the shards this peer contributes
     and checks, all for a full replica; a stage peer holds one, its model has only that shard, and it passes
-    ``shapes`` (every shard's) to decode others' contributions. ``expected``: contributors to wait for.
+    ``shapes`` (every shard's) to decode others' contributions. ``expected``: the contributors to wait for
+    (:class:`~hlbp.peer.rounds.rules.Expected`).
     ``train(r)``: an inner phase whose steps run elsewhere (a stage peer's swarm), in place of the trainer's;
     ``on_load(anchor)``: called after each load of the anchor into the model (a stage rebuilds its codec's table).
     """
@@ -75,7 +77,7 @@ class ReplicaBase(ABC):
         stop: threading.Event,
         checkpoint: Path | None = None,
         metrics: MetricsLog | None = None,
-        expected: Callable[[], int] | None = None,
+        expected: Callable[[], Expected] | None = None,
         on_round: Callable[[RoundStats, float | None], None] | None = None,
         evaluate: Callable[[Mapping[str, torch.Tensor]], float | None] | None = None,
         guard_loss: Callable[[Mapping[str, torch.Tensor]], float] | None = None,

@@ -8,12 +8,40 @@ clock, which is also what lets ``tests/peer/rounds/test_rules.py`` pin them down
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
+from dataclasses import dataclass
 from enum import Enum
 
 from hlbp.peer.rounds.statesync import fingerprints_agree
 from hlbp.protocol.roundwire import AcceptedSet, ShardChecks
+
+
+@dataclass(frozen=True)
+class Expected:
+    """The contributors a round can expect, as the run's announcements name them: ``count`` of them (0: the
+    announcements could not be read), and who (``peers``; None where only a count is known, as in the in-process
+    engine). A round is complete, and may close before its window ends, once these have announced."""
+
+    count: int
+    peers: frozenset[str] | None = None
+
+
+UNKNOWN = Expected(0)  # the announcements could not be read: no round is complete before its window ends
+
+
+def complete(senders: AbstractSet[str] | Mapping[str, object], expected: Expected,
+             banned: Callable[[str], bool] = lambda p: False) -> bool:
+    """Whether every expected contributor has announced a contribution: the ``senders`` of the round's notices that
+    are expected (named in ``expected.peers``, when it names them) and not ``banned`` number ``expected.count``.
+
+    Notices from anyone else never make a round complete: 40 notices under throwaway keys made every round
+    "complete" at its first notice, and the coordinator closed it on its own contribution, leaving out honest ones a
+    second later."""
+    if expected.count <= 0:
+        return False
+    named = [p for p in senders if (expected.peers is None or p in expected.peers) and not banned(p)]
+    return len(named) >= expected.count
 
 
 def coordinator_order(round_: int, peers: Sequence[str]) -> list[str]:
@@ -42,7 +70,8 @@ def coordinator_ranking(round_: int, shards_of: Mapping[str, AbstractSet[int]], 
 
 
 def turn_order(round_: int, prior: Mapping[str, AbstractSet[int]], notices: Mapping[str, AbstractSet[int]],
-               n_shards: int, undialable: AbstractSet[str] = frozenset()) -> list[str]:
+               n_shards: int, undialable: AbstractSet[str] = frozenset(),
+               announced: AbstractSet[str] | None = None) -> list[str]:
     """Whose turn it is to close round ``round_``, best first: the members of the previous round (``prior``: peer ->
     the shards it contributed, as the accepted set every peer applied says) in :func:`coordinator_ranking`, then the
     other contributors seen (``notices``) the same way.
@@ -50,10 +79,20 @@ def turn_order(round_: int, prior: Mapping[str, AbstractSet[int]], notices: Mapp
     The first part is agreed before the round opens, so being quick to announce buys no place in it: a key that was
     not a member last round (new, throwaway, or left out) ranks behind every member, whether or not that member has
     announced yet. A member that died costs its successors one takeover delay, for one round only (it is no member
-    of a round it missed). ``undialable``: peers behind NAT, each part ranks them last (:func:`coordinator_ranking`)."""
+    of a round it missed). ``undialable``: peers behind NAT, each part ranks them last (:func:`coordinator_ranking`).
+
+    Among the others, the peers the run's announcements name as contributors (``announced``, when known) come before
+    keys nobody announced. Without a previous round (the run's first, or after every member left) that is the
+    whole order: 40 notices under unannounced keys, seen by some peers a moment before others, put the honest
+    coordinator 9 places down for some and first for others, and the two halves of the run took the same set 35 s
+    apart, and split."""
     first = coordinator_ranking(round_, prior, n_shards, undialable)
-    rest = coordinator_ranking(round_, {p: s for p, s in notices.items() if p not in prior}, n_shards, undialable)
-    return first + rest
+    rest = {p: s for p, s in notices.items() if p not in prior}
+    if announced is None:
+        return first + coordinator_ranking(round_, rest, n_shards, undialable)
+    named = coordinator_ranking(round_, {p: s for p, s in rest.items() if p in announced}, n_shards, undialable)
+    others = coordinator_ranking(round_, {p: s for p, s in rest.items() if p not in announced}, n_shards, undialable)
+    return first + named + others
 
 
 def set_counts(s: AcceptedSet, order: Sequence[str], *, prior_known: bool, complete: bool, first_seen: float | None,

@@ -42,7 +42,7 @@ from hlbp.peer.rounds.outcome import Applied, Failed, Refused, RoundOutcome
 from hlbp.peer.rounds.outer import Contribution, make_outer
 from hlbp.peer.rounds.overlap_loop import OverlapLoop
 from hlbp.peer.rounds.payloads import PayloadEncoder, Payloads, payload_name
-from hlbp.peer.rounds.rules import payload_limit
+from hlbp.peer.rounds.rules import Expected, payload_limit
 from hlbp.peer.rounds.state import Start
 from hlbp.protocol.identity import sha256_hex
 from hlbp.protocol.roundwire import KIND_CONTRIB, AcceptedSet, ContribNotice, ShardChecks, round_key
@@ -85,7 +85,7 @@ class RoundRunner(ReplicaBase):
         # contributors to wait for before closing early: the live ones the announcements name (0: unread), else
         # the last round's members; at every poll an overlapped phase takes in the round's result so far
         self.closer = Closer(self.me, self.cfg, len(self.shards), self.records, self.payloads, bans,
-                             lambda: self.expected() if self.expected else max(1, self.last_members), self.stop,
+                             lambda: self.expected() if self.expected else Expected(max(1, self.last_members)), self.stop,
                              on_poll=lambda r: self.overlapped.preview(r) if self.overlapped is not None else None)
 
     def start(self) -> Start:

@@ -39,7 +39,8 @@ def test_notices_without_payloads_neither_stretch_rounds_nor_move_the_model(
         assert len(HONEST) <= honest[0]["members"] <= len(HONEST) + 1, (r, honest)
     waits = {r: max(rounds[r][n]["wait_s"] for n in HONEST) for r in range(ROUNDS)}
     print("longest close wait per round:", {r: round(w, 1) for r, w in waits.items()})
-    # their keys are banned at their second miss: the rounds after that close as if they were not there. Round 0
-    # is not bounded here: its fakes' prefetches queue ahead of real payloads (8.7 s idle, 79 s on a loaded box)
-    assert max(waits[r] for r in range(2, ROUNDS)) <= 5.0, waits
+    # no round waits on them: unannounced keys neither complete a round nor rank ahead of an announced coordinator
+    # (rules.complete, rules.turn_order), and they are banned at their second miss. Before that, round 0 took 30 to
+    # 79 s on a loaded box and twice split the run in two
+    assert max(waits.values()) <= 5.0, waits
     assert_as_honest(losses, honest_losses, rounds)

@@ -20,6 +20,7 @@ from hlbp.peer.rounds.config import RoundConfig
 from hlbp.peer.rounds.outer import OuterConfig
 from hlbp.peer.rounds.payloads import Payloads
 from hlbp.peer.rounds.records import RoundRecords
+from hlbp.peer.rounds.rules import Expected
 from hlbp.protocol.identity import Identity
 from hlbp.protocol.roundwire import KIND_ACCEPTED, KIND_CONTRIB, AcceptedSet, ContribNotice, round_key, sign
 
@@ -48,7 +49,7 @@ def _closer(dht: hivemind.DHT) -> Closer:
     no_prefetch = threading.Event()
     no_prefetch.set()  # no transport here: the payloads are not what this test is about
     payloads = Payloads(PEER["me"], None, cfg, OuterConfig(), [], [], [], bans.banned, lambda n: None, no_prefetch)
-    closer = Closer(PEER["me"], cfg, 1, records, payloads, bans, lambda: 3, threading.Event())
+    closer = Closer(PEER["me"], cfg, 1, records, payloads, bans, lambda: Expected(3), threading.Event())
     closer.prior = (3, {PEER["public"]: frozenset({0}), PEER["nat"]: frozenset({0})})
     closer.prior_undialable = frozenset({PEER["nat"]})
     return closer

@@ -251,3 +251,55 @@ def test_members_behind_nat_take_their_turn_after_the_dialable_members() -> None
     prior = {"m1": {0, 1}, "m2": {0, 1}, "m3": {0, 1}}
     order = turn_order(7, prior, {"new": {0, 1}}, 2, undialable={"m1", "new"})
     assert order[:2] == coordinator_order(7, ["m2", "m3"]) and order[2:] == ["m1", "new"]
+
+
+def test_a_round_is_complete_only_with_the_expected_contributors() -> None:
+    from hlbp.peer.rounds.rules import UNKNOWN, Expected, complete
+
+    expected = Expected(3, frozenset({"a", "b", "c"}))
+    fakes = {f"fake{i}": None for i in range(40)}
+    assert not complete({"a": None, **fakes}, expected)  # 40 notices under throwaway keys complete nothing
+    assert not complete({"a", "b"}, expected)
+    assert complete({"a", "b", "c", "fake1"}, expected)
+    assert not complete({"a", "b", "c"}, expected, banned=lambda p: p == "c")  # a banned sender is not awaited...
+    assert complete({"a", "b", "c"}, Expected(2, frozenset({"a", "b", "c"})), banned=lambda p: p == "c")
+    assert complete({"x", "y"}, Expected(2))  # only a count known (the in-process engine): any notice counts
+    assert not complete({"a", "b", "c"}, UNKNOWN)  # announcements unread: the window runs out instead
+
+
+def test_the_expected_contributors_are_full_replicas_and_whole_swarms() -> None:
+    from dataclasses import dataclass
+
+    from hlbp.peer.node.replica import expected_contributors
+
+    @dataclass
+    class Ann:
+        role: str
+        online: bool = True
+        swarm: int | None = None
+        stage: int | None = None
+
+    @dataclass
+    class Run:
+        stages: tuple[tuple[int, int], ...] = ((0, 1), (1, 2))
+
+        def may_contribute(self, peer: str) -> bool:
+            return peer != "outsider"
+
+    anns = {"r1": Ann("replica"), "r2": Ann("replica"), "gone": Ann("replica", online=False),
+            "outsider": Ann("replica"), "s0": Ann("stage", swarm=1, stage=0), "s1": Ann("stage", swarm=1, stage=1),
+            "standby": Ann("stage", swarm=1, stage=1), "half": Ann("stage", swarm=2, stage=0)}
+    got = expected_contributors(anns, Run())
+    assert got.count == 2 + 2  # two replicas, one per stage of the whole swarm (its standby trains nothing)
+    assert got.peers == frozenset({"r1", "r2", "s0", "s1", "standby"})
+
+
+def test_unannounced_keys_rank_behind_every_announced_contributor() -> None:
+    from hlbp.peer.rounds.rules import turn_order
+
+    notices = {p: {0, 1} for p in ("a", "b", "c", *(f"fake{i}" for i in range(40)))}
+    order = turn_order(0, {}, notices, 2, announced={"a", "b", "c"})
+    assert order[:3] == coordinator_order(0, ["a", "b", "c"])  # whoever reads the 40 fakes, the head is the same
+    assert order[:3] == turn_order(0, {}, {p: {0, 1} for p in "abc"}, 2, announced={"a", "b", "c"})
+    # members of the previous round still come first
+    assert turn_order(1, {"fake3": {0, 1}}, notices, 2, announced={"a", "b", "c"})[0] == "fake3"

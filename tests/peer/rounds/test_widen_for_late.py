@@ -16,6 +16,7 @@ from hlbp.peer.rounds.config import RoundConfig
 from hlbp.peer.rounds.outer import OuterConfig
 from hlbp.peer.rounds.payloads import Payloads
 from hlbp.peer.rounds.records import RoundRecords
+from hlbp.peer.rounds.rules import Expected
 from hlbp.protocol.identity import Identity
 from hlbp.protocol.roundwire import KIND_CONTRIB, ContribNotice, round_key, sign
 
@@ -32,7 +33,7 @@ def _closer(closed_window: float, lag_s: float) -> Closer:
     records.inbox.wanted = lambda key: True
     bans = RoundBans()
     payloads = Payloads(PEER["me"], None, cfg, OuterConfig(), [], [], [], bans.banned, lambda n: None, None)
-    closer = Closer(PEER["me"], cfg, 1, records, payloads, bans, lambda: 0, None)
+    closer = Closer(PEER["me"], cfg, 1, records, payloads, bans, lambda: Expected(0), None)
     closer.window = 1.5
     closer.last_close = (3, time.monotonic() - lag_s, closed_window, frozenset({PEER["on_time"]}))
     return closer
