@@ -61,6 +61,7 @@ class Reason(IntEnum):
     INCOMPLETE = 4  # fail: a finish arrived before the step's micro-batches had all accumulated at the named peer
     ALREADY_APPLIED = 5  # fail: the named peer already applied this step; re-running it cannot help
     BAD_DONE = 6  # fail: the named peer sent a done that does not add up (rate, norm or scale); it was not applied
+    BAD_FINISH = 7  # fail: the named peer sent a finish off the run's schedule (rate or clipping norm); not run
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,7 @@ from hlbp.peer.model.codec import ActivationCodec
 from hlbp.peer.swarm.gate import RoundGate
 from hlbp.peer.swarm.links import Conn, StageLinks
 from hlbp.peer.swarm.routing import Bans
-from hlbp.peer.swarm.worker import StageStateError, StageWorker, clip_scale, done_fault
+from hlbp.peer.swarm.worker import StageStateError, StageWorker, clip_scale, done_fault, finish_fault
 from hlbp.protocol import ProtocolError
 from hlbp.protocol.stagewire import (
     DOWNSTREAM,
@@ -139,6 +139,11 @@ class StageServer:
         elif msg.op == "bwd":
             self._put(BACKWARD, lambda: self._backward(msg, body))
         elif msg.op == "finish":
+            fault = finish_fault(msg.lr, msg.opt_step, msg.max_norm, self.worker.optim)
+            if fault is not None:  # not run, not passed down: its sender is banned and told why
+                self._on_bad(conn.peer, fault)
+                self._fail(conn.peer, Reason.BAD_FINISH, fault)
+                return
             self._put(BACKWARD, lambda: self._finish(msg))
         elif msg.op == "abort":
             self._put(APPLY, lambda: self._abort(msg))

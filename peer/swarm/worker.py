@@ -23,7 +23,7 @@ from torch import nn
 
 from hlbp.peer.model.decoder import Stage
 from hlbp.peer.model.subspace import SubspaceConstraint
-from hlbp.peer.train.trainer import OptimConfig, autocast, make_adamw
+from hlbp.peer.train.trainer import OptimConfig, autocast, lr_at, make_adamw
 
 
 class StageStateError(RuntimeError):
@@ -178,6 +178,23 @@ def clip_scale(total_sumsq: float, max_norm: float) -> float:
     if not math.isfinite(total_sumsq):
         return float("nan")
     return min(1.0, max_norm / (math.sqrt(total_sumsq) + 1e-6))
+
+
+def finish_fault(lr: float, opt_step: int, max_norm: float, optim: OptimConfig) -> str | None:
+    """Why a step's ``finish`` (from the driver, relayed down) must not be run here, or None.
+
+    Every stage holds the run's schedule (``optim``, from the manifest), so it derives the rate of optimizer step
+    ``opt_step`` itself and knows the run's clipping norm: a driver that names another rate or norm would step every
+    stage of its chain as it chose (the last stage's ``done`` only repeats the driver's rate). ``opt_step`` is the
+    driver's count, which no stage can check; whatever it is, the rate stays on the schedule, at most its peak."""
+    if opt_step < 0:
+        return f"its finish names optimizer step {opt_step}"
+    want = lr_at(opt_step, optim)
+    if lr != want:
+        return f"its finish names learning rate {lr:.6g}, the schedule's at step {opt_step} is {want:.6g}"
+    if max_norm != optim.grad_clip:
+        return f"its finish names clipping norm {max_norm:.6g}, the run's is {optim.grad_clip:.6g}"
+    return None
 
 
 def done_fault(done_lr: float, done_scale: float, done_sumsq: float, lr: float, max_norm: float,

@@ -20,7 +20,7 @@ from hlbp.peer.swarm.links import StageLinks
 from hlbp.peer.swarm.routing import Candidate
 from hlbp.peer.swarm.server import StageServer
 from hlbp.peer.swarm.worker import StageWorker
-from hlbp.peer.train.trainer import OptimConfig
+from hlbp.peer.train.trainer import OptimConfig, lr_at
 from hlbp.protocol.activations import encode_activations
 from hlbp.protocol.stagewire import StageMessage, encode_message, encode_targets
 
@@ -74,9 +74,9 @@ def test_bad_frames_ban_their_sender_and_change_nothing(dhts: list[hivemind.DHT]
 
         # 3. a bad-mouthed stage: nothing stops the honest driver's steps
         x = torch.randint(0, CONFIG.vocab_size, (4, 9))
-        first = driver.train_step(x[:, :-1], x[:, 1:], 0, 1e-3)
+        first = driver.train_step(x[:, :-1], x[:, 1:], 0, lr_at(0, optim))
         for step in range(1, 4):
-            result = driver.train_step(x[:, :-1], x[:, 1:], step, 1e-3)
+            result = driver.train_step(x[:, :-1], x[:, 1:], step, lr_at(step, optim))
         assert result.loss < first.loss
         assert server.counters.steps_applied == 4 and driver.counters.microbatches == 8
     finally:

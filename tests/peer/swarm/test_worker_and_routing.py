@@ -151,3 +151,16 @@ def test_a_done_that_does_not_add_up_is_refused() -> None:
     assert "clipping scale 1" in done_fault(1e-3, 1.0, total, 1e-3, 1.0, 4.0)  # a scale of 1 undoes the clipping
     assert done_fault(1e-3, 1.0, total, 1e-3, 0.0, 4.0) is None  # no clipping in the run: scale 1 is right
     assert done_fault(1e-3, 0.0, 1e300, 1e-3, 1.0, 4.0) is None  # a non-finite step: skipped everywhere
+
+
+def test_a_finish_off_the_schedule_is_refused() -> None:
+    from hlbp.peer.swarm.worker import finish_fault
+    from hlbp.peer.train.trainer import OptimConfig, lr_at
+
+    optim = OptimConfig(lr=1e-3, warmup_steps=2, total_steps=10)
+    for step in (0, 1, 2, 7, 10, 50):
+        assert finish_fault(lr_at(step, optim), step, optim.grad_clip, optim) is None
+    assert "learning rate 10" in finish_fault(10.0, 3, optim.grad_clip, optim)  # the rate the attack chose
+    assert "learning rate" in finish_fault(lr_at(3, optim), 4, optim.grad_clip, optim)  # another step's rate
+    assert "clipping norm 1e+06" in finish_fault(lr_at(3, optim), 3, 1e6, optim)  # clipping undone
+    assert "optimizer step -1" in finish_fault(lr_at(0, optim), -1, optim.grad_clip, optim)
