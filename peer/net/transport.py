@@ -47,6 +47,12 @@ PUSH_HANDLER = "/hlbp/push/1"
 MAX_PUSH = 64 * 1024  # a pushed record's body: round records stay under 48 KiB
 PUSH_RATE = 20.0  # pushes a second a peer may send us, sustained (an honest one sends a few a round)
 PUSH_BURST = 100.0  # pushes a peer may send us at once
+# blob requests a second a peer may make of us: a round's payloads, a few per shard, for a peer that fetches from us
+FETCH_RATE, FETCH_BURST = 20.0, 200.0
+# requests for our state's shards (names under STATE_PREFIX): a resyncing peer takes each shard once, then retries now and then
+# (each answer can be many megabytes: a flood of these would keep our uplink full)
+STATE_RATE, STATE_BURST = 0.5, 32.0
+STATE_PREFIX = "s/"  # the names of state shards (hlbp.peer.rounds.statesync.state_name)
 MAX_HEADER = 4096
 MAX_NAME = 256
 MAX_WAITERS = 64  # requests held open at once while our own fetch of their name finishes
@@ -144,6 +150,9 @@ class P2PBlobTransport:
         # a peer pushes a few records a round (its notice, an accepted set, its checksums): far more is a flood,
         # refused before its frame is read
         self.push_limit = RateLimiter(rate=PUSH_RATE, burst=PUSH_BURST)
+        # and so are blob requests, each before its name is read; state shards have a tighter bucket of their own
+        self.fetch_limit = RateLimiter(rate=FETCH_RATE, burst=FETCH_BURST)
+        self.state_limit = RateLimiter(rate=STATE_RATE, burst=STATE_BURST)
         self.pushes_sent = 0
         self.push_failures = 0
         self._blobs: dict[str, bytes] = {}
@@ -258,10 +267,16 @@ class P2PBlobTransport:
             if self.allowed is not None and not self.allowed(requester):
                 logger.debug("refused a blob request from %s: not in the run's allow-list", requester)
                 return
+            if not self.fetch_limit.allow(requester):
+                return  # closed unanswered: a flood costs us no read
             request = await _read_frame(reader, self.request_timeout)
             name = request.get("name")
             if not isinstance(name, str) or len(name) > MAX_NAME:
                 raise ProtocolError("request name must be a short string")
+            if name.startswith(STATE_PREFIX) and not self.state_limit.allow(requester):
+                writer.write(_frame({"error": "too many state requests"}))
+                await writer.drain()
+                return
             with self._lock:
                 data = self._blobs.get(name)
                 shared = name in self._sharing

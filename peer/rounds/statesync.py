@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from hlbp.peer.net.transport import BlobTransport, TransportError
+from hlbp.peer.net.transport import STATE_PREFIX, BlobTransport, TransportError
 from hlbp.protocol import ProtocolError
 from hlbp.protocol.dense import ST_ITEMSIZE, read_header
 
@@ -88,7 +88,7 @@ def fingerprints_agree(a: tuple[float, float], b: tuple[float, float], rtol: flo
 
 def state_name(round_: int, shard: int) -> str:
     """Transport name of a shard's state after ``round_``."""
-    return f"s/{round_}/{shard}"
+    return f"{STATE_PREFIX}{round_}/{shard}"
 
 
 def encode_state(

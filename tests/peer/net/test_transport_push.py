@@ -124,3 +124,31 @@ def test_a_push_flood_is_refused_past_the_peers_rate(pair) -> None:
         assert len(got) == tr.PUSH_BURST and limiter.refused == n - tr.PUSH_BURST, (len(got), limiter.refused)
     finally:
         receiver.push_limit = running
+
+
+def test_requests_for_state_shards_are_refused_past_the_peers_rate(pair) -> None:
+    """A peer asking for our state's shards again and again (each answer can be megabytes) gets the burst, then
+    "too many state requests" without a byte of state; payloads stay available to it, under their own limit."""
+    from hlbp.peer.net.ratelimit import RateLimiter
+    from hlbp.peer.net.transport import TransportError
+    from hlbp.peer.rounds.statesync import state_name
+
+    holder, asker, _ = pair
+    states, running = RateLimiter(tr.STATE_RATE, tr.STATE_BURST, clock=lambda: 0.0), holder.state_limit
+    holder.state_limit = states  # stopped: no refill however slowly a loaded box asks
+    holder.put(state_name(3, 0), b"s" * 100_000)
+    holder.put("c/3/0/someone", b"c" * 1000)
+    try:
+        served = holder.bytes_served
+        n = int(tr.STATE_BURST) + 8
+        for i in range(n):
+            if i < tr.STATE_BURST:
+                assert asker.fetch(holder.peer_id, state_name(3, 0), 1 << 20, 30.0) == b"s" * 100_000
+            else:
+                with pytest.raises(TransportError, match="too many state requests"):
+                    asker.fetch(holder.peer_id, state_name(3, 0), 1 << 20, 30.0)
+        assert holder.bytes_served - served == tr.STATE_BURST * 100_000
+        assert asker.fetch(holder.peer_id, "c/3/0/someone", 1 << 20, 30.0) == b"c" * 1000
+    finally:
+        holder.state_limit = running
+        holder.drop([state_name(3, 0), "c/3/0/someone"])

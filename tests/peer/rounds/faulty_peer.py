@@ -237,6 +237,59 @@ class FakeNotices(_Delegate):
         print(f"fake notices for round {body['round']}", flush=True)
 
 
+class Flood:
+    """Floods every member of the last round it saw, from two threads, for as long as the process lives: pushes of
+    junk records under the round's notice key as fast as it can send them, and requests for the member's state
+    shards (megabytes each). Every 3 s it prints what it sent and what was refused; its rounds go on honestly."""
+
+    def __init__(self, runner: Any) -> None:
+        self.runner = runner
+        self.pushes = self.served = self.refused = 0
+        for work in (self._push, self._report, *[self._fetch] * 8):
+            threading.Thread(target=work, daemon=True).start()
+
+    def _targets(self) -> list[str]:
+        prior = self.runner.closer.prior
+        return [p for p in (prior[1] if prior else {}) if p != self.runner.me]
+
+    def _push(self) -> None:
+        from hlbp.protocol.roundwire import KIND_CONTRIB, round_key
+
+        junk = os.urandom(1024)
+        while True:
+            targets = self._targets()
+            if not targets:
+                time.sleep(0.1)
+                continue
+            self.runner.transport.push(targets, round_key(self.runner.cfg.run_id, self.runner.round, KIND_CONTRIB),
+                                       junk, timeout=2.0)
+            self.pushes += len(targets)
+            time.sleep(0.002)
+
+    def _fetch(self) -> None:
+        from hlbp.peer.rounds.statesync import state_name
+
+        while True:
+            targets = self._targets()
+            if not targets or self.runner.round < 1:
+                time.sleep(0.1)
+                continue
+            for peer in targets:
+                for r in (self.runner.round - 1, self.runner.round):  # the newest state a member serves
+                    try:
+                        self.runner.transport.fetch(peer, state_name(r, 0), 1 << 26, 2.0)
+                        self.served += 1
+                    except Exception:  # noqa: BLE001 - refused, not there, or timed out: all the same to a flood
+                        self.refused += 1
+
+    def _report(self) -> None:
+        while True:
+            time.sleep(3.0)
+            failed = self.runner.transport.push_failures
+            print(f"flood: {self.pushes} pushes, {failed} refused; state requests {self.served} served, "
+                  f"{self.refused} refused", flush=True)
+
+
 def no_dht_notices(from_round: int) -> Callable[[str], bool]:
     """Never store contribution notices of round ``from_round`` on in the DHT: the others learn of them only from
     our pushes."""
@@ -283,6 +336,7 @@ FAULTS: dict[str, Callable[[Any, str], None]] = {
     "fake-notices": lambda runner, arg: setattr(runner, "records", FakeNotices(runner.records, runner,
                                                                                 int(arg or 40))),
     "usurper": lambda runner, arg: setattr(runner, "closer", UsurpingCloser(runner.closer, arg == "empty")),
+    "flood": lambda runner, arg: setattr(runner, "flood", Flood(runner)),
 }
 
 
