@@ -1,6 +1,7 @@
 # Two commands for a fresh machine:
 #   make demo   set everything up, then run a heterogeneous swarm on loopback on the built-in corpus:
-#               2 full replicas and a pipeline swarm of 2 stage peers in the same SparseLoCo rounds
+#               2 full replicas and a pipeline swarm of 2 stage peers in the same SparseLoCo rounds; then the
+#               first replica's model exported to runs/model (Hugging Face format) and a sample of its text
 #   make test   set everything up, then run the test suite (what .ci/run calls)
 # TORCH_INDEX: pip index for torch when none is installed, e.g. https://download.pytorch.org/whl/cpu
 # (leave empty where `pip install torch==2.13.0` already resolves to a CPU build).
@@ -41,7 +42,11 @@ $(VENV)/.hlbp-installed: pyproject.toml setup.py
 	touch $@
 
 demo: setup
-	$(HLBP) simulate --full 2 --swarms 1 --stages 2 --rounds 8 --out runs/simulate.json
+	rm -rf runs/demo
+	$(HLBP) simulate --full 2 --swarms 1 --stages 2 --rounds 8 --out runs/simulate.json --workdir runs/demo
+	@# what the swarm trained, outside hlbp: the first replica's checkpoint as a Hugging Face folder, and a sample
+	$(HLBP) export runs/demo/peer0/*/*/ runs/model
+	$(HLBP) generate runs/demo/peer0/*/*/ --prompt "The king" --max-tokens 40
 
 test: setup
 	$(PY) -m pytest -q -p no:cacheprovider --durations=20

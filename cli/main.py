@@ -9,6 +9,7 @@ import typer
 
 from hlbp.cli.bench import bench_app
 from hlbp.cli.control_cmds import register as register_control_commands
+from hlbp.cli.model_cmds import register as register_model_commands
 from hlbp.cli.options import make_console, opt, run_app
 from hlbp.cli.simulate import register as register_simulate
 
@@ -23,6 +24,7 @@ console = make_console()
 app.add_typer(bench_app, name="bench")
 register_control_commands(app)
 register_simulate(app)
+register_model_commands(app)
 
 
 def _version() -> str:

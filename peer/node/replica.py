@@ -39,6 +39,7 @@ from hlbp.peer.rounds.guard import GuardConfig
 from hlbp.peer.rounds.outer import OuterConfig
 from hlbp.peer.rounds.rules import Expected
 from hlbp.peer.rounds.sparseloco import RoundConfig, RoundRunner, RoundStats
+from hlbp.peer.train.export import ModelInfo, write_model_info
 from hlbp.peer.train.metricslog import MetricsLog
 from hlbp.peer.train.trainer import InnerTrainer, OptimConfig, evaluate, micro_batches, pick_device
 
@@ -197,6 +198,8 @@ def run_replica(ctx: TrainContext, options: ReplicaOptions, echo: Any = print) -
     device = pick_device(options.device)
     data = prepare_data(m.data_recipe, ctx.cache_dir, tokenizer_path=peer.tokenizer_path)
     config, model, constraint = replica_model(m, data.vocab_size)  # every replica: bit-identical initial weights
+    # beside the checkpoint, what it does not say: the model's shape and the run's tokenizer (hlbp export, generate)
+    write_model_info(ctx.out_dir, ModelInfo(m.run_id, config, data.eot_id), data.tokenizer_path)
     bounds = [tuple(s) for s in m.stages]
     with torch.device("meta"):
         stages = split(config, len(bounds), bounds)

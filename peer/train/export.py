@@ -1,0 +1,221 @@
+"""The trained model outside hlbp: a checkpoint's parameters as a Hugging Face Llama folder.
+
+A full replica writes, beside its checkpoint, what the checkpoint alone does not say: the model's shape
+(:data:`MODEL_FILE`, the :class:`~hlbp.peer.model.decoder.ModelConfig` the run trains) and the run's tokenizer
+(:data:`TOKENIZER_FILE`). With those three files a checkpoint directory is self-contained: :func:`export_hf` turns it
+into a folder that ``transformers`` loads with ``AutoModelForCausalLM`` and ``AutoTokenizer``, and
+:mod:`hlbp.peer.train.sample` samples from it without a manifest or a network.
+
+The plain decoder is a Llama exactly: pre-norm RMSNorm blocks with a weight, rotary embeddings that rotate the two
+halves of each head (Llama's ``rotate_half``), SwiGLU feed-forward, no biases, an untied head. The subspace network
+of the variants A is not: its constrained blocks normalise their outputs with a fixed gain, which Llama has no
+place for, so its export is refused with one line rather than written as a different model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import shutil
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hlbp.peer.common.errors import UserInputError
+from hlbp.peer.common.files import atomic_write_bytes
+from hlbp.peer.model.decoder import ModelConfig
+
+MODEL_FILE = "model.json"  # beside a checkpoint: the model's shape, the run and the end-of-text token
+TOKENIZER_FILE = "tokenizer.json"  # beside a checkpoint: the run's tokenizer (a `tokenizers` JSON file)
+CHECKPOINT_FILE = "checkpoint.safetensors"
+# where a checkpoint keeps the model's parameters: a replica's global ones (the anchor, hlbp.peer.rounds.persist),
+# or the model of `hlbp train` (hlbp.peer.train.trainer)
+PREFIXES = ("anchor.", "model.")
+MAX_MODEL_FILE = 64 * 1024
+
+
+class ExportRefused(UserInputError):
+    """The model cannot be written in the asked format without changing what it computes."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelInfo:
+    """What a checkpoint directory says about its model, besides the parameters."""
+
+    run_id: str
+    config: ModelConfig
+    eot_id: int
+
+    def to_json(self) -> bytes:
+        return json.dumps({"run": self.run_id, "eot_id": self.eot_id, "model": dataclasses.asdict(self.config)},
+                          indent=1, sort_keys=True).encode()
+
+
+def write_model_info(directory: Path, info: ModelInfo, tokenizer_path: Path) -> None:
+    """Write :data:`MODEL_FILE` and a copy of the tokenizer into ``directory`` (a replica's output directory)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(directory / MODEL_FILE, info.to_json())
+    if Path(tokenizer_path).resolve() != (directory / TOKENIZER_FILE).resolve():
+        atomic_write_bytes(directory / TOKENIZER_FILE, Path(tokenizer_path).read_bytes())
+
+
+def read_model_info(directory: Path) -> ModelInfo:
+    """:data:`MODEL_FILE` of ``directory``, checked; :class:`UserInputError` (one line) when missing or malformed."""
+    path = Path(directory) / MODEL_FILE
+    if not path.is_file():
+        raise UserInputError(f"{path} is missing: the model's shape is written there by `hlbp join` (a full replica)"
+                             " beside its checkpoint; a checkpoint from an older hlbp has none")
+    if path.stat().st_size > MAX_MODEL_FILE:
+        raise UserInputError(f"{path} is over {MAX_MODEL_FILE} bytes: not a model description")
+    try:
+        raw = json.loads(path.read_text())
+        fields = {f.name: f.type for f in dataclasses.fields(ModelConfig)}
+        model = raw["model"]
+        if not isinstance(model, dict) or set(model) - set(fields):
+            raise ValueError(f"unknown fields {sorted(set(model) - set(fields))[:5]}")
+        config = ModelConfig(**model)
+        run_id, eot_id = raw["run"], raw["eot_id"]
+        if not isinstance(run_id, str) or not isinstance(eot_id, int) or not 0 <= eot_id < config.vocab_size:
+            raise ValueError("run or eot_id malformed")
+    except (ValueError, KeyError, TypeError) as exc:
+        raise UserInputError(f"{path} is not a model description hlbp wrote ({exc})") from None
+    return ModelInfo(run_id, config, eot_id)
+
+
+def checkpoint_dir(path: Path) -> tuple[Path, Path]:
+    """(the directory, the checkpoint file) for a checkpoint file or the directory that holds one."""
+    path = Path(path)
+    file = path / CHECKPOINT_FILE if path.is_dir() else path
+    if not file.is_file():
+        raise UserInputError(f"no checkpoint at {file}: give a replica's checkpoint.safetensors or its directory")
+    return file.parent, file
+
+
+def load_parameters(path: Path) -> tuple[ModelInfo, dict[str, torch.Tensor], dict[str, Any]]:
+    """A checkpoint's model description, its parameters (a replica's global ones, the anchor: what the run agreed
+    on) and its header; checked against the description's shapes."""
+    from hlbp.peer.model.decoder import build_model
+    from hlbp.peer.train.checkpoint import load_checkpoint
+
+    directory, file = checkpoint_dir(path)
+    info = read_model_info(directory)
+    tensors, header = load_checkpoint(file)
+    prefix = next((p for p in PREFIXES if any(k.startswith(p) for k in tensors)), "")
+    params = {k[len(prefix):]: v for k, v in tensors.items() if prefix and k.startswith(prefix)}
+    want = {n: tuple(p.shape) for n, p in build_model(info.config).named_parameters()}
+    got = {n: tuple(t.shape) for n, t in params.items()}
+    if got != want:
+        missing, extra = sorted(set(want) - set(got)), sorted(set(got) - set(want))
+        wrong = sorted(n for n in set(want) & set(got) if want[n] != got[n])
+        raise UserInputError(f"{file} does not hold the parameters {directory / MODEL_FILE} describes (missing "
+                             f"{missing[:3]}, unexpected {extra[:3]}, other shapes {wrong[:3]})")
+    return info, params, header
+
+
+def llama_config(info: ModelInfo) -> dict[str, Any]:
+    """The ``config.json`` of a ``LlamaForCausalLM`` that computes what hlbp's decoder does."""
+    c = info.config
+    if c.subspace_rank:
+        raise ExportRefused(f"this run trains the subspace network (subspace_rank={c.subspace_rank}): its "
+                            "constrained blocks normalise their outputs with a fixed gain, which a Llama model has "
+                            "no place for, so it cannot be exported as one; sample from it with `hlbp generate`")
+    return {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "vocab_size": c.vocab_size, "hidden_size": c.d_model, "intermediate_size": c.d_ff,
+        "num_hidden_layers": c.n_layers, "num_attention_heads": c.n_heads, "num_key_value_heads": c.n_heads,
+        "head_dim": c.head_dim, "max_position_embeddings": c.max_seq_len, "rms_norm_eps": c.norm_eps,
+        "rope_theta": c.rope_theta, "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
+        "tie_word_embeddings": False, "initializer_range": c.init_std, "torch_dtype": "float32",
+        "bos_token_id": info.eot_id, "eos_token_id": info.eot_id, "pad_token_id": info.eot_id,
+    }
+
+
+_BLOCK_NAMES = {
+    "attn.wq.weight": "self_attn.q_proj.weight", "attn.wk.weight": "self_attn.k_proj.weight",
+    "attn.wv.weight": "self_attn.v_proj.weight", "attn.wo.weight": "self_attn.o_proj.weight",
+    "ffn.w1.weight": "mlp.gate_proj.weight", "ffn.w3.weight": "mlp.up_proj.weight",
+    "ffn.w2.weight": "mlp.down_proj.weight", "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+}
+_TOP_NAMES = {"embed.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
+              "head.weight": "lm_head.weight"}
+
+
+def llama_state_dict(params: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """hlbp's parameter names as Llama's (the same tensors: both lay a linear layer out as [out, in])."""
+    out: dict[str, torch.Tensor] = {}
+    for name, t in params.items():
+        if name in _TOP_NAMES:
+            out[_TOP_NAMES[name]] = t
+            continue
+        _, index, rest = name.split(".", 2)  # blocks.<i>.<rest>
+        if rest not in _BLOCK_NAMES:
+            raise ExportRefused(f"parameter {name} has no counterpart in a Llama model")
+        out[f"model.layers.{index}.{_BLOCK_NAMES[rest]}"] = t
+    return {k: v.detach().float().contiguous().clone() for k, v in out.items()}
+
+
+def _card(info: ModelInfo, header: Mapping[str, Any], val_loss: float | None) -> str:
+    c = info.config
+    loss = f"{val_loss:.4f}" if val_loss is not None and math.isfinite(val_loss) else "not recorded"
+    return (f"# {info.run_id}\n\nA decoder pre-trained by volunteer peers with hlbp, run `{info.run_id}`, exported "
+            f"from a full replica's checkpoint after round {header.get('round', '?')}.\n\n"
+            f"- shape: {c.n_layers} layers, width {c.d_model}, {c.n_heads} heads, feed-forward {c.d_ff}, "
+            f"context {c.max_seq_len}, vocabulary {c.vocab_size}\n"
+            f"- validation loss at the last recorded round: {loss}\n\n"
+            "Load it with `AutoModelForCausalLM.from_pretrained(dir)` and `AutoTokenizer.from_pretrained(dir)`.\n")
+
+
+def last_val_loss(directory: Path) -> float | None:
+    """The validation loss of the last round a replica's ``metrics.jsonl`` in ``directory`` recorded, if any."""
+    path = Path(directory) / "metrics.jsonl"
+    if not path.is_file():
+        return None
+    loss = None
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(rec, dict) and rec.get("event") == "round" and isinstance(rec.get("val_loss"), float):
+            loss = rec["val_loss"]
+    return loss
+
+
+def export_hf(checkpoint: Path, out_dir: Path) -> Path:
+    """Write ``out_dir``: ``config.json``, ``model.safetensors``, the tokenizer and a model card, from a replica's
+    checkpoint (file or directory). Returns ``out_dir``; :class:`UserInputError` (one line) when it cannot."""
+    from safetensors.torch import save_file
+
+    info, params, header = load_parameters(checkpoint)
+    config = llama_config(info)
+    directory, _ = checkpoint_dir(checkpoint)
+    tokenizer = directory / TOKENIZER_FILE
+    if not tokenizer.is_file():
+        raise UserInputError(f"{tokenizer} is missing: `hlbp join` writes the run's tokenizer beside its checkpoint")
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file(llama_state_dict(params), str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    (out_dir / "config.json").write_text(json.dumps(config, indent=1, sort_keys=True))
+    (out_dir / "generation_config.json").write_text(json.dumps(
+        {"bos_token_id": info.eot_id, "eos_token_id": info.eot_id, "pad_token_id": info.eot_id}, indent=1))
+    shutil.copyfile(tokenizer, out_dir / "tokenizer.json")
+    eot = _token_text(tokenizer, info.eot_id)
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": info.config.max_seq_len,
+         "bos_token": eot, "eos_token": eot, "pad_token": eot, "add_bos_token": False, "add_eos_token": False},
+        indent=1))
+    (out_dir / "README.md").write_text(_card(info, header, last_val_loss(directory)))
+    return out_dir
+
+
+def _token_text(tokenizer: Path, token_id: int) -> str:
+    from tokenizers import Tokenizer
+
+    text = Tokenizer.from_file(str(tokenizer)).id_to_token(token_id)
+    if text is None:
+        raise UserInputError(f"{tokenizer} has no token {token_id}, the run's end-of-text token")
+    return text
