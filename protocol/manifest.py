@@ -60,7 +60,7 @@ def check_sha256(digest: str) -> str:
 
 @dataclass(frozen=True)
 class Hyperparameters:
-    """Training hyperparameters every peer of a run shares (ALGORITHMS.md names them)."""
+    """Training hyperparameters every peer of a run shares (docs/algorithms.md names them)."""
 
     inner_steps: int = 30  # H: inner AdamW steps between two outer rounds
     lr: float = 3e-3  # peak inner AdamW learning rate

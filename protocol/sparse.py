@@ -1,4 +1,4 @@
-"""SparseLoCo compression of one tensor: chunked top-k plus 2-bit quantisation (ALGORITHMS.md §1).
+"""SparseLoCo compression of one tensor: chunked top-k plus 2-bit quantisation (docs/algorithms.md §1).
 
 This module is the numeric half of the codec: it turns a dense float tensor into a :class:`SparseTensor` and back.
 The wire formats live in :mod:`hlbp.protocol.indexcodec` and :mod:`hlbp.protocol.shard`.
@@ -301,7 +301,7 @@ def decompress(s: SparseTensor) -> torch.Tensor:
 
 
 def payload_bits_formula(numel: int, k: int = DEFAULT_K, index_bits: int = 12, value_bits: int = 2) -> float:
-    """Nominal wire cost of the body in bits: ``numel / 4096 * k * (index_bits + value_bits)`` (ALGORITHMS.md §1).
+    """Nominal wire cost of the body in bits: ``numel / 4096 * k * (index_bits + value_bits)`` (docs/algorithms.md §1).
 
     It ignores headers and the rounding of per-chunk k; :func:`hlbp.protocol.shard.packed12_size` gives the exact
     byte count of a packed12 shard.

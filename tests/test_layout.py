@@ -1,4 +1,4 @@
-"""The package layout that ARCHITECTURE.md ("Layout") promises: imports point one way, no module imports itself
+"""The package layout that docs/layout.md promises: imports point one way, no module imports itself
 back through others, modules stay small.
 
 Parses every module with ``ast`` (nothing is imported), so a wrong edge fails here with its file and line
@@ -125,7 +125,7 @@ def _violation(importer: str, imported: str) -> str | None:
 def test_every_peer_module_lives_in_a_known_sub_package() -> None:
     stray = [str(p.relative_to(ROOT)) for p, name in _modules()
              if name.startswith("hlbp.peer.") and name.split(".")[2] not in LOWER]
-    assert not stray, f"modules outside the sub-packages of ARCHITECTURE.md's layout: {stray}"
+    assert not stray, f"modules outside the sub-packages of docs/layout.md: {stray}"
 
 
 def test_imports_point_downward() -> None:

@@ -1,4 +1,4 @@
-"""``hlbp bench heterogeneous``: selective activation compression in a SparseLoCo run (ALGORITHMS.md §3).
+"""``hlbp bench heterogeneous``: selective activation compression in a SparseLoCo run (docs/algorithms.md §3).
 
 R replicas (default 4) train on the built-in corpus under SparseLoCo. In each cell of the matrix some of them are
 pipeline replicas whose stage boundaries use a subspace codec and the rest are full replicas:

@@ -1,4 +1,4 @@
-"""The shared subspace of ALGORITHMS.md §3: the basis U, the anchor table T_fixed and projections onto span(U).
+"""The shared subspace of docs/algorithms.md §3: the basis U, the anchor table T_fixed and projections onto span(U).
 
 Pure linear algebra that every peer computes identically from the run's seed. The decoder uses it to keep variant
 A's residual-stream writers in span(U); the activation codecs in :mod:`hlbp.peer.model.subspace` use it at every

@@ -34,7 +34,7 @@ class ModelConfig:
     rope_theta: float = 10000.0  # RoPE base frequency
     norm_eps: float = 1e-5  # RMSNorm epsilon
     init_std: float = 0.02  # std of the normal init of every weight matrix
-    # Exact subspace network, variant A of ALGORITHMS.md §3 (hlbp.peer.model.subspace); subspace_rank = 0 is the plain
+    # Exact subspace network, variant A of docs/algorithms.md §3 (hlbp.peer.model.subspace); subspace_rank = 0 is the plain
     # model. The residual stream is T_fixed[x] + (something in span(U)) up to the last constrained block, so stage
     # boundaries there can be sent as k values per token without loss.
     subspace_rank: int = 0  # k: U is d_model x k; the embedding and every write of a constrained block use U·Uᵀ

@@ -36,7 +36,7 @@ def run_model_config(
 
     For the variants A it is the constrained network, constrained up to the first layer of the last stage of the
     run's partition. Full replicas train it too: the global model is one function, so a constraint that pipeline
-    replicas need for a lossless codec binds every replica (ALGORITHMS.md §3 A; the outer step is then projected
+    replicas need for a lossless codec binds every replica (docs/algorithms.md §3 A; the outer step is then projected
     identically everywhere). Only the codec, and so the bytes, differ between full and pipeline replicas.
     """
     bounds = bounds if bounds is not None else partition(base.n_layers, n_stages)

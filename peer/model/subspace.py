@@ -1,4 +1,4 @@
-"""Compression of pipeline stage boundaries into a subspace (ALGORITHMS.md §3): the shared basis U, the anchor
+"""Compression of pipeline stage boundaries into a subspace (docs/algorithms.md §3): the shared basis U, the anchor
 table T_fixed, the subspace codecs, and the constraints of the exact subspace network (variant A). What every codec
 is, and the dense codec, are in :mod:`hlbp.peer.model.codec`.
 
@@ -53,7 +53,7 @@ from hlbp.protocol.activations import (
 VARIANTS = ("subspace-a", "subspace-b", "subspace-a-drift")
 """The subspace codecs."""
 CONSTRAINED = ("subspace-a", "subspace-a-drift")
-"""Variants that run on the constrained model of ALGORITHMS.md §3 (A)."""
+"""Variants that run on the constrained model of docs/algorithms.md §3 (A)."""
 REBUILT = ("subspace-b", "subspace-a-drift")
 """Variants whose T_fixed is a function of the synchronized embedding, rebuilt after every outer step."""
 
@@ -72,7 +72,7 @@ def drift_table(base: torch.Tensor, embed: torch.Tensor, basis: torch.Tensor) ->
 
 
 def absorb_drift(t_perp: torch.Tensor, t_s: torch.Tensor, basis: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """One drift absorption as ALGORITHMS.md §3 states it: P = T_S·U·Uᵀ; T_⊥ ← T_⊥ + (T_S − P); T_S ← P."""
+    """One drift absorption as docs/algorithms.md §3 states it: P = T_S·U·Uᵀ; T_⊥ ← T_⊥ + (T_S − P); T_S ← P."""
     p = project_rows(t_s, basis)
     return t_perp + (t_s - p), p
 
@@ -141,7 +141,7 @@ class SubspaceConstraint:
 
 
 class SubspaceCodec(ActivationCodec):
-    """k values per token each way plus the token ids forward (ALGORITHMS.md §3); see the module docstring.
+    """k values per token each way plus the token ids forward (docs/algorithms.md §3); see the module docstring.
 
     ``table`` is T_fixed [vocab_size, d_model]; the pipeline replaces it with :meth:`set_table` (or
     :meth:`rebuild_table`, from the synchronized embedding and ``base``, the seed's table of the variants A) after
@@ -246,7 +246,7 @@ def constrained_model_config(base: ModelConfig, cfg: CodecConfig, constrained_la
     """The model a run with codec ``cfg`` trains: ``base`` itself, or for variants A the constrained network.
 
     ``constrained_layers`` is the first layer of the last stage: blocks before it must write only into span(U),
-    the last stage's blocks may stay free (ALGORITHMS.md §3).
+    the last stage's blocks may stay free (docs/algorithms.md §3).
     """
     if cfg.kind not in CONSTRAINED:
         return base

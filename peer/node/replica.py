@@ -6,7 +6,7 @@ everything from the signed manifest (so every replica starts from identical weig
 
 The model is the run's (:func:`replica_model`): in a run whose activation codec is a variant A the full replicas
 train the constrained network the stage peers train, with its constraint re-projected after every inner step, so
-that every replica of the run optimizes one function (ALGORITHMS.md §3 A); full replicas never compress
+that every replica of the run optimizes one function (docs/algorithms.md §3 A); full replicas never compress
 activations, only the swarms' links do.
 """
 

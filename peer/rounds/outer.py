@@ -130,7 +130,7 @@ class OuterOptimizer(ABC):
 
 
 class SparseLoCo(OuterOptimizer):
-    """SparseLoCo: chunked top-k of an error-feedback buffer, 2-bit values, plain outer SGD (ALGORITHMS.md §1)."""
+    """SparseLoCo: chunked top-k of an error-feedback buffer, 2-bit values, plain outer SGD (docs/algorithms.md §1)."""
 
     def __init__(self, config: OuterConfig) -> None:
         config.validate()

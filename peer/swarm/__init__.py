@@ -1,4 +1,4 @@
-"""Pipeline swarms over the network: weak peers each serve one stage, stage 0 drives (ARCHITECTURE.md, "Pipeline
+"""Pipeline swarms over the network: weak peers each serve one stage, stage 0 drives (docs/design.md, "Pipeline
 swarms").
 
 - :mod:`worker`: one stage's compute with exactly-once gradient accumulation (pure, no network);
