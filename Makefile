@@ -1,7 +1,8 @@
 # Two commands for a fresh machine:
 #   make demo   set everything up, then run a heterogeneous swarm on loopback on the built-in corpus:
 #               2 full replicas and a pipeline swarm of 2 stage peers in the same SparseLoCo rounds; then the
-#               first replica's model exported to runs/model (Hugging Face format) and a sample of its text
+#               first replica's model exported to runs/model (Hugging Face format) and a sample of its text;
+#               runs/demo/report.html draws the run's rounds
 #   make test   set everything up, then run the test suite (what .ci/run calls)
 # TORCH_INDEX: pip index for torch when none is installed, e.g. https://download.pytorch.org/whl/cpu
 # (leave empty where `pip install torch==2.13.0` already resolves to a CPU build).

@@ -1,5 +1,5 @@
-"""``hlbp export`` and ``hlbp generate``: what a run trained, used outside it (:mod:`hlbp.peer.train.export`,
-:mod:`hlbp.peer.train.sample`). A thin shell: flags (each also an ``HLBP_*`` variable) in, one line or the text
+"""``hlbp export``, ``hlbp generate`` and ``hlbp report``: what a run trained and measured, used outside it
+(:mod:`hlbp.peer.train.export`, :mod:`hlbp.peer.train.sample`, :mod:`hlbp.peer.sim.html_report`). A thin shell: flags (each also an ``HLBP_*`` variable) in, one line or the text
 out; errors are one line and exit status 2."""
 
 from __future__ import annotations
@@ -40,7 +40,21 @@ def generate(
     typer.echo(prompt + generate_text(checkpoint, prompt, how, pick_device(device)))
 
 
+def report(
+    source: Path = typer.Argument(..., help="hlbp simulate's report JSON or work directory, or a replica's output "
+                                  "directory (metrics.jsonl)."),
+    out: Path | None = opt(None, "--out", env="REPORT_OUT", help="The HTML file to write (default: report.html "
+                           "beside the source)."),
+) -> None:
+    """Draw a run's rounds as one self-contained HTML page: loss against tokens per role, bytes, utilization and
+    accepted contributions per round, and the table of rounds."""
+    from hlbp.peer.sim.html_report import write_report
+
+    typer.echo(f"report written to {write_report(source, out)}")
+
+
 def register(app: typer.Typer) -> None:
-    """Add ``export`` and ``generate`` to the ``hlbp`` app."""
+    """Add ``export``, ``generate`` and ``report`` to the ``hlbp`` app."""
     app.command()(export)
     app.command()(generate)
+    app.command()(report)

@@ -80,6 +80,7 @@ def simulate(flags: SimFlags) -> None:
     waiting, and the dense fp32 bytes the same exchange would have needed. Every process is stopped at the end,
     also on Ctrl-C.
     """
+    from hlbp.peer.sim.html_report import REPORT_JSON, write_report
     from hlbp.peer.sim.launcher import run_simulation
 
     work = flags.workdir or Path(tempfile.mkdtemp(prefix="hlbp-simulate-"))
@@ -97,6 +98,9 @@ def simulate(flags: SimFlags) -> None:
         flags.out.parent.mkdir(parents=True, exist_ok=True)
         flags.out.write_text(json.dumps(report, indent=1), encoding="utf-8")
         out_console.print(f"report written to {flags.out}")
+    (work / REPORT_JSON).write_text(json.dumps(report, indent=1), encoding="utf-8")
+    if report["rounds"]:
+        out_console.print(f"report with plots: {write_report(work / REPORT_JSON)} (hlbp report redraws it)")
     if report["rounds_completed"] < rounds or not all(report["states_agree"]):
         raise typer.Exit(1)
 
