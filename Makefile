@@ -48,6 +48,7 @@ demo: setup
 	@# what the swarm trained, outside hlbp: the first replica's checkpoint as a Hugging Face folder, and a sample
 	$(HLBP) export runs/demo/peer0/*/*/ runs/model
 	$(HLBP) generate runs/demo/peer0/*/*/ --prompt "The king" --max-tokens 40
+	@echo "the run's rounds, drawn: runs/demo/report.html"
 
 test: setup
 	$(PY) -m pytest -q -p no:cacheprovider --durations=20

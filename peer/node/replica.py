@@ -199,7 +199,8 @@ def run_replica(ctx: TrainContext, options: ReplicaOptions, echo: Any = print) -
     data = prepare_data(m.data_recipe, ctx.cache_dir, tokenizer_path=peer.tokenizer_path)
     config, model, constraint = replica_model(m, data.vocab_size)  # every replica: bit-identical initial weights
     # beside the checkpoint, what it does not say: the model's shape and the run's tokenizer (hlbp export, generate)
-    write_model_info(ctx.out_dir, ModelInfo(m.run_id, config, data.eot_id), data.tokenizer_path)
+    write_model_info(ctx.out_dir, ModelInfo(m.run_id, config, data.eot_id, hp.batch_size * hp.seq_len),
+                     data.tokenizer_path)
     bounds = [tuple(s) for s in m.stages]
     with torch.device("meta"):
         stages = split(config, len(bounds), bounds)

@@ -48,10 +48,11 @@ class ModelInfo:
     run_id: str
     config: ModelConfig
     eot_id: int
+    tokens_per_step: int = 0  # tokens in one inner step of this peer (0: not known)
 
     def to_json(self) -> bytes:
-        return json.dumps({"run": self.run_id, "eot_id": self.eot_id, "model": dataclasses.asdict(self.config)},
-                          indent=1, sort_keys=True).encode()
+        return json.dumps({"run": self.run_id, "eot_id": self.eot_id, "tokens_per_step": self.tokens_per_step,
+                           "model": dataclasses.asdict(self.config)}, indent=1, sort_keys=True).encode()
 
 
 def write_model_info(directory: Path, info: ModelInfo, tokenizer_path: Path) -> None:
@@ -77,12 +78,13 @@ def read_model_info(directory: Path) -> ModelInfo:
         if not isinstance(model, dict) or set(model) - set(fields):
             raise ValueError(f"unknown fields {sorted(set(model) - set(fields))[:5]}")
         config = ModelConfig(**model)
-        run_id, eot_id = raw["run"], raw["eot_id"]
-        if not isinstance(run_id, str) or not isinstance(eot_id, int) or not 0 <= eot_id < config.vocab_size:
-            raise ValueError("run or eot_id malformed")
+        run_id, eot_id, per_step = raw["run"], raw["eot_id"], raw.get("tokens_per_step", 0)
+        if not isinstance(run_id, str) or not isinstance(eot_id, int) or not 0 <= eot_id < config.vocab_size \
+                or not isinstance(per_step, int) or per_step < 0:
+            raise ValueError("run, eot_id or tokens_per_step malformed")
     except (ValueError, KeyError, TypeError) as exc:
         raise UserInputError(f"{path} is not a model description hlbp wrote ({exc})") from None
-    return ModelInfo(run_id, config, eot_id)
+    return ModelInfo(run_id, config, eot_id, per_step)
 
 
 def checkpoint_dir(path: Path) -> tuple[Path, Path]:
@@ -158,31 +160,39 @@ def llama_state_dict(params: Mapping[str, torch.Tensor]) -> dict[str, torch.Tens
     return {k: v.detach().float().contiguous().clone() for k, v in out.items()}
 
 
-def _card(info: ModelInfo, header: Mapping[str, Any], val_loss: float | None) -> str:
+def _card(info: ModelInfo, header: Mapping[str, Any], val_loss: float | None, steps: int) -> str:
     c = info.config
     loss = f"{val_loss:.4f}" if val_loss is not None and math.isfinite(val_loss) else "not recorded"
+    tokens = f"{steps * info.tokens_per_step:,}" if steps and info.tokens_per_step else "not recorded"
     return (f"# {info.run_id}\n\nA decoder pre-trained by volunteer peers with hlbp, run `{info.run_id}`, exported "
             f"from a full replica's checkpoint after round {header.get('round', '?')}.\n\n"
             f"- shape: {c.n_layers} layers, width {c.d_model}, {c.n_heads} heads, feed-forward {c.d_ff}, "
             f"context {c.max_seq_len}, vocabulary {c.vocab_size}\n"
-            f"- validation loss at the last recorded round: {loss}\n\n"
+            f"- validation loss at the last recorded round: {loss}\n"
+            f"- tokens this replica trained on (its own inner steps; each round merges every contributor's): "
+            f"{tokens}\n\n"
             "Load it with `AutoModelForCausalLM.from_pretrained(dir)` and `AutoTokenizer.from_pretrained(dir)`.\n")
 
 
-def last_val_loss(directory: Path) -> float | None:
-    """The validation loss of the last round a replica's ``metrics.jsonl`` in ``directory`` recorded, if any."""
+def recorded(directory: Path) -> tuple[float | None, int]:
+    """From a replica's ``metrics.jsonl`` in ``directory``: the validation loss of the last round that recorded one
+    (None if none did) and the inner steps of its rounds, summed."""
     path = Path(directory) / "metrics.jsonl"
     if not path.is_file():
-        return None
-    loss = None
+        return None, 0
+    loss, steps = None, 0
     for line in path.read_text(errors="replace").splitlines():
         try:
             rec = json.loads(line)
         except ValueError:
             continue
-        if isinstance(rec, dict) and rec.get("event") == "round" and isinstance(rec.get("val_loss"), float):
+        if not isinstance(rec, dict) or rec.get("event") != "round":
+            continue
+        if isinstance(rec.get("val_loss"), float):
             loss = rec["val_loss"]
-    return loss
+        if isinstance(rec.get("steps"), int) and rec["steps"] > 0:
+            steps += rec["steps"]
+    return loss, steps
 
 
 def export_hf(checkpoint: Path, out_dir: Path) -> Path:
@@ -208,7 +218,7 @@ def export_hf(checkpoint: Path, out_dir: Path) -> Path:
         {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": info.config.max_seq_len,
          "bos_token": eot, "eos_token": eot, "pad_token": eot, "add_bos_token": False, "add_eos_token": False},
         indent=1))
-    (out_dir / "README.md").write_text(_card(info, header, last_val_loss(directory)))
+    (out_dir / "README.md").write_text(_card(info, header, *recorded(directory)))
     return out_dir
 
 

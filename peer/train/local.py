@@ -82,7 +82,9 @@ def run_local_training(cfg: LocalRunConfig, console: Console | None = None) -> d
 
     out = Path(cfg.out_dir)
     ckpt = out / CHECKPOINT_NAME
-    write_model_info(out, ModelInfo("local", config, data.eot_id), data.tokenizer_path)  # hlbp export, generate
+    # hlbp export and generate read these beside the checkpoint
+    write_model_info(out, ModelInfo("local", config, data.eot_id, cfg.batch_size * seq_len * cfg.optim.grad_accum),
+                     data.tokenizer_path)
     identity = {"model": dataclasses.asdict(config), "tokenizer_hash": data.tokenizer_hash, "seed": cfg.seed}
     remove_stale_temps(ckpt)  # what a save killed mid-write left behind, as large as the checkpoint
     if cfg.resume and ckpt.exists():
