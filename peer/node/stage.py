@@ -52,6 +52,7 @@ from hlbp.peer.train.checkpoint import (
     optimizer_to_tensors,
     save_checkpoint,
 )
+from hlbp.peer.train.export import ModelInfo, write_model_info
 from hlbp.peer.train.metricslog import MetricsLog
 from hlbp.peer.train.trainer import lr_at, pick_device
 
@@ -112,12 +113,15 @@ class SwarmView:
 def _build(ctx: TrainContext, options: StageOptions) -> tuple[Any, StageWorker, Any, int, dict[str, Any]]:
     peer = ctx.peer
     m = peer.manifest.manifest
-    tok, _ = load_tokenizer(peer.tokenizer_path)
+    tok, eot_id = load_tokenizer(peer.tokenizer_path)
     vocab = tok.get_vocab_size(with_added_tokens=True)
     bounds = [tuple(s) for s in m.stages]
     cc = codec_config(m)
     config = run_model_config(preset(m.model, **dict(m.model_overrides), vocab_size=vocab), cc, len(bounds),
                               bounds)
+    # the run's model and tokenizer beside this stage's round state: hlbp export assembles the stages of a run
+    write_model_info(ctx.out_dir, ModelInfo(m.run_id, config, eot_id, m.hparams.batch_size * m.hparams.seq_len),
+                     peer.tokenizer_path)
     full = initial_state(config, m.seed)
     stages = split(config, len(bounds), bounds)
     stage = stages[peer.role.stage]

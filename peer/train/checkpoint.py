@@ -66,8 +66,9 @@ def _read_prefix(path: Path) -> bytes:
         return head + f.read(n)
 
 
-def load_checkpoint(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """Load a checkpoint written by :func:`save_checkpoint`; raises :class:`UserInputError` if it is unusable."""
+def _metadata(path: Path) -> tuple[dict[str, str], dict[str, Any]]:
+    """The safetensors metadata and the parsed header of the checkpoint ``path``, read without its tensors;
+    :class:`UserInputError` when it is not one this hlbp reads."""
     path = Path(path)
     if not path.is_file():
         raise UserInputError(f"checkpoint {path} does not exist; check the path or start without --resume")
@@ -84,7 +85,6 @@ def load_checkpoint(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]
 
         with safe_open(str(path), framework="pt") as f:
             meta = f.metadata() or {}
-        tensors = load_file(str(path))
     except (SafetensorError, OSError, ValueError, TypeError, RuntimeError) as exc:
         raise UserInputError(f"checkpoint {path} is not a readable safetensors file ({exc}); delete it") from None
     if meta.get("format") != FORMAT:
@@ -101,6 +101,22 @@ def load_checkpoint(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]
         raise UserInputError(f"checkpoint {path} has a damaged header ({type(exc).__name__}); delete it") from None
     if not isinstance(header, dict):
         raise UserInputError(f"checkpoint {path} has a damaged header; delete it")
+    return meta, header
+
+
+def checkpoint_header(path: Path) -> dict[str, Any]:
+    """The JSON header of a checkpoint, without loading its tensors (which round a checkpoint is of)."""
+    return _metadata(path)[1]
+
+
+def load_checkpoint(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Load a checkpoint written by :func:`save_checkpoint`; raises :class:`UserInputError` if it is unusable."""
+    path = Path(path)
+    meta, header = _metadata(path)
+    try:
+        tensors = load_file(str(path))
+    except (SafetensorError, OSError, ValueError, TypeError, RuntimeError) as exc:
+        raise UserInputError(f"checkpoint {path} is not a readable safetensors file ({exc}); delete it") from None
     digest = meta.get("sha256")  # absent in checkpoints written before it was kept
     if digest is not None and digest != tensors_digest(tensors):
         raise UserInputError(f"checkpoint {path} is damaged: its tensors do not match the checksum saved with them; "

@@ -87,34 +87,115 @@ def read_model_info(directory: Path) -> ModelInfo:
     return ModelInfo(run_id, config, eot_id, per_step)
 
 
+STAGE_ROUNDS_FILE = "rounds.safetensors"  # a stage peer's round state: the anchor of its stage's shard
+MAX_DEPTH = 4  # how deep under a run directory peers' directories are looked for (simulate: name/run/peer)
+
+
+def _peer_dirs(root: Path, name: str) -> list[Path]:
+    """The directories under ``root`` (``root`` included, at most MAX_DEPTH down) holding ``name`` and
+    :data:`MODEL_FILE`."""
+    found = []
+    for depth in range(MAX_DEPTH + 1):
+        found += [p.parent for p in sorted(root.glob("/".join(["*"] * depth + [name])))
+                  if (p.parent / MODEL_FILE).is_file()]
+    return found
+
+
 def checkpoint_dir(path: Path) -> tuple[Path, Path]:
-    """(the directory, the checkpoint file) for a checkpoint file or the directory that holds one."""
+    """(the directory, the checkpoint file) for a replica's checkpoint file, its directory, or a run directory
+    with replicas under it (the one whose checkpoint is of the latest round)."""
+    from hlbp.peer.train.checkpoint import checkpoint_header
+
     path = Path(path)
-    file = path / CHECKPOINT_FILE if path.is_dir() else path
-    if not file.is_file():
-        raise UserInputError(f"no checkpoint at {file}: give a replica's checkpoint.safetensors or its directory")
-    return file.parent, file
+    if path.is_file():
+        return path.parent, path
+    if (path / CHECKPOINT_FILE).is_file():
+        return path, path / CHECKPOINT_FILE
+    replicas = _peer_dirs(path, CHECKPOINT_FILE) if path.is_dir() else []
+    if not replicas:
+        raise UserInputError(f"no replica checkpoint at or under {path}: give a replica's checkpoint.safetensors, "
+                             "its directory, or a run directory that holds one")
+    newest = max(replicas, key=lambda d: (_round_of(checkpoint_header(d / CHECKPOINT_FILE)), str(d)))
+    return newest, newest / CHECKPOINT_FILE
 
 
-def load_parameters(path: Path) -> tuple[ModelInfo, dict[str, torch.Tensor], dict[str, Any]]:
-    """A checkpoint's model description, its parameters (a replica's global ones, the anchor: what the run agreed
-    on) and its header; checked against the description's shapes."""
+def _round_of(header: Mapping[str, Any]) -> int:
+    r = header.get("round")
+    return r if isinstance(r, int) and not isinstance(r, bool) else -1
+
+
+def _checked(info: ModelInfo, params: dict[str, torch.Tensor], where: str) -> dict[str, torch.Tensor]:
     from hlbp.peer.model.decoder import build_model
-    from hlbp.peer.train.checkpoint import load_checkpoint
 
-    directory, file = checkpoint_dir(path)
-    info = read_model_info(directory)
-    tensors, header = load_checkpoint(file)
-    prefix = next((p for p in PREFIXES if any(k.startswith(p) for k in tensors)), "")
-    params = {k[len(prefix):]: v for k, v in tensors.items() if prefix and k.startswith(prefix)}
     want = {n: tuple(p.shape) for n, p in build_model(info.config).named_parameters()}
     got = {n: tuple(t.shape) for n, t in params.items()}
     if got != want:
         missing, extra = sorted(set(want) - set(got)), sorted(set(got) - set(want))
         wrong = sorted(n for n in set(want) & set(got) if want[n] != got[n])
-        raise UserInputError(f"{file} does not hold the parameters {directory / MODEL_FILE} describes (missing "
+        raise UserInputError(f"{where} does not hold the parameters its {MODEL_FILE} describes (missing "
                              f"{missing[:3]}, unexpected {extra[:3]}, other shapes {wrong[:3]})")
-    return info, params, header
+    return params
+
+
+def _from_stages(root: Path) -> tuple[ModelInfo, dict[str, torch.Tensor], dict[str, Any]] | None:
+    """The global model assembled from the stage peers under ``root``: each stage peer's round state holds the
+    anchor of its stage's shard; the latest round whose shards together make the whole model wins. None when no
+    stage peer is there."""
+    from hlbp.peer.train.checkpoint import load_checkpoint
+
+    stages = _peer_dirs(root, STAGE_ROUNDS_FILE)
+    if not stages:
+        return None
+    by_round: dict[int, dict[str, torch.Tensor]] = {}
+    infos = {}
+    for d in stages:
+        info = read_model_info(d)
+        tensors, header = load_checkpoint(d / STAGE_ROUNDS_FILE)
+        infos[d] = info
+        shard = {k[len(PREFIXES[0]):]: v for k, v in tensors.items() if k.startswith(PREFIXES[0])}
+        by_round.setdefault(_round_of(header), {}).update(shard)
+    if len({(i.run_id, i.config) for i in infos.values()}) != 1:
+        raise UserInputError(f"the stage peers under {root} are of different runs or models: export one run's")
+    info = next(iter(infos.values()))
+    from hlbp.peer.model.decoder import build_model
+
+    names = {n for n, _ in build_model(info.config).named_parameters()}
+    whole = [r for r, params in by_round.items() if set(params) >= names]
+    if not whole:
+        raise UserInputError(f"the stage peers under {root} do not hold every stage of one round: the model "
+                             "cannot be assembled from them")
+    r = max(whole)
+    params = {n: by_round[r][n] for n in names}
+    return info, _checked(info, params, f"the stage peers under {root}"), {"round": r}
+
+
+def load_parameters(path: Path) -> tuple[ModelInfo, dict[str, torch.Tensor], dict[str, Any]]:
+    """The model description, the parameters and the checkpoint header of ``path``: a replica's checkpoint (file or
+    directory; its anchor is the global model the run agreed on; ``hlbp train``'s model), or a run directory: its
+    newest replica checkpoint, else the model assembled from its stage peers' shards."""
+    from hlbp.peer.train.checkpoint import load_checkpoint
+
+    path = Path(path)
+    if path.is_dir() and not (path / CHECKPOINT_FILE).is_file() and not _peer_dirs(path, CHECKPOINT_FILE):
+        assembled = _from_stages(path)
+        if assembled is not None:
+            return assembled
+    directory, file = checkpoint_dir(path)
+    info = read_model_info(directory)
+    tensors, header = load_checkpoint(file)
+    prefix = next((p for p in PREFIXES if any(k.startswith(p) for k in tensors)), "")
+    params = {k[len(prefix):]: v for k, v in tensors.items() if prefix and k.startswith(prefix)}
+    return info, _checked(info, params, str(file)), header
+
+
+def model_dir(path: Path) -> Path:
+    """The directory whose :data:`TOKENIZER_FILE` goes with ``path``'s model (see :func:`load_parameters`)."""
+    path = Path(path)
+    if path.is_dir() and not (path / CHECKPOINT_FILE).is_file() and not _peer_dirs(path, CHECKPOINT_FILE):
+        stages = _peer_dirs(path, STAGE_ROUNDS_FILE)
+        if stages:
+            return stages[0]
+    return checkpoint_dir(path)[0]
 
 
 def llama_config(info: ModelInfo) -> dict[str, Any]:
@@ -202,7 +283,7 @@ def export_hf(checkpoint: Path, out_dir: Path) -> Path:
 
     info, params, header = load_parameters(checkpoint)
     config = llama_config(info)
-    directory, _ = checkpoint_dir(checkpoint)
+    directory = model_dir(checkpoint)
     tokenizer = directory / TOKENIZER_FILE
     if not tokenizer.is_file():
         raise UserInputError(f"{tokenizer} is missing: `hlbp join` writes the run's tokenizer beside its checkpoint")

@@ -15,7 +15,7 @@ import torch
 
 from hlbp.peer.common.errors import UserInputError
 from hlbp.peer.model.decoder import Stage, build_model
-from hlbp.peer.train.export import TOKENIZER_FILE, ModelInfo, checkpoint_dir, load_parameters
+from hlbp.peer.train.export import TOKENIZER_FILE, ModelInfo, load_parameters, model_dir
 
 
 @dataclass(frozen=True)
@@ -70,7 +70,7 @@ def generate_text(checkpoint: Path, prompt: str, how: Sampling, device: torch.de
     """``prompt`` continued by the model of a replica's checkpoint, with the run's tokenizer."""
     from tokenizers import Tokenizer
 
-    directory, _ = checkpoint_dir(checkpoint)
+    directory = model_dir(checkpoint)
     tokenizer_path = directory / TOKENIZER_FILE
     if not tokenizer_path.is_file():
         raise UserInputError(f"{tokenizer_path} is missing: `hlbp join` writes the run's tokenizer beside its "

@@ -100,3 +100,35 @@ def test_the_subspace_network_is_refused_with_one_line(trained: Path, tmp_path: 
     (tmp_path / "model.json").write_text(json.dumps({"run": "x", "eot_id": 0, "model": {"d_model": "wide"}}))
     with pytest.raises(UserInputError):
         read_model_info(tmp_path)
+
+
+def test_a_run_of_stage_peers_is_assembled_into_the_model_the_replicas_agreed_on(
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    """``hlbp simulate`` with a full replica and a 2-stage swarm (real processes); the stage peers' directories
+    alone are exported: their shards together are the global model, checksum for checksum what the replica recorded
+    for the same round."""
+    import shutil
+
+    from hlbp.peer.model.decoder import split
+    from hlbp.peer.rounds.statesync import shard_checksum
+    from hlbp.peer.train.export import load_parameters
+
+    work = tmp_path_factory.mktemp("swarm-run")
+    done = _hlbp("simulate", "--full", "1", "--swarms", "1", "--stages", "2", "--rounds", "2", "--workdir",
+                 str(work / "run"), timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    stages_only = work / "stages"
+    for d in (work / "run").glob("sw0s*"):
+        if d.is_dir():
+            shutil.copytree(d, stages_only / d.name)
+    info, params, header = load_parameters(stages_only)
+    state_of = header["round"] - 1  # a round state names the next round to run
+    records = [json.loads(line) for line in next((work / "run").glob("peer0/*/*/metrics.jsonl")).read_text()
+               .splitlines()]
+    want = next(r["checksums"] for r in records if r.get("event") == "round" and r["round"] == state_of)
+    got = {str(i): shard_checksum(params, [n for n, _ in s.named_parameters()])
+           for i, s in enumerate(split(info.config, 2))}
+    assert got == want
+    out = work / "hf"
+    assert _hlbp("export", str(stages_only), str(out)).returncode == 0
+    assert transformers.AutoModelForCausalLM.from_pretrained(out) is not None
