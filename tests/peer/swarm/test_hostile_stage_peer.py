@@ -9,44 +9,28 @@ from collections.abc import Iterator
 import hivemind
 import pytest
 import torch
+from stage_parts import CONFIG, dense_codec, stage_workers, started_dhts
 
-from hlbp.peer.model.codec import CodecConfig
-from hlbp.peer.model.decoder import load_from_full, preset, split
-from hlbp.peer.model.pipeline import initial_state
-from hlbp.peer.model.subspace import make_codec
 from hlbp.peer.sim.launcher import poll
 from hlbp.peer.swarm.driver import Driver, DriverConfig
 from hlbp.peer.swarm.links import StageLinks
 from hlbp.peer.swarm.routing import Candidate
 from hlbp.peer.swarm.server import StageServer
-from hlbp.peer.swarm.worker import StageWorker
 from hlbp.peer.train.trainer import OptimConfig, lr_at
 from hlbp.protocol.activations import encode_activations
 from hlbp.protocol.stagewire import StageMessage, encode_message, encode_targets
 
-CONFIG = preset("tiny", vocab_size=300, n_layers=2)
-LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
-
 
 @pytest.fixture
 def dhts() -> Iterator[list[hivemind.DHT]]:
-    first = hivemind.DHT(start=True, host_maddrs=LOOPBACK)
-    peers = [str(a) for a in first.get_visible_maddrs()]
-    rest = [hivemind.DHT(start=True, host_maddrs=LOOPBACK, initial_peers=peers) for _ in range(2)]
-    yield [first, *rest]
-    for d in [first, *rest]:
-        d.shutdown()
+    with started_dhts(3) as nodes:
+        yield nodes
 
 
 def test_bad_frames_ban_their_sender_and_change_nothing(dhts: list[hivemind.DHT]) -> None:
-    full = initial_state(CONFIG, 0)
-    stages = split(CONFIG, 2)
-    for s in stages:
-        load_from_full(s, full)
     optim = OptimConfig(lr=1e-3, warmup_steps=1, total_steps=10)
-    workers = [StageWorker(s, optim, torch.device("cpu")) for s in stages]
-    codecs = [make_codec(CodecConfig("dense", wire_dtype="fp32"), CONFIG.d_model, CONFIG.vocab_size,
-                         CONFIG.max_seq_len) for _ in stages]
+    workers = stage_workers(optim, 0, 1)
+    codecs = [dense_codec(), dense_codec()]
     members: set[str] = set()
     server = StageServer(dhts[1], workers[1], codecs[1], CONFIG.vocab_size, lambda p: p in members, 4096)
     driver = Driver(dhts[0], workers[0], codecs[0], CONFIG.vocab_size, DriverConfig(micro_batches=2),

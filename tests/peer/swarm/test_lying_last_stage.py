@@ -14,25 +14,18 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from dataclasses import replace
-from typing import Any
 
 import hivemind
 import pytest
 import torch
+from stage_parts import CONFIG, dense_codec, stage_workers, started_dhts
 
-from hlbp.peer.model.codec import CodecConfig
-from hlbp.peer.model.decoder import load_from_full, preset, split
-from hlbp.peer.model.pipeline import initial_state
-from hlbp.peer.model.subspace import make_codec
 from hlbp.peer.swarm.driver import Driver, DriverConfig, StepAbandoned
 from hlbp.peer.swarm.routing import Candidate
 from hlbp.peer.swarm.server import StageServer
-from hlbp.peer.swarm.worker import StageWorker
 from hlbp.peer.train.trainer import OptimConfig, lr_at
 from hlbp.protocol.stagewire import StageMessage
 
-CONFIG = preset("tiny", vocab_size=300, n_layers=2)
-LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
 STEPS = 4
 LR = 1e-3
 
@@ -46,37 +39,22 @@ class LyingServer(StageServer):
 
 @pytest.fixture
 def dhts() -> Iterator[list[hivemind.DHT]]:
-    first = hivemind.DHT(start=True, host_maddrs=LOOPBACK)
-    peers = [str(a) for a in first.get_visible_maddrs()]
-    rest = [hivemind.DHT(start=True, host_maddrs=LOOPBACK, initial_peers=peers) for _ in range(4)]
-    yield [first, *rest]
-    for d in [first, *rest]:
-        d.shutdown()
+    with started_dhts(5) as nodes:
+        yield nodes
 
 
 def _train(dhts: list[hivemind.DHT], with_liar: bool) -> tuple[list[float], dict[str, torch.Tensor], dict[str, int]]:
     """STEPS steps of a 2-stage swarm on the same batch, on DHTs of its own (driver, honest last stage, liar); the
     liar, when there, is the driver's first choice."""
-    full = initial_state(CONFIG, 0)
-    stages = split(CONFIG, 2)
-    for s in stages:
-        load_from_full(s, full)
-    last = split(CONFIG, 2)[1]
-    load_from_full(last, full)
     optim = OptimConfig(lr=LR, warmup_steps=1, total_steps=10)
-    workers = [StageWorker(s, optim, torch.device("cpu")) for s in (*stages, last)]
-
-    def codec() -> Any:
-        return make_codec(CodecConfig("dense", wire_dtype="fp32"), CONFIG.d_model, CONFIG.vocab_size,
-                          CONFIG.max_seq_len)
-
+    workers = stage_workers(optim, 0, 1, 1)  # the driver's stage 0, the honest last stage, the liar's
     members: set[str] = set()
-    honest = StageServer(dhts[1], workers[1], codec(), CONFIG.vocab_size, lambda p: p in members, 4096)
-    liar = LyingServer(dhts[2], workers[2], codec(), CONFIG.vocab_size, lambda p: p in members, 4096) \
+    honest = StageServer(dhts[1], workers[1], dense_codec(), CONFIG.vocab_size, lambda p: p in members, 4096)
+    liar = LyingServer(dhts[2], workers[2], dense_codec(), CONFIG.vocab_size, lambda p: p in members, 4096) \
         if with_liar else None
     # the liar announces a far higher throughput, so the driver tries it first
     candidates = [Candidate(honest.peer_id, 100.0)] + ([Candidate(liar.peer_id, 1e6)] if liar else [])
-    driver = Driver(dhts[0], workers[0], codec(), CONFIG.vocab_size, DriverConfig(micro_batches=2),
+    driver = Driver(dhts[0], workers[0], dense_codec(), CONFIG.vocab_size, DriverConfig(micro_batches=2),
                     lambda: [candidates], 4096)
     members.add(driver.peer_id)
     counts: dict[str, int] = {}
@@ -110,14 +88,9 @@ def test_a_driver_that_names_another_rate_steps_no_stage(dhts: list[hivemind.DHT
     """The other end of the chain lies: a driver (stage 0) that tells its chain to step at a rate of 10. Every
     stage derives the rate from the run's schedule, so the finish is refused, nothing is applied, and the driver is
     banned by the stage."""
-    full = initial_state(CONFIG, 0)
-    stages = split(CONFIG, 2)
-    for s in stages:
-        load_from_full(s, full)
     optim = OptimConfig(lr=LR, warmup_steps=1, total_steps=10)
-    workers = [StageWorker(s, optim, torch.device("cpu")) for s in stages]
-    codecs = [make_codec(CodecConfig("dense", wire_dtype="fp32"), CONFIG.d_model, CONFIG.vocab_size,
-                         CONFIG.max_seq_len) for _ in stages]
+    workers = stage_workers(optim, 0, 1)
+    codecs = [dense_codec(), dense_codec()]
     members: set[str] = set()
     server = StageServer(dhts[1], workers[1], codecs[1], CONFIG.vocab_size, lambda p: p in members, 4096)
     driver = Driver(dhts[0], workers[0], codecs[0], CONFIG.vocab_size, DriverConfig(micro_batches=2),
