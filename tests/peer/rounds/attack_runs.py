@@ -86,3 +86,18 @@ def assert_as_honest(attacked: dict[str, float], honest: dict[str, float], round
         assert abs(attacked[name] - honest[name]) <= LOSS_RTOL * honest[name], (
             name, attacked, honest, {r: {n: (rec["val_loss"], rec["members"]) for n, rec in recs.items()}
                                      for r, recs in rounds.items()})
+
+
+def honest_rounds_agree(rounds: dict[int, dict[str, Any]]) -> list[list[dict[str, Any]]]:
+    """Assert that in each round checked every honest replica's contribution was accepted, every honest replica
+    ended in sync, and their checksums are equal; returns the honest records of each round, for a test's own
+    checks."""
+    from hlbp.peer.sim.launcher import checksums_agree
+
+    out = []
+    for r in range(ROUNDS):
+        honest = [rounds[r][name] for name in HONEST]
+        assert all(rec["accepted"] and rec["in_sync"] for rec in honest), (r, honest)
+        assert checksums_agree(honest), (r, honest)
+        out.append(honest)
+    return out

@@ -10,11 +10,11 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from attack_runs import ATTACKER, HONEST, ROUNDS, assert_as_honest, final_losses, start
+from attack_runs import ATTACKER, HONEST, ROUNDS, assert_as_honest, final_losses, honest_rounds_agree, start
 from faulty_peer import program
 from round_records import by_round
 
-from hlbp.peer.sim.launcher import Swarm, checksums_agree
+from hlbp.peer.sim.launcher import Swarm
 
 pytestmark = pytest.mark.slow
 
@@ -30,10 +30,7 @@ def test_notices_without_payloads_neither_stretch_rounds_nor_move_the_model(
     swarm.replicas[ATTACKER].proc.wait_for("fake notices for round 0", 120)
     losses = final_losses(swarm)
     rounds = by_round(swarm)
-    for r in range(ROUNDS):
-        honest = [rounds[r][name] for name in HONEST]
-        assert all(rec["accepted"] and rec["in_sync"] for rec in honest), (r, honest)
-        assert checksums_agree(honest), (r, honest)
+    for r, honest in enumerate(honest_rounds_agree(rounds)):
         # the honest three in every round (the fourth peer's real contribution too, unless it came late on a loaded
         # box), a fake never: nothing of theirs could be fetched
         assert len(HONEST) <= honest[0]["members"] <= len(HONEST) + 1, (r, honest)

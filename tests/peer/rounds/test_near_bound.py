@@ -11,11 +11,19 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from attack_runs import ATTACKER, HONEST, ROUNDS, assert_as_honest, final_losses, identities, start
+from attack_runs import (
+    ATTACKER,
+    HONEST,
+    assert_as_honest,
+    final_losses,
+    honest_rounds_agree,
+    identities,
+    start,
+)
 from faulty_peer import program
 from round_records import by_round
 
-from hlbp.peer.sim.launcher import Swarm, checksums_agree
+from hlbp.peer.sim.launcher import Swarm
 from hlbp.protocol.identity import Identity
 
 pytestmark = pytest.mark.slow
@@ -33,10 +41,7 @@ def test_a_contribution_just_under_the_bound_is_left_out_and_its_sender_banned(
     losses = final_losses(swarm)
     rounds = by_round(swarm)
     attacker_id = Identity.from_file_bytes(identities()[ATTACKER]).peer_id
-    for r in range(ROUNDS):
-        honest = [rounds[r][name] for name in HONEST]
-        assert all(rec["accepted"] and rec["in_sync"] for rec in honest), (r, honest)
-        assert checksums_agree(honest), (r, honest)
+    for r, honest in enumerate(honest_rounds_agree(rounds)):
         assert honest[0]["members"] == len(HONEST), (r, honest)  # the poison is in no round's result
     assert attacker_id in rounds[0]["a"]["banned"], rounds[0]["a"]
     assert_as_honest(losses, three_honest_losses, rounds)  # the attack moved nothing beyond its absence
