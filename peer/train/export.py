@@ -73,7 +73,7 @@ def read_model_info(directory: Path) -> ModelInfo:
         raise UserInputError(f"{path} is over {MAX_MODEL_FILE} bytes: not a model description")
     try:
         raw = json.loads(path.read_text())
-        fields = {f.name: f.type for f in dataclasses.fields(ModelConfig)}
+        fields = {f.name for f in dataclasses.fields(ModelConfig)}
         model = raw["model"]
         if not isinstance(model, dict) or set(model) - set(fields):
             raise ValueError(f"unknown fields {sorted(set(model) - set(fields))[:5]}")
@@ -101,33 +101,23 @@ def _peer_dirs(root: Path, name: str) -> list[Path]:
     return found
 
 
-def checkpoint_dir(path: Path) -> tuple[Path, Path]:
-    """(the directory, the checkpoint file) for a replica's checkpoint file, its directory, or a run directory
-    with replicas under it (the one whose checkpoint is of the latest round)."""
-    from hlbp.peer.train.checkpoint import checkpoint_header
-
-    path = Path(path)
-    if path.is_file():
-        return path.parent, path
-    if (path / CHECKPOINT_FILE).is_file():
-        return path, path / CHECKPOINT_FILE
-    replicas = _peer_dirs(path, CHECKPOINT_FILE) if path.is_dir() else []
-    if not replicas:
-        raise UserInputError(f"no replica checkpoint at or under {path}: give a replica's checkpoint.safetensors, "
-                             "its directory, or a run directory that holds one")
-    newest = max(replicas, key=lambda d: (_round_of(checkpoint_header(d / CHECKPOINT_FILE)), str(d)))
-    return newest, newest / CHECKPOINT_FILE
-
-
 def _round_of(header: Mapping[str, Any]) -> int:
     r = header.get("round")
     return r if isinstance(r, int) and not isinstance(r, bool) else -1
 
 
-def _checked(info: ModelInfo, params: dict[str, torch.Tensor], where: str) -> dict[str, torch.Tensor]:
+def _shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The parameter shapes of ``config``'s decoder, built on the meta device: a model.json naming a huge model
+    allocates nothing here. (The subspace basis is a buffer, not a parameter: the shapes are the plain model's.)"""
     from hlbp.peer.model.decoder import build_model
 
-    want = {n: tuple(p.shape) for n, p in build_model(info.config).named_parameters()}
+    with torch.device("meta"):
+        model = build_model(config.replace(subspace_rank=0))
+    return {n: tuple(p.shape) for n, p in model.named_parameters()}
+
+
+def _checked(info: ModelInfo, params: dict[str, torch.Tensor], where: str) -> dict[str, torch.Tensor]:
+    want = _shapes(info.config)
     got = {n: tuple(t.shape) for n, t in params.items()}
     if got != want:
         missing, extra = sorted(set(want) - set(got)), sorted(set(got) - set(want))
@@ -137,65 +127,71 @@ def _checked(info: ModelInfo, params: dict[str, torch.Tensor], where: str) -> di
     return params
 
 
-def _from_stages(root: Path) -> tuple[ModelInfo, dict[str, torch.Tensor], dict[str, Any]] | None:
-    """The global model assembled from the stage peers under ``root``: each stage peer's round state holds the
-    anchor of its stage's shard; the latest round whose shards together make the whole model wins. None when no
-    stage peer is there."""
+@dataclasses.dataclass(frozen=True)
+class Loaded:
+    """A trained model as :func:`load_parameters` found it: its description, parameters and checkpoint header, and
+    the directory whose :data:`TOKENIZER_FILE` goes with it."""
+
+    info: ModelInfo
+    params: dict[str, torch.Tensor]
+    header: dict[str, Any]
+    directory: Path
+
+
+def _from_checkpoint(file: Path) -> Loaded:
     from hlbp.peer.train.checkpoint import load_checkpoint
 
-    stages = _peer_dirs(root, STAGE_ROUNDS_FILE)
-    if not stages:
-        return None
+    info = read_model_info(file.parent)
+    tensors, header = load_checkpoint(file)
+    prefix = next((p for p in PREFIXES if any(k.startswith(p) for k in tensors)), "")
+    params = {k[len(prefix):]: v for k, v in tensors.items() if prefix and k.startswith(prefix)}
+    return Loaded(info, _checked(info, params, str(file)), header, file.parent)
+
+
+def _from_stages(root: Path, stages: list[Path]) -> Loaded:
+    """The global model assembled from the stage peers' directories ``stages`` under ``root``: each stage peer's
+    round state holds the anchor of its stage's shard; the latest round whose shards together make the whole model
+    wins."""
+    from hlbp.peer.train.checkpoint import load_checkpoint
+
     by_round: dict[int, dict[str, torch.Tensor]] = {}
-    infos = {}
+    infos = [read_model_info(d) for d in stages]
+    if len({(i.run_id, i.config) for i in infos}) != 1:
+        raise UserInputError(f"the stage peers under {root} are of different runs or models: export one run's")
     for d in stages:
-        info = read_model_info(d)
         tensors, header = load_checkpoint(d / STAGE_ROUNDS_FILE)
-        infos[d] = info
         shard = {k[len(PREFIXES[0]):]: v for k, v in tensors.items() if k.startswith(PREFIXES[0])}
         by_round.setdefault(_round_of(header), {}).update(shard)
-    if len({(i.run_id, i.config) for i in infos.values()}) != 1:
-        raise UserInputError(f"the stage peers under {root} are of different runs or models: export one run's")
-    info = next(iter(infos.values()))
-    from hlbp.peer.model.decoder import build_model
-
-    names = {n for n, _ in build_model(info.config).named_parameters()}
+    names = set(_shapes(infos[0].config))
     whole = [r for r, params in by_round.items() if set(params) >= names]
     if not whole:
         raise UserInputError(f"the stage peers under {root} do not hold every stage of one round: the model "
                              "cannot be assembled from them")
     r = max(whole)
     params = {n: by_round[r][n] for n in names}
-    return info, _checked(info, params, f"the stage peers under {root}"), {"round": r}
+    return Loaded(infos[0], _checked(infos[0], params, f"the stage peers under {root}"), {"round": r}, stages[0])
 
 
-def load_parameters(path: Path) -> tuple[ModelInfo, dict[str, torch.Tensor], dict[str, Any]]:
-    """The model description, the parameters and the checkpoint header of ``path``: a replica's checkpoint (file or
-    directory; its anchor is the global model the run agreed on; ``hlbp train``'s model), or a run directory: its
-    newest replica checkpoint, else the model assembled from its stage peers' shards."""
-    from hlbp.peer.train.checkpoint import load_checkpoint
+def load_parameters(path: Path) -> Loaded:
+    """The trained model at ``path``: a replica's checkpoint (file or directory; its anchor is the global model the
+    run agreed on; ``hlbp train``'s model), or a run directory: its replica checkpoint of the latest round, else the
+    model assembled from its stage peers' shards."""
+    from hlbp.peer.train.checkpoint import checkpoint_header
 
     path = Path(path)
-    if path.is_dir() and not (path / CHECKPOINT_FILE).is_file() and not _peer_dirs(path, CHECKPOINT_FILE):
-        assembled = _from_stages(path)
-        if assembled is not None:
-            return assembled
-    directory, file = checkpoint_dir(path)
-    info = read_model_info(directory)
-    tensors, header = load_checkpoint(file)
-    prefix = next((p for p in PREFIXES if any(k.startswith(p) for k in tensors)), "")
-    params = {k[len(prefix):]: v for k, v in tensors.items() if prefix and k.startswith(prefix)}
-    return info, _checked(info, params, str(file)), header
-
-
-def model_dir(path: Path) -> Path:
-    """The directory whose :data:`TOKENIZER_FILE` goes with ``path``'s model (see :func:`load_parameters`)."""
-    path = Path(path)
-    if path.is_dir() and not (path / CHECKPOINT_FILE).is_file() and not _peer_dirs(path, CHECKPOINT_FILE):
-        stages = _peer_dirs(path, STAGE_ROUNDS_FILE)
-        if stages:
-            return stages[0]
-    return checkpoint_dir(path)[0]
+    if path.is_file():
+        return _from_checkpoint(path)
+    if (path / CHECKPOINT_FILE).is_file():
+        return _from_checkpoint(path / CHECKPOINT_FILE)
+    replicas = _peer_dirs(path, CHECKPOINT_FILE) if path.is_dir() else []
+    if replicas:
+        newest = max(replicas, key=lambda d: (_round_of(checkpoint_header(d / CHECKPOINT_FILE)), str(d)))
+        return _from_checkpoint(newest / CHECKPOINT_FILE)
+    stages = _peer_dirs(path, STAGE_ROUNDS_FILE) if path.is_dir() else []
+    if stages:
+        return _from_stages(path, stages)
+    raise UserInputError(f"no model at or under {path}: give a replica's checkpoint.safetensors, its directory, or "
+                         "a run directory that holds replicas' or stage peers' directories")
 
 
 def llama_config(info: ModelInfo) -> dict[str, Any]:
@@ -281,9 +277,9 @@ def export_hf(checkpoint: Path, out_dir: Path) -> Path:
     checkpoint (file or directory). Returns ``out_dir``; :class:`UserInputError` (one line) when it cannot."""
     from safetensors.torch import save_file
 
-    info, params, header = load_parameters(checkpoint)
+    loaded = load_parameters(checkpoint)
+    info, params, header, directory = loaded.info, loaded.params, loaded.header, loaded.directory
     config = llama_config(info)
-    directory = model_dir(checkpoint)
     tokenizer = directory / TOKENIZER_FILE
     if not tokenizer.is_file():
         raise UserInputError(f"{tokenizer} is missing: `hlbp join` writes the run's tokenizer beside its checkpoint")

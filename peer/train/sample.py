@@ -15,7 +15,7 @@ import torch
 
 from hlbp.peer.common.errors import UserInputError
 from hlbp.peer.model.decoder import Stage, build_model
-from hlbp.peer.train.export import TOKENIZER_FILE, ModelInfo, load_parameters, model_dir
+from hlbp.peer.train.export import TOKENIZER_FILE, Loaded, load_parameters
 
 
 @dataclass(frozen=True)
@@ -33,12 +33,13 @@ class Sampling:
             raise UserInputError("--max-tokens and --top-k must be >= 0, --temperature a number >= 0")
 
 
-def load_model(checkpoint: Path, device: torch.device) -> tuple[ModelInfo, Stage]:
-    """The decoder of a replica's checkpoint (file or directory), on ``device``, in eval mode."""
-    info, params, _ = load_parameters(checkpoint)
-    model = build_model(info.config)
-    model.load_state_dict(params)
-    return info, model.to(device).eval()
+def load_model(checkpoint: Path, device: torch.device) -> tuple[Loaded, Stage]:
+    """The decoder at ``checkpoint`` (:func:`~hlbp.peer.train.export.load_parameters`), on ``device``, in eval
+    mode, with what was loaded."""
+    loaded = load_parameters(checkpoint)
+    model = build_model(loaded.info.config)
+    model.load_state_dict(loaded.params)
+    return loaded, model.to(device).eval()
 
 
 @torch.no_grad()
@@ -70,12 +71,11 @@ def generate_text(checkpoint: Path, prompt: str, how: Sampling, device: torch.de
     """``prompt`` continued by the model of a replica's checkpoint, with the run's tokenizer."""
     from tokenizers import Tokenizer
 
-    directory = model_dir(checkpoint)
-    tokenizer_path = directory / TOKENIZER_FILE
+    loaded, model = load_model(checkpoint, device)
+    tokenizer_path = loaded.directory / TOKENIZER_FILE
     if not tokenizer_path.is_file():
         raise UserInputError(f"{tokenizer_path} is missing: `hlbp join` writes the run's tokenizer beside its "
                              "checkpoint")
     tokenizer = Tokenizer.from_file(str(tokenizer_path))
-    info, model = load_model(checkpoint, device)
     ids = tokenizer.encode(prompt).ids
-    return tokenizer.decode(generate(model, ids, how, info.eot_id))
+    return tokenizer.decode(generate(model, ids, how, loaded.info.eot_id))

@@ -121,7 +121,8 @@ def test_a_run_of_stage_peers_is_assembled_into_the_model_the_replicas_agreed_on
     for d in (work / "run").glob("sw0s*"):
         if d.is_dir():
             shutil.copytree(d, stages_only / d.name)
-    info, params, header = load_parameters(stages_only)
+    loaded = load_parameters(stages_only)
+    info, params, header = loaded.info, loaded.params, loaded.header
     state_of = header["round"] - 1  # a round state names the next round to run
     records = [json.loads(line) for line in next((work / "run").glob("peer0/*/*/metrics.jsonl")).read_text()
                .splitlines()]
@@ -132,3 +133,19 @@ def test_a_run_of_stage_peers_is_assembled_into_the_model_the_replicas_agreed_on
     out = work / "hf"
     assert _hlbp("export", str(stages_only), str(out)).returncode == 0
     assert transformers.AutoModelForCausalLM.from_pretrained(out) is not None
+
+
+def test_a_model_json_naming_a_huge_model_is_refused_without_building_it(trained: Path, tmp_path: Path) -> None:
+    """model.json is a file, so hostile: one naming a model of 10^12 parameters beside a small checkpoint is
+    refused in one line, its shapes read on the meta device (nothing allocated)."""
+    import shutil
+
+    from hlbp.peer.common.errors import UserInputError
+    from hlbp.peer.train.export import load_parameters
+
+    shutil.copy(trained / "checkpoint.safetensors", tmp_path / "checkpoint.safetensors")
+    info = json.loads((trained / "model.json").read_text())
+    info["model"].update(d_model=1 << 16, n_heads=256, d_ff=1 << 18, n_layers=64)
+    (tmp_path / "model.json").write_text(json.dumps(info))
+    with pytest.raises(UserInputError, match="does not hold the parameters"):
+        load_parameters(tmp_path)
