@@ -102,6 +102,23 @@ def _png(fig: Any) -> str:
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
+def _drawn(plt: Any, fig: Any, ax: Any, xlabel: str, ylabel: str, caption: str) -> tuple[str, str]:
+    """Label ``ax``, add its legend and grid, and return (caption, PNG data URL) of ``fig``, closed."""
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.legend()
+    ax.grid(alpha=0.3)
+    try:
+        return caption, _png(fig)
+    finally:
+        plt.close(fig)
+
+
+def _per_peer(values: Mapping[str, float]) -> float:
+    """The mean over peers of a round's per-peer numbers (0 with none)."""
+    return sum(values.values()) / max(1, len(values))
+
+
 def _plots(run: Mapping[str, Any]) -> list[tuple[str, str]]:
     """(caption, PNG data URL) of each plot; empty without matplotlib."""
     try:
@@ -123,22 +140,13 @@ def _plots(run: Mapping[str, Any]) -> list[tuple[str, str]]:
                for r in rounds if role in r["val_loss"]]
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3, label=role,
                 linestyle=("-", "--", ":", "-.")[i % 4])
-    ax.set_xlabel("tokens per replica" if per_round else "round")
-    ax.set_ylabel("validation loss")
-    ax.legend()
-    ax.grid(alpha=0.3)
-    out.append(("Validation loss against tokens, per role", _png(fig)))
-    plt.close(fig)
+    out.append(_drawn(plt, fig, ax, "tokens per replica" if per_round else "round", "validation loss",
+                      "Validation loss against tokens, per role"))
 
     fig, ax = plt.subplots(figsize=(6.4, 3.6))
     for key, label in (("bytes_sent", "sent"), ("bytes_received", "received")):
-        ax.plot(xs, [sum(r[key].values()) / max(1, len(r[key])) for r in rounds], marker="o", ms=3, label=label)
-    ax.set_xlabel("round")
-    ax.set_ylabel("bytes per peer")
-    ax.legend()
-    ax.grid(alpha=0.3)
-    out.append(("Bytes sent and received per peer and round", _png(fig)))
-    plt.close(fig)
+        ax.plot(xs, [_per_peer(r[key]) for r in rounds], marker="o", ms=3, label=label)
+    out.append(_drawn(plt, fig, ax, "round", "bytes per peer", "Bytes sent and received per peer and round"))
 
     fig, ax = plt.subplots(figsize=(6.4, 3.6))
     ax.plot(xs, [100 * (r["utilization"] or 0) for r in rounds], marker="o", ms=3, label="utilization %")
@@ -174,8 +182,8 @@ def _table(rounds: Sequence[Mapping[str, Any]]) -> str:
     rows = []
     for r in rounds:
         loss = ", ".join(f"{k} {v:.4f}" for k, v in r["val_loss"].items())
-        cells = (r["round"], loss, r["members"], f"{sum(r['bytes_sent'].values()) / max(1, len(r['bytes_sent'])):,.0f}",
-                 f"{sum(r['bytes_received'].values()) / max(1, len(r['bytes_received'])):,.0f}",
+        cells = (r["round"], loss, r["members"], f"{_per_peer(r['bytes_sent']):,.0f}",
+                 f"{_per_peer(r['bytes_received']):,.0f}",
                  *(f"{r[k]:.2f}" if r[k] is not None else "" for k in ("compute_s", "comm_s", "wait_s")),
                  f"{r['utilization']:.1%}" if r["utilization"] is not None else "", r["agreed"])
         rows.append("<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in cells) + "</tr>")
