@@ -19,6 +19,7 @@ import torch
 from hlbp.peer.data.streams import PreparedData, TokenStream, val_batches
 from hlbp.peer.model.decoder import ModelConfig, Stage, build_model
 from hlbp.peer.rounds.contribution import contribution_from_bytes, contribution_to_bytes
+from hlbp.peer.rounds.gather import GatherRule, Standing, select
 from hlbp.peer.rounds.outer import Contribution, OuterConfig, make_outer
 from hlbp.peer.rounds.overlap import landing_shift, phase_start
 from hlbp.peer.train.trainer import InnerTrainer, OptimConfig, evaluate, micro_batches
@@ -77,10 +78,17 @@ class EngineConfig:
     # under eager: the inner step of the next phase after which a round's result lands (0: at that phase's end, the
     # paper's eager; a network run lands whenever its exchange finishes, rounds/overlap.py "Landing")
     land_after: int = 0
+    # a round accepts at most this many contributions (0: all), chosen by the run's gather rule (rounds/gather.py);
+    # a replica left out keeps its contribution in its error feedback (``keep_unselected``) or, as templar's miners
+    # do, loses it
+    gather: int = 0
+    keep_unselected: bool = True
 
     def __post_init__(self) -> None:
         if not 0 <= self.land_after < max(1, self.inner_steps):
             raise ValueError(f"land_after must be in [0, inner_steps), got {self.land_after}")
+        if self.gather and self.overlap != "none":
+            raise ValueError("a capped gather set is simulated without overlap only")
 
 
 ReplicaFactory = Callable[[int, Stage, InnerTrainer], EngineReplica]
@@ -133,8 +141,12 @@ def run_outer_simulation(
     start = time.perf_counter()
     starts = [anchor] * len(replicas)  # where each replica's inner phase starts (its own under eager overlap)
     pending: list[Contribution] = []  # under overlap: the round still being exchanged during the next phase
+    rule = GatherRule(size=cfg.gather)
+    standing = Standing(rule.memory)
+    accepted_total = 0
     for rnd in range(1, cfg.rounds + 1):
         contributions: list[Contribution] = []
+        originals: list[Contribution] = []  # as each replica's optimizer made them, before the wire
         wire = 0
         rest = cfg.inner_steps
         if cfg.overlap == "eager" and cfg.land_after and pending:
@@ -150,11 +162,21 @@ def run_outer_simulation(
         for rep, opt, begin in zip(replicas, optimizers, starts):
             rep.train(rest)
             c = opt.contribute(begin, rep.params(), rep.name, rep.tokens)
+            originals.append(c)
             # what the wire carries is what everybody applies: encode, count, decode
             payload = contribution_to_bytes(c, cfg.outer, run="sim", round=rnd, shard=0)
             wire += len(payload)
             contributions.append(contribution_from_bytes(payload, cfg.outer, shapes))
         own = list(contributions)
+        if rule.capped:
+            chosen = set(select(rnd, {c.sender: frozenset({0}) for c in own}, standing.veterans(rnd), rule))
+            standing.record(rnd, chosen)
+            if cfg.keep_unselected:
+                for opt, mine in zip(optimizers, originals):
+                    if mine.sender not in chosen:
+                        opt.withdraw(mine)  # left out: it stays in this replica's error feedback for a later round
+            contributions = [c for c in contributions if c.sender in chosen]
+        accepted_total += len(contributions)
         contributions.sort(key=lambda c: c.sender)
         if cfg.overlap == "none":
             anchor = applier.apply(anchor, contributions)
@@ -188,6 +210,7 @@ def run_outer_simulation(
         "params": n_params,
         "tokens": history[-1]["tokens"],
         "seconds": history[-1]["seconds"],
+        "accepted_per_round": accepted_total / max(1, cfg.rounds),
     }
 
 
