@@ -7,11 +7,13 @@ so every member recomputes it and a coordinator cannot pick its friends:
 * **Standing.** The accepted sets a peer took record, per contributor, the last round it was selected
   (:class:`Standing`). Contributors selected within the last ``memory`` rounds are *veterans*; the rest are
   *newcomers* (new keys, and peers back after a long absence).
-* **Priority.** Veterans rotate: the one selected longest ago goes first (a keyed hash of (round, peer) breaks
-  ties), so each honest veteran is selected about every N / F rounds. Newcomers take at most ``newcomer_slots``
-  places ahead of the veterans, in keyed-hash order, and the rest of them queue behind every veteran: a newcomer
-  is never starved (it gets in within a few rounds, then rotates as a veteran), and keys minted by the thousand
-  win at most those few places a round, not the round.
+* **Priority.** Veterans rotate: one is *due* again once ``cooldown`` rounds passed since its selection (the
+  veterans' number over F, so each is due about once in V / F rounds), and due veterans go oldest first (a keyed
+  hash of (round, peer) breaks ties). Newcomers take ``newcomer_slots`` places ahead of them (half of F by
+  default); the other newcomers come next, before the veterans that are not due. So newcomers get in at least
+  that many a round, and also take the places of veterans that left; keys minted by the thousand win those
+  places, not the round, and a run that grows faster than that admits its newcomers over a few rounds (their
+  pseudo-gradients wait in error feedback meanwhile).
 * **Reserves.** The coordinator fetches and checks the first F + R of that order (per shard) and accepts the first
   F that pass: a selected sender whose payload cannot be had or fails a bound is replaced by the next one.
 * **Check.** A member refuses an accepted set with more than F members for a shard, a veteran outside the first
@@ -47,7 +49,7 @@ class GatherRule:
 
     size: int = 0
     reserves: int = 0
-    newcomer_share: float = 0.25
+    newcomer_share: float = 0.5
     memory: int = 256
 
     def __post_init__(self) -> None:
@@ -94,6 +96,10 @@ class Standing:
         self.through = r
         self.last = {p: x for p, x in self.last.items() if x > r - self.memory}
 
+    def forget(self) -> None:
+        """Drop the record (this peer took a set the others did not, and resyncs): cold until it is rebuilt."""
+        self.last, self.since, self.through = {}, None, -1
+
     def warm(self, r: int) -> bool:
         """Whether this record holds every round that gives standing in round r."""
         if r == 0:
@@ -109,13 +115,22 @@ def _key(r: int, peer: str) -> bytes:
     return hashlib.sha256(f"gather|{r}|{peer}".encode()).digest()
 
 
-def priority(r: int, candidates: Iterable[str], veterans: Mapping[str, int], newcomer_slots: int) -> list[str]:
-    """Round r's candidates, best first: ``newcomer_slots`` newcomers (keyed-hash order), then the veterans
-    (selected longest ago first), then the other newcomers."""
+def cooldown(veterans: Mapping[str, int], rule: GatherRule) -> int:
+    """Rounds after its selection before a veteran is due again: the veterans' number over F, at least one."""
+    return max(1, len(veterans) // max(1, rule.size))
+
+
+def priority(r: int, candidates: Iterable[str], veterans: Mapping[str, int], rule: GatherRule) -> list[str]:
+    """Round r's candidates, best first: ``newcomer_slots`` newcomers (keyed-hash order), the due veterans
+    (selected longest ago first), the other newcomers, then the veterans that are not due."""
     pool = set(candidates)
+    wait = cooldown(veterans, rule)
     new = sorted((p for p in pool if p not in veterans), key=lambda p: _key(r, p))
     old = sorted((p for p in pool if p in veterans), key=lambda p: (veterans[p], _key(r, p)))
-    return new[:newcomer_slots] + old + new[newcomer_slots:]
+    due = [p for p in old if veterans[p] <= r - wait]
+    resting = [p for p in old if veterans[p] > r - wait]
+    slots = rule.newcomer_slots
+    return new[:slots] + due + new[slots:] + resting
 
 
 def take(order: Sequence[str], shards_of: Mapping[str, AbstractSet[int]], per_shard: int) -> list[str]:
@@ -141,8 +156,7 @@ def candidates(r: int, shards_of: Mapping[str, AbstractSet[int]], veterans: Mapp
     when uncapped)."""
     if not rule.capped:
         return list(shards_of)
-    order = priority(r, shards_of, veterans, rule.newcomer_slots)
-    return take(order, shards_of, rule.size + rule.reserves)
+    return take(priority(r, shards_of, veterans, rule), shards_of, rule.size + rule.reserves)
 
 
 def select(r: int, passed: Mapping[str, AbstractSet[int]], veterans: Mapping[str, int],
@@ -151,7 +165,7 @@ def select(r: int, passed: Mapping[str, AbstractSet[int]], veterans: Mapping[str
     per shard in round r's order (all of them when uncapped)."""
     if not rule.capped:
         return list(passed)
-    return take(priority(r, passed, veterans, rule.newcomer_slots), passed, rule.size)
+    return take(priority(r, passed, veterans, rule), passed, rule.size)
 
 
 class BreachKind(Enum):
@@ -187,7 +201,7 @@ def breach(r: int, members: Mapping[str, AbstractSet[int]], seen: Mapping[str, A
     * a veteran member must be among the first F + R veterans of the order (a missed notice only pushes the others
       up the coordinator's order, so an honest coordinator breaks this only when more than R plus the newcomer
       places of the better-placed veterans' notices reached this peer and not it);
-    * per shard, newcomer members may number the newcomer places (or the places the veterans seen here leave
+    * per shard, newcomer members may number the newcomer places (or the places the due veterans seen here leave
       free, when more) plus R; which newcomers is not checked, since whom the coordinator saw decides it.
     """
     if not rule.capped:
@@ -203,14 +217,15 @@ def breach(r: int, members: Mapping[str, AbstractSet[int]], seen: Mapping[str, A
         return None
     pool = {**seen, **members}
     veterans = standing.veterans(r)
+    wait = cooldown(veterans, rule)
     old = {p: s for p, s in pool.items() if p in veterans}
-    allowed = set(take(priority(r, old, veterans, 0), old, rule.size + rule.reserves))
+    allowed = set(take(priority(r, old, veterans, rule), old, rule.size + rule.reserves))
     outside = sorted(p for p in members if p in veterans and p not in allowed)
     if outside:
         return Breach(BreachKind.OUT_OF_ORDER, peer=outside[0])
     for s in sorted(count):
-        held = sum(1 for shards in old.values() if s in shards)
+        due = sum(1 for p, shards in old.items() if s in shards and veterans[p] <= r - wait)
         new = sorted(p for p, shards in members.items() if s in shards and p not in veterans)
-        if len(new) > max(rule.newcomer_slots, rule.size - held) + rule.reserves:
+        if len(new) > max(rule.newcomer_slots, rule.size - due) + rule.reserves:
             return Breach(BreachKind.NEWCOMERS, shard=s, peer=new[0])
     return None
