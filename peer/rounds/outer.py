@@ -45,6 +45,10 @@ class OuterConfig:
     # cap). A claimed count is the sender's word; without a cap a claim of 2**40 made the round its own
     max_tokens: int = 0
     small_tensors: str = "topk"  # 1-D and sub-chunk tensors: the run's k, or "dense" (every value, 2-bit)
+    # a contribution after m phases left out (a gather set without room, a straggler): "average" sends the top-k of
+    # the buffer over m and clears those positions' whole backlog, so it moves the model as one phase does but
+    # carries all m; "sum" sends the top-k of the buffer as it is (m phases' worth of step; docs/algorithms.md §1)
+    backlog: Literal["average", "sum"] = "average"
     # DiLoCo
     outer_lr: float = 0.7  # Nesterov SGD learning rate
     momentum: float = 0.9  # Nesterov momentum
@@ -53,6 +57,8 @@ class OuterConfig:
     def validate(self) -> None:
         if self.kind not in ("sparseloco", "diloco"):
             raise UserInputError(f"outer optimizer must be sparseloco or diloco, got {self.kind!r}")
+        if self.backlog not in ("average", "sum"):
+            raise UserInputError(f"backlog must be average or sum, got {self.backlog!r}")
         if not 1 <= self.k <= 4096:
             raise UserInputError(f"k must be in 1..4096 (values kept per 4096), got {self.k}")
         if not 0 <= self.beta < 1 or not 0 <= self.momentum < 1:
@@ -136,22 +142,33 @@ class SparseLoCo(OuterOptimizer):
         config.validate()
         self.config = config
         self.ef: dict[str, torch.Tensor] = {}  # error-feedback buffer per parameter, float32 on CPU
+        self.phases = 0  # inner phases in the buffer since our last contribution that was taken
+        self._taken: tuple[int, int] | None = None  # (phases it carried, its id) of the last contribution
 
     def contribute(self, anchor: Tensors, local: Tensors, sender: str = "", tokens: int = 0) -> Contribution:
+        self.phases += 1
+        m = self.phases if self.config.backlog == "average" else 1
         sent: dict[str, SparseTensor] = {}
         for name, delta in pseudo_gradient(anchor, local).items():
             e = self.ef.get(name)
             e = delta if e is None else e.mul_(self.config.beta).add_(delta)
-            s = compress(e, tensor_k(tuple(e.shape), self.config.k, self.config.small_tensors), self.config.quant_bits)
-            e.sub_(decompress(s))  # whatever was not sent (including quantisation error) stays for later rounds
+            k = tensor_k(tuple(e.shape), self.config.k, self.config.small_tensors)
+            s = compress(e / m if m > 1 else e, k, self.config.quant_bits)
+            # whatever was not sent (including quantisation error) stays for later rounds; after a backlog of m
+            # phases, the positions sent give up all m phases' mass for one phase's step
+            e.sub_(decompress(s) * m if m > 1 else decompress(s))
             self.ef[name] = e
             sent[name] = s
-        return Contribution(sender, tokens, sent)
+        c = Contribution(sender, tokens, sent)
+        self._taken, self.phases = (m, id(c)), 0
+        return c
 
     def withdraw(self, contribution: Contribution) -> None:
         # A straggler's unsent pseudo-gradient goes back into its buffer, as if it had never been taken out.
+        m = self._taken[0] if self._taken is not None and self._taken[1] == id(contribution) else 1
         for name, s in contribution.tensors.items():
-            self.ef[name].add_(decompress(s))
+            self.ef[name].add_(decompress(s) * m if m > 1 else decompress(s))
+        self.phases = m if self.config.backlog == "average" else self.phases
 
     def aggregate(self, contributions: Sequence[Contribution], names: Sequence[str]) -> dict[str, torch.Tensor]:
         """The combined pseudo-gradient Δ per parameter (zero where no contribution selected anything)."""

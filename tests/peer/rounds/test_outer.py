@@ -92,6 +92,31 @@ def test_withdraw_restores_the_buffer():
         torch.testing.assert_close(opt.ef[n], anchor[n] - local[n], atol=1e-6, rtol=0)
 
 
+def test_a_backlog_is_sent_as_its_average_and_cleared_where_sent():
+    """Left out once (a gather set without room), the next contribution carries two phases: averaged, it sends
+    the top-k of half the buffer and gives up the whole buffer at those positions; summed, the buffer as it is."""
+    cfg = dict(k=64, beta=0.95, quant_bits=None)
+    avg, whole = SparseLoCo(OuterConfig(**cfg)), SparseLoCo(OuterConfig(**cfg, backlog="sum"))
+    anchor = _params(5)
+    first, second = _params(6), _params(7)
+    for opt in (avg, whole):
+        opt.withdraw(opt.contribute(anchor, first))
+    buffer = {n: avg.ef[n].clone() for n in anchor}
+    a, w = avg.contribute(anchor, second), whole.contribute(anchor, second)
+    for n in anchor:
+        expected = 0.95 * buffer[n] + (anchor[n] - second[n])
+        sent_a, sent_w = decompress(a.tensors[n]), decompress(w.tensors[n])
+        chosen = sent_a != 0
+        assert torch.equal(chosen, sent_w != 0)  # the same positions
+        torch.testing.assert_close(sent_a, sent_w / 2, atol=1e-6, rtol=0)
+        assert torch.count_nonzero(avg.ef[n][chosen]) == 0  # the whole backlog there is spent
+        torch.testing.assert_close(avg.ef[n][~chosen], expected[~chosen], atol=1e-6, rtol=0)
+        torch.testing.assert_close(whole.ef[n] + sent_w, expected, atol=1e-6, rtol=0)
+    # taken, the next phase is one phase again; left out again, the backlog is back in the buffer
+    avg.withdraw(a)
+    assert avg.phases == 2
+
+
 def test_apply_is_deterministic_and_state_round_trips():
     anchor = _params(5)
     opts = [SparseLoCo(OuterConfig(k=32)) for _ in range(3)]
