@@ -68,6 +68,12 @@ class SimFlags:
     swarm_wan_mbps: float | None = flag(None, "--swarm-wan-mbps", env="SIM_SWARM_WAN_MBPS",
                                         help="The stage peers' link rate, when it differs from --wan-mbps (weak peers "
                                              "sit behind slower links).")
+    gather: int = flag(0, "--gather", env="SIM_GATHER",
+                       help="Cap each round at this many contributions per shard, chosen by the run's gather rule "
+                            "(veterans rotate, a few newcomers a round); 0: every contribution.")
+    reserves: int = flag(0, "--reserves", env="SIM_RESERVES",
+                         help="With --gather: further contributions the coordinator checks to replace selected ones "
+                              "that cannot be fetched or fail a bound.")
     timeout: float = flag(600.0, "--timeout", env="SIM_TIMEOUT", help="Stop everything after this many seconds.")
     workdir: Path | None = flag(
         None, "--workdir", env="SIM_WORKDIR",
@@ -112,6 +118,10 @@ class SimFlags:
                             ("--swarm-wan-mbps", self.swarm_wan_mbps)):
             if value is not None and (value < 0 or name.endswith("mbps") and value <= 0):
                 raise UserInputError(f"{name} must be positive")
+        if self.gather < 0 or self.reserves < 0 or self.gather > 256 or self.reserves and not self.gather:
+            raise UserInputError("--gather must be in 0..256 and --reserves >= 0, with --gather when given")
+        if self.gather and outer != "sparseloco":
+            raise UserInputError("--gather caps sparseloco rounds only")
         if (self.rounds < 1 or self.inner_steps < 1 or self.batch_size < 1 or self.seq_len < 2 or self.threads < 1
                 or self.micro_batches < 1):
             raise UserInputError("--rounds, --inner-steps, --batch-size, --micro-batches and --threads must be >= 1")
@@ -138,4 +148,5 @@ class SimFlags:
             wan_delay_ms=self.wan_delay_ms, wan_mbps=self.wan_mbps, n_stages=self.stages, n_swarms=self.swarms,
             micro_batches=self.micro_batches, codec=self.codec, codec_k=self.codec_k,
             swarm_wan_delay_ms=self.swarm_wan_delay_ms, swarm_wan_mbps=self.swarm_wan_mbps, fork=self.fork,
+            gather=self.gather, reserves=self.reserves,
         )

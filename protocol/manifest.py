@@ -73,6 +73,8 @@ class Hyperparameters:
     min_deadline_s: float = 5.0  # lower bound of an adapted round deadline
     max_deadline_s: float = 600.0  # upper bound of an adapted round deadline
     min_contributors: int = 1  # a round with fewer accepted contributions by max_deadline_s closes empty
+    gather: int = 0  # F: a round accepts at most this many contributions per shard (0: every one; rounds/gather.py)
+    reserves: int = 0  # R: further contributions a coordinator checks to replace selected ones that fail
     outer: str = "sparseloco"  # sparseloco (our sparse rounds) or diloco (dense, hivemind's stock all-reduce)
     outer_lr: float = 0.7  # DiLoCo: Nesterov outer learning rate
     momentum: float = 0.9  # DiLoCo: Nesterov momentum
@@ -126,6 +128,8 @@ class Hyperparameters:
             min_deadline_s=_float(body, "min_deadline_s", 0.1, 86400.0, d.min_deadline_s),
             max_deadline_s=_float(body, "max_deadline_s", 0.1, 86400.0, d.max_deadline_s),
             min_contributors=_int(body, "min_contributors", 1, 256, d.min_contributors),
+            gather=_int(body, "gather", 0, 256, d.gather),
+            reserves=_int(body, "reserves", 0, 256, d.reserves),
             outer=outer,
             outer_lr=_float(body, "outer_lr", 1e-6, 10.0, d.outer_lr),
             momentum=_float(body, "momentum", 0.0, 0.999, d.momentum),
@@ -141,6 +145,10 @@ class Hyperparameters:
         )
         if not hp.min_deadline_s <= hp.round_deadline_s <= hp.max_deadline_s:
             raise ProtocolError("deadlines must satisfy min_deadline_s <= round_deadline_s <= max_deadline_s")
+        if hp.gather and hp.min_contributors > hp.gather:
+            raise ProtocolError("min_contributors cannot exceed gather: no round could ever close with members")
+        if hp.gather and hp.outer != "sparseloco":
+            raise ProtocolError("a gather set caps sparseloco rounds only; a diloco run's all-reduce takes everyone")
         if hp.outer == "diloco" and hp.overlap != "none":
             raise ProtocolError("overlapped rounds are built for sparseloco runs only: a diloco run sets "
                                 'overlap = "none"')

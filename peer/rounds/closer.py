@@ -15,12 +15,14 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
+from collections.abc import Set as AbstractSet
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from typing import Any
 
 from hlbp.peer.net.transport import TransportError
 from hlbp.peer.rounds.config import RoundConfig
+from hlbp.peer.rounds.gather import GatherRule, Standing, breach, candidates, select
 from hlbp.peer.rounds.inbox import Both, DhtPoll
 from hlbp.peer.rounds.payloads import Payloads, error_text
 from hlbp.peer.rounds.records import RoundRecords
@@ -153,6 +155,55 @@ class Closer:
         self.prior_read = -1  # the last round whose members were read from its records (learn_prior)
         self.first_seen: dict[int, float] = {}  # round -> when we first saw one of its notices (time.monotonic)
         self.announced = UNKNOWN  # the expected contributors as last read (each close reads them anew)
+        self.rule = GatherRule(cfg.gather, cfg.reserves)  # the run's cap on a round's contributions (gather.py)
+        self.standing = Standing(self.rule.memory)  # who was selected when, as the sets we took show
+        self.breaches: set[tuple[int, str]] = set()  # (round, coordinator) of sets refused for breaking the rule
+
+    def veterans(self, r: int) -> dict[str, int]:
+        """The contributors with standing in round r (:class:`~hlbp.peer.rounds.gather.Standing`); in a closed run
+        every allowed peer has standing from the start, as if last selected ``memory`` rounds ago."""
+        held = self.standing.veterans(r)
+        return {**{p: r - self.rule.memory for p in self.cfg.allowed_peers}, **held}
+
+    def contenders(self, r: int, notices: dict[str, ContribNotice]) -> dict[str, frozenset[int]]:
+        """Round r's contributors that may be selected: not banned, naming shards of the run (peer -> shards)."""
+        return {p: frozenset(n.digests) for p, n in notices.items()
+                if n.digests and set(n.digests) <= set(range(self.n_shards)) and not self.bans.banned(p, r)}
+
+    def likely(self, r: int, notices: dict[str, ContribNotice]) -> dict[str, ContribNotice]:
+        """The notices of the contributions the gather rule selects if all of them pass (all when uncapped): what
+        a member fetches before the accepted set."""
+        if not self.rule.capped:
+            return notices
+        return {p: notices[p] for p in select(r, self.contenders(r, notices), self.veterans(r), self.rule)}
+
+    def keeps_rule(self, r: int, s: AcceptedSet, notices: dict[str, ContribNotice]) -> bool:
+        """Whether accepted set ``s`` keeps the gather rule as far as this peer can tell
+        (:func:`~hlbp.peer.rounds.gather.breach`). Its coordinator, once found breaking it, is banned like a sender
+        of garbage and no longer coordinates while banned: every in-sync peer with the same standing refuses the
+        same set, and the next coordinator in turn takes over."""
+        if not self.rule.capped or not s.members:
+            return True
+        if (r, s.coordinator) in self.breaches:
+            return False
+        members = {p: frozenset(d) for p, _t, d in s.members}
+        found = breach(r, members, self.contenders(r, notices), self.standing, self.rule)
+        if found is None:
+            return True
+        self.breaches = {x for x in self.breaches if x[0] >= r - 2} | {(r, s.coordinator)}
+        self.bans.ban_by_guard(r, s.coordinator, f"its accepted set breaks the gather rule: {found}")
+        return False
+
+    def full_without(self, accepted: AcceptedSet, shards: AbstractSet[int]) -> bool:
+        """Whether ``accepted`` left out a contribution to ``shards`` because the gather set was full (every one of
+        those shards already holds F members), not because it came late."""
+        if not self.rule.capped:
+            return False
+        count: dict[int, int] = {}
+        for _p, _t, d in accepted.members:
+            for s in d:
+                count[s] = count.get(s, 0) + 1
+        return bool(shards) and all(count.get(s, 0) >= self.rule.size for s in shards)
 
     def round_closed(self, r: int, wait: bool = True) -> bool:
         """Whether round r has an accepted set that counts by now (``wait``: read now; else as the phase's poller
@@ -218,6 +269,7 @@ class Closer:
         # only a contributor of the round closes it: its notice is what shows later readers (a restarted peer's
         # sync, rules.round_members) that its set was the round's
         counting = [x for x in sets if not self.bans.refused_by_all(x.coordinator, r) and x.coordinator in notices
+                    and self.keeps_rule(r, x, notices)
                     and set_counts(x, order, prior_known=prior_known, complete=whole,
                                    first_seen=self.first_seen.get(r), now=now, window=self.window,
                                    max_window=self.cfg.max_deadline_s, takeover_s=self.cfg.takeover_s,
@@ -237,7 +289,7 @@ class Closer:
         while not self.stop.is_set():
             now = time.monotonic()
             notices, sets = self.round_records(r, wait=False)
-            self.payloads.prefetch(r, notices)
+            self.payloads.prefetch(r, self.likely(r, notices))
             self.on_poll(r)  # e.g. an overlapped phase takes in the round's result as far as it is fetched
             for sender in notices:
                 arrivals.setdefault(sender, now)
@@ -253,6 +305,7 @@ class Closer:
                 self.records.inbox.wait(self.cfg.poll_s)
                 continue
             if accepted is not None:
+                self.standing.record(r, accepted.senders())
                 self.proofs = {**{k: v for k, v in self.proofs.items() if k >= r - 3}, r: self.evidence(r, accepted)}
                 self.check_bans(r, accepted, notices)
                 if accepted.members:
@@ -271,7 +324,7 @@ class Closer:
                     rank = order.index(self.me)
                     due = first_seen + self.window + rank * self.cfg.takeover_s
                     if (rank == 0 and complete(notices, expected, lambda p: self.bans.banned(p, r))) or now >= due:
-                        admitted = self.choose(r, self.admit(r, notices), notices)
+                        admitted = self.choose(r, self.gather(r, notices), notices)
                         verdict = close_verdict(len(admitted), self.cfg.min_contributors, now, first_seen,
                                                 self.cfg.max_deadline_s, rank, self.cfg.takeover_s)
                         if verdict is not Verdict.WAIT:
@@ -292,6 +345,18 @@ class Closer:
                 return None
             self.records.inbox.wait(self.cfg.poll_s)  # wakes at once for a pushed record or a finished DHT read
         return None
+
+    def gather(self, r: int, notices: dict[str, ContribNotice]) -> dict[str, ContribNotice]:
+        """What we accept when we coordinate round r: under the run's gather rule the first F per shard of the
+        first F + R contenders that pass :meth:`admit` (reserves replace selected ones that fail); uncapped, every
+        contribution that passes."""
+        if not self.rule.capped:
+            return self.admit(r, notices)
+        veterans = self.veterans(r)
+        pool = candidates(r, self.contenders(r, notices), veterans, self.rule)
+        passed = self.admit(r, {p: notices[p] for p in pool})
+        chosen = select(r, {p: frozenset(n.digests) for p, n in passed.items()}, veterans, self.rule)
+        return {p: passed[p] for p in chosen}
 
     def evidence(self, r: int, accepted: AcceptedSet) -> dict[str, dict[str, bytes]]:
         """The signed records that show round r's members: ``accepted`` as its coordinator signed it and that

@@ -30,6 +30,8 @@ class RoundConfig:
     # to every member; in larger rounds payloads are fetched after the accepted set, from holders (gossip)
     prefetch_up_to: int = 16
     min_contributors: int = 1  # a round applies nothing unless at least this many contributions were accepted
+    gather: int = 0  # F: at most this many contributions per shard a round accepts (0: all; rounds/gather.py)
+    reserves: int = 0  # R: further contributions the coordinator checks to replace selected ones that fail
     checkpoint_every_s: float = 300.0  # save at most this often during the run (0: every round); always on exit
     dht_timeout_s: float = 60.0  # a DHT lookup or store that takes longer is given up (a lookup reads as empty)
     guard: GuardConfig = field(default_factory=GuardConfig)  # bounds on a contribution and on a round's update
@@ -58,6 +60,8 @@ class RoundStats:
     window_s: float = 0.0
     bytes_sent: int = 0
     bytes_received: int = 0
+    records_received: int = 0  # round records pushed to this peer or returned by its DHT reads since its last report
+    records_sent: int = 0  # round records it pushed since its last report
     bytes_analytic: bool = False  # dense all-reduce: bytes computed from the group size, not counted
     in_sync: bool = True
     synced: bool = False

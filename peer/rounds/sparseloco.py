@@ -205,8 +205,9 @@ class RoundRunner(ReplicaBase):
         if mine and not stats.accepted:
             for s, c in mine.items():
                 self.state.outers[s].withdraw(c)  # left out, or the round refused: it stays in the error-feedback buffer
-            if self.overlapping and accepted is not None:
-                # the phase under way started at our notice, which came too late: it catches up (InnerPhase.run)
+            if self.overlapping and accepted is not None and not self.closer.full_without(accepted, mine.keys()):
+                # the phase under way started at our notice, which came too late: it catches up (InnerPhase.run);
+                # a contribution the gather set had no room for came in time, and its phase runs on
                 self.phase.catch_up_round = max(self.phase.catch_up_round, r + 1)
         self.load_anchor_into_model()
         if self.overlapped is not None and self.state.in_sync:
@@ -227,6 +228,7 @@ class RoundRunner(ReplicaBase):
             self.state.round = r + 1  # a round abandoned on SIGTERM is not ours to count: a restart syncs past it
         if not self.state.in_sync:
             logger.warning("round %d: this peer is out of sync; reloading state from peers", r)
+            self.closer.standing.forget()  # what we recorded may hold a set the others did not take
             stats.synced = self.sync()
             if stats.synced:  # report the state we now hold, not the one we discarded
                 stats.state_round = self.state.round - 1

@@ -319,6 +319,13 @@ def _lying_coordinator(runner: Any, arg: str) -> None:
     runner.closer.choose = lambda r, admitted, notices: dict(notices)
 
 
+def _gather_breaker(runner: Any, arg: str) -> None:
+    """Whenever it coordinates, accepts every contribution that passes, over the run's gather cap: a coordinator
+    that picks its members outside the rule, which every member must refuse and ban."""
+    closer = runner.closer
+    closer.gather = lambda r, notices: closer.admit(r, notices)
+
+
 FAULTS: dict[str, Callable[[Any, str], None]] = {
     "slow": _slow,
     "corrupt": lambda runner, arg: setattr(runner, "encoder", CorruptEncoder(runner.encoder)),
@@ -337,6 +344,7 @@ FAULTS: dict[str, Callable[[Any, str], None]] = {
                                                                                 int(arg or 40))),
     "usurper": lambda runner, arg: setattr(runner, "closer", UsurpingCloser(runner.closer, arg == "empty")),
     "flood": lambda runner, arg: setattr(runner, "flood", Flood(runner)),
+    "gather-breaker": _gather_breaker,
 }
 
 
