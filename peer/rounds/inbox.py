@@ -127,6 +127,7 @@ class DhtPoll:
         self._cache: dict[str, dict[str, Any]] = {}
         self._inflight: tuple[tuple[str, ...], list[Any], float] | None = None
         self._started = -1e9  # when the last read began
+        self.entries_read = 0  # records the completed reads returned, repeats included: what polling costs
 
     def entries(self, *keys: str) -> list[dict[str, Any]]:
         """``keys``' entries (subkey -> value) as last read, merged with what was pushed."""
@@ -138,6 +139,7 @@ class DhtPoll:
             elif all(f.done() for f in futures):
                 for key, future in zip(wanted, futures):
                     self._cache[key] = _entries(future)
+                    self.entries_read += len(self._cache[key])
                 self._inflight = None
             elif now - started > self.timeout_s:
                 self._inflight = None

@@ -108,6 +108,7 @@ class ReplicaBase(ABC):
         self.last_members = 0
         self.history: list[RoundStats] = []
         self._bytes_in = 0
+        self._traffic = (0, 0)  # round records (received, sent) as of the last report
         self.overlapping = False  # an exchange runs beside the inner phase: only the main thread loads the model
         # signed round records: the inbox of pushed ones, the DHT pollers, whom we push ours to (rounds/records.py)
         self.records = RoundRecords(dht, identity, transport, cfg, stop, lambda: self.state.round, protect)
@@ -223,7 +224,11 @@ class ReplicaBase(ABC):
     def report(self, stats: RoundStats, mine: ShardChecks, steps: int,
                params: Mapping[str, torch.Tensor] | None = None) -> RoundStats:
         """Score the new parameters (``params``: a snapshot of them, else the anchor), write the round's metrics
-        record and tell the caller (:class:`RoundReporter`)."""
+        record and tell the caller (:class:`RoundReporter`). The round records counted since the last report are
+        this round's (under overlap: the period it was reported in)."""
+        received, sent = self.records.traffic()
+        stats.records_received, stats.records_sent = received - self._traffic[0], sent - self._traffic[1]
+        self._traffic = (received, sent)
         return self.reporter.report(stats, mine, steps, params if params is not None else self.state.anchor)
 
     def close(self) -> None:

@@ -72,6 +72,7 @@ class RoundRecords:
         self._live_lock = threading.Lock()
         self._stores: list[tuple[Any, str, float]] = []  # DHT stores under way (future, key, started)
         self._logged: set[tuple[str, str]] = set()
+        self.pushes_in = self.pushes_out = self.reads = 0  # round records pushed to us, by us, and read here
         if transport is not None:
             transport.set_push_handler(self.on_push)
 
@@ -82,7 +83,9 @@ class RoundRecords:
 
         value = sign(kind, body, self.identity)
         self.inbox.offer(self.me, key, value)
-        self.transport.push(self.pushed_to() | set(to), key, value)
+        targets = self.pushed_to() | set(to)
+        self.pushes_out += len(targets - {self.me})
+        self.transport.push(targets, key, value)
         self._reap_stores()
         if not self.keep_store(key):
             return
@@ -147,6 +150,7 @@ class RoundRecords:
         its catch-up phase then ran 1.4-2.3 s, longer than the others' whole phase, and its notice missed the
         window). A hostile pusher gains one push of each of our few records a round; the inbox bounds senders
         per key, and so how many peers this adds."""
+        self.pushes_in += 1
         if self.inbox.offer(sender, key, body) and sender != self.me and key == checks_key(self.cfg.run_id):
             self.seen(self.current_round(), (sender,))
 
@@ -185,8 +189,9 @@ class RoundRecords:
         futures = [self.dht.get(key, latest=True, return_future=True) for key in keys]
         out = []
         for key, future in zip(keys, futures):
-            found = self._result(future, f"lookup of {key}")
-            out.append(merge(found_entries(found), self.inbox.entries(key)))
+            found = found_entries(self._result(future, f"lookup of {key}"))
+            self.reads += len(found)
+            out.append(merge(found, self.inbox.entries(key)))
         return out
 
     def records(self, key: str, parse: Callable[..., Any], entries: dict[str, Any] | None = None,
@@ -223,6 +228,13 @@ class RoundRecords:
             self.protect_keys(keys)
         except Exception as exc:  # noqa: BLE001 - readers still verify every record; this is defence in depth
             logger.warning("could not register round %d keys with the DHT validator: %s", r, exc)
+
+    def traffic(self) -> tuple[int, int]:
+        """Round records received (pushed to us, and returned by every DHT read, repeats included) and pushed by
+        us, since this loop started: what a round's control messages cost a peer, as ``hlbp bench scale`` counts
+        them."""
+        received = self.pushes_in + self.reads + self.poller.entries_read + self.phase_poller.entries_read
+        return received, self.pushes_out
 
     def latest_checks(self) -> list[ShardChecks]:
         """Every admitted peer's latest checksum record (a peer's record holds only its latest round)."""

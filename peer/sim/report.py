@@ -132,6 +132,10 @@ def summarize(records: dict[str, Sequence[dict[str, Any]]], n_params: int | None
     recv = [b for r in rounds for b in r["bytes_received"].values()]
     out["bytes_per_peer_round"] = {"sent": sum(sent) / len(sent) if sent else 0.0,
                                    "received": sum(recv) / len(recv) if recv else 0.0}
+    rec_in = [rec.get("records_received", 0) for rec in peer_rounds]
+    rec_out = [rec.get("records_sent", 0) for rec in peer_rounds]
+    out["records_per_peer_round"] = {"sent": sum(rec_out) / len(rec_out) if rec_out else 0.0,
+                                     "received": sum(rec_in) / len(rec_in) if rec_in else 0.0}
     if n_params is not None:
         dense = 4 * n_params  # one fp32 pseudo-gradient over all shards, sent by every peer every round
         measured = out["bytes_per_peer_round"]["sent"]
