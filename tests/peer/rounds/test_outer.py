@@ -95,7 +95,7 @@ def test_withdraw_restores_the_buffer():
 def test_a_backlog_is_sent_as_its_average_and_cleared_where_sent():
     """Left out once (a gather set without room), the next contribution carries two phases: averaged, it sends
     the top-k of half the buffer and gives up the whole buffer at those positions; summed, the buffer as it is."""
-    cfg = dict(k=64, beta=0.95, quant_bits=None)
+    cfg = {"k": 64, "beta": 0.95, "quant_bits": None}
     avg, whole = SparseLoCo(OuterConfig(**cfg)), SparseLoCo(OuterConfig(**cfg, backlog="sum"))
     anchor = _params(5)
     first, second = _params(6), _params(7)
