@@ -17,7 +17,7 @@ import torch
 
 from hlbp.peer.net.transport import TransportError
 from hlbp.peer.rounds import copies, guard
-from hlbp.peer.rounds.closer import RoundBans
+from hlbp.peer.rounds.bans import RoundBans
 from hlbp.peer.rounds.config import RoundConfig
 from hlbp.peer.rounds.outcome import Applied, Failed, Refused, RoundOutcome
 from hlbp.peer.rounds.outer import Contribution

@@ -6,7 +6,8 @@ the signed accepted set when every expected contributor has arrived or the adapt
 has passed; the k-th ranked one takes over after k further ``takeover_s`` if nothing appeared. Everybody applies
 the set of the best-ranked coordinator that published one. A straggler is never waited for. The decisions
 (ranking, windows, which set wins) are pure functions in :mod:`hlbp.peer.rounds.rules`; :class:`Closer` runs them
-over the round's records and payloads, and :class:`RoundBans` keeps whom the round loop refuses.
+over the round's records and payloads; :class:`~hlbp.peer.rounds.bans.RoundBans` keeps whom the round loop
+refuses.
 """
 
 from __future__ import annotations
@@ -14,13 +15,14 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from collections.abc import Set as AbstractSet
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from typing import Any
 
 from hlbp.peer.net.transport import TransportError
+from hlbp.peer.rounds.bans import RoundBans
 from hlbp.peer.rounds.config import RoundConfig
 from hlbp.peer.rounds.gather import GatherRule, Standing, breach, candidates, select
 from hlbp.peer.rounds.inbox import Both, DhtPoll
@@ -66,63 +68,7 @@ def signed_form(value: Any, check: Callable[[bytes], Any]) -> bytes | None:
     return None
 
 
-MISS_WINDOW = 8  # rounds: two undelivered contributions within this many ban their sender
-MAX_MISSERS = 4096  # senders whose misses are remembered
 MAX_NEWCOMER_FETCHES = 32  # parallel fetches at admission when more contributions than fetch_workers are due
-
-
-class RoundBans:
-    """Whom this round loop refuses, and until which round.
-
-    ``until``: sender -> (banned until round, strikes so far), from our own verdicts and those that travel in the
-    accepted sets; ``by_guard``: sender -> banned until round, from rounds every peer's guard refused alike (such a
-    peer no longer coordinates while banned, unlike one a coordinator's word alone banned)."""
-
-    def __init__(self) -> None:
-        self.until: dict[str, tuple[int, int]] = {}
-        self.by_guard: dict[str, int] = {}
-        self.misses: dict[str, list[int]] = {}  # sender -> recent rounds whose announced payload could not be had
-
-    def __contains__(self, sender: object) -> bool:
-        return sender in self.until
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.until)
-
-    def ban(self, r: int, sender: str, reason: str) -> None:
-        """Reject a sender's contribution and ban it for 2, 4, 8, ... rounds; the ban travels in the accepted set."""
-        strikes = self.until.get(sender, (0, 0))[1] + 1
-        self.until[sender] = (r + 1 + 2**strikes, strikes)
-        logger.warning("round %d: rejected the contribution of %s (%s); banned until round %d", r, sender[:16],
-                       reason, self.until[sender][0])
-
-    def miss(self, r: int, sender: str) -> None:
-        """A sender whose announced contribution of round r could not be fetched: a second miss within
-        ``MISS_WINDOW`` rounds bans it like garbage (a notice costs its sender a signature, its receivers a fetch
-        timeout). At most ``MAX_MISSERS`` senders are remembered, the oldest forgotten first."""
-        recent = [x for x in self.misses.pop(sender, []) if x > r - MISS_WINDOW] + [r]
-        self.misses[sender] = recent
-        while len(self.misses) > MAX_MISSERS:
-            self.misses.pop(next(iter(self.misses)))
-        if len(recent) >= 2:
-            self.ban(r, sender, f"{len(recent)} announced contributions in {MISS_WINDOW} rounds could not be fetched")
-
-    def ban_by_guard(self, r: int, sender: str, reason: str) -> None:
-        """Ban a sender whose contribution made the round guard refuse the round (the same verdict everywhere)."""
-        self.ban(r, sender, reason)
-        self.by_guard[sender] = self.until[sender][0]
-
-    def banned(self, sender: str, r: int) -> bool:
-        return sender in self.until and r < self.until[sender][0]
-
-    def refused_by_all(self, peer: str, r: int) -> bool:
-        """Whether ``peer`` sent what made every peer's guard refuse a round: it no longer coordinates while
-        banned."""
-        return peer in self.by_guard and r < self.by_guard[peer]
-
-    def travelling(self, r: int) -> tuple[tuple[str, int], ...]:
-        """The bans still in force after round r, as an accepted set carries them."""
-        return tuple(sorted((p, u) for p, (u, _) in self.until.items() if u > r))
 
 
 class Closer:

@@ -35,7 +35,8 @@ from typing import Any
 import torch
 
 from hlbp.peer.rounds.apply import Applier
-from hlbp.peer.rounds.closer import Closer, RoundBans
+from hlbp.peer.rounds.bans import RoundBans
+from hlbp.peer.rounds.closer import Closer
 from hlbp.peer.rounds.follow import Follower, follow_anchor
 from hlbp.peer.rounds.loop import ReplicaBase, RoundConfig, RoundStats
 from hlbp.peer.rounds.outcome import Applied, Failed, Refused, RoundOutcome

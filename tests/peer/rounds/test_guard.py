@@ -100,7 +100,7 @@ def test_a_contribution_far_above_the_rounds_median_is_an_outlier_on_every_peer(
 
 
 def test_a_second_undelivered_contribution_within_the_window_bans_its_sender() -> None:
-    from hlbp.peer.rounds.closer import MISS_WINDOW, RoundBans
+    from hlbp.peer.rounds.bans import MISS_WINDOW, RoundBans
 
     bans = RoundBans()
     bans.miss(3, "fake")

@@ -15,7 +15,8 @@ from collections.abc import Iterator
 import hivemind
 import pytest
 
-from hlbp.peer.rounds.closer import Closer, RoundBans
+from hlbp.peer.rounds.bans import RoundBans
+from hlbp.peer.rounds.closer import Closer
 from hlbp.peer.rounds.config import RoundConfig
 from hlbp.peer.rounds.outer import OuterConfig
 from hlbp.peer.rounds.payloads import Payloads

@@ -1,0 +1,66 @@
+"""Whom a round loop refuses, and until which round: bans for garbage, for undelivered contributions, and for
+what made every peer's guard refuse a round."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+
+logger = logging.getLogger(__name__)
+
+MISS_WINDOW = 8  # rounds: two undelivered contributions within this many ban their sender
+MAX_MISSERS = 4096  # senders whose misses are remembered
+
+
+class RoundBans:
+    """Whom this round loop refuses, and until which round.
+
+    ``until``: sender -> (banned until round, strikes so far), from our own verdicts and those that travel in the
+    accepted sets; ``by_guard``: sender -> banned until round, from rounds every peer's guard refused alike (such a
+    peer no longer coordinates while banned, unlike one a coordinator's word alone banned)."""
+
+    def __init__(self) -> None:
+        self.until: dict[str, tuple[int, int]] = {}
+        self.by_guard: dict[str, int] = {}
+        self.misses: dict[str, list[int]] = {}  # sender -> recent rounds whose announced payload could not be had
+
+    def __contains__(self, sender: object) -> bool:
+        return sender in self.until
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.until)
+
+    def ban(self, r: int, sender: str, reason: str) -> None:
+        """Reject a sender's contribution and ban it for 2, 4, 8, ... rounds; the ban travels in the accepted set."""
+        strikes = self.until.get(sender, (0, 0))[1] + 1
+        self.until[sender] = (r + 1 + 2**strikes, strikes)
+        logger.warning("round %d: rejected the contribution of %s (%s); banned until round %d", r, sender[:16],
+                       reason, self.until[sender][0])
+
+    def miss(self, r: int, sender: str) -> None:
+        """A sender whose announced contribution of round r could not be fetched: a second miss within
+        ``MISS_WINDOW`` rounds bans it like garbage (a notice costs its sender a signature, its receivers a fetch
+        timeout). At most ``MAX_MISSERS`` senders are remembered, the oldest forgotten first."""
+        recent = [x for x in self.misses.pop(sender, []) if x > r - MISS_WINDOW] + [r]
+        self.misses[sender] = recent
+        while len(self.misses) > MAX_MISSERS:
+            self.misses.pop(next(iter(self.misses)))
+        if len(recent) >= 2:
+            self.ban(r, sender, f"{len(recent)} announced contributions in {MISS_WINDOW} rounds could not be fetched")
+
+    def ban_by_guard(self, r: int, sender: str, reason: str) -> None:
+        """Ban a sender whose contribution made the round guard refuse the round (the same verdict everywhere)."""
+        self.ban(r, sender, reason)
+        self.by_guard[sender] = self.until[sender][0]
+
+    def banned(self, sender: str, r: int) -> bool:
+        return sender in self.until and r < self.until[sender][0]
+
+    def refused_by_all(self, peer: str, r: int) -> bool:
+        """Whether ``peer`` sent what made every peer's guard refuse a round: it no longer coordinates while
+        banned."""
+        return peer in self.by_guard and r < self.by_guard[peer]
+
+    def travelling(self, r: int) -> tuple[tuple[str, int], ...]:
+        """The bans still in force after round r, as an accepted set carries them."""
+        return tuple(sorted((p, u) for p, (u, _) in self.until.items() if u > r))
