@@ -77,13 +77,14 @@ class Closer:
     ``expected()``: the contributors to wait for before closing early (:class:`~hlbp.peer.rounds.rules.Expected`;
     a count of 0: unknown, wait out the window).
     ``choose(r, admitted, notices)``: the contributions to publish as accepted when we coordinate (production:
-    ``admitted`` as it is). ``on_poll(r)``: called at every poll while the round is open.
+    ``admitted`` as it is). ``on_poll(r)``: called at every poll while the round is open. ``standing``: the
+    record of who was selected when (the replica state's; a fresh one when None).
     """
 
     def __init__(self, me: str, cfg: RoundConfig, n_shards: int, records: RoundRecords, payloads: Payloads,
                  bans: RoundBans, expected: Callable[[], Expected], stop: Any,
                  choose: Callable[[int, dict[str, Any], dict[str, Any]], dict[str, Any]] = lambda r, a, n: a,
-                 on_poll: Callable[[int], None] = lambda r: None) -> None:
+                 on_poll: Callable[[int], None] = lambda r: None, standing: Standing | None = None) -> None:
         self.me, self.cfg, self.n_shards = me, cfg, n_shards
         self.records, self.payloads, self.bans = records, payloads, bans
         self.expected, self.stop, self.choose, self.on_poll = expected, stop, choose, on_poll
@@ -102,7 +103,8 @@ class Closer:
         self.first_seen: dict[int, float] = {}  # round -> when we first saw one of its notices (time.monotonic)
         self.announced = UNKNOWN  # the expected contributors as last read (each close reads them anew)
         self.rule = GatherRule(cfg.gather, cfg.reserves)  # the run's cap on a round's contributions (gather.py)
-        self.standing = Standing(self.rule.memory)  # who was selected when, as the sets we took show
+        # who was selected when, as the sets we took show (the replica's state holds it, and its checkpoints)
+        self.standing = standing if standing is not None else Standing(self.rule.memory)
         self.breaches: set[tuple[int, str]] = set()  # (round, coordinator) of sets refused for breaking the rule
 
     def veterans(self, r: int) -> dict[str, int]:
@@ -268,6 +270,10 @@ class Closer:
                 first_seen = first_seen if first_seen is not None else now
                 if self.me in order and self.me in notices:
                     rank = order.index(self.me)
+                    if self.rule.capped and not self.standing.warm(r):
+                        # our standing misses rounds (we joined or resynced lately): the set we would choose breaks
+                        # the order that warm members compute, so we take our turn only after everyone else's
+                        rank += len(order)
                     due = first_seen + self.window + rank * self.cfg.takeover_s
                     if (rank == 0 and complete(notices, expected, lambda p: self.bans.banned(p, r))) or now >= due:
                         admitted = self.choose(r, self.gather(r, notices), notices)

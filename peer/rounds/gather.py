@@ -39,6 +39,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from enum import Enum
+from typing import Any
+
+MAX_STANDING = 1 << 17  # contributors a checkpoint's standing may name
 
 
 @dataclass(frozen=True)
@@ -95,6 +98,28 @@ class Standing:
             self.last[p] = r
         self.through = r
         self.last = {p: x for p, x in self.last.items() if x > r - self.memory}
+
+    def to_json(self) -> dict[str, Any]:
+        """The record as a checkpoint header keeps it."""
+        return {"since": self.since, "through": self.through, "last": dict(self.last)}
+
+    def load_json(self, raw: Any, through: int) -> bool:
+        """Take a checkpoint header's record if it is well-formed and ends at round ``through`` (the checkpoint's
+        last applied round); otherwise stay cold. The file is as hostile as the network: nothing but small ints
+        and short peer ids of a bounded count is taken."""
+        self.forget()
+        if not isinstance(raw, dict) or raw.get("through") != through or not isinstance(raw.get("last"), dict):
+            return False
+        since, last = raw.get("since"), raw["last"]
+
+        def ok_int(x: Any) -> bool:
+            return isinstance(x, int) and not isinstance(x, bool) and 0 <= x <= through
+
+        if not ok_int(since) or len(last) > MAX_STANDING or not all(
+                isinstance(p, str) and len(p) <= 128 and ok_int(x) for p, x in last.items()):
+            return False
+        self.since, self.through, self.last = since, through, dict(last)
+        return True
 
     def forget(self) -> None:
         """Drop the record (this peer took a set the others did not, and resyncs): cold until it is rebuilt."""

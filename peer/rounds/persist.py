@@ -72,7 +72,8 @@ def decode_evidence(raw: Any) -> dict[str, dict[str, bytes]]:
 
 def save_replica(path: Path, anchor: Mapping[str, torch.Tensor], outers: Mapping[int, Mapping[str, torch.Tensor]],
                  trainer: Any, round_: int, in_sync: bool, run_id: str,
-                 evidence: Mapping[str, Mapping[str, bytes]] | None = None) -> bool:
+                 evidence: Mapping[str, Mapping[str, bytes]] | None = None,
+                 standing: Mapping[str, Any] | None = None) -> bool:
     """Save the checkpoint, unless the anchor holds a non-finite value: a poisoned state is never stored as current
     (the previous checkpoint stays, and a restart syncs from peers). Returns whether it was saved."""
     if not all(bool(torch.isfinite(t).all()) for t in anchor.values()):
@@ -83,7 +84,7 @@ def save_replica(path: Path, anchor: Mapping[str, torch.Tensor], outers: Mapping
     for s, state in outers.items():
         tensors.update({f"{_outer_prefix(s)}{k}": v for k, v in state.items()})
     save_checkpoint(path, tensors, {**header, "round": round_, "in_sync": in_sync, "run": run_id,
-                                    "evidence": encode_evidence(evidence or {})})
+                                    "evidence": encode_evidence(evidence or {}), "standing": standing or {}})
     return True
 
 
@@ -126,7 +127,8 @@ class Checkpoints:
         self._saved_at = time.monotonic()
         if self.path is not None:
             save_replica(self.path, state.anchor, {s: o.state_tensors() for s, o in state.outers.items()},
-                         self.trainer, state.round, state.in_sync, self.run_id, state.evidence)
+                         self.trainer, state.round, state.in_sync, self.run_id, state.evidence,
+                         state.standing.to_json())
 
     def save_if_due(self, state: ReplicaState) -> None:
         """Save when ``every_s`` has passed (a 1B model's checkpoint is over 20 GB); exits always save."""
@@ -157,4 +159,5 @@ class Checkpoints:
             o.load_state(saved.outers[s])
         state.round = saved.round
         state.evidence = decode_evidence(saved.header.get("evidence"))
+        state.standing.load_json(saved.header.get("standing"), saved.round - 1)
         return True

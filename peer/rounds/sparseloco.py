@@ -87,7 +87,8 @@ class RoundRunner(ReplicaBase):
         # the last round's members; at every poll an overlapped phase takes in the round's result so far
         self.closer = Closer(self.me, self.cfg, len(self.shards), self.records, self.payloads, bans,
                              lambda: self.expected() if self.expected else Expected(max(1, self.last_members)), self.stop,
-                             on_poll=lambda r: self.overlapped.preview(r) if self.overlapped is not None else None)
+                             on_poll=lambda r: self.overlapped.preview(r) if self.overlapped is not None else None,
+                             standing=self.state.standing)
 
     def start(self) -> Start:
         how = super().start()
@@ -229,7 +230,7 @@ class RoundRunner(ReplicaBase):
             self.state.round = r + 1  # a round abandoned on SIGTERM is not ours to count: a restart syncs past it
         if not self.state.in_sync:
             logger.warning("round %d: this peer is out of sync; reloading state from peers", r)
-            self.closer.standing.forget()  # what we recorded may hold a set the others did not take
+            self.state.standing.forget()  # what we recorded may hold a set the others did not take
             stats.synced = self.sync()
             if stats.synced:  # report the state we now hold, not the one we discarded
                 stats.state_round = self.state.round - 1

@@ -7,6 +7,7 @@ from enum import Enum
 
 import torch
 
+from hlbp.peer.rounds.gather import GatherRule, Standing
 from hlbp.peer.rounds.outer import OuterOptimizer
 
 
@@ -32,6 +33,9 @@ class ReplicaState:
     # coordinator's notice: key -> signer -> signed bytes). A checkpoint keeps them and a restart stores them again:
     # a swarm that stopped together took them out of the DHT with it, and only members' checksums vote on a state
     evidence: dict[str, dict[str, bytes]] = field(default_factory=dict)
+    # who was selected when, as the accepted sets taken show (rounds/gather.py): the gather rule's input, kept in
+    # checkpoints so that a peer resuming its current state checks and coordinates capped rounds at once
+    standing: Standing = field(default_factory=lambda: Standing(GatherRule().memory))
 
 
 class StartKind(Enum):

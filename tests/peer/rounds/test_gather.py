@@ -176,3 +176,18 @@ def test_the_rule_refuses_nonsense():
         GatherRule(size=-1)
     with pytest.raises(ValueError):
         GatherRule(size=4, newcomer_share=2.0)
+
+
+def test_standing_survives_a_checkpoint_only_whole_and_current():
+    s = Standing(memory=4)
+    for r in range(3):
+        s.record(r, [f"p{r}"])
+    saved = s.to_json()
+    back = Standing(memory=4)
+    assert back.load_json(saved, through=2) and back.warm(3) and back.veterans(3) == s.veterans(3)
+    assert not back.load_json(saved, through=5) and not back.warm(6)  # a checkpoint of another round: cold
+    hostile = [None, [], {"through": 2, "since": 0, "last": []}, {"through": 2, "since": True, "last": {}},
+               {"through": 2, "since": 0, "last": {"p": 9}}, {"through": 2, "since": 0, "last": {"p" * 200: 1}},
+               {"through": 2, "since": -1, "last": {}}]
+    for raw in hostile:
+        assert not back.load_json(raw, through=2) and back.last == {} and back.since is None

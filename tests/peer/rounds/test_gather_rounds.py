@@ -3,7 +3,9 @@
 The identities are drawn so that the breaker (a coordinator that accepts every contribution, over the cap) ranks
 first in round 0. Every honest replica refuses its set and bans it, the next coordinator in turn closes round 0
 with two members, and from then on every round takes two, the replicas rotate through the set, every honest
-checksum agrees, and a replica left out keeps its contribution for a later round (it is accepted again).
+checksum agrees, and a replica left out keeps its contribution for a later round (it is accepted again). A
+replica stopped and restarted comes back with a cold standing (it missed rounds): it checks only the cap and takes
+its coordinator's turn last, and it is accepted again within a few rounds with the others' checksums.
 """
 
 from __future__ import annotations
@@ -14,10 +16,10 @@ from pathlib import Path
 
 import pytest
 from faulty_peer import program
-from round_records import wait_rounds
+from round_records import by_round, wait_rounds
 
 from hlbp.peer.rounds.rules import coordinator_order
-from hlbp.peer.sim.launcher import SimConfig, Swarm, checksums_agree
+from hlbp.peer.sim.launcher import SimConfig, Swarm, checksums_agree, poll
 from hlbp.protocol.identity import Identity
 
 pytestmark = pytest.mark.slow
@@ -43,7 +45,7 @@ def swarm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Swarm, dic
     for name, ident in ids.items():
         (workdir / f"{name}.key").write_bytes(ident.to_file_bytes())
         os.chmod(workdir / f"{name}.key", 0o400)
-    cfg = SimConfig(n_full=0, rounds=ROUNDS + 3, inner_steps=4, batch_size=4, seq_len=64, round_deadline_s=8.0,
+    cfg = SimConfig(n_full=0, rounds=ROUNDS + 12, inner_steps=4, batch_size=4, seq_len=64, round_deadline_s=8.0,
                     min_deadline_s=8.0, max_deadline_s=20.0, seed=11, threads=1, run_id="gather-test", ttl_s=10.0,
                     gather=GATHER, reserves=1)
     with Swarm(cfg, workdir) as sw:
@@ -80,3 +82,20 @@ def test_every_round_takes_f_and_the_replicas_rotate(swarm: tuple[Swarm, dict[st
     # three honest replicas share two places (the breaker is banned for a while): each is left out at times and
     # accepted again, with what it kept
     assert all(2 <= len(t) < ROUNDS for t in taken.values()), taken
+
+
+def test_a_restarted_replica_is_taken_back_under_the_cap(swarm: tuple[Swarm, dict[str, str]]) -> None:
+    sw, _peer = swarm
+    wait_rounds(sw, list(HONEST), 2)
+    c = sw.replicas["c"]
+    assert c.proc.stop(timeout=30) == 0, c.proc.output[-2000:]
+    before = len(c.rounds())
+    again = sw.add("c")
+    again.proc.wait_for(r"^replica: (.*); starting at round (\d+)", 120)
+    within = 5  # three replicas and two places: a due veteran gets one within two rounds; slack for 2 busy cores
+    poll(lambda: any(rec["accepted"] for rec in again.rounds()[before:before + within])
+         or len(again.rounds()) >= before + within, 240, "c's first rounds after its restart")
+    assert any(rec["accepted"] for rec in again.rounds()[before:before + within]), again.proc.output[-4000:]
+    rounds = by_round(sw)
+    last = max(r for r, recs in rounds.items() if set(HONEST) <= set(recs))
+    assert checksums_agree([rounds[last][x] for x in HONEST]), rounds[last]
