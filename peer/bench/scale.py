@@ -8,6 +8,9 @@ Two modes, side by side in one JSON (``runs``, one entry per mode and N):
   DHT reads, repeats included) and pushed, per peer and round; every round's checksums per shard.
 * **simulated**: the protocol simulator (:mod:`hlbp.peer.sim.protocol`) at N = 100 to 1000 with churn.
 
+Beside them, ``costs``: the CPU seconds a round's apply takes at the ``1b`` preset's sizes for F contributions
+(:mod:`hlbp.peer.bench.costs`), which a cap bounds whatever N is.
+
 The smallest process size also runs uncapped, the protocol as it was, so the table shows what the cap changes.
 """
 
@@ -21,6 +24,7 @@ from typing import Any
 
 from rich.console import Console
 
+from hlbp.peer.bench.costs import apply_costs
 from hlbp.peer.bench.report import print_table, write_result
 from hlbp.peer.sim.launcher import SimConfig, run_simulation
 from hlbp.peer.sim.protocol import ProtocolSimConfig, simulate_protocol
@@ -45,13 +49,14 @@ class ScaleBenchConfig:
     timeout_s: float = 900.0  # per process run
     workdir: Path | None = None
     uncapped_baseline: bool = True
+    cost_sizes: tuple[int, ...] = (8, 16)  # contributions per round whose apply CPU is measured at 1b sizes
 
     @classmethod
     def quick(cls, **overrides: Any) -> ScaleBenchConfig:
         """CI-sized: processes at N = 4 and 8 with F = 3 (the cap binds at both), 3 rounds; the simulator at
         N = 1000 for 10 rounds."""
         base = cls(process_sizes=(4, 8), simulated_sizes=(1000,), gather=3, reserves=2, rounds=3,
-                   simulated_rounds=10, uncapped_baseline=False)
+                   simulated_rounds=10, uncapped_baseline=False, cost_sizes=(3,))
         return dataclasses.replace(base, **overrides)
 
 
@@ -76,7 +81,7 @@ def process_run(cfg: ScaleBenchConfig, n: int, gather: int, workdir: Path) -> di
         "rounds_agreed": sum(1 for r in rounds if r["checksums_equal"] and r["in_sync"]),
         "accepted_per_round": [r["members"] for r in rounds],
         "utilization": compute / (compute + comm) if compute + comm > 0 else None,
-        "wall_s": report.get("wall_s"),
+        "wall_s": report.get("seconds"),
     }
 
 
@@ -147,10 +152,19 @@ def run_scale_bench(cfg: ScaleBenchConfig, out: Path | None = None,
              f"H={cfg.inner_steps}; simulated {cfg.simulated_rounds} rounds, churn {cfg.churn:.0%}")
     print_table(console, title, ["mode", "N", "F", "payload B recv/peer/round", "payload B sent/peer/round",
                                  "records recv/peer/round", "rounds agreed", "utilization"], rows)
+    costs = []
+    for f in cfg.cost_sizes:
+        console.print(f"apply costs at 1b sizes: {f} contributions")
+        costs.append(apply_costs(f, seed=cfg.seed))
+    if costs:
+        print_table(console, "a round's apply at the 1b preset's sizes (CPU seconds, this machine)",
+                    ["contributions", "decode s", "aggregate s", "copy check s", "total s"],
+                    [[c["contributors"], c["decode_s"], c["aggregate_s"], c["copy_check_s"], c["total_s"]]
+                     for c in costs])
     verdict = scale_verdict(runs, cfg)
     if verdict.get("line"):
         console.print(verdict["line"])
-    doc = write_result(out, "scale", config, {"runs": runs, "verdict": verdict, "complete": True})
+    doc = write_result(out, "scale", config, {"runs": runs, "costs": costs, "verdict": verdict, "complete": True})
     if out is not None and write_plot(Path(out).with_suffix(".png"), runs, title):
         console.print(f"plot: {Path(out).with_suffix('.png')}")
     return doc
