@@ -75,6 +75,7 @@ class Hyperparameters:
     min_contributors: int = 1  # a round with fewer accepted contributions by max_deadline_s closes empty
     gather: int = 0  # F: a round accepts at most this many contributions per shard (0: every one; rounds/gather.py)
     reserves: int = 0  # R: further contributions a coordinator checks to replace selected ones that fail
+    unselected: str = "drop"  # what a contributor the gather set had no room for does with what it sent: drop, keep
     outer: str = "sparseloco"  # sparseloco (our sparse rounds) or diloco (dense, hivemind's stock all-reduce)
     outer_lr: float = 0.7  # DiLoCo: Nesterov outer learning rate
     momentum: float = 0.9  # DiLoCo: Nesterov momentum
@@ -94,6 +95,7 @@ class Hyperparameters:
     WEIGHTINGS = ("equal", "tokens")
     SMALL_TENSORS = SMALL_TENSOR_RULES
     OVERLAPS = ("none", "naive", "eager")
+    UNSELECTED = ("drop", "keep")
     # Eager for SparseLoCo: `hlbp bench swarm --overlap none,naive,eager` at H = 30 (tiny, 4 replicas, 100 ms RTT,
     # 20 Mbit/s): 97.8 % utilization against 91.5 % without overlap, at 1.0005x its loss (naive 1.079x)
     DEFAULT_OVERLAP: ClassVar[dict[str, str]] = {"sparseloco": "eager", "diloco": "none"}
@@ -130,6 +132,7 @@ class Hyperparameters:
             min_contributors=_int(body, "min_contributors", 1, 256, d.min_contributors),
             gather=_int(body, "gather", 0, 256, d.gather),
             reserves=_int(body, "reserves", 0, 256, d.reserves),
+            unselected=_str(body, "unselected", 8, d.unselected, choices=cls.UNSELECTED),
             outer=outer,
             outer_lr=_float(body, "outer_lr", 1e-6, 10.0, d.outer_lr),
             momentum=_float(body, "momentum", 0.0, 0.999, d.momentum),

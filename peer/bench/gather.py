@@ -2,10 +2,10 @@
 
 N replicas of the tiny model train in process (:mod:`hlbp.peer.sim.engine`) for the same rounds and inner steps
 under several caps F: every replica trains every phase, so every run sees the same tokens, and only F
-contributions a round reach the global parameters. A replica left out keeps its contribution in its error
-feedback and sends it later (hlbp's rule); the baseline to beat drops it, as templar's miners do (they subtract
-what they uploaded whether or not they were gathered). A kept backlog of m phases is sent as their average (the
-default, ``OuterConfig.backlog``) or, in the "summed" rows, whole. Uncapped (F = N) is the reference. The JSON holds every
+contributions a round reach the global parameters. A replica left out drops what it sent, as templar's miners do
+(the manifest's default, ``unselected = "drop"``), or keeps it in its error feedback to send later: its backlog of
+m phases as their average ("kept", ``OuterConfig.backlog``) or whole ("kept, summed"). Uncapped (F = N) is the
+reference. The JSON holds every
 curve; a PNG beside it plots validation loss against tokens.
 """
 
@@ -30,13 +30,13 @@ from hlbp.peer.train.trainer import OptimConfig, pick_device
 
 @dataclass(frozen=True)
 class GatherBenchConfig:
-    """N replicas, the caps to compare (``gathers``; the largest, N, is the uncapped reference), and the caps also
-    run with the left-out mass dropped (``dropped``)."""
+    """N replicas, the caps to compare (``gathers``: each runs with the left-out mass dropped; F = N is the uncapped
+    reference), and the caps also run keeping it (``kept``: averaged; ``summed``: whole)."""
 
     replicas: int = 32
     gathers: tuple[int, ...] = (4, 8, 16, 32)
-    dropped: tuple[int, ...] = (8,)  # caps also run with the left-out mass dropped (templar)
-    summed: tuple[int, ...] = (8,)  # caps also run with the kept backlog sent whole (OuterConfig.backlog "sum")
+    kept: tuple[int, ...] = (8,)  # caps also run keeping the left-out mass, its backlog sent as an average
+    summed: tuple[int, ...] = (8,)  # ... and keeping it, the backlog sent whole (OuterConfig.backlog "sum")
     rounds: int = 30
     inner_steps: int = 5
     batch_size: int = 4
@@ -54,18 +54,21 @@ class GatherBenchConfig:
     @classmethod
     def quick(cls, **overrides: Any) -> GatherBenchConfig:
         """CI-sized: 8 replicas, F in {2, 4, 8}, 4 rounds of H = 2."""
-        base = cls(replicas=8, gathers=(2, 4, 8), dropped=(2,), summed=(2,), rounds=4, inner_steps=2, eval_batches=4)
+        base = cls(replicas=8, gathers=(2, 4, 8), kept=(2,), summed=(2,), rounds=4, inner_steps=2, eval_batches=4)
         return dataclasses.replace(base, **overrides)
 
     def arms(self) -> list[tuple[str, int, str]]:
         """(label, F, what becomes of the left-out mass: "average", "sum" or "drop") per run; F = N is uncapped."""
         out = []
         for f in sorted(set(self.gathers)):
-            out.append((f"F={f} kept" if f < self.replicas else f"F={f} (uncapped)", f, "average"))
-            if f in self.summed and f < self.replicas:
+            if f >= self.replicas:
+                out.append((f"F={f} (uncapped)", f, "drop"))
+                continue
+            out.append((f"F={f} dropped", f, "drop"))
+            if f in self.kept:
+                out.append((f"F={f} kept", f, "average"))
+            if f in self.summed:
                 out.append((f"F={f} kept, summed", f, "sum"))
-            if f in self.dropped and f < self.replicas:
-                out.append((f"F={f} dropped", f, "drop"))
         return out
 
 
@@ -85,8 +88,8 @@ def run_arm(cfg: GatherBenchConfig, gather: int, left_out: str, threads: int | N
 
 
 def verdict(results: dict[str, dict[str, Any]], cfg: GatherBenchConfig) -> dict[str, Any]:
-    """Each arm's final loss over the uncapped reference's, and whether F = 8 kept is within 1 % and beats F = 8
-    dropped (the issue's bar), where both ran."""
+    """Each arm's final loss over the uncapped reference's; per cap run both ways, whether each is within 1 % of
+    uncapped and whether keeping beats dropping."""
     ref = next((lab for lab, f, _k in cfg.arms() if f >= cfg.replicas), None)
     if ref is None or ref not in results:
         return {}
@@ -94,10 +97,10 @@ def verdict(results: dict[str, dict[str, Any]], cfg: GatherBenchConfig) -> dict[
     ratios = {lab: res["final_val_loss"] / base for lab, res in results.items()}
     out: dict[str, Any] = {"reference": ref, "ratio_to_uncapped": ratios}
     lines = [f"{lab}: {r:.4f}x" for lab, r in ratios.items() if lab != ref]
-    for f in cfg.dropped:
+    for f in cfg.kept:
         kept, dropped = f"F={f} kept", f"F={f} dropped"
-        if kept in results and dropped in results and f < cfg.replicas:
-            out[f"F={f}"] = {"kept_within_1pct": ratios[kept] <= 1.01,
+        if kept in results and dropped in results:
+            out[f"F={f}"] = {"dropped_within_1pct": ratios[dropped] <= 1.01, "kept_within_1pct": ratios[kept] <= 1.01,
                              "kept_beats_dropped": ratios[kept] < ratios[dropped]}
     out["line"] = "final loss / uncapped: " + ", ".join(lines)
     return out
@@ -116,7 +119,7 @@ def write_plot(path: Path, results: dict[str, dict[str, Any]], title: str) -> bo
     for i, (label, res) in enumerate(results.items()):
         xs = [r["tokens"] / 1e6 for r in res["history"]]
         ys = [r["val_loss"] for r in res["history"]]
-        style = ":" if "dropped" in label else "--" if "summed" in label else "-"
+        style = "--" if "summed" in label else ":" if "kept" in label else "-"
         for ax in (a, b):
             ax.plot(xs, ys, style, color=plt.get_cmap("tab10").colors[i % 10], lw=1.3, label=label)
     half = [r for res in results.values() for r in res["history"][len(res["history"]) // 2:]]

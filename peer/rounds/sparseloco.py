@@ -205,9 +205,14 @@ class RoundRunner(ReplicaBase):
             stats.guard = dict(self.applier.last_ratios)
             stats.copies = list(self.applier.last_copies) if isinstance(outcome, Applied) else []
         if mine and not stats.accepted:
-            for s, c in mine.items():
-                self.state.outers[s].withdraw(c)  # left out, or the round refused: it stays in the error-feedback buffer
-            if self.overlapping and accepted is not None and not self.closer.full_without(accepted, mine.keys()):
+            crowded = accepted is not None and not stats.refused and self.closer.full_without(accepted, mine.keys())
+            if not (crowded and self.cfg.unselected == "drop"):
+                for s, c in mine.items():
+                    # left out, or the round refused: it stays in the error-feedback buffer
+                    self.state.outers[s].withdraw(c)
+            # a contribution the gather set had no room for is dropped by default, as templar's miners drop theirs:
+            # kept, its stale mass measured worse at equal tokens (docs/results.md, "Gather set")
+            if self.overlapping and accepted is not None and not crowded:
                 # the phase under way started at our notice, which came too late: it catches up (InnerPhase.run);
                 # a contribution the gather set had no room for came in time, and its phase runs on
                 self.phase.catch_up_round = max(self.phase.catch_up_round, r + 1)

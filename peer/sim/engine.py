@@ -79,10 +79,10 @@ class EngineConfig:
     # paper's eager; a network run lands whenever its exchange finishes, rounds/overlap.py "Landing")
     land_after: int = 0
     # a round accepts at most this many contributions (0: all), chosen by the run's gather rule (rounds/gather.py);
-    # a replica left out keeps its contribution in its error feedback (``keep_unselected``) or, as templar's miners
-    # do, loses it
+    # a replica left out drops what it sent, as templar's miners do (the manifest's default), or keeps it in its
+    # error feedback (``keep_unselected``)
     gather: int = 0
-    keep_unselected: bool = True
+    keep_unselected: bool = False
 
     def __post_init__(self) -> None:
         if not 0 <= self.land_after < max(1, self.inner_steps):

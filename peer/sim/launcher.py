@@ -63,6 +63,7 @@ class SimConfig:
     min_contributors: int = 1  # a round with fewer accepted contributions by max_deadline_s closes empty
     gather: int = 0  # F: contributions per shard a round accepts (0: every one)
     reserves: int = 0  # R: further contributions the coordinator checks to replace failed ones
+    unselected: str = "drop"  # what a contributor the gather set had no room for does with it: drop or keep
     wan_delay_ms: float = 0.0  # emulated one-way delay in front of every peer (hlbp.peer.net.wanlink); 0: none
     wan_mbps: float | None = None  # emulated link rate of every peer, each direction; None: unlimited
     seed: int = 0  # the run's seed: initial weights and data order
@@ -105,7 +106,7 @@ class SimConfig:
                 f"seq_len = {self.seq_len}\nround_deadline_s = {self.round_deadline_s}\n"
                 f"min_deadline_s = {self.min_deadline_s}\nmax_deadline_s = {self.max_deadline_s}\n"
                 f'outer = "{self.outer}"\nmin_contributors = {self.min_contributors}\n'
-                f"gather = {self.gather}\nreserves = {self.reserves}\n"
+                f'gather = {self.gather}\nreserves = {self.reserves}\nunselected = "{self.unselected}"\n'
                 f'aggregation = "{self.aggregation}"\nweighting = "{self.weighting}"\n'
                 f'small_tensors = "{self.small_tensors}"\n'
                 + (f'overlap = "{self.overlap}"\n' if self.overlap else "")

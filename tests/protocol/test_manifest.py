@@ -204,7 +204,7 @@ def test_round_settings_and_allow_list_travel_in_the_manifest():
     members = tuple(sorted(_identity(s).peer_id for s in (4, 5)))
     hp = Hyperparameters(aggregation="mean", weighting="tokens", clip_median=False, max_contribution_ratio=3.0,
                          max_update_ratio=0.5, max_loss_jump=4.0, schedule_steps=450, small_tensors="dense",
-                         gather=16, reserves=8)
+                         gather=16, reserves=8, unselected="keep")
     ident = _identity(3)
     signed = decode_manifest(encode_manifest(_manifest(hparams=hp, allowed_peers=members), ident), signer=ident.peer_id)
     assert signed.manifest.hparams == hp and signed.manifest.allowed_peers == members
@@ -217,7 +217,7 @@ def test_round_settings_and_allow_list_travel_in_the_manifest():
     for bad in ({"aggregation": "median"}, {"weighting": "stake"}, {"clip_median": 1}, {"max_loss_jump": 0.5},
                 {"schedule_steps": -1}, {"schedule_steps": 1.5}, {"small_tensors": "all"}, {"gather": 257},
                 {"gather": -1}, {"reserves": 1000}, {"gather": 2, "min_contributors": 3},
-                {"gather": 4, "outer": "diloco", "overlap": "none"}):
+                {"gather": 4, "outer": "diloco", "overlap": "none"}, {"unselected": "lose"}):
         with pytest.raises(ProtocolError):
             Hyperparameters.from_body(bad)
     body = _manifest().to_body()

@@ -2,8 +2,8 @@
 
 The identities are drawn so that the breaker (a coordinator that accepts every contribution, over the cap) ranks
 first in round 0. Every honest replica refuses its set and bans it, the next coordinator in turn closes round 0
-with two members, and from then on every round takes two, the replicas rotate through the set, every honest
-checksum agrees, and a replica left out keeps its contribution for a later round (it is accepted again). A
+with two members, and from then on every round takes two, the replicas rotate through the set (each left out at
+times and accepted again), and every honest checksum agrees. A
 replica stopped and restarted comes back with a cold standing (it missed rounds): it checks only the cap and takes
 its coordinator's turn last, and it is accepted again within a few rounds with the others' checksums.
 """
@@ -80,7 +80,7 @@ def test_every_round_takes_f_and_the_replicas_rotate(swarm: tuple[Swarm, dict[st
             if rounds[r][x]["accepted"]:
                 taken[x].append(r)
     # three honest replicas share two places (the breaker is banned for a while): each is left out at times and
-    # accepted again, with what it kept
+    # accepted again
     assert all(2 <= len(t) < ROUNDS for t in taken.values()), taken
 
 
