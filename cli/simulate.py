@@ -144,6 +144,10 @@ def print_report(out_console: Console, report: dict[str, Any], rounds: int) -> N
             out_console.print(f"a dense fp32 all-reduce among {max(r['members'] for r in report['rounds'])} replicas "
                               f"(hlbp simulate --outer diloco) moves {report['dense_allreduce_bytes_per_peer_round']:,}"
                               f" B per peer each way: {report['allreduce_ratio']:,.0f}x the SparseLoCo traffic")
+    rpr = report.get("records_per_peer_round")
+    if rpr:
+        out_console.print(f"round records per peer and round: received {rpr['received']:,.1f} (pushed to it or "
+                          f"returned by its DHT reads), pushed {rpr['sent']:,.1f}")
 
 
 def register(app: typer.Typer) -> None:

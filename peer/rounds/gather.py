@@ -22,10 +22,11 @@ so every member recomputes it and a coordinator cannot pick its friends:
 * **Closed runs.** Keys are free, so an open run admits newcomers at ``newcomer_slots`` a round whoever mints
   them; in a run with an allow-list every listed peer counts as a veteran from the start.
 
-Nothing is lost by not being selected: a contributor left out keeps its pseudo-gradient in its error-feedback
-buffer, exactly as a straggler does, and sends it again in a later round (``OuterOptimizer.withdraw``). Templar's
-miners subtract what they uploaded from their error feedback whether or not they were gathered, so the mass of an
-unselected miner is lost; ``hlbp bench gather`` measures the difference.
+What becomes of a contribution the set had no room for is the manifest's ``unselected``. By default it is
+dropped, as templar's miners drop what they uploaded whether or not they were gathered: its sender took what it
+sent out of its error feedback, and the rest of the buffer stays. Kept instead (``keep``), it goes back into the
+buffer whole, as a straggler's does, and is sent, averaged over the phases it waited, when next selected;
+``hlbp bench gather`` measured that stale mass 4 % worse at equal tokens than dropping it (F = 8 of 32).
 
 Everything here is pure: the closer (:mod:`hlbp.peer.rounds.closer`) and the in-process engine run it, and
 ``tests/peer/rounds/test_gather.py`` pins it down.
