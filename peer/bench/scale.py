@@ -101,7 +101,7 @@ def write_plot(path: Path, runs: list[dict[str, Any]], title: str) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
+    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.8))
     groups = sorted({(r["mode"], r["gather"]) for r in runs})
     for mode, gather in groups:
         pts = sorted((r["n"], r) for r in runs if (r["mode"], r["gather"]) == (mode, gather))
@@ -109,13 +109,20 @@ def write_plot(path: Path, runs: list[dict[str, Any]], title: str) -> bool:
         style = "o-" if mode == "processes" else "s--"
         a.plot([n for n, _ in pts], [r["recv_bytes_per_peer_round"] / 1e3 for _, r in pts], style, label=label)
         b.plot([n for n, _ in pts], [r["records_per_peer_round"] for _, r in pts], style, label=label)
+    # all-to-all for reference: every peer fetches every other's payload, of the size the uncapped run measured
+    base = [r for r in runs if r["mode"] == "processes" and not r["gather"] and r["n"] > 1]
+    if base:
+        payload = base[0]["recv_bytes_per_peer_round"] / (base[0]["n"] - 1)
+        ns = sorted({r["n"] for r in runs})
+        a.plot(ns, [(n - 1) * payload / 1e3 for n in ns], ":", color="grey", label="all-to-all, N - 1 payloads")
     a.set_ylabel("payload KB received per peer and round")
     b.set_ylabel("round records received per peer and round")
     for ax in (a, b):
         ax.set_xlabel("peers N")
         ax.set_xscale("log")
+        ax.set_yscale("log")
         ax.legend(fontsize=8)
-        ax.set_title(title, fontsize=9)
+    fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
