@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from rich.console import Console
 
-from hlbp.peer.bench.report import print_table, write_result
+from hlbp.peer.bench.report import finish_loss_plot, print_table, write_result
 from hlbp.peer.data.streams import prepare_data
 from hlbp.peer.model.decoder import build_model, preset
 from hlbp.peer.rounds.outer import OuterConfig
@@ -264,14 +264,7 @@ def write_plot(path: Path, results: dict[str, Any], meths: list[Method], title: 
     tail = [r["val_loss"] for res in results.values() for r in res["history"][len(res["history"]) // 2:]]
     if tail:
         b.set_ylim(min(tail) - 0.02, max(tail) + 0.02)
-    for ax, t in ((a, title), (b, "second half")):
-        ax.set_xlabel("tokens (millions, all replicas)")
-        ax.set_ylabel("validation loss")
-        ax.set_title(t, fontsize=9)
-    b.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    finish_loss_plot(fig, a, b, title, path, legend_size=7)
     return True
 
 

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from rich.console import Console
 
-from hlbp.peer.bench.report import print_table, write_result
+from hlbp.peer.bench.report import finish_loss_plot, print_table, write_result
 from hlbp.peer.data.streams import prepare_data
 from hlbp.peer.model.decoder import preset
 from hlbp.peer.rounds.outer import OuterConfig
@@ -126,14 +126,7 @@ def write_plot(path: Path, results: dict[str, dict[str, Any]], title: str) -> bo
     if half:
         b.set_xlim(left=min(r["tokens"] for r in half) / 1e6)
         b.set_ylim(min(r["val_loss"] for r in half) - 0.02, max(r["val_loss"] for r in half) + 0.02)
-    for ax, t in ((a, title), (b, "second half")):
-        ax.set_xlabel("tokens (millions, all replicas)")
-        ax.set_ylabel("validation loss")
-        ax.set_title(t, fontsize=9)
-    b.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    finish_loss_plot(fig, a, b, title, path, legend_size=8)
     return True
 
 

@@ -48,3 +48,18 @@ def write_result(path: Path | None, name: str, config: dict[str, Any], result: A
     if path is not None:
         atomic_write_bytes(Path(path), json.dumps(doc, indent=2, default=str).encode())
     return doc
+
+
+def finish_loss_plot(fig: Any, whole: Any, half: Any, title: str, path: Path, legend_size: int = 8) -> None:
+    """Label a two-panel plot of validation loss against tokens (the whole run, and its second half), save it to
+    ``path`` and close it: the convergence and gather benchmarks draw their curves, this finishes them alike."""
+    import matplotlib.pyplot as plt
+
+    for ax, t in ((whole, title), (half, "second half")):
+        ax.set_xlabel("tokens (millions, all replicas)")
+        ax.set_ylabel("validation loss")
+        ax.set_title(t, fontsize=9)
+    half.legend(fontsize=legend_size)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
