@@ -7,9 +7,11 @@ selection, reserves, the members' check) and error feedback (a contribution left
 sent, whole, when it is next selected). Churn: each round a share of the peers leaves without notice and as many
 new ones join; a joiner loads the state first and contributes from its next round.
 
-What is modelled as hlbp moves bytes today, not as the issue's target: every notice, accepted set and checksum
-record is pushed to every live peer (N records each), and every selected payload is uploaded by its sender to
-each peer that fetches it. The counts are per peer and round: ``records_per_peer_round`` (received),
+What is modelled is how hlbp moves bytes today: every notice, accepted set and checksum record is pushed to every
+live peer (N records each); the members fetch the selected payloads from their senders while the round is open,
+and every other peer fetches each from a random member (the members serve what they verified), so the F members
+between them upload a payload to each of the N - F others. The counts are per peer and round:
+``records_per_peer_round`` (received),
 ``recv_bytes_per_peer_round`` / ``sent_bytes_per_peer_round`` (payloads), the most any sender uploaded, the
 payloads each peer fetched (the coordinator fetches up to F + R; the others F).
 """
@@ -120,7 +122,11 @@ def simulate_protocol(cfg: ProtocolSimConfig) -> dict[str, Any]:
         for p in live:
             fetched = [q for q in (pool if p is coordinator else chosen) if q != p.pid]
             for q in fetched:
-                uploads[q] = uploads.get(q, 0) + 1
+                # as Payloads._fetch does: a member (or the coordinator) prefetched it from its sender; anyone else
+                # tries a random member other than the sender first, which holds it by then
+                holders = [m for m in chosen if m not in (q, p.pid)]
+                source = q if p.pid in members or p is coordinator or not holders else rng.choice(holders)
+                uploads[source] = uploads.get(source, 0) + 1
             totals["recv"] += cfg.payload_bytes * len(fetched)
             totals["fetched_max"] = max(totals["fetched_max"], len(fetched))
             # pushed records: every live peer's notice and checksums, and the accepted set
