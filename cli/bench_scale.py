@@ -19,12 +19,17 @@ def gather(
     rounds: int | None = opt(None, "--rounds", env="BENCH_ROUNDS", help="Outer rounds (default 30; quick 4)."),
     jobs: int = opt(1, "--jobs", env="BENCH_JOBS", help="Runs at once, each its own process with one torch thread."),
     seed: int = opt(0, "--seed", env="SEED", help="Seed for init and data."),
+    threads: int | None = opt(None, "--threads", env="THREADS", help="torch CPU threads (with --jobs 1)."),
 ) -> None:
     """Loss against tokens under a capped gather set, the left-out mass kept in error feedback or dropped."""
     import dataclasses
 
+    import torch
+
     from hlbp.peer.bench.gather import GatherBenchConfig, run_gather_bench
 
+    if threads:
+        torch.set_num_threads(threads)
     cfg = GatherBenchConfig.quick() if quick else GatherBenchConfig()
     changes: dict = {"seed": seed, "jobs": jobs}
     if replicas is not None:

@@ -14,8 +14,11 @@ pytest.importorskip("matplotlib")
 
 
 def test_quick_gather_bench_writes_every_arm_and_plot(tmp_path: Path, builtin_data: object) -> None:
-    out = tmp_path / "gather.json"  # builtin_data: the corpus and tokenizer are cached before the run
-    proc = subprocess.run([sys.executable, "-m", "hlbp.cli.main", "bench", "gather", "--quick", "--out", str(out)],
+    # builtin_data: the corpus and tokenizer are cached before the run. One torch thread: two threads beside a busy
+    # loop on 2 cores spin against each other (the run took 278 s instead of 20)
+    out = tmp_path / "gather.json"
+    proc = subprocess.run([sys.executable, "-m", "hlbp.cli.main", "bench", "gather", "--quick", "--threads", "1",
+                           "--out", str(out)],
                           check=False, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     doc = json.loads(out.read_text())
