@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from hlbp.peer.sim.launcher import SimConfig, Swarm, poll
+from hlbp.protocol.identity import Identity
 from hlbp.protocol.manifest import Hyperparameters
 
 ROUND_TIMEOUT_S = 120.0  # a bound on waiting for a few rounds on 2 busy cores, not an expected duration
@@ -25,6 +28,15 @@ def rounds_config() -> SimConfig:
     return SimConfig(n_full=0, rounds=40, inner_steps=INNER_STEPS, batch_size=4, seq_len=64, round_deadline_s=4.0,
                      min_deadline_s=MIN_DEADLINE_S, max_deadline_s=MAX_DEADLINE_S, seed=7, threads=1,
                      run_id="rounds-test", ttl_s=10.0, overlap=OVERLAP)
+
+
+def write_keys(workdir: Path, ids: Mapping[str, Identity]) -> dict[str, str]:
+    """Key files named after each replica (``<name>.key``, read-only, where the launcher looks for them), drawn by
+    a test so that it knows who ranks where; returns each name's peer id."""
+    for name, ident in ids.items():
+        (workdir / f"{name}.key").write_bytes(ident.to_file_bytes())
+        os.chmod(workdir / f"{name}.key", 0o400)
+    return {name: ident.peer_id for name, ident in ids.items()}
 
 
 def by_round(swarm: Swarm) -> dict[int, dict[str, dict[str, Any]]]:

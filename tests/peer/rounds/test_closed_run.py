@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 from faulty_peer import program
+from round_records import write_keys
 
 from hlbp.peer.rounds.rules import coordinator_order
 from hlbp.peer.sim.launcher import SimConfig, Swarm, checksums_agree, poll
@@ -48,10 +49,7 @@ def _identities() -> dict[str, Identity]:
 def swarm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Swarm, dict[str, str]]]:
     ids = _identities()
     workdir: Path = tmp_path_factory.mktemp("closed")
-    for name, ident in ids.items():
-        (workdir / f"{name}.key").write_bytes(ident.to_file_bytes())
-        os.chmod(workdir / f"{name}.key", 0o400)
-    peer = {name: ident.peer_id for name, ident in ids.items()}
+    peer = write_keys(workdir, ids)
     cfg = SimConfig(n_full=0, rounds=60, inner_steps=4, batch_size=4, seq_len=64, round_deadline_s=4.0,
                     min_deadline_s=2.0, max_deadline_s=10.0, seed=3, threads=1, run_id="closed-test", ttl_s=10.0,
                     allowed_peers=tuple(sorted(peer[x] for x in MEMBERS)), stop_timeout_s=5.0)

@@ -10,13 +10,12 @@ its coordinator's turn last, and it is accepted again within a few rounds with t
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from faulty_peer import program
-from round_records import by_round, wait_rounds
+from round_records import by_round, wait_rounds, write_keys
 
 from hlbp.peer.rounds.rules import coordinator_order
 from hlbp.peer.sim.launcher import SimConfig, Swarm, checksums_agree, poll
@@ -42,9 +41,7 @@ def _identities() -> dict[str, Identity]:
 def swarm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Swarm, dict[str, str]]]:
     ids = _identities()
     workdir: Path = tmp_path_factory.mktemp("gather")
-    for name, ident in ids.items():
-        (workdir / f"{name}.key").write_bytes(ident.to_file_bytes())
-        os.chmod(workdir / f"{name}.key", 0o400)
+    peer = write_keys(workdir, ids)
     cfg = SimConfig(n_full=0, rounds=ROUNDS + 12, inner_steps=4, batch_size=4, seq_len=64, round_deadline_s=8.0,
                     min_deadline_s=8.0, max_deadline_s=20.0, seed=11, threads=1, run_id="gather-test", ttl_s=10.0,
                     gather=GATHER, reserves=1)
@@ -54,7 +51,7 @@ def swarm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Swarm, dic
         for name in HONEST:
             sw.add(name, *wait)
         sw.add(BREAKER, *wait, program=program("gather-breaker"))
-        yield sw, {name: ident.peer_id for name, ident in ids.items()}
+        yield sw, peer
 
 
 def test_a_coordinator_over_the_cap_is_refused_and_banned(swarm: tuple[Swarm, dict[str, str]]) -> None:
