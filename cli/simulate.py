@@ -141,7 +141,7 @@ def print_report(out_console: Console, report: dict[str, Any], rounds: int) -> N
                              "2(N-1)/N x 4 B x params per member)" if dense else
                              f"{ratio:,.0f}x the measured SparseLoCo bytes"))
         if not dense and report.get("allreduce_ratio"):
-            out_console.print(f"a dense fp32 all-reduce among {max(r['members'] for r in report['rounds'])} replicas "
+            out_console.print(f"a dense fp32 all-reduce among {report['dense_allreduce_members']} replicas "
                               f"(hlbp simulate --outer diloco) moves {report['dense_allreduce_bytes_per_peer_round']:,}"
                               f" B per peer each way: {report['allreduce_ratio']:,.0f}x the SparseLoCo traffic")
     rpr = report.get("records_per_peer_round")

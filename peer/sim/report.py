@@ -142,11 +142,13 @@ def summarize(records: dict[str, Sequence[dict[str, Any]]], n_params: int | None
         out["n_params"] = n_params
         out["dense_fp32_bytes_per_peer_round"] = dense
         out["compression_ratio"] = dense / measured if measured else None
-        # what the dense baseline really moves: hivemind's butterfly all-reduce, each way, per member
-        members = max((r["members"] for r in rounds), default=0)
+        # what the dense baseline really moves: hivemind's butterfly all-reduce, each way, per member; it takes
+        # every replica, whatever a gather cap lets a sparse round accept
+        members = max([*(r["members"] for r in rounds), sum(1 for name in records if not is_stage(name))])
         allreduce = round(2 * (members - 1) / members * dense) if members > 1 else 0
         traffic = max(out["bytes_per_peer_round"]["sent"], out["bytes_per_peer_round"]["received"])
         out["dense_allreduce_bytes_per_peer_round"] = allreduce
+        out["dense_allreduce_members"] = members
         out["allreduce_ratio"] = allreduce / traffic if traffic and allreduce else None
     return out
 
