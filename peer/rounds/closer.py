@@ -135,7 +135,7 @@ class Closer:
         if (r, s.coordinator) in self.breaches:
             return False
         members = {p: frozenset(d) for p, _t, d in s.members}
-        found = breach(r, members, self.contenders(r, notices), self.standing, self.rule)
+        found = breach(r, members, self.contenders(r, notices), self.standing, self.rule, self.veterans(r))
         if found is None:
             return True
         self.breaches = {x for x in self.breaches if x[0] >= r - 2} | {(r, s.coordinator)}

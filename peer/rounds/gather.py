@@ -217,9 +217,11 @@ class Breach:
 
 
 def breach(r: int, members: Mapping[str, AbstractSet[int]], seen: Mapping[str, AbstractSet[int]],
-           standing: Standing, rule: GatherRule) -> Breach | None:
+           standing: Standing, rule: GatherRule, veterans: Mapping[str, int] | None = None) -> Breach | None:
     """How round r's accepted set (``members``: peer -> the shards it contributed) breaks the rule, as this peer
     can tell from the notices it saw (``seen``, not banned) and its ``standing``; None when it keeps it.
+    ``veterans``: the order's veterans when they are more than the standing shows (a closed run's allowed peers);
+    the coordinator must have used the same.
 
     Over the cap always shows. The order shows only when this peer's standing is warm, and it is checked lane by
     lane, so that notices the coordinator did not see (later arrivals) cannot get an honest set refused:
@@ -242,7 +244,7 @@ def breach(r: int, members: Mapping[str, AbstractSet[int]], seen: Mapping[str, A
     if not standing.warm(r):
         return None
     pool = {**seen, **members}
-    veterans = standing.veterans(r)
+    veterans = standing.veterans(r) if veterans is None else veterans
     wait = cooldown(veterans, rule)
     old = {p: s for p, s in pool.items() if p in veterans}
     allowed = set(take(priority(r, old, veterans, rule), old, rule.size + rule.reserves))

@@ -191,3 +191,17 @@ def test_standing_survives_a_checkpoint_only_whole_and_current():
                {"through": 2, "since": -1, "last": {}}]
     for raw in hostile:
         assert not back.load_json(raw, through=2) and back.last == {} and back.since is None
+
+
+def test_a_closed_runs_allowed_peers_are_veterans_for_the_coordinator_and_the_check_alike():
+    rule = GatherRule(size=4, reserves=0)
+    allowed = peers(12)
+    standing = Standing(rule.memory)
+    rotate(rule, allowed, 2, standing)  # some selected so far, the others never
+    veterans = {**{p: 2 - rule.memory for p in allowed}, **standing.veterans(2)}
+    chosen = select(2, allowed, veterans, rule)
+    assert len(chosen) == 4 and not set(chosen) & set(standing.veterans(2))  # the never-selected, oldest, go first
+    members = {p: allowed[p] for p in chosen}
+    assert breach(2, members, allowed, standing, rule, veterans) is None
+    # checked against the standing alone they would look like four newcomers out of order
+    assert breach(2, members, allowed, standing, rule) is not None
