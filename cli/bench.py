@@ -87,7 +87,7 @@ def convergence(
         changes["inner_steps"] = inner_steps
     for name, text, kind in (("diloco_lrs", diloco_lrs, float), ("ks", ks, int), ("lr_mults", lr_mults, float),
                              ("alphas", alphas, float), ("betas", betas, float)):
-        values = _number_list(text, kind, "--" + name.replace("_", "-"))
+        values = number_list(text, kind, "--" + name.replace("_", "-"))
         if values:
             changes[name] = values
     if (diloco_lrs or lr_mults) and not long:
@@ -95,12 +95,14 @@ def convergence(
     run_convergence_bench(dataclasses.replace(cfg, **changes), out, console)
 
 
-def _number_list(text: str, kind: type, flag: str) -> tuple:
-    """A comma-separated list of positive numbers from a flag, or () when it is empty."""
+def number_list(text: str, kind: type, flag: str) -> tuple:
+    """A comma-separated list of positive numbers (of ``kind``: int or float) from a flag, or () when it is empty;
+    the ``hlbp bench`` commands share it."""
     try:
         values = tuple(kind(x) for x in text.split(",") if x.strip())
     except ValueError:
-        raise UserInputError(f"{flag} takes comma-separated numbers, e.g. {flag} 0.5,0.6; got {text!r}") from None
+        example = "4,8" if kind is int else "0.5,0.6"
+        raise UserInputError(f"{flag} takes comma-separated numbers, e.g. {flag} {example}; got {text!r}") from None
     if any(not (v > 0 and math.isfinite(v)) for v in values):
         raise UserInputError(f"{flag}: every value must be a finite number > 0; got {text!r}")
     return values

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from hlbp.cli.bench import OUT_HELP, QUICK_HELP, bench_app, console
+from hlbp.cli.bench import OUT_HELP, QUICK_HELP, bench_app, console, number_list
 from hlbp.cli.options import opt
 from hlbp.peer.common.errors import UserInputError
 
@@ -37,10 +37,7 @@ def gather(
     if rounds is not None:
         changes["rounds"] = rounds
     if gathers:
-        try:
-            changes["gathers"] = tuple(int(x) for x in gathers.split(",") if x.strip())
-        except ValueError:
-            raise UserInputError(f"--gathers takes comma-separated integers, e.g. 4,8,16; got {gathers!r}") from None
+        changes["gathers"] = number_list(gathers, int, "--gathers")
     cfg = dataclasses.replace(cfg, **changes)
     if cfg.replicas < 2 or jobs < 1 or cfg.rounds < 1 or any(f < 1 for f in cfg.gathers):
         raise UserInputError("--replicas must be >= 2, --jobs, --rounds and every cap >= 1")
@@ -69,12 +66,9 @@ def scale(
 
     cfg = ScaleBenchConfig.quick() if quick else ScaleBenchConfig()
     changes: dict = {"workdir": workdir}
-    for name, text in (("process_sizes", sizes), ("simulated_sizes", simulated)):
+    for name, text, flag in (("process_sizes", sizes, "--sizes"), ("simulated_sizes", simulated, "--simulated")):
         if text:
-            try:
-                changes[name] = tuple(int(x) for x in text.split(",") if x.strip())
-            except ValueError:
-                raise UserInputError(f"--{name.split('_')[0]} takes comma-separated integers; got {text!r}") from None
+            changes[name] = number_list(text, int, flag)
     for name, value in (("gather", gather), ("reserves", reserves), ("rounds", rounds)):
         if value is not None:
             changes[name] = value
