@@ -143,7 +143,7 @@ class SparseLoCo(OuterOptimizer):
         self.config = config
         self.ef: dict[str, torch.Tensor] = {}  # error-feedback buffer per parameter, float32 on CPU
         self.phases = 0  # inner phases in the buffer since our last contribution that was taken
-        self._taken: tuple[int, int] | None = None  # (phases it carried, its id) of the last contribution
+        self._taken: tuple[int, Contribution] | None = None  # the last contribution and the phases it carried
 
     def contribute(self, anchor: Tensors, local: Tensors, sender: str = "", tokens: int = 0) -> Contribution:
         self.phases += 1
@@ -160,12 +160,12 @@ class SparseLoCo(OuterOptimizer):
             self.ef[name] = e
             sent[name] = s
         c = Contribution(sender, tokens, sent)
-        self._taken, self.phases = (m, id(c)), 0
+        self._taken, self.phases = (m, c), 0
         return c
 
     def withdraw(self, contribution: Contribution) -> None:
         # A straggler's unsent pseudo-gradient goes back into its buffer, as if it had never been taken out.
-        m = self._taken[0] if self._taken is not None and self._taken[1] == id(contribution) else 1
+        m = self._taken[0] if self._taken is not None and self._taken[1] is contribution else 1
         for name, s in contribution.tensors.items():
             self.ef[name].add_(decompress(s) * m if m > 1 else decompress(s))
         self.phases = m if self.config.backlog == "average" else self.phases
