@@ -7,21 +7,40 @@ selection, reserves, the members' check) and error feedback (a contribution left
 sent, whole, when it is next selected). Churn: each round a share of the peers leaves without notice and as many
 new ones join; a joiner loads the state first and contributes from its next round.
 
-What is modelled is how hlbp moves bytes today: every notice, accepted set and checksum record is pushed to every
-live peer (N records each); the members fetch the selected payloads from their senders while the round is open,
-and every other peer fetches each from a random member (the members serve what they verified), so the F members
-between them upload a payload to each of the N - F others. The counts are per peer and round:
-``records_per_peer_round`` (received),
-``recv_bytes_per_peer_round`` / ``sent_bytes_per_peer_round`` (payloads), the most any sender uploaded, the
-payloads each peer fetched (the coordinator fetches up to F + R; the others F).
+Round records go as the manifest's committee says (:mod:`hlbp.peer.rounds.committee`). With one of W seats, each
+notice reaches its holder only, each holder forwards the part the gather rule could select to the leads in one
+message, the coordinator (the first lead still there; the next seat after the leads' turns when none is) sends the
+accepted set to the seats and each holder relays it to the senders whose notices it holds; a peer whose holder left,
+and a joiner, reads the round's accepted set from the DHT (one record); after the round each peer reads ``samples``
+checksum records from the next round's seats. A holder that left loses its part of the notices for that round. The
+run starts under way: the ``LOOKBACK`` rounds before round 0 closed with F founders each. Without a committee every
+notice, accepted set and checksum record is pushed to every live peer (2N records a peer).
+
+Payloads move as hlbp moves them today: the members fetch the selected payloads from their senders while the round
+is open, and every other peer fetches each from a random member (the members serve what they verified), so the F
+members between them upload a payload to each of the N - F others. The counts are per peer and round:
+``records_per_peer_round`` (received; the most any peer received in any round, and sent), ``recv_bytes_per_peer_round``
+/ ``sent_bytes_per_peer_round`` (payloads), the most any sender uploaded, the payloads each peer fetched (the
+coordinator fetches up to F + R; the others F).
 """
 
 from __future__ import annotations
 
 import random
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
+from hlbp.peer.rounds.committee import (
+    LOOKBACK,
+    CommitteeRule,
+    check_sample,
+    committee,
+    forwarded,
+    holder,
+    leads,
+    relayed_to,
+)
 from hlbp.peer.rounds.gather import GatherRule, Standing, breach, candidates, select
 from hlbp.peer.rounds.rules import turn_order
 
@@ -44,6 +63,10 @@ class ProtocolSimConfig:
     mbps: tuple[float, float] = (20.0, 200.0)  # each direction, uniform
     window_s: float = 30.0  # the coordinator's collection window after the first notice
     fetch_failure: float = 0.02  # share of payload fetches that fail (a peer gone, a broken link)
+    committee: int = 0  # W seats (0: records all-to-all, as without a committee); rounds/committee.py
+    leads: int = 3
+    samples: int = 4
+    takeover_s: float = 3.0
     seed: int = 0
 
 
@@ -62,6 +85,7 @@ def simulate_protocol(cfg: ProtocolSimConfig) -> dict[str, Any]:
     """Run ``cfg.rounds`` rounds; per-peer-per-round traffic, agreement and selection statistics."""
     rng = random.Random(cfg.seed)
     rule = GatherRule(cfg.gather, cfg.reserves)
+    seats_rule = CommitteeRule(cfg.committee, cfg.leads, cfg.samples)
     standing = Standing(rule.memory)  # in-sync peers take the same sets, so they hold the same standing
     cold = Standing(rule.memory)  # a joiner's: it has not recorded the rounds before it joined
     counter = 0
@@ -73,8 +97,13 @@ def simulate_protocol(cfg: ProtocolSimConfig) -> dict[str, Any]:
                      rng.uniform(*cfg.latency_ms) / 1e3, rng.uniform(*cfg.mbps) * 1e6 / 8, r)
 
     peers = {p.pid: p for p in (new_peer(0) for _ in range(cfg.n))}
-    prior: dict[str, frozenset[int]] = {}
-    totals = {"records": 0, "recv": 0, "sent": 0, "fetched_max": 0, "sent_max": 0, "peer_rounds": 0}
+    # the run is under way: the rounds before round 0 closed with F founders each as members
+    founders = sorted(peers)
+    recent: list[dict[str, frozenset[int]]] = [
+        {q: frozenset({0}) for q in rng.sample(founders, min(cfg.n, max(1, rule.size)))} for _ in range(LOOKBACK)]
+    prior = recent[-1]
+    totals = {"records": 0, "recv": 0, "sent": 0, "fetched_max": 0, "sent_max": 0, "peer_rounds": 0,
+              "records_max": 0, "records_sent_max": 0}
     closed = agreed = refused_sets = 0
     waits: list[int] = []
     durations: list[float] = []
@@ -91,15 +120,60 @@ def simulate_protocol(cfg: ProtocolSimConfig) -> dict[str, Any]:
         for p in contributors:
             p.pending += 1
         notices = {p.pid: frozenset({0}) for p in contributors}
-        order = turn_order(r, {q: s for q, s in prior.items() if q in peers}, notices, 1,
-                           announced=set(notices))
-        coordinator = peers[order[0]]
         first = min(announce.values())
-        # it closes when every announced notice has reached it, or at the window's end
-        heard = {q: announce[q] + peers[q].latency_s + coordinator.latency_s for q in notices}
-        close_at = min(max(heard.values()), first + cfg.window_s)
-        seen = {q: s for q, s in notices.items() if heard[q] <= close_at}
+        received: Counter[str] = Counter()  # round records each peer received this round, and sent
+        sent_records: Counter[str] = Counter()
+        # committee of round r: the first W of the agreed head of its turn order (last round's members, ranked),
+        # whether or not they are still there; none (all-to-all) when the rule is off
+        head = turn_order(r, prior, {}, 1)
+        seats = committee(r, head, {q for members in recent for q in members}, seats_rule)
         veterans = standing.veterans(r)
+        if seats:
+            leaders = leads(seats, seats_rule)
+            # each notice goes to its holder; a holder that left loses its part for this round
+            parts: dict[str, dict[str, frozenset[int]]] = {}
+            arrive: dict[str, float] = {}
+            for q, shards in notices.items():
+                h = holder(r, q, seats, seats_rule)
+                sent_records[q] += 1
+                if h in peers:
+                    received[h] += 1
+                    parts.setdefault(h, {})[q] = shards
+                    arrive[q] = announce[q] + peers[q].latency_s + peers[h].latency_s
+            # the coordinator: the first lead still there; with none, the next seat takes over after the leads'
+            # turns and the holders forward to it then
+            in_charge = next((c for c in seats if c in peers), None)
+            if in_charge is None:
+                prior, recent = {}, []
+                continue
+            coordinator = peers[in_charge]
+            turns = seats.index(in_charge)
+            targets = [c for c in leaders if c in peers] if in_charge in leaders else [in_charge]
+            view: dict[str, frozenset[int]] = dict(parts.get(in_charge, {}))
+            heard: dict[str, float] = {}
+            for h, part in parts.items():
+                sent_on = forwarded(r, part, veterans, rule)
+                ready = min(max(arrive[q] for q in part), first + cfg.window_s)
+                if h == in_charge:
+                    heard.update({q: arrive[q] for q in part})
+                    continue
+                sent_records[h] += len(targets)
+                for t in targets:
+                    received[t] += 1
+                for q in sent_on:
+                    view[q] = part[q]
+                    heard[q] = ready + peers[h].latency_s + coordinator.latency_s
+            # it closes once every holder's forward is in, or a takeover delay past its window (the holders forward
+            # at their window's end at the latest)
+            close_at = min(max(heard.values(), default=first), first + cfg.window_s + cfg.takeover_s) \
+                + turns * cfg.takeover_s
+            seen = {q: s for q, s in view.items() if heard[q] <= close_at}
+        else:
+            order = turn_order(r, {q: s for q, s in prior.items() if q in peers}, notices, 1, announced=set(notices))
+            coordinator = peers[order[0]]
+            heard = {q: announce[q] + peers[q].latency_s + coordinator.latency_s for q in notices}
+            close_at = min(max(heard.values()), first + cfg.window_s)
+            seen = {q: s for q, s in notices.items() if heard[q] <= close_at}
         pool = candidates(r, seen, veterans, rule)
         failed = {q for q in pool if q != coordinator.pid and rng.random() < cfg.fetch_failure}
         chosen = select(r, {q: seen[q] for q in pool if q not in failed}, veterans, rule)
@@ -107,17 +181,56 @@ def simulate_protocol(cfg: ProtocolSimConfig) -> dict[str, Any]:
                        for q in pool if q != coordinator.pid), default=0.0)
         set_at = close_at + fetch_s
         members = {q: notices[q] for q in chosen}
-        # every in-sync peer checks the set against the notices that reached it before the set did (a joiner's
-        # standing is cold: it checks the cap only), then fetches the members' payloads it lacks
         set_sent = set_at + coordinator.latency_s
         in_sync = [p for p in live if p.joined < r or r == 0]
+        if seats:
+            # the set goes to the seats still there, each relays it to the senders of the notices it holds; a peer
+            # whose holder left (or a joiner) reads the round's accepted sets from the DHT (one record)
+            relayed: set[str] = set()
+            for c in seats:
+                if c in peers and c != coordinator.pid:
+                    received[c] += 1
+                    sent_records[coordinator.pid] += 1
+                if c in peers:
+                    fan = relayed_to(r, c, seats, set(parts.get(c, {})), seats_rule)
+                    sent_records[c] += len(fan)
+                    for q in fan:
+                        received[q] += 1
+                    relayed |= fan
+            for p in live:
+                if p.pid not in relayed and p.pid not in seats:
+                    received[p.pid] += 1
+            # a member checks the set against the notices it holds (a lead: the forwards too); anyone else checks
+            # the cap and the newcomers' places only
+            views = {c: dict(parts.get(c, {})) for c in seats if c in peers}
+            for c in leaders:
+                if c in views:
+                    views[c] |= view
+        else:
+            for p in live:  # every live peer's notice and the accepted set, pushed to every live peer
+                received[p.pid] += len(notices) - (p.pid in notices) + 1
+                sent_records[p.pid] += len(live) - 1
+            views = {p.pid: {q: s for q, s in notices.items() if announce[q] + peers[q].latency_s <= set_sent}
+                     for p in live}
         refusing = [p for p in in_sync
-                    if breach(r, members, {q: s for q, s in notices.items()
-                                           if announce[q] + peers[q].latency_s <= set_sent},
-                              standing if p.joined == 0 else cold, rule) is not None]
+                    if breach(r, members, views.get(p.pid, members), standing if p.joined == 0 else cold, rule)
+                    is not None]
         refused_sets += bool(refusing)
         closed += bool(chosen)
         agreed += bool(chosen) and not refusing
+        # checksums: with a committee each peer reads a sample of the members' records (each member serves its
+        # readers); all-to-all, every live peer's record reaches every live peer
+        # read from the next round's committee: the peers with standing, every one of which applied this round
+        readable = committee(r + 1, turn_order(r + 1, members, {}, 1), {q for m in recent for q in m} | set(chosen),
+                             seats_rule)
+        for p in live:
+            if seats:
+                sample = check_sample(r, p.pid, [q for q in readable if q in peers], seats_rule)
+                received[p.pid] += len(sample)
+                for m in sample:
+                    sent_records[m] += 1
+            else:
+                received[p.pid] += len(live) - 1
         uploads: dict[str, int] = {}
         for p in live:
             fetched = [q for q in (pool if p is coordinator else chosen) if q != p.pid]
@@ -129,8 +242,9 @@ def simulate_protocol(cfg: ProtocolSimConfig) -> dict[str, Any]:
                 uploads[source] = uploads.get(source, 0) + 1
             totals["recv"] += cfg.payload_bytes * len(fetched)
             totals["fetched_max"] = max(totals["fetched_max"], len(fetched))
-            # pushed records: every live peer's notice and checksums, and the accepted set
-            totals["records"] += 2 * (len(live) - 1) + 1
+        totals["records"] += sum(received.values())
+        totals["records_max"] = max([totals["records_max"], *received.values()])
+        totals["records_sent_max"] = max([totals["records_sent_max"], *sent_records.values()])
         sent = {q: n * cfg.payload_bytes for q, n in uploads.items()}
         totals["sent"] += sum(sent.values())
         totals["sent_max"] = max([totals["sent_max"], *sent.values()])
@@ -139,6 +253,7 @@ def simulate_protocol(cfg: ProtocolSimConfig) -> dict[str, Any]:
         durations.append(set_at + slowest - first)
         standing.record(r, chosen)
         prior = dict(members)
+        recent = [*recent, prior][-LOOKBACK:]
         for q in chosen:
             p = peers[q]
             waits.append(p.pending - 1)  # phases its contribution waited in error feedback before this round
@@ -156,6 +271,8 @@ def simulate_protocol(cfg: ProtocolSimConfig) -> dict[str, Any]:
         "max_sent_bytes_one_peer_round": totals["sent_max"],
         "max_payloads_fetched_one_peer_round": totals["fetched_max"],
         "records_per_peer_round": totals["records"] / n_pr,
+        "max_records_one_peer_round": totals["records_max"],
+        "max_records_sent_one_peer_round": totals["records_sent_max"],
         "record_bytes_per_peer_round": RECORD_BYTES * totals["records"] / n_pr,
         "mean_round_span_s": sum(durations) / len(durations) if durations else 0.0,
         "selection_wait_rounds": {"mean": sum(waits) / len(waits) if waits else 0.0,

@@ -1,0 +1,115 @@
+"""A round's committee: who hears the contribution notices, who coordinates, and who tells the rest, so that a peer
+sends and receives a bounded number of round records whatever the run's size.
+
+All-to-all, every notice and every checksum record reaches every live peer: 2N records a peer and round (2,015
+simulated at N = 1000). With a committee of ``size`` (W) the records a round needs are split between its members:
+
+* **Who.** The committee of round r is the part of round r's turn order that was agreed before the round opened
+  (last round's members, ranked: :func:`hlbp.peer.rounds.rules.turn_order`), then the members of the few rounds
+  before, W seats in all (:func:`committee`). Every in-sync peer took the same accepted sets, so every one computes
+  the same committee, and being quick to announce buys no seat.
+* **Leads.** Its first ``leads`` members coordinate in turn, as before. They hold no notices of their own.
+* **Holders.** Each contributor sends its notice to one committee member (:func:`holder`, rendezvous hashing of
+  (round, sender) over the members after the leads), so a holder hears about N / (W - leads) notices. A holder
+  forwards to the leads, in one message, the notices of its part that the gather rule could select
+  (:func:`forwarded`): the first F + R per shard. Restricting the rule's order to a part keeps the order of what
+  remains, so the round's first F + R are among the parts' first F + R (exactly so when the contributors hold the
+  same shards: full replicas; a mix of stage peers may lose a deep-ranked stage contribution). A lead hears
+  W - leads forwards instead of N notices.
+* **Relays.** The coordinator sends the accepted set, with its members' notices, to the committee; each holder
+  relays it to the senders of the notices it holds. A peer hears the set once, from its holder.
+* **Checks.** After round r each peer reads the checksum records of ``samples`` seats of round r + 1's committee
+  (:func:`check_sample`: peers with standing, which applied round r), instead of every member's.
+
+The DHT stays the record of truth and the fallback: every record is still stored there, and a peer whose holder
+left reads the round's accepted sets (a few records) from it. Everything here is pure: the closer and the protocol
+simulator run it, and ``tests/peer/rounds/test_committee.py`` pins it down.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
+from dataclasses import dataclass
+
+from hlbp.peer.rounds.gather import GatherRule, priority
+
+MAX_COMMITTEE = 32  # seats; a manifest asking for more is refused
+
+
+@dataclass(frozen=True)
+class CommitteeRule:
+    """The manifest's committee: ``size`` (W) seats (0: none, records go all-to-all), the first ``leads`` of
+    which coordinate and hold no notices, and ``samples`` members whose checksums a peer reads after a round."""
+
+    size: int = 0
+    leads: int = 3
+    samples: int = 4
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.size <= MAX_COMMITTEE or self.leads < 1 or self.samples < 1:
+            raise ValueError(f"a committee has 0 to {MAX_COMMITTEE} seats, at least one lead and one sample; "
+                             f"got {self.size}, {self.leads} and {self.samples}")
+
+    @property
+    def on(self) -> bool:
+        return self.size > 0
+
+
+def _rank(*parts: object) -> bytes:
+    return hashlib.sha256(("committee|" + "|".join(str(p) for p in parts)).encode()).digest()
+
+
+LOOKBACK = 8  # rounds of members a committee is drawn from
+
+
+def committee(r: int, head: Sequence[str], earlier: Iterable[str], rule: CommitteeRule) -> tuple[str, ...]:
+    """Round r's committee: ``head``, the part of its turn order agreed before it opened (last round's members,
+    ranked), then the members of the ``LOOKBACK`` rounds before that (``earlier``) in rendezvous order, the first W
+    of them. A gather set of F seats F members a round, so a committee wider than F reaches back
+    (W / F rounds). Empty when the rule is off or nothing was agreed (records go all-to-all then)."""
+    if not rule.on or not head:
+        return ()
+    rest = sorted(set(earlier) - set(head), key=lambda p: _rank("seat", r, p))
+    return tuple([*head, *rest][:rule.size])
+
+
+def leads(seats: Sequence[str], rule: CommitteeRule) -> tuple[str, ...]:
+    """The committee members that coordinate in turn and receive the holders' forwards."""
+    return tuple(seats[:rule.leads])
+
+
+def holder(r: int, sender: str, seats: Sequence[str], rule: CommitteeRule) -> str:
+    """The committee member that holds ``sender``'s notice of round r: by rendezvous hashing over the members after
+    the leads (over the leads when there are no others). ``seats`` must not be empty."""
+    pool = seats[rule.leads:] or seats
+    return min(pool, key=lambda c: _rank(r, sender, c))
+
+
+def forwarded(r: int, part: Mapping[str, AbstractSet[int]], veterans: Mapping[str, int],
+              gather: GatherRule) -> list[str]:
+    """Which of the notices a holder holds (``part``: sender -> its shards) it forwards to the leads: per shard,
+    the first F + R of the gather rule's order among the part's contributors to that shard (every one when the
+    run is uncapped), in that order."""
+    if not gather.capped:
+        return sorted(part)
+    order = priority(r, part, veterans, gather)
+    keep: set[str] = set()
+    for s in sorted({s for shards in part.values() for s in shards}):
+        keep.update([p for p in order if s in part[p]][:gather.size + gather.reserves])
+    return [p for p in order if p in keep]
+
+
+def relayed_to(r: int, me: str, seats: Sequence[str], held: AbstractSet[str], rule: CommitteeRule) -> set[str]:
+    """Whom a committee member sends round r's accepted set on to: the senders of the notices it holds (those
+    whose :func:`holder` it is), not itself."""
+    return {p for p in held if p != me and holder(r, p, seats, rule) == me}
+
+
+def check_sample(r: int, me: str, readable: Sequence[str], rule: CommitteeRule) -> list[str]:
+    """Whose checksum records of round r a peer reads: ``samples`` of ``readable`` (the next round's committee:
+    peers with standing, which applied round r), not itself, the first in order of a keyed hash of (round, reader,
+    seat), so each seat is read by about N * samples / W peers."""
+    others = sorted((m for m in set(readable) if m != me), key=lambda m: _rank("checks", r, me, m))
+    return others[:rule.samples]
