@@ -13,20 +13,17 @@ refuses.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable
 from collections.abc import Set as AbstractSet
-from concurrent.futures import ThreadPoolExecutor
-from concurrent.futures import wait as wait_futures
 from typing import Any
 
-from hlbp.peer.net.transport import TransportError
+from hlbp.peer.rounds.admission import Admission
 from hlbp.peer.rounds.bans import RoundBans
 from hlbp.peer.rounds.config import RoundConfig
 from hlbp.peer.rounds.gather import GatherRule, Standing, breach, candidates, select
 from hlbp.peer.rounds.inbox import Both, DhtPoll
-from hlbp.peer.rounds.payloads import Payloads, error_text
+from hlbp.peer.rounds.payloads import Payloads
 from hlbp.peer.rounds.records import RoundRecords
 from hlbp.peer.rounds.rules import (
     UNKNOWN,
@@ -35,7 +32,6 @@ from hlbp.peer.rounds.rules import (
     adapt_window,
     close_verdict,
     complete,
-    coordinator_order,
     coordinator_ranking,
     pick_accepted,
     set_counts,
@@ -66,9 +62,6 @@ def signed_form(value: Any, check: Callable[[bytes], Any]) -> bytes | None:
             except ProtocolError:
                 continue
     return None
-
-
-MAX_NEWCOMER_FETCHES = 32  # parallel fetches at admission when more contributions than fetch_workers are due
 
 
 class Closer:
@@ -106,6 +99,11 @@ class Closer:
         # who was selected when, as the sets we took show (the replica's state holds it, and its checkpoints)
         self.standing = standing if standing is not None else Standing(self.rule.memory)
         self.breaches: set[tuple[int, str]] = set()  # (round, coordinator) of sets refused for breaking the rule
+        self.admission = Admission(me, cfg, n_shards, payloads, bans)  # fetching and checking contributions
+
+    def prior_members(self, r: int) -> frozenset[str]:
+        """The members of round r - 1 as we closed it (empty when we did not)."""
+        return frozenset(self.prior[1]) if self.prior is not None and self.prior[0] == r - 1 else frozenset()
 
     def veterans(self, r: int) -> dict[str, int]:
         """The contributors with standing in round r (:class:`~hlbp.peer.rounds.gather.Standing`); in a closed run
@@ -255,7 +253,7 @@ class Closer:
             if accepted is not None:
                 self.standing.record(r, accepted.senders())
                 self.proofs = {**{k: v for k, v in self.proofs.items() if k >= r - 3}, r: self.evidence(r, accepted)}
-                self.check_bans(r, accepted, notices)
+                self.admission.check_bans(r, accepted, notices, self.window)
                 if accepted.members:
                     self.prior = (r, {p: frozenset(d) for p, _t, d in accepted.members})
                     self.prior_undialable = frozenset(p for p in self.prior[1]
@@ -303,10 +301,10 @@ class Closer:
         first F + R contenders that pass :meth:`admit` (reserves replace selected ones that fail); uncapped, every
         contribution that passes."""
         if not self.rule.capped:
-            return self.admit(r, notices)
+            return self.admission.admit(r, notices, self.window, self.prior_members(r))
         veterans = self.veterans(r)
         pool = candidates(r, self.contenders(r, notices), veterans, self.rule)
-        passed = self.admit(r, {p: notices[p] for p in pool})
+        passed = self.admission.admit(r, {p: notices[p] for p in pool}, self.window, self.prior_members(r))
         chosen = select(r, {p: frozenset(n.digests) for p, n in passed.items()}, veterans, self.rule)
         return {p: passed[p] for p in chosen}
 
@@ -323,86 +321,6 @@ class Closer:
         if notice is None or body is None:
             return {}
         return {keys[0]: {accepted.coordinator: notice}, keys[1]: {accepted.coordinator: body}}
-
-    def check_bans(self, r: int, accepted: AcceptedSet, notices: dict[str, ContribNotice]) -> None:
-        """Check the bans round r's accepted set carries, in the background, before taking any: a coordinator's word
-        alone bans nobody (one in its turn banned every honest peer for 64 rounds when its bans were honoured).
-
-        A sender the set shows banned whose notice of round r we have and who is no member is checked as if we
-        coordinated (:meth:`admit`): garbage, and we ban it ourselves; a contribution that checks out, and the
-        accusation is ignored. Bans of senders we cannot reach, or that the set carries from earlier rounds without
-        a notice of this one, are not taken either."""
-        members = set(accepted.senders())
-        accused = {p: notices[p] for p, until in accepted.banned
-                   if until > r and p in notices and p not in members and p != self.me and not self.bans.banned(p, r)}
-        if not accused:
-            return
-
-        def check() -> None:
-            cleared = self.admit(r, accused, count_misses=False)  # what we cannot fetch, we do not judge
-            if cleared:
-                logger.warning("round %d: the accepted set of %s banned %s, whose contributions check out here; "
-                               "not taken", r, accepted.coordinator[:16], ", ".join(p[:16] for p in cleared))
-
-        threading.Thread(target=check, name=f"check-bans-{r}", daemon=True).start()
-
-    def admit(self, r: int, notices: dict[str, ContribNotice], count_misses: bool = True) -> dict[str, ContribNotice]:
-        """The coordinator fetches and decodes every contribution before accepting it, so one peer's garbage
-        cannot make the others fail the round. A sender of garbage is banned for 2, 4, 8, ... rounds. Senders are
-        checked in parallel: the round closes for everybody only when the coordinator is done."""
-        candidates = {}
-        for sender, notice in notices.items():
-            if (self.bans.banned(sender, r) or not notice.digests
-                    or not set(notice.digests) <= set(range(self.n_shards)) or self.payloads.unreachable(r, sender)):
-                continue
-            over = [s for s, size in notice.sizes.items() if size > self.payloads.limits[s]]
-            if over:  # its own signed notice claims more bytes than any honest payload: refuse without fetching
-                self.bans.ban(r, sender, f"announced {notice.sizes[over[0]]:,} bytes for shard {over[0]}, above the "
-                                     f"limit of {self.payloads.limits[over[0]]:,}")
-                continue
-            candidates[sender] = notice
-
-        def check(sender: str) -> Exception | None:
-            self.payloads.await_prefetch(r, sender)
-            return self.payloads.check(r, sender, candidates[sender].digests)
-
-        # ourselves and last round's members first, each fetch as long as it takes (bounded by the fetch timeout);
-        # anyone else only within the window: notices under fresh keys for payloads that exist nowhere stretched a
-        # round's close to 43 s (40 keys) while every fetch ran into its timeout
-        prior = self.prior[1] if self.prior is not None and self.prior[0] == r - 1 else {}
-        known = [p for p in candidates if p == self.me or p in prior]
-        others = [p for p in coordinator_order(r, list(candidates)) if p not in set(known)]
-        started = time.monotonic()
-        pool = ThreadPoolExecutor(max(self.cfg.fetch_workers, min(len(candidates), MAX_NEWCOMER_FETCHES)))
-        try:
-            futures = {p: pool.submit(check, p) for p in [*known, *others]}
-            wait_futures([futures[p] for p in known])
-            wait_futures([futures[p] for p in others], timeout=max(0.0, started + self.window - time.monotonic()))
-        finally:
-            pool.shutdown(wait=False, cancel_futures=True)  # an undelivered fetch ends at its own timeout
-        outcomes = {p: f.result() if f.done() and not f.cancelled()
-                    else TransportError(f"not delivered within the {self.window:.1f} s window")
-                    for p, f in futures.items()}
-        admitted = {}
-        for sender, exc in outcomes.items():
-            if exc is None:
-                admitted[sender] = candidates[sender]
-            elif isinstance(exc, TransportError):
-                # unreachable, slow or a broken transfer: left out of this round (not retried while we wait for
-                # more contributors, each try costs a fetch timeout); a second miss soon after bans the sender
-                self.payloads.mark_unreachable(r, sender)
-                logger.warning("round %d: could not fetch the contribution of %s (%s); leaving it out", r,
-                               sender[:16], error_text(exc))
-                if count_misses:
-                    self.bans.miss(r, sender)
-            else:
-                # bytes that match the sender's signed digest yet do not decode or break a bound, or a response
-                # that breaks the transfer protocol (a body above the limit): the sender sent garbage
-                self.bans.ban(r, sender, error_text(exc))
-        for sender, reason in self.payloads.outliers(r, set(admitted)).items():
-            self.bans.ban(r, sender, reason)
-            del admitted[sender]
-        return admitted
 
     def widen_for_late(self) -> None:
         """Let the next window take back a peer that missed the last close by a little (:func:`hlbp.peer.rounds.rules.widen_for_late`).

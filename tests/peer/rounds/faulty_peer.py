@@ -323,7 +323,7 @@ def _gather_breaker(runner: Any, arg: str) -> None:
     """Whenever it coordinates, accepts every contribution that passes, over the run's gather cap: a coordinator
     that picks its members outside the rule, which every member must refuse and ban."""
     closer = runner.closer
-    closer.gather = lambda r, notices: closer.admit(r, notices)
+    closer.gather = lambda r, notices: closer.admission.admit(r, notices, closer.window, closer.prior_members(r))
 
 
 FAULTS: dict[str, Callable[[Any, str], None]] = {
