@@ -7,6 +7,7 @@ from pathlib import Path
 from hlbp.cli.bench import OUT_HELP, QUICK_HELP, bench_app, console, number_list
 from hlbp.cli.options import opt
 from hlbp.peer.common.errors import UserInputError
+from hlbp.protocol.manifest import MAX_COMMITTEE
 
 
 @bench_app.command("gather")
@@ -56,6 +57,11 @@ def scale(
     gather: int | None = opt(None, "--gather", env="BENCH_GATHER", help="The cap F (default 8; quick 3)."),
     reserves: int | None = opt(None, "--reserves", env="BENCH_RESERVES", help="Reserves R (default 4; quick 2)."),
     rounds: int | None = opt(None, "--rounds", env="BENCH_ROUNDS", help="Rounds per process run (default 5)."),
+    committee: int | None = opt(None, "--committee", env="BENCH_COMMITTEE",
+                                help="Committee seats W in the capped process runs (default 16; quick 6; 0: "
+                                     "records all-to-all)."),
+    simulated_committee: int | None = opt(None, "--simulated-committee", env="BENCH_SIMULATED_COMMITTEE",
+                                          help="Committee seats W in the simulator (default 32; 0: all-to-all)."),
     workdir: Path | None = opt(None, "--workdir", env="BENCH_WORKDIR",
                                help="Keep the process runs' logs and metrics here (default: a temporary directory)."),
 ) -> None:
@@ -69,10 +75,13 @@ def scale(
     for name, text, flag in (("process_sizes", sizes, "--sizes"), ("simulated_sizes", simulated, "--simulated")):
         if text:
             changes[name] = number_list(text, int, flag)
-    for name, value in (("gather", gather), ("reserves", reserves), ("rounds", rounds)):
+    for name, value in (("gather", gather), ("reserves", reserves), ("rounds", rounds), ("committee", committee),
+                        ("simulated_committee", simulated_committee)):
         if value is not None:
             changes[name] = value
     cfg = dataclasses.replace(cfg, **changes)
     if cfg.gather < 1 or cfg.reserves < 0 or cfg.rounds < 1 or any(n < 2 for n in cfg.process_sizes + cfg.simulated_sizes):
         raise UserInputError("--gather and --rounds must be >= 1, --reserves >= 0, and every size >= 2")
+    if not (0 <= cfg.committee <= MAX_COMMITTEE and 0 <= cfg.simulated_committee <= MAX_COMMITTEE):
+        raise UserInputError(f"--committee and --simulated-committee must be in 0..{MAX_COMMITTEE}")
     run_scale_bench(cfg, out, console)

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from hlbp.cli.options import flag
 from hlbp.peer.common.errors import UserInputError
+from hlbp.protocol.manifest import MAX_COMMITTEE
 
 if TYPE_CHECKING:
     from hlbp.peer.sim.launcher import SimConfig
@@ -74,6 +75,9 @@ class SimFlags:
     reserves: int = flag(0, "--reserves", env="SIM_RESERVES",
                          help="With --gather: further contributions the coordinator checks to replace selected ones "
                               "that cannot be fetched or fail a bound.")
+    committee: int = flag(0, "--committee", env="SIM_COMMITTEE",
+                          help="With --gather: seats of the round committee that takes the notices and passes the "
+                               "accepted set on, so a peer's round records stay bounded; 0: every record to every peer.")
     timeout: float = flag(600.0, "--timeout", env="SIM_TIMEOUT", help="Stop everything after this many seconds.")
     workdir: Path | None = flag(
         None, "--workdir", env="SIM_WORKDIR",
@@ -122,6 +126,8 @@ class SimFlags:
             raise UserInputError("--gather must be in 0..256 and --reserves >= 0, with --gather when given")
         if self.gather and outer != "sparseloco":
             raise UserInputError("--gather caps sparseloco rounds only")
+        if not 0 <= self.committee <= MAX_COMMITTEE or self.committee and not self.gather:
+            raise UserInputError(f"--committee must be in 0..{MAX_COMMITTEE}, with --gather when given")
         if (self.rounds < 1 or self.inner_steps < 1 or self.batch_size < 1 or self.seq_len < 2 or self.threads < 1
                 or self.micro_batches < 1):
             raise UserInputError("--rounds, --inner-steps, --batch-size, --micro-batches and --threads must be >= 1")
@@ -148,5 +154,5 @@ class SimFlags:
             wan_delay_ms=self.wan_delay_ms, wan_mbps=self.wan_mbps, n_stages=self.stages, n_swarms=self.swarms,
             micro_batches=self.micro_batches, codec=self.codec, codec_k=self.codec_k,
             swarm_wan_delay_ms=self.swarm_wan_delay_ms, swarm_wan_mbps=self.swarm_wan_mbps, fork=self.fork,
-            gather=self.gather, reserves=self.reserves,
+            gather=self.gather, reserves=self.reserves, committee=self.committee,
         )

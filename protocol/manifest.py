@@ -24,6 +24,8 @@ from hlbp.protocol.fields import _bool, _float, _int, _str, _str_list
 from hlbp.protocol.identity import Identity, open_envelope, public_key_from_peer_id, seal
 from hlbp.protocol.sparse import SMALL_TENSOR_RULES
 
+MAX_COMMITTEE = 32  # committee seats a manifest may ask for (hlbp.peer.rounds.committee)
+
 PROTOCOL_VERSION = 1  # bumped when peers of different versions can no longer train together
 KIND_MANIFEST = "manifest"
 
@@ -76,6 +78,7 @@ class Hyperparameters:
     gather: int = 0  # F: a round accepts at most this many contributions per shard (0: every one; rounds/gather.py)
     reserves: int = 0  # R: further contributions a coordinator checks to replace selected ones that fail
     unselected: str = "drop"  # what a contributor the gather set had no room for does with what it sent: drop, keep
+    committee: int = 0  # W: seats that take a round's notices and pass its records on (0: all-to-all; rounds/committee.py)
     outer: str = "sparseloco"  # sparseloco (our sparse rounds) or diloco (dense, hivemind's stock all-reduce)
     outer_lr: float = 0.7  # DiLoCo: Nesterov outer learning rate
     momentum: float = 0.9  # DiLoCo: Nesterov momentum
@@ -133,6 +136,7 @@ class Hyperparameters:
             gather=_int(body, "gather", 0, 256, d.gather),
             reserves=_int(body, "reserves", 0, 256, d.reserves),
             unselected=_str(body, "unselected", 8, d.unselected, choices=cls.UNSELECTED),
+            committee=_int(body, "committee", 0, MAX_COMMITTEE, d.committee),
             outer=outer,
             outer_lr=_float(body, "outer_lr", 1e-6, 10.0, d.outer_lr),
             momentum=_float(body, "momentum", 0.0, 0.999, d.momentum),
@@ -150,6 +154,8 @@ class Hyperparameters:
             raise ProtocolError("deadlines must satisfy min_deadline_s <= round_deadline_s <= max_deadline_s")
         if hp.gather and hp.min_contributors > hp.gather:
             raise ProtocolError("min_contributors cannot exceed gather: no round could ever close with members")
+        if hp.committee and not hp.gather:
+            raise ProtocolError("a committee needs a gather set: its seats are the recent rounds' members")
         if hp.gather and hp.outer != "sparseloco":
             raise ProtocolError("a gather set caps sparseloco rounds only; a diloco run's all-reduce takes everyone")
         if hp.outer == "diloco" and hp.overlap != "none":

@@ -20,6 +20,7 @@ from hlbp.protocol.untrusted import preview
 KIND_CONTRIB = "contrib"
 KIND_ACCEPTED = "accepted"
 KIND_CHECKS = "checks"
+KIND_BUNDLE = "bundle"  # others' records passed on by a committee member (hlbp.protocol.bundle); pushed, never stored
 # hivemind's DHT command pipe hangs on messages over 64 KiB, so every record stays well below that
 MAX_RECORD_BYTES = 48 * 1024  # an accepted set of 256 members is about 35 KB
 MAX_MEMBERS = 256

@@ -43,6 +43,8 @@ class ScaleBenchConfig:
     batch_size: int = 2
     seq_len: int = 32
     deadline_s: float = 10.0  # the first collection window; later ones adapt
+    committee: int = 16  # W seats in capped process runs (0: round records all-to-all)
+    simulated_committee: int = 32  # W seats in the simulator
     simulated_rounds: int = 30
     churn: float = 0.1  # simulated: the share of peers that leave, and of new ones that join, each round
     seed: int = 0
@@ -53,29 +55,35 @@ class ScaleBenchConfig:
 
     @classmethod
     def quick(cls, **overrides: Any) -> ScaleBenchConfig:
-        """CI-sized: processes at N = 4 and 8 with F = 3 (the cap binds at both), 3 rounds; the simulator at
-        N = 1000 for 10 rounds."""
-        base = cls(process_sizes=(4, 8), simulated_sizes=(1000,), gather=3, reserves=2, rounds=3,
-                   simulated_rounds=10, uncapped_baseline=False, cost_sizes=(3,))
+        """CI-sized: processes at N = 4 and 8 with F = 3 (the cap binds at both) and W = 6, 4 rounds (the last two
+        with a committee); the simulator at N = 1000 for 10 rounds."""
+        base = cls(process_sizes=(4, 8), simulated_sizes=(1000,), gather=3, reserves=2, rounds=4,
+                   simulated_rounds=10, uncapped_baseline=False, cost_sizes=(3,), committee=6)
         return dataclasses.replace(base, **overrides)
 
 
 def process_run(cfg: ScaleBenchConfig, n: int, gather: int, workdir: Path) -> dict[str, Any]:
-    """N real replicas for ``cfg.rounds`` rounds under the cap ``gather`` (0: uncapped); the run's entry."""
+    """N real replicas for ``cfg.rounds`` rounds under the cap ``gather`` (0: uncapped, and no committee); the run's
+    entry. With a committee, rounds 0 and 1 go all-to-all (a committee is drawn from round r - 2's members): the
+    records are counted over the rounds from 2 on, beside ``records_all_rounds``."""
+    committee = cfg.committee if gather else 0
     sim = SimConfig(n_full=n, rounds=cfg.rounds, inner_steps=cfg.inner_steps, batch_size=cfg.batch_size,
                     seq_len=cfg.seq_len, round_deadline_s=cfg.deadline_s, min_deadline_s=min(2.0, cfg.deadline_s),
                     max_deadline_s=max(30.0, cfg.deadline_s), seed=cfg.seed, threads=1,
                     run_id=f"scale-{n}-{gather}", gather=gather, reserves=cfg.reserves if gather else 0,
-                    startup_timeout_s=300.0)
+                    committee=committee, startup_timeout_s=300.0)
     report = run_simulation(sim, workdir, cfg.timeout_s)
     rounds = report["rounds"]
     total = report.get("time_s", {})
     compute, comm = total.get("compute", 0.0), total.get("comm", 0.0)
+    counted = [c for r in rounds if not committee or r["round"] >= 2 for c in r.get("records_received", {}).values()]
     return {
-        "mode": "processes", "n": n, "gather": gather, "reserves": sim.reserves,
+        "mode": "processes", "n": n, "gather": gather, "reserves": sim.reserves, "committee": committee,
         "recv_bytes_per_peer_round": report["bytes_per_peer_round"]["received"],
         "sent_bytes_per_peer_round": report["bytes_per_peer_round"]["sent"],
-        "records_per_peer_round": report["records_per_peer_round"]["received"],
+        "records_per_peer_round": sum(counted) / len(counted) if counted else 0.0,
+        "max_records_one_peer_round": max(counted, default=0),
+        "records_all_rounds": report["records_per_peer_round"]["received"],
         "records_sent_per_peer_round": report["records_per_peer_round"]["sent"],
         "rounds": len(rounds),
         "rounds_agreed": sum(1 for r in rounds if r["checksums_equal"] and r["in_sync"]),
@@ -87,9 +95,12 @@ def process_run(cfg: ScaleBenchConfig, n: int, gather: int, workdir: Path) -> di
 
 def simulated_run(cfg: ScaleBenchConfig, n: int) -> dict[str, Any]:
     """The protocol simulator at N peers; the run's entry."""
+    committee = cfg.simulated_committee
     res = simulate_protocol(ProtocolSimConfig(n=n, rounds=cfg.simulated_rounds, gather=cfg.gather,
-                                              reserves=cfg.reserves, churn=cfg.churn, seed=cfg.seed))
-    return {"mode": "simulated", "n": n, "gather": cfg.gather, "reserves": cfg.reserves, **res}
+                                              reserves=cfg.reserves, churn=cfg.churn, seed=cfg.seed,
+                                              committee=committee))
+    return {"mode": "simulated", "n": n, "gather": cfg.gather, "reserves": cfg.reserves, "committee": committee,
+            **res}
 
 
 def write_plot(path: Path, runs: list[dict[str, Any]], title: str) -> bool:
@@ -105,7 +116,7 @@ def write_plot(path: Path, runs: list[dict[str, Any]], title: str) -> bool:
     groups = sorted({(r["mode"], r["gather"]) for r in runs})
     for mode, gather in groups:
         pts = sorted((r["n"], r) for r in runs if (r["mode"], r["gather"]) == (mode, gather))
-        label = f"{mode}, " + (f"F={gather}" if gather else "uncapped")
+        label = f"{mode}, " + (f"F={gather}" if gather else "uncapped, all-to-all")
         style = "o-" if mode == "processes" else "s--"
         a.plot([n for n, _ in pts], [r["recv_bytes_per_peer_round"] / 1e3 for _, r in pts], style, label=label)
         b.plot([n for n, _ in pts], [r["records_per_peer_round"] for _, r in pts], style, label=label)
@@ -151,14 +162,16 @@ def run_scale_bench(cfg: ScaleBenchConfig, out: Path | None = None,
         console.print(f"simulated: N={n}")
         runs.append(simulated_run(cfg, n))
         write_result(out, "scale", config, {"runs": runs, "complete": False})
-    rows = [[r["mode"], r["n"], r["gather"] or "-", int(r["recv_bytes_per_peer_round"]),
+    rows = [[r["mode"], r["n"], r["gather"] or "-", r.get("committee") or "-", int(r["recv_bytes_per_peer_round"]),
              int(r["sent_bytes_per_peer_round"]), round(r["records_per_peer_round"], 1),
-             f"{r['rounds_agreed']}/{r['rounds']}", r.get("utilization") if r.get("utilization") is not None else "-"]
+             r.get("max_records_one_peer_round", "-"), f"{r['rounds_agreed']}/{r['rounds']}",
+             r.get("utilization") if r.get("utilization") is not None else "-"]
             for r in runs]
     title = (f"scale: tiny model, F={cfg.gather}, R={cfg.reserves}; processes {cfg.rounds} rounds of "
              f"H={cfg.inner_steps}; simulated {cfg.simulated_rounds} rounds, churn {cfg.churn:.0%}")
-    print_table(console, title, ["mode", "N", "F", "payload B recv/peer/round", "payload B sent/peer/round",
-                                 "records recv/peer/round", "rounds agreed", "utilization"], rows)
+    print_table(console, title, ["mode", "N", "F", "W", "payload B recv/peer/round", "payload B sent/peer/round",
+                                 "records recv/peer/round", "most records one peer", "rounds agreed",
+                                 "utilization"], rows)
     costs = []
     for f in cfg.cost_sizes:
         console.print(f"apply costs at 1b sizes: {f} contributions")

@@ -151,7 +151,7 @@ def round_settings(m: Any, checkpoint_every_s: float) -> tuple[OuterConfig, Roun
     rcfg = RoundConfig(run_id=m.run_id, inner_steps=hp.inner_steps, deadline_s=hp.round_deadline_s,
                        min_deadline_s=hp.min_deadline_s, max_deadline_s=hp.max_deadline_s,
                        min_contributors=hp.min_contributors, checkpoint_every_s=checkpoint_every_s,
-                       gather=hp.gather, reserves=hp.reserves, unselected=hp.unselected,
+                       gather=hp.gather, reserves=hp.reserves, unselected=hp.unselected, committee=hp.committee,
                        guard=GuardConfig(max_contribution_ratio=hp.max_contribution_ratio,
                                          max_update_ratio=hp.max_update_ratio, max_loss_jump=hp.max_loss_jump),
                        allowed_peers=frozenset(m.allowed_peers), overlap=hp.overlap)

@@ -20,6 +20,7 @@ from typing import Any
 
 from hlbp.peer.rounds.admission import Admission
 from hlbp.peer.rounds.bans import RoundBans
+from hlbp.peer.rounds.committee import CommitteeRule, leads
 from hlbp.peer.rounds.config import RoundConfig
 from hlbp.peer.rounds.gather import GatherRule, Standing, breach, candidates, select
 from hlbp.peer.rounds.inbox import Both, DhtPoll
@@ -38,6 +39,7 @@ from hlbp.peer.rounds.rules import (
     turn_order,
     widen_for_late,
 )
+from hlbp.peer.rounds.seating import Seating
 from hlbp.protocol import ProtocolError
 from hlbp.protocol.roundwire import (
     KIND_ACCEPTED,
@@ -100,6 +102,34 @@ class Closer:
         self.standing = standing if standing is not None else Standing(self.rule.memory)
         self.breaches: set[tuple[int, str]] = set()  # (round, coordinator) of sets refused for breaking the rule
         self.admission = Admission(me, cfg, n_shards, payloads, bans)  # fetching and checking contributions
+        # our seats in the rounds' committees, when the run has one (committee.py, seating.py)
+        self.seating = Seating(me, CommitteeRule(cfg.committee), self.rule, records, self.signed)
+
+    def seats(self, r: int) -> tuple[str, ...]:
+        """Round r's committee as we know it (empty: the run has none, or we do not know round r - 2's members)."""
+        return self.seating.seats(r)
+
+    def notice_targets(self, r: int) -> set[str] | None:
+        """Whom our notice of round r is pushed to: its holder in the committee; None: every live peer."""
+        seats = self.seats(r)
+        return self.seating.notice_targets(r, seats) if seats else None
+
+    def check_peers(self, r: int) -> list[str] | None:
+        """Whose checksum records of round r we read: a sample of round r + 1's committee; None: the members'."""
+        sample = self.seating.check_peers(r)
+        return sample if sample else None
+
+    def signed(self, r: int, kind: str, signer: str) -> bytes | None:
+        """``signer``'s record of ``kind`` in round r as we hold it (read or pushed), checked; None if we lack it."""
+        run = self.cfg.run_id
+        contribs, sets = self.raw.get(r, ({}, {}))
+        value = (contribs if kind == KIND_CONTRIB else sets).get(signer)
+        if value is None:
+            value = self.records.inbox.entries(round_key(run, r, kind)).get(signer)
+        if value is None:
+            return None
+        parse = parse_contrib if kind == KIND_CONTRIB else parse_accepted
+        return signed_form(value, lambda v: parse(v, signer, run, round_=r) is not None)
 
     def prior_members(self, r: int) -> frozenset[str]:
         """The members of round r - 1 as we closed it (empty when we did not)."""
@@ -162,12 +192,18 @@ class Closer:
         notices, sets = self.round_records(r, wait, self.records.phase_poller)
         return bool(sets) or any(sender != self.me and not self.bans.banned(sender, r) for sender in notices)
 
-    def round_records(self, r: int, wait: bool = True,
-                       poller: DhtPoll | None = None) -> tuple[dict[str, ContribNotice], list[AcceptedSet]]:
+    def round_records(self, r: int, wait: bool = True, poller: DhtPoll | None = None,
+                      full: bool = False) -> tuple[dict[str, ContribNotice], list[AcceptedSet]]:
         """Round r's contribution notices (by sender) and published accepted sets, read in one concurrent poll
-        (``wait``), or as ``poller`` (default: the exchange's) last polled plus what was pushed since."""
+        (``wait``), or as ``poller`` (default: the exchange's) last polled plus what was pushed since. A round with
+        a committee reads only its accepted sets from the DHT (a few records) and takes the notices pushed or
+        passed on to us, unless ``full`` (every notice: N records)."""
         keys = (round_key(self.cfg.run_id, r, KIND_CONTRIB), round_key(self.cfg.run_id, r, KIND_ACCEPTED))
-        contribs, accepted = self.records.read(*keys) if wait else (poller or self.records.poller).entries(*keys)
+        if not full and self.seats(r):
+            accepted = self.records.read(keys[1])[0] if wait else (poller or self.records.poller).entries(keys[1])[0]
+            contribs = self.records.inbox.entries(keys[0])
+        else:
+            contribs, accepted = self.records.read(*keys) if wait else (poller or self.records.poller).entries(*keys)
         self.raw = {**{k: v for k, v in self.raw.items() if k >= r - 2}, r: (contribs, accepted)}
         notices = {n.sender: n for n in self.records.records(keys[0], parse_contrib, contribs, round_=r)}
         self.records.seen(r, notices)
@@ -189,17 +225,22 @@ class Closer:
         # behind NAT as the notices said: last round's for its members (agreed before the round), this round's for
         # the others
         undialable = self.prior_undialable | {p for p, n in notices.items() if not n.dialable and p not in prior}
-        return turn_order(r, prior, seen, self.n_shards, undialable, self.announced.peers), bool(prior)
+        order = turn_order(r, prior, seen, self.n_shards, undialable, self.announced.peers)
+        lead = list(leads(self.seats(r), self.seating.rule))
+        if lead:  # with a committee its leads coordinate first: they receive the holders' forwards
+            return lead + [p for p in order if p not in lead], True
+        return order, bool(prior)
 
     def learn_prior(self, r: int) -> None:
         """Round r's members from its records, for a peer that did not close round r itself (a joiner, a resynced
         or restarted peer): the set of the best-ranked contributor that published one. Without them its first
         round after the sync waited out a window before taking any set, and it missed the next round's close."""
-        notices, sets = self.round_records(r)
+        notices, sets = self.round_records(r, full=True)
         undialable = {p for p, n in notices.items() if not n.dialable}
         order = coordinator_ranking(r, {p: set(n.digests) for p, n in notices.items()}, self.n_shards, undialable)
         chosen = pick_accepted([s for s in sets if s.coordinator in order], order)
         if chosen is not None and chosen.members:
+            self.seating.note(r, set(chosen.senders()))
             self.prior = (r, {p: frozenset(d) for p, _t, d in chosen.members})
             self.prior_undialable = frozenset(p for p in self.prior[1] if p in undialable)
 
@@ -228,13 +269,30 @@ class Closer:
         held: float | None = None  # when a set counted while a member's notice was still unread here
         arrivals: dict[str, float] = {}
         give_up = time.monotonic() + self.cfg.max_deadline_s + 30 * self.cfg.takeover_s
+        seats = self.seats(r)
         # a count of 0 means the announcements could not be read: wait out the window rather than close on the first
-        expected = self.announced = self.expected()
+        # (with a committee only its seats need them)
+        expected = self.announced = self.expected() if not seats or self.me in seats else UNKNOWN
         self.widen_for_late()
         self.close_window = self.window
+        read_all: dict[str, ContribNotice] | None = None  # with a committee: every notice, read once when needed
+        sets_since: float | None = None
+        published = False
         while not self.stop.is_set():
             now = time.monotonic()
+            # what holders passed on, taken before the notices are read: a forward that lands between the two
+            # must not count as in while its notices are not
+            told, bundled = self.records.complete_parts(r), self.records.bundles_from(r)
             notices, sets = self.round_records(r, wait=False)
+            if seats:
+                notices = {**(read_all or {}), **notices}
+                self.hold_part(r, seats, notices, expected, now)
+                sets_since = sets_since or (now if sets else None)
+                if read_all is None and sets_since is not None and now >= sets_since + self.cfg.takeover_s \
+                        and any(s.coordinator not in notices for s in sets):
+                    # a set whose coordinator's notice never reached us (our holder left): read the notices once
+                    read_all = self.round_records(r, full=True)[0]
+                    continue
             self.payloads.prefetch(r, self.likely(r, notices))
             self.on_poll(r)  # e.g. an overlapped phase takes in the round's result as far as it is fetched
             for sender in notices:
@@ -252,6 +310,9 @@ class Closer:
                 continue
             if accepted is not None:
                 self.standing.record(r, accepted.senders())
+                self.seating.note(r, set(accepted.senders()))
+                if seats:
+                    self.seating.relay(r, seats, accepted, set(notices))
                 self.proofs = {**{k: v for k, v in self.proofs.items() if k >= r - 3}, r: self.evidence(r, accepted)}
                 self.admission.check_bans(r, accepted, notices, self.window)
                 if accepted.members:
@@ -273,7 +334,16 @@ class Closer:
                         # the order that warm members compute, so we take our turn only after everyone else's
                         rank += len(order)
                     due = first_seen + self.window + rank * self.cfg.takeover_s
-                    if (rank == 0 and complete(notices, expected, lambda p: self.bans.banned(p, r))) or now >= due:
+                    whole = complete(notices, expected, lambda p: self.bans.banned(p, r)) or bool(seats) and \
+                        self.seating.parts_complete(seats, told, self.seating.part_complete(
+                            r, seats, set(notices), expected.peers if expected.count else None))
+                    if seats and read_all is None and self.me not in leads(seats, self.seating.rule) and now >= due:
+                        # the leads' turns passed without a set: we coordinate from every notice, read once
+                        read_all = self.round_records(r, full=True)[0]
+                        continue
+                    if ((rank == 0 and whole) or now >= due) and not published \
+                            and (whole or not seats or read_all is not None
+                                 or self.seating.forwards_in(r, seats, bundled, now, self.cfg.takeover_s)):
                         admitted = self.choose(r, self.gather(r, notices), notices)
                         verdict = close_verdict(len(admitted), self.cfg.min_contributors, now, first_seen,
                                                 self.cfg.max_deadline_s, rank, self.cfg.takeover_s)
@@ -283,11 +353,8 @@ class Closer:
                                                "%.0f s; closing it empty (nobody's parameters move)", r,
                                                len(admitted), self.cfg.min_contributors, self.cfg.max_deadline_s)
                                 admitted = {}
-                            members = tuple((s, n.tokens, n.digests) for s, n in sorted(admitted.items()))
-                            banned = self.bans.travelling(r)
-                            body = AcceptedSet(self.me, r, members, banned).to_body(self.cfg.run_id)
-                            self.records.store(round_key(self.cfg.run_id, r, KIND_ACCEPTED), body, KIND_ACCEPTED,
-                                               set(notices))
+                            self.publish(r, admitted, seats, set(notices))
+                            published = True  # once: a coordinator that published two sets would split the run
                             continue
             if now > give_up:
                 logger.warning("round %d: nobody closed the round within %.0f s; moving on", r,
@@ -295,6 +362,31 @@ class Closer:
                 return None
             self.records.inbox.wait(self.cfg.poll_s)  # wakes at once for a pushed record or a finished DHT read
         return None
+
+    def publish(self, r: int, admitted: dict[str, ContribNotice], seats: tuple[str, ...], to: set[str]) -> None:
+        """Publish round r's accepted set of ``admitted``: stored in the DHT and pushed to ``to`` (the senders we
+        saw) and the live peers; with a committee, passed to its seats with the members' notices instead, and the
+        seats relay it on."""
+        members = tuple((s, n.tokens, n.digests) for s, n in sorted(admitted.items()))
+        chosen = AcceptedSet(self.me, r, members, self.bans.travelling(r))
+        key, body = round_key(self.cfg.run_id, r, KIND_ACCEPTED), chosen.to_body(self.cfg.run_id)
+        if seats:
+            self.seating.publish(r, seats, chosen, self.records.store(key, body, KIND_ACCEPTED, only=frozenset()))
+        else:
+            self.records.store(key, body, KIND_ACCEPTED, to)
+
+    def hold_part(self, r: int, seats: tuple[str, ...], notices: dict[str, ContribNotice], expected: Expected,
+                  now: float) -> None:
+        """As a holder in round r's committee: once our part of the notices is complete, or our window after its
+        first one passed, forward what the gather rule could select to the leads (:class:`Seating`)."""
+        if self.me not in self.seating.holders(seats):
+            return
+        mine = self.seating.part(r, seats, set(notices))
+        whole = self.seating.part_complete(r, seats, set(notices), expected.peers if expected.count else None)
+        called = self.seating.called(r, seats)  # a lead's window passed: it asked for what we hold now
+        if whole or called or (r in self.first_seen and now >= self.first_seen[r] + self.window):
+            part = self.contenders(r, {p: notices[p] for p in mine})
+            self.seating.forward(r, seats, part, self.veterans(r), whole, force=called)
 
     def gather(self, r: int, notices: dict[str, ContribNotice]) -> dict[str, ContribNotice]:
         """What we accept when we coordinate round r: under the run's gather rule the first F per shard of the

@@ -4,10 +4,10 @@ sends and receives a bounded number of round records whatever the run's size.
 All-to-all, every notice and every checksum record reaches every live peer: 2N records a peer and round (2,015
 simulated at N = 1000). With a committee of ``size`` (W) the records a round needs are split between its members:
 
-* **Who.** The committee of round r is the part of round r's turn order that was agreed before the round opened
-  (last round's members, ranked: :func:`hlbp.peer.rounds.rules.turn_order`), then the members of the few rounds
-  before, W seats in all (:func:`committee`). Every in-sync peer took the same accepted sets, so every one computes
-  the same committee, and being quick to announce buys no seat.
+* **Who.** The committee of round r is round r - 2's members, then those of the rounds before it, W seats in all
+  (:func:`committee`). Every in-sync peer took the same accepted sets, so every one computes the same committee,
+  and being quick to announce buys no seat. Two rounds back, because round r's notices go out before round r - 1
+  has closed everywhere (an overlapped exchange runs during the next inner phase).
 * **Leads.** Its first ``leads`` members coordinate in turn, as before. They hold no notices of their own.
 * **Holders.** Each contributor sends its notice to one committee member (:func:`holder`, rendezvous hashing of
   (round, sender) over the members after the leads), so a holder hears about N / (W - leads) notices. A holder
@@ -34,8 +34,7 @@ from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 
 from hlbp.peer.rounds.gather import GatherRule, priority
-
-MAX_COMMITTEE = 32  # seats; a manifest asking for more is refused
+from hlbp.protocol.manifest import MAX_COMMITTEE
 
 
 @dataclass(frozen=True)
@@ -61,18 +60,23 @@ def _rank(*parts: object) -> bytes:
     return hashlib.sha256(("committee|" + "|".join(str(p) for p in parts)).encode()).digest()
 
 
-LOOKBACK = 8  # rounds of members a committee is drawn from
+LOOKBACK = 64  # rounds a committee may reach back to fill its seats
 
 
-def committee(r: int, head: Sequence[str], earlier: Iterable[str], rule: CommitteeRule) -> tuple[str, ...]:
-    """Round r's committee: ``head``, the part of its turn order agreed before it opened (last round's members,
-    ranked), then the members of the ``LOOKBACK`` rounds before that (``earlier``) in rendezvous order, the first W
-    of them. A gather set of F seats F members a round, so a committee wider than F reaches back
-    (W / F rounds). Empty when the rule is off or nothing was agreed (records go all-to-all then)."""
-    if not rule.on or not head:
+def committee(r: int, rounds: Sequence[Iterable[str]], rule: CommitteeRule) -> tuple[str, ...]:
+    """Round r's committee from the members of earlier rounds (``rounds``: round r - 2's first, then the rounds
+    before it, at most ``LOOKBACK``): each round's members in rendezvous order of (r, peer), newest round first,
+    until W seats are filled. A gather set of F takes F members a round, so W seats reach back about W / F rounds.
+    Empty when the rule is off or round r - 2 had no members (records go all-to-all then)."""
+    if not rule.on or not rounds or not rounds[0]:
         return ()
-    rest = sorted(set(earlier) - set(head), key=lambda p: _rank("seat", r, p))
-    return tuple([*head, *rest][:rule.size])
+    seats: list[str] = []
+    for members in rounds[:LOOKBACK]:
+        for p in sorted(set(members) - set(seats), key=lambda p: _rank("seat", r, p)):
+            if len(seats) == rule.size:
+                return tuple(seats)
+            seats.append(p)
+    return tuple(seats)
 
 
 def leads(seats: Sequence[str], rule: CommitteeRule) -> tuple[str, ...]:

@@ -33,6 +33,7 @@ class RoundConfig:
     gather: int = 0  # F: at most this many contributions per shard a round accepts (0: all; rounds/gather.py)
     reserves: int = 0  # R: further contributions the coordinator checks to replace selected ones that fail
     unselected: str = "drop"  # a contribution the gather set had no room for: "drop" what it sent, or "keep" it
+    committee: int = 0  # W: seats that take the notices and pass the round's records on (0: all-to-all; committee.py)
     checkpoint_every_s: float = 300.0  # save at most this often during the run (0: every round); always on exit
     dht_timeout_s: float = 60.0  # a DHT lookup or store that takes longer is given up (a lookup reads as empty)
     guard: GuardConfig = field(default_factory=GuardConfig)  # bounds on a contribution and on a round's update

@@ -14,12 +14,15 @@ from collections.abc import Set as AbstractSet
 from typing import Any
 
 from hlbp.peer.net.dht import DHT_DIED
+from hlbp.peer.net.transport import TransportError
 from hlbp.peer.rounds.config import RoundConfig
 from hlbp.peer.rounds.inbox import Both, DhtPoll, Inbox, found_entries, merge
 from hlbp.protocol import ProtocolError
+from hlbp.protocol.bundle import pack_bundles, parse_bundle
 from hlbp.protocol.identity import Identity
 from hlbp.protocol.roundwire import (
     KIND_ACCEPTED,
+    KIND_BUNDLE,
     KIND_CHECKS,
     KIND_CONTRIB,
     MAX_RECORD_BYTES,
@@ -31,6 +34,14 @@ from hlbp.protocol.roundwire import (
 )
 
 logger = logging.getLogger(__name__)
+
+
+MAX_BUNDLERS = 1024  # peers a round's bundles are noted from (the committee has at most 32 seats)
+
+
+def checks_name(r: int) -> str:
+    """The transport name our checksum record of round r is served under (a committee's readers fetch it)."""
+    return f"k/{r}"
 
 
 def _newer(parse: Callable[..., Any], both: Both, signer: str, run_id: str, **kw: Any) -> Any:
@@ -69,6 +80,8 @@ class RoundRecords:
         # running beside it (a DhtPoll keeps one read in flight, for one set of keys)
         self.phase_poller = DhtPoll(dht, self.inbox, cfg.poll_s, cfg.dht_timeout_s, self.stuck)
         self.live: dict[int, set[str]] = {}  # round -> peers seen in it: who we push our records to
+        self._complete: dict[int, frozenset[str]] = {}  # round -> who passed on a complete part (take_bundle)
+        self._bundled: dict[int, dict[str, float]] = {}  # round -> who passed records on to us, and when last
         self._live_lock = threading.Lock()
         self._stores: list[tuple[Any, str, float]] = []  # DHT stores under way (future, key, started)
         self._logged: set[tuple[str, str]] = set()
@@ -76,22 +89,37 @@ class RoundRecords:
         if transport is not None:
             transport.set_push_handler(self.on_push)
 
-    def store(self, key: str, body: dict[str, Any], kind: str, to: AbstractSet[str] = frozenset()) -> None:
-        """Sign and publish a round record: pushed at once to the live members (and ``to``), kept in our own
-        inbox, and stored in the DHT (the record of truth, for whoever the push missed) without waiting for it."""
+    def store(self, key: str, body: dict[str, Any], kind: str, to: AbstractSet[str] = frozenset(),
+              only: AbstractSet[str] | None = None) -> bytes:
+        """Sign and publish a round record: pushed at once to the live members (and ``to``; to ``only`` those,
+        when given: a round with a committee), kept in our own inbox, and stored in the DHT (the record of truth,
+        for whoever the push missed) without waiting for it. Returns the signed bytes."""
         from hivemind.utils import get_dht_time
 
         value = sign(kind, body, self.identity)
         self.inbox.offer(self.me, key, value)
-        targets = self.pushed_to() | set(to)
+        targets = set(only) if only is not None else self.pushed_to() | set(to)
         self.pushes_out += len(targets - {self.me})
         self.transport.push(targets, key, value)
         self._reap_stores()
         if not self.keep_store(key):
-            return
+            return value
         future = self.dht.store(key, value, get_dht_time() + self.cfg.record_ttl_s, subkey=self.me,
                                 return_future=True)
         self._stores.append((future, key, time.monotonic()))
+        return value
+
+    def pass_on(self, targets: AbstractSet[str], r: int, records: list[tuple[str, str, bytes]],
+                complete: bool) -> None:
+        """Push others' signed records of round r to ``targets`` as bundles (:mod:`hlbp.protocol.bundle`): a
+        committee member's forward to the leads, or its relay of the accepted set."""
+        targets = set(targets) - {self.me}
+        if not targets:
+            return
+        key = round_key(self.cfg.run_id, r, KIND_BUNDLE)
+        for body in pack_bundles(r, records, complete):
+            self.pushes_out += len(targets)
+            self.transport.push(targets, key, body)
 
     def restore(self, evidence: dict[str, dict[str, bytes]]) -> None:
         """Store others' signed records again as they signed them (a checkpoint's evidence of its round's members,
@@ -151,8 +179,54 @@ class RoundRecords:
         window). A hostile pusher gains one push of each of our few records a round; the inbox bounds senders
         per key, and so how many peers this adds."""
         self.pushes_in += 1
-        if self.inbox.offer(sender, key, body) and sender != self.me and key == checks_key(self.cfg.run_id):
+        r = self._bundle_round(key)
+        if r is not None:
+            self.take_bundle(sender, r, body)
+        elif self.inbox.offer(sender, key, body) and sender != self.me and key == checks_key(self.cfg.run_id):
             self.seen(self.current_round(), (sender,))
+
+    def _bundle_round(self, key: str) -> int | None:
+        prefix, suffix = f"hlbp:{self.cfg.run_id}:round:", f":{KIND_BUNDLE}"
+        if key.startswith(prefix) and key.endswith(suffix) and key[len(prefix):-len(suffix)].isdigit():
+            return int(key[len(prefix):-len(suffix)])
+        return None
+
+    def take_bundle(self, sender: str, r: int, body: bytes) -> None:
+        """Others' records of round r that ``sender`` passed on: each into the inbox under its signer, parsed later
+        like any record its signer pushed (a bundle vouches for nothing). A bundle that says its sender's part is
+        complete is noted (:meth:`complete_parts`)."""
+        now = self.current_round()
+        if not now - 2 <= r <= now + 2:
+            self.inbox.refused += 1
+            return
+        try:
+            bundle = parse_bundle(body, r)
+        except ProtocolError as exc:
+            tag = ("bundle", sender)
+            if tag not in self._logged:
+                self._logged.add(tag)
+                logger.warning("ignoring a malformed bundle from %s: %s", sender[:16], exc)
+            return
+        for kind, signer, value in bundle.records:
+            self.inbox.offer(signer, round_key(self.cfg.run_id, r, kind), value)
+        with self._live_lock:  # who sent one, bounded: only a round's committee members' bundles are looked at
+            seen = {k: v for k, v in self._bundled.items() if k >= now - 2}
+            if sender in seen.get(r, {}) or len(seen.get(r, {})) < MAX_BUNDLERS:
+                seen[r] = {**seen.get(r, {}), sender: time.monotonic()}
+                if bundle.complete:
+                    done = {k: v for k, v in self._complete.items() if k >= now - 2}
+                    done[r] = done.get(r, frozenset()) | {sender}
+                    self._complete = done
+            self._bundled = seen
+        self.inbox.poke()
+
+    def bundles_from(self, r: int) -> dict[str, float]:
+        """Who passed records of round r on to us, and when last (``time.monotonic()``)."""
+        return dict(self._bundled.get(r, {}))
+
+    def complete_parts(self, r: int) -> frozenset[str]:
+        """The committee members whose bundles of round r said their part of the notices is complete."""
+        return self._complete.get(r, frozenset())
 
     def wants(self, key: str) -> bool:
         """Whether a pushed record under ``key`` is one we can use now: the checksums, or this run's notices
@@ -165,7 +239,7 @@ class RoundRecords:
             return False
         r, _, kind = key[len(prefix):].partition(":")
         now = self.current_round()
-        return kind in (KIND_CONTRIB, KIND_ACCEPTED) and r.isdigit() and now - 2 <= int(r) <= now + 2
+        return kind in (KIND_CONTRIB, KIND_ACCEPTED, KIND_BUNDLE) and r.isdigit() and now - 2 <= int(r) <= now + 2
 
     def _result(self, future: Any, what: str) -> Any:
         """A DHT call's result, or None (logged) if it outlasts ``dht_timeout_s``. A dead DHT process never
@@ -235,6 +309,17 @@ class RoundRecords:
         them."""
         received = self.pushes_in + self.reads + self.poller.entries_read + self.phase_poller.entries_read
         return received, self.pushes_out
+
+    def fetch_checks(self, peer: str, r: int, timeout: float) -> ShardChecks | None:
+        """``peer``'s checksum record of round r, fetched from it (it serves it under :func:`checks_name`); None
+        when it has none yet, cannot be reached, or serves anything but its own signed record of round r."""
+        try:
+            value = self.transport.fetch(peer, checks_name(r), MAX_RECORD_BYTES, timeout)
+            self.reads += 1
+            found = parse_checks(value, peer, self.cfg.run_id)
+        except (TransportError, ProtocolError):
+            return None
+        return found if found.round == r else None
 
     def latest_checks(self) -> list[ShardChecks]:
         """Every admitted peer's latest checksum record (a peer's record holds only its latest round)."""

@@ -174,7 +174,9 @@ class RoundRunner(ReplicaBase):
             if not self.cfg.dialable:  # behind NAT: whoever fetches our payload needs a connection we opened
                 self.transport.reach_out()
             notice = ContribNotice(self.me, r, tokens, digests, sizes, dialable=self.cfg.dialable)
-            self.records.store(round_key(self.cfg.run_id, r, KIND_CONTRIB), notice.to_body(self.cfg.run_id), KIND_CONTRIB)
+            # with a committee, pushed to our holder only (closer.notice_targets); else to every live peer
+            self.records.store(round_key(self.cfg.run_id, r, KIND_CONTRIB), notice.to_body(self.cfg.run_id),
+                               KIND_CONTRIB, only=self.closer.notice_targets(r))
             stats.contributed = True
         return mine
 
@@ -224,9 +226,10 @@ class RoundRunner(ReplicaBase):
         t4 = time.perf_counter()
         stats.phases["apply"] = t4 - t3
         if accepted is not None and self.state.in_sync:
-            self.syncer.publish(self.state, checks, {p for p, _t, _d in accepted.members})
+            sample = self.closer.check_peers(r)  # with a committee: whose checksums we read (None: the members')
+            self.syncer.publish(self.state, checks, {p for p, _t, _d in accepted.members}, sampled=sample is not None)
             t5 = time.perf_counter()
-            self.state.in_sync = self.syncer.verify(r, {p: set(d) for p, _t, d in accepted.members}, checks)
+            self.state.in_sync = self.syncer.verify(r, {p: set(d) for p, _t, d in accepted.members}, checks, sample)
             if self.state.in_sync:
                 self.check_followed(r)
             stats.phases.update(publish=t5 - t4, verify=time.perf_counter() - t5)
@@ -236,6 +239,7 @@ class RoundRunner(ReplicaBase):
         if not self.state.in_sync:
             logger.warning("round %d: this peer is out of sync; reloading state from peers", r)
             self.state.standing.forget()  # what we recorded may hold a set the others did not take
+            self.closer.seating.forget()  # and so may the committees we drew from them
             stats.synced = self.sync()
             if stats.synced:  # report the state we now hold, not the one we discarded
                 stats.state_round = self.state.round - 1

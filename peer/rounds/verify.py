@@ -20,13 +20,14 @@ import random
 import time
 from collections.abc import Mapping, Sequence
 from collections.abc import Set as AbstractSet
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from hlbp.peer.net.transport import TransportError
 from hlbp.peer.rounds.agreement import Agreement
 from hlbp.peer.rounds.config import RoundConfig
 from hlbp.peer.rounds.outer import OuterConfig, make_outer
-from hlbp.peer.rounds.records import RoundRecords
+from hlbp.peer.rounds.records import RoundRecords, checks_name
 from hlbp.peer.rounds.rules import checks_settled, member_checks, round_members
 from hlbp.peer.rounds.state import ReplicaState
 from hlbp.peer.rounds.statesync import encode_state, fetch_state, shard_checksum, state_name
@@ -88,6 +89,26 @@ def wait_for_checks(records: RoundRecords, r: int, members: Mapping[str, Abstrac
         records.inbox.wait(cfg.poll_s)  # wakes at once for a pushed record or a finished DHT read
 
 
+def sample_checks(records: RoundRecords, r: int, sample: Sequence[str], mine: ShardChecks) -> list[ShardChecks]:
+    """The round-r checksum records of ``sample`` fetched from them, each tried until it answers, the verdict is
+    settled (:func:`~hlbp.peer.rounds.rules.checks_settled` over the sample) or ``checks_wait_s`` passed."""
+    cfg = records.cfg
+    deadline = time.monotonic() + cfg.checks_wait_s
+    got: dict[str, ShardChecks] = {}
+    peers = [p for p in dict.fromkeys(sample) if p != records.me]
+    with ThreadPoolExecutor(max(1, len(peers))) as pool:
+        while not records.stop.is_set():
+            missing = [p for p in peers if p not in got]
+            wait_s = max(0.5, min(5.0, deadline - time.monotonic()))
+            for p, found in zip(missing, pool.map(records.fetch_checks, missing, [r] * len(missing), [wait_s] * len(missing))):
+                if found is not None:
+                    got[p] = found
+            if (checks_settled(list(got.values()), mine, dict.fromkeys(peers)) or time.monotonic() >= deadline):
+                break
+            records.stop.wait(cfg.poll_s)  # a seat that has not applied the round yet serves nothing: try again
+    return list(got.values())
+
+
 class StateSync:
     """Our state after each round, published and checked against the members', and the agreed state loaded from
     peers (see the module docstring). ``held``: the shards we vouch for; ``agreement``: how the run tells the
@@ -108,19 +129,27 @@ class StateSync:
         sums = {s: shard_checksum(state.anchor, self.shards[s], state.outers[s].state_tensors()) for s in self.held}
         return ShardChecks(self.me, r, sums, self.agreement.fingerprints(state.anchor, self.shards))
 
-    def publish(self, state: ReplicaState, mine: ShardChecks, to: AbstractSet[str] = frozenset()) -> None:
-        """Serve our state after round ``mine.round`` and publish its checksums (and fingerprints), pushed to
-        the round's members ``to`` as well as the live peers."""
+    def publish(self, state: ReplicaState, mine: ShardChecks, to: AbstractSet[str] = frozenset(),
+                sampled: bool = False) -> None:
+        """Serve our state after round ``mine.round`` and publish its checksums (and fingerprints): in the DHT,
+        served for fetching (:func:`~hlbp.peer.rounds.records.checks_name`), and pushed to the round's members
+        ``to`` as well as the live peers, unless the round's readers ``sampled`` them (a committee)."""
         r = mine.round
         for s in self.held:
             self.transport.put(state_name(r, s), encode_state(state.anchor, self.shards[s],
                                                               state.outers[s].state_tensors()))
-        self.transport.drop([state_name(r - 2, s) for s in self.held])
-        self.records.store(checks_key(self.cfg.run_id), mine.to_body(self.cfg.run_id), KIND_CHECKS, to)
+        self.transport.drop([state_name(r - 2, s) for s in self.held] + [checks_name(r - 2)])
+        value = self.records.store(checks_key(self.cfg.run_id), mine.to_body(self.cfg.run_id), KIND_CHECKS, to,
+                                   only=frozenset() if sampled else None)
+        self.transport.put(checks_name(r), value)
 
-    def verify(self, r: int, members: Mapping[str, AbstractSet[int] | None], mine: ShardChecks) -> bool:
+    def verify(self, r: int, members: Mapping[str, AbstractSet[int] | None], mine: ShardChecks,
+               sample: Sequence[str] | None = None) -> bool:
         """Compare our state after round r with the other members' (peer -> the shards it contributed, None: all),
-        waiting until the verdict is settled or ``checks_wait_s`` passed."""
+        waiting until the verdict is settled or ``checks_wait_s`` passed. ``sample``: with a committee, the
+        peers whose records we fetch instead (seats of the next round's committee, which applied round r)."""
+        if sample is not None:
+            return self.agreement.agrees(sample_checks(self.records, r, sample, mine), mine)
         checks = wait_for_checks(self.records, r, members, mine)
         if self.member_votes:
             checks = member_checks(checks, r, set(members))

@@ -64,6 +64,7 @@ class SimConfig:
     gather: int = 0  # F: contributions per shard a round accepts (0: every one)
     reserves: int = 0  # R: further contributions the coordinator checks to replace failed ones
     unselected: str = "drop"  # what a contributor the gather set had no room for does with it: drop or keep
+    committee: int = 0  # W: committee seats (0: round records all-to-all)
     wan_delay_ms: float = 0.0  # emulated one-way delay in front of every peer (hlbp.peer.net.wanlink); 0: none
     wan_mbps: float | None = None  # emulated link rate of every peer, each direction; None: unlimited
     seed: int = 0  # the run's seed: initial weights and data order
@@ -107,6 +108,7 @@ class SimConfig:
                 f"min_deadline_s = {self.min_deadline_s}\nmax_deadline_s = {self.max_deadline_s}\n"
                 f'outer = "{self.outer}"\nmin_contributors = {self.min_contributors}\n'
                 f'gather = {self.gather}\nreserves = {self.reserves}\nunselected = "{self.unselected}"\n'
+                f"committee = {self.committee}\n"
                 f'aggregation = "{self.aggregation}"\nweighting = "{self.weighting}"\n'
                 f'small_tensors = "{self.small_tensors}"\n'
                 + (f'overlap = "{self.overlap}"\n' if self.overlap else "")

@@ -81,6 +81,12 @@ class _Peer:
     selected: list[int] = field(default_factory=list)
 
 
+def seats_of(r: int, recent: list[dict[str, frozenset[int]]], rule: CommitteeRule) -> tuple[str, ...]:
+    """Round r's committee as :class:`hlbp.peer.rounds.seating.Seating` draws it: round r - 2's members ranked,
+    then those of the rounds before (``recent``: the last rounds' members, oldest first, ending with round r - 1)."""
+    return committee(r, list(reversed(recent[:-1])), rule)
+
+
 def simulate_protocol(cfg: ProtocolSimConfig) -> dict[str, Any]:
     """Run ``cfg.rounds`` rounds; per-peer-per-round traffic, agreement and selection statistics."""
     rng = random.Random(cfg.seed)
@@ -125,8 +131,7 @@ def simulate_protocol(cfg: ProtocolSimConfig) -> dict[str, Any]:
         sent_records: Counter[str] = Counter()
         # committee of round r: the first W of the agreed head of its turn order (last round's members, ranked),
         # whether or not they are still there; none (all-to-all) when the rule is off
-        head = turn_order(r, prior, {}, 1)
-        seats = committee(r, head, {q for members in recent for q in members}, seats_rule)
+        seats = seats_of(r, recent, seats_rule)
         veterans = standing.veterans(r)
         if seats:
             leaders = leads(seats, seats_rule)
@@ -221,8 +226,7 @@ def simulate_protocol(cfg: ProtocolSimConfig) -> dict[str, Any]:
         # checksums: with a committee each peer reads a sample of the members' records (each member serves its
         # readers); all-to-all, every live peer's record reaches every live peer
         # read from the next round's committee: the peers with standing, every one of which applied this round
-        readable = committee(r + 1, turn_order(r + 1, members, {}, 1), {q for m in recent for q in m} | set(chosen),
-                             seats_rule)
+        readable = seats_of(r + 1, [*recent, dict(members)][-LOOKBACK:], seats_rule)
         for p in live:
             if seats:
                 sample = check_sample(r, p.pid, [q for q in readable if q in peers], seats_rule)

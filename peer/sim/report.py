@@ -91,6 +91,7 @@ def summarize(records: dict[str, Sequence[dict[str, Any]]], n_params: int | None
             "resynced": {n: p["state_round"] for n, p in sorted(peers.items()) if not of_its_round(p)},
             "bytes_sent": {name: p["bytes_sent"] for name, p in sorted(peers.items())},
             "bytes_received": {name: p["bytes_received"] for name, p in sorted(peers.items())},
+            "records_received": {name: p.get("records_received", 0) for name, p in sorted(peers.items())},
             "compute_s": compute / n,
             "comm_s": comm / n,
             "wait_s": wait / n,

@@ -145,12 +145,12 @@ class DyingSync(_Delegate):
         super().__init__(inner)
         self.round = round_
 
-    def publish(self, state: Any, mine: Any, to: Any = frozenset()) -> None:
+    def publish(self, state: Any, mine: Any, to: Any = frozenset(), sampled: bool = False) -> None:
         if mine.round == self.round:
             print(f"dying after applying round {mine.round}", flush=True)
             time.sleep(2.0)  # the fault's own behaviour (a member stalled, then gone), not a synchronisation
             os.kill(os.getpid(), signal.SIGKILL)
-        self.inner.publish(state, mine, to)
+        self.inner.publish(state, mine, to, sampled)
 
 
 class UsurpingCloser(_Delegate):
@@ -187,7 +187,7 @@ class SybilChecks(_Delegate):
         self.runner = runner
         self.fakes = [Identity.generate() for _ in range(keys)]
 
-    def publish(self, state: Any, mine: Any, to: Any = frozenset()) -> None:
+    def publish(self, state: Any, mine: Any, to: Any = frozenset(), sampled: bool = False) -> None:
         from hivemind.utils import get_dht_time
 
         from hlbp.peer.rounds.state import ReplicaState
@@ -197,7 +197,7 @@ class SybilChecks(_Delegate):
         poisoned = ReplicaState({n: t + 0.05 * torch.randn(t.shape, generator=g) for n, t in state.anchor.items()},
                                 state.outers, state.round, state.in_sync)
         bad = self.inner.checks(poisoned, mine.round)
-        self.inner.publish(poisoned, bad, to)  # serves the poisoned state and signs its checksums as itself
+        self.inner.publish(poisoned, bad, to, sampled)  # serves the poisoned state and signs its checksums as itself
         run_id = self.runner.cfg.run_id
         for ident in self.fakes:
             body = ShardChecks(ident.peer_id, mine.round, bad.checksums, bad.fingerprints).to_body(run_id)
@@ -218,14 +218,14 @@ class FakeNotices(_Delegate):
         self.runner = runner
         self.fakes = [Identity.generate() for _ in range(keys)]
 
-    def store(self, key: str, body: Any, kind: str, to: Any = frozenset()) -> None:
+    def store(self, key: str, body: Any, kind: str, to: Any = frozenset(), only: Any = None) -> bytes:
         from hivemind.utils import get_dht_time
 
         from hlbp.protocol.roundwire import KIND_CONTRIB, ContribNotice, sign
 
-        self.inner.store(key, body, kind, to)
+        value = self.inner.store(key, body, kind, to, only)
         if kind != KIND_CONTRIB:
-            return
+            return value
         run_id = self.runner.cfg.run_id
         for ident in self.fakes:
             digests = {int(s): os.urandom(32).hex() for s in body["digests"]}
@@ -235,6 +235,7 @@ class FakeNotices(_Delegate):
                                   get_dht_time() + self.runner.cfg.record_ttl_s, subkey=ident.peer_id,
                                   return_future=True)
         print(f"fake notices for round {body['round']}", flush=True)
+        return value
 
 
 class Flood:

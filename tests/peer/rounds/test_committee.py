@@ -21,23 +21,23 @@ from hlbp.peer.rounds.gather import GatherRule, candidates
 RULE = CommitteeRule(size=8, leads=3, samples=4)
 
 
-def test_the_committee_is_the_agreed_head_and_off_means_none() -> None:
-    head = [f"m{i}" for i in range(12)]
-    assert committee(3, head, [], RULE) == tuple(head[:8])
-    assert committee(3, head[:3], [], RULE) == tuple(head[:3])
-    assert committee(3, head, [], CommitteeRule()) == ()
-    assert committee(3, [], head, RULE) == ()  # nothing agreed: all-to-all
-    assert leads(committee(3, head, [], RULE), RULE) == ("m0", "m1", "m2")
+def test_the_committee_fills_its_seats_from_the_newest_rounds_first() -> None:
+    rounds = [[f"a{i}" for i in range(3)], [f"b{i}" for i in range(4)], [f"c{i}" for i in range(20)]]
+    seats = committee(9, rounds, RULE)
+    assert len(seats) == 8 and len(set(seats)) == 8
+    assert set(seats[:3]) == set(rounds[0]) and set(seats[3:7]) == set(rounds[1]) and set(seats[7:]) < set(rounds[2])
+    assert leads(seats, RULE) == seats[:3]
+    # the same members in another order give the same seats; another round ranks them anew
+    assert committee(9, [list(reversed(x)) for x in rounds], RULE) == seats
+    assert committee(10, rounds, RULE)[7:] != seats[7:] or committee(11, rounds, RULE)[7:] != seats[7:]
+    # a member of several rounds takes one seat
+    assert committee(9, [["x", "y"], ["y", "z"]], RULE) in (("x", "y", "z"), ("y", "x", "z"))
 
 
-def test_a_committee_wider_than_the_last_set_reaches_back_to_earlier_members() -> None:
-    head = ["m0", "m1", "m2"]
-    earlier = [f"e{i}" for i in range(20)] + ["m1"]
-    seats = committee(9, head, earlier, RULE)
-    assert seats[:3] == ("m0", "m1", "m2") and len(seats) == 8 and len(set(seats)) == 8
-    assert set(seats[3:]) <= set(earlier) - {"m1"}
-    assert committee(9, head, reversed(earlier), RULE) == seats  # an order of the earlier members, not theirs
-    assert committee(10, head, earlier, RULE)[3:] != seats[3:]
+def test_no_committee_when_the_rule_is_off_or_round_r_minus_2_had_no_members() -> None:
+    assert committee(3, [["a", "b"]], CommitteeRule()) == ()
+    assert committee(3, [[], ["a", "b"]], RULE) == ()
+    assert committee(3, [], RULE) == ()
 
 
 @pytest.mark.parametrize("bad", [{"size": -1}, {"size": MAX_COMMITTEE + 1}, {"size": 4, "leads": 0},

@@ -1,0 +1,54 @@
+"""Records passed on in bundles (a committee's forwards and relays) land in the inbox under their signers and are
+parsed like any record, so a bundle forges nothing; malformed or far-off bundles are dropped.
+
+The round loop's own ``RoundRecords`` on real signed records; the network tests run bundles between processes
+(tests/peer/rounds/test_committee_rounds.py).
+"""
+
+from __future__ import annotations
+
+from hlbp.peer.rounds.config import RoundConfig
+from hlbp.peer.rounds.records import RoundRecords
+from hlbp.protocol.bundle import pack_bundles
+from hlbp.protocol.identity import Identity
+from hlbp.protocol.roundwire import KIND_BUNDLE, KIND_CONTRIB, ContribNotice, parse_contrib, round_key, sign
+
+RUN = "bundle-test"
+IDS = {name: Identity.generate() for name in ("me", "holder", "a", "b", "forger")}
+PEER = {name: ident.peer_id for name, ident in IDS.items()}
+
+
+def _records() -> RoundRecords:
+    return RoundRecords(None, IDS["me"], None, RoundConfig(run_id=RUN, inner_steps=1), None, lambda: 5)
+
+
+def _notice(signer: str, as_: str | None = None, round_: int = 5) -> bytes:
+    body = ContribNotice(PEER[signer], round_, 100, {0: "ab" * 32}, {0: 1000}).to_body(RUN)
+    return sign(KIND_CONTRIB, body, IDS[as_ or signer])
+
+
+def test_passed_on_notices_count_as_their_signers_and_a_forged_one_does_not() -> None:
+    records = _records()
+    key = round_key(RUN, 5, KIND_CONTRIB)
+    # "forger" signs a notice naming "b" as its sender: filed under b, it fails b's signature check
+    items = [(KIND_CONTRIB, PEER["a"], _notice("a")), (KIND_CONTRIB, PEER["b"], _notice("b", as_="forger"))]
+    for body in pack_bundles(5, items, complete=True):
+        records.on_push(PEER["holder"], round_key(RUN, 5, KIND_BUNDLE), body)
+    assert set(records.inbox.entries(key)) == {PEER["a"], PEER["b"]}
+    parsed = records.records(key, parse_contrib, records.inbox.entries(key), round_=5)
+    assert [n.sender for n in parsed] == [PEER["a"]]
+    assert records.complete_parts(5) == frozenset({PEER["holder"]})
+    assert set(records.bundles_from(5)) == {PEER["holder"]}
+    assert records.traffic()[0] == 1  # one bundle is one record received, whatever it carries
+
+
+def test_malformed_and_far_off_bundles_are_dropped() -> None:
+    records = _records()
+    records.on_push(PEER["holder"], round_key(RUN, 5, KIND_BUNDLE), b"\x93not a bundle")
+    far = pack_bundles(9, [(KIND_CONTRIB, PEER["a"], _notice("a", round_=9))], complete=True)[0]
+    records.on_push(PEER["holder"], round_key(RUN, 9, KIND_BUNDLE), far)
+    wrong_round = pack_bundles(4, [(KIND_CONTRIB, PEER["a"], _notice("a"))], complete=True)[0]
+    records.on_push(PEER["holder"], round_key(RUN, 5, KIND_BUNDLE), wrong_round)  # says round 4 under round 5
+    assert records.inbox.entries(round_key(RUN, 5, KIND_CONTRIB)) == {}
+    assert records.inbox.entries(round_key(RUN, 9, KIND_CONTRIB)) == {}
+    assert records.complete_parts(5) == frozenset() and records.bundles_from(5) == {}
