@@ -293,7 +293,10 @@ class Closer:
                     # a set whose coordinator's notice never reached us (our holder left): read the notices once
                     read_all = self.round_records(r, full=True)[0]
                     continue
-            self.payloads.prefetch(r, self.likely(r, notices))
+            if not seats or self.me in leads(seats, self.seating.rule):
+                # a seat's view holds its part only, and the others see no notices: what they would guess the gather
+                # rule selects is mostly wrong, so they fetch after the accepted set instead
+                self.payloads.prefetch(r, self.likely(r, notices))
             self.on_poll(r)  # e.g. an overlapped phase takes in the round's result as far as it is fetched
             for sender in notices:
                 arrivals.setdefault(sender, now)
