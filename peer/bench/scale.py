@@ -113,10 +113,10 @@ def write_plot(path: Path, runs: list[dict[str, Any]], title: str) -> bool:
     except ImportError:
         return False
     fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.8))
-    groups = sorted({(r["mode"], r["gather"]) for r in runs})
-    for mode, gather in groups:
-        pts = sorted((r["n"], r) for r in runs if (r["mode"], r["gather"]) == (mode, gather))
-        label = f"{mode}, " + (f"F={gather}" if gather else "uncapped, all-to-all")
+    groups = sorted({(r["mode"], r["gather"], r.get("committee") or 0) for r in runs})
+    for mode, gather, seats in groups:
+        pts = sorted((r["n"], r) for r in runs if (r["mode"], r["gather"], r.get("committee") or 0) == (mode, gather, seats))
+        label = f"{mode}, " + (f"F={gather}" if gather else "uncapped") + (f", W={seats}" if seats else ", all-to-all")
         style = "o-" if mode == "processes" else "s--"
         a.plot([n for n, _ in pts], [r["recv_bytes_per_peer_round"] / 1e3 for _, r in pts], style, label=label)
         b.plot([n for n, _ in pts], [r["records_per_peer_round"] for _, r in pts], style, label=label)
@@ -126,6 +126,7 @@ def write_plot(path: Path, runs: list[dict[str, Any]], title: str) -> bool:
         payload = base[0]["recv_bytes_per_peer_round"] / (base[0]["n"] - 1)
         ns = sorted({r["n"] for r in runs})
         a.plot(ns, [(n - 1) * payload / 1e3 for n in ns], ":", color="grey", label="all-to-all, N - 1 payloads")
+        b.plot(ns, [2 * (n - 1) for n in ns], ":", color="grey", label="all-to-all, 2 (N - 1) pushes at least")
     a.set_ylabel("payload KB received per peer and round")
     b.set_ylabel("round records received per peer and round")
     for ax in (a, b):
@@ -168,7 +169,8 @@ def run_scale_bench(cfg: ScaleBenchConfig, out: Path | None = None,
              r.get("utilization") if r.get("utilization") is not None else "-"]
             for r in runs]
     title = (f"scale: tiny model, F={cfg.gather}, R={cfg.reserves}; processes {cfg.rounds} rounds of "
-             f"H={cfg.inner_steps}; simulated {cfg.simulated_rounds} rounds, churn {cfg.churn:.0%}")
+             f"H={cfg.inner_steps} (W={cfg.committee}); simulated {cfg.simulated_rounds} rounds, churn {cfg.churn:.0%} "
+             f"(W={cfg.simulated_committee})")
     print_table(console, title, ["mode", "N", "F", "W", "payload B recv/peer/round", "payload B sent/peer/round",
                                  "records recv/peer/round", "most records one peer", "rounds agreed",
                                  "utilization"], rows)
