@@ -45,6 +45,7 @@ class Seating:
         self.relayed: set[int] = set()  # rounds whose accepted set we relayed
         self.answered: dict[int, float] = {}  # round -> when we last forwarded to its leads (monotonic)
         self.calls: dict[int, float] = {}  # round -> when we (a lead) asked its holders for their parts
+        self._seats: tuple[int, dict[int, frozenset[str]], tuple[str, ...]] | None = None
 
     def note(self, r: int, members: AbstractSet[str]) -> None:
         """Round r closed with ``members``: they take seats in the next rounds' committees."""
@@ -64,7 +65,13 @@ class Seating:
         rounds back, because a round's notices go out before the round before it closes everywhere (an overlapped
         exchange runs during the next inner phase): round r - 2 has closed for every in-sync peer by then. Empty:
         no committee (the rule is off, or we do not know round r - 2's members: we joined or resynced lately)."""
-        return committee(r, [self.recent.get(k, frozenset()) for k in range(r - 2, r - 2 - LOOKBACK, -1)], self.rule)
+        recent = self.recent  # replaced whole by note and forget, never changed in place: a cache key
+        cached = self._seats
+        if cached is not None and cached[0] == r and cached[1] is recent:
+            return cached[2]
+        seats = committee(r, [recent.get(k, frozenset()) for k in range(r - 2, r - 2 - LOOKBACK, -1)], self.rule)
+        self._seats = (r, recent, seats)  # asked at every poll of a round's close
+        return seats
 
     def notice_targets(self, r: int, seats: Sequence[str]) -> set[str]:
         """Where our notice of round r goes: its holder."""

@@ -52,3 +52,20 @@ def test_malformed_and_far_off_bundles_are_dropped() -> None:
     assert records.inbox.entries(round_key(RUN, 5, KIND_CONTRIB)) == {}
     assert records.inbox.entries(round_key(RUN, 9, KIND_CONTRIB)) == {}
     assert records.complete_parts(5) == frozenset() and records.bundles_from(5) == {}
+
+
+def test_a_replicas_seats_follow_the_sets_it_took_and_are_forgotten_on_resync() -> None:
+    from hlbp.peer.rounds.committee import CommitteeRule, committee
+    from hlbp.peer.rounds.gather import GatherRule
+    from hlbp.peer.rounds.seating import Seating
+
+    seating = Seating(PEER["me"], CommitteeRule(4), GatherRule(2, 1), _records(), lambda r, kind, signer: None)
+    assert seating.seats(5) == ()  # round 3's members unknown
+    seating.note(2, {PEER["a"], PEER["b"]})
+    seating.note(3, {PEER["holder"], PEER["me"]})
+    assert seating.seats(5) == committee(5, [{PEER["holder"], PEER["me"]}, {PEER["a"], PEER["b"]}], CommitteeRule(4))
+    assert len(seating.seats(5)) == 4 and seating.seats(6) == ()  # round 4 not taken yet
+    seating.note(4, {PEER["forger"]})
+    assert seating.seats(6)[0] == PEER["forger"] and len(seating.seats(6)) == 4
+    seating.forget()
+    assert seating.seats(5) == seating.seats(6) == ()
