@@ -199,7 +199,8 @@ class Closer:
         a committee reads only its accepted sets from the DHT (a few records) and takes the notices pushed or
         passed on to us, unless ``full`` (every notice: N records)."""
         keys = (round_key(self.cfg.run_id, r, KIND_CONTRIB), round_key(self.cfg.run_id, r, KIND_ACCEPTED))
-        if not full and self.seats(r):
+        # a flood of notices under fresh keys that filled our inbox for the round: read them from the DHT as well
+        if not full and self.seats(r) and not self.records.inbox.full(keys[0]):
             accepted = self.records.read(keys[1])[0] if wait else (poller or self.records.poller).entries(keys[1])[0]
             contribs = self.records.inbox.entries(keys[0])
         else:

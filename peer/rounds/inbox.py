@@ -57,6 +57,7 @@ class Inbox:
         self._version = 0
         self._seen = 0
         self.refused = 0  # pushes dropped: unwanted key, too big, or the key full
+        self._full: set[str] = set()  # keys that refused a sender for want of room
 
     def offer(self, sender: str, key: str, body: bytes) -> bool:
         """Keep ``body`` as ``sender``'s record under ``key`` if the key is wanted and within bounds."""
@@ -71,12 +72,19 @@ class Inbox:
             size = sum(len(b) for b in held.values()) - len(old or b"") + len(body)
             if (old is None and len(held) >= self.max_senders) or size > self.max_bytes_per_key:
                 self.refused += 1
+                self._full.add(key)
                 return False
             held[sender] = bytes(body)
             self._arrived.setdefault(key, {})[sender] = time.monotonic()
             self._version += 1
             self._cond.notify_all()
         return True
+
+    def full(self, key: str) -> bool:
+        """Whether ``key`` refused a record for want of room (a flood under fresh keys): whoever relies on pushes
+        alone for it must read the DHT as well."""
+        with self._cond:
+            return key in self._full
 
     def entries(self, key: str) -> dict[str, bytes]:
         """The records pushed under ``key``, by sender."""
@@ -109,6 +117,7 @@ class Inbox:
             for key in [k for k in self._records if not self.wanted(k)]:
                 del self._records[key]
                 self._arrived.pop(key, None)
+            self._full = {k for k in self._full if self.wanted(k)}
 
 
 class DhtPoll:

@@ -69,3 +69,14 @@ def test_a_replicas_seats_follow_the_sets_it_took_and_are_forgotten_on_resync() 
     assert seating.seats(6)[0] == PEER["forger"] and len(seating.seats(6)) == 4
     seating.forget()
     assert seating.seats(5) == seating.seats(6) == ()
+
+
+def test_a_notice_key_filled_by_a_flood_says_so() -> None:
+    records = _records()
+    records.inbox.max_senders = 2
+    key = round_key(RUN, 5, KIND_CONTRIB)
+    items = [(KIND_CONTRIB, PEER[x], _notice(x)) for x in ("a", "b")]
+    records.take_bundle(PEER["holder"], 5, pack_bundles(5, items, complete=False)[0])
+    assert not records.inbox.full(key)
+    records.on_push(PEER["forger"], key, _notice("forger"))  # a third sender: no room
+    assert records.inbox.full(key) and set(records.inbox.entries(key)) == {PEER["a"], PEER["b"]}
