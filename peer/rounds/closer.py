@@ -119,8 +119,9 @@ class Closer:
         sample = self.seating.check_peers(r)
         return sample if sample else None
 
-    def signed(self, r: int, kind: str, signer: str) -> bytes | None:
-        """``signer``'s record of ``kind`` in round r as we hold it (read or pushed), checked; None if we lack it."""
+    def signed(self, r: int, kind: str, signer: str, same: AcceptedSet | None = None) -> bytes | None:
+        """``signer``'s record of ``kind`` in round r as we hold it (read or pushed), checked (an accepted set:
+        equal to ``same`` when given); None if we lack it."""
         run = self.cfg.run_id
         contribs, sets = self.raw.get(r, ({}, {}))
         value = (contribs if kind == KIND_CONTRIB else sets).get(signer)
@@ -128,8 +129,9 @@ class Closer:
             value = self.records.inbox.entries(round_key(run, r, kind)).get(signer)
         if value is None:
             return None
-        parse = parse_contrib if kind == KIND_CONTRIB else parse_accepted
-        return signed_form(value, lambda v: parse(v, signer, run, round_=r) is not None)
+        if kind == KIND_CONTRIB:
+            return signed_form(value, lambda v: parse_contrib(v, signer, run, round_=r) is not None)
+        return signed_form(value, lambda v: (same is None or parse_accepted(v, signer, run, round_=r) == same))
 
     def prior_members(self, r: int) -> frozenset[str]:
         """The members of round r - 1 as we closed it (empty when we did not)."""
@@ -408,12 +410,9 @@ class Closer:
         """The signed records that show round r's members: ``accepted`` as its coordinator signed it and that
         coordinator's notice, as last read (:attr:`hlbp.peer.rounds.state.ReplicaState.evidence`); empty when
         either is no longer at hand."""
-        contribs, sets = self.raw.get(r, ({}, {}))
         keys = (round_key(self.cfg.run_id, r, KIND_CONTRIB), round_key(self.cfg.run_id, r, KIND_ACCEPTED))
-        notice = signed_form(contribs.get(accepted.coordinator), lambda v: parse_contrib(
-            v, accepted.coordinator, self.cfg.run_id, round_=r))
-        body = signed_form(sets.get(accepted.coordinator), lambda v: parse_accepted(
-            v, accepted.coordinator, self.cfg.run_id, round_=r) == accepted)
+        notice = self.signed(r, KIND_CONTRIB, accepted.coordinator)
+        body = self.signed(r, KIND_ACCEPTED, accepted.coordinator, accepted)
         if notice is None or body is None:
             return {}
         return {keys[0]: {accepted.coordinator: notice}, keys[1]: {accepted.coordinator: body}}

@@ -3,13 +3,12 @@ forwards to the leads while it holds a part, what it relays once a round closes,
 
 :class:`Seating` keeps the members of the last rounds (a committee reaches back ``LOOKBACK`` rounds) and what it
 already passed on; the :class:`~hlbp.peer.rounds.closer.Closer` calls it from its close loop with the round's
-records as read. The signed bytes it passes on come from ``signed(r, kind, signer)``: the record as we hold it
-(pushed, forwarded or read), or None.
+records as read. The signed bytes it passes on come from ``signed(r, kind, signer, same)``: the record as we hold it
+(pushed, forwarded or read; an accepted set equal to ``same``), or None.
 """
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
@@ -28,9 +27,7 @@ from hlbp.peer.rounds.gather import GatherRule
 from hlbp.peer.rounds.records import RoundRecords
 from hlbp.protocol.roundwire import KIND_ACCEPTED, KIND_CONTRIB, AcceptedSet
 
-logger = logging.getLogger(__name__)
-
-Signed = Callable[[int, str, str], "bytes | None"]
+Signed = Callable[[int, str, str, AcceptedSet | None], bytes | None]
 
 
 class Seating:
@@ -110,7 +107,7 @@ class Seating:
             return
         records = []
         for p in new:
-            value = self.signed(r, KIND_CONTRIB, p)
+            value = self.signed(r, KIND_CONTRIB, p, None)
             if value is not None:
                 records.append((KIND_CONTRIB, p, value))
         self.sent[r] = (sent or set()) | set(new)
@@ -151,7 +148,7 @@ class Seating:
         notices we hold (once)."""
         if self.me not in seats or r in self.relayed:
             return
-        value = self.signed(r, KIND_ACCEPTED, accepted.coordinator)
+        value = self.signed(r, KIND_ACCEPTED, accepted.coordinator, accepted)
         targets = relayed_to(r, self.me, seats, set(senders), self.rule)
         if value is None or not targets:
             return
@@ -162,7 +159,7 @@ class Seating:
         """The accepted set's signed bytes, its coordinator's notice and its members' notices (those we hold)."""
         records = [(KIND_ACCEPTED, accepted.coordinator, value)]
         for p in dict.fromkeys([accepted.coordinator, *accepted.senders()]):
-            notice = self.signed(r, KIND_CONTRIB, p)
+            notice = self.signed(r, KIND_CONTRIB, p, None)
             if notice is not None:
                 records.append((KIND_CONTRIB, p, notice))
         return records

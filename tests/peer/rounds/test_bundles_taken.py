@@ -59,7 +59,7 @@ def test_a_replicas_seats_follow_the_sets_it_took_and_are_forgotten_on_resync() 
     from hlbp.peer.rounds.gather import GatherRule
     from hlbp.peer.rounds.seating import Seating
 
-    seating = Seating(PEER["me"], CommitteeRule(4), GatherRule(2, 1), _records(), lambda r, kind, signer: None)
+    seating = Seating(PEER["me"], CommitteeRule(4), GatherRule(2, 1), _records(), lambda r, kind, signer, same=None: None)
     assert seating.seats(5) == ()  # round 3's members unknown
     seating.note(2, {PEER["a"], PEER["b"]})
     seating.note(3, {PEER["holder"], PEER["me"]})
