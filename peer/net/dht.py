@@ -7,17 +7,30 @@ the workaround touches two private attributes of hivemind's class, which belongs
 from __future__ import annotations
 
 import os
+import select
+import struct
 import threading
 from collections.abc import Callable
+from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 import hivemind
 
+_CHECK_S = 0.5  # how often a waiting send asks whether the DHT process lives
 DHT_DIED = "the DHT process of this peer died; restart the peer (a replica resumes from its checkpoint)"
 
 
-class _SerialPipe:
-    """The caller's end of a DHT's command pipe, whose ``send`` holds a lock; everything else is the pipe's own."""
+class CommandPipe:
+    """The caller's end of a DHT's command pipe: whole messages, one writer at a time, and no write that outlives
+    the DHT process.
+
+    Why not the pipe's own ``send``: this process holds both ends of the pipe, so writing to a dead DHT process
+    neither fails nor gets an answer; it fills the pipe (64 KiB) until a blocking write waits for ever, holding the
+    lock every other caller then waits on. Here the end is non-blocking and every wait (for the lock, for room in
+    the pipe) checks each ``_CHECK_S`` that the DHT process lives, so a death mid-message raises ``ConnectionError``.
+    Messages are framed exactly as ``multiprocessing.connection.Connection`` frames them, so the DHT process reads
+    them with the pipe's own ``recv``.
+    """
 
     def __init__(self, conn: Any, alive: Callable[[], bool]) -> None:
         self._conn = conn
@@ -25,16 +38,40 @@ class _SerialPipe:
         self._owner = os.getpid()  # only the DHT's parent may ask whether it lives (hivemind's averager forks)
         self._lock = threading.Lock()
 
-    def send(self, obj: Any) -> None:
-        # this process holds both ends of the pipe, so writing to a dead DHT process neither fails nor gets an
-        # answer: it only fills the pipe until a write blocks for ever
+    def _check(self) -> None:
         if os.getpid() == self._owner and not self._alive():
             raise ConnectionError(DHT_DIED)
-        with self._lock:
-            self._conn.send(obj)
+
+    def send(self, obj: Any) -> None:
+        self._check()
+        frame = frame_message(ForkingPickler.dumps(obj))
+        while not self._lock.acquire(timeout=_CHECK_S):
+            self._check()
+        try:
+            self._write(frame)
+        finally:
+            self._lock.release()
+
+    def _write(self, frame: bytes) -> None:
+        fd = self._conn.fileno()
+        os.set_blocking(fd, False)
+        view = memoryview(frame)
+        while view:
+            try:
+                view = view[os.write(fd, view):]
+            except BlockingIOError:
+                select.select([], [fd], [], _CHECK_S)
+                self._check()
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._conn, name)
+
+
+def frame_message(payload: bytes) -> bytes:
+    """``payload`` with the length header ``multiprocessing.connection.Connection.recv_bytes`` reads."""
+    if len(payload) > 0x7FFFFFFF:
+        return struct.pack("!i", -1) + struct.pack("!Q", len(payload)) + payload
+    return struct.pack("!i", len(payload)) + payload
 
 
 class _WholeMessagePipe:
@@ -72,7 +109,7 @@ class SafeDHT(hivemind.DHT):
         if start:
             self.run_in_background(await_ready=await_ready)
         # wrapped once the DHT process runs, so the lock never has to cross into it (spawn pickles the object)
-        self._outer_pipe = _SerialPipe(self._outer_pipe, self.is_alive)
+        self._outer_pipe = CommandPipe(self._outer_pipe, self.is_alive)
 
     def run(self) -> None:  # runs in the DHT process
         self._inner_pipe = _WholeMessagePipe(self._inner_pipe)
