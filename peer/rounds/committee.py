@@ -79,6 +79,15 @@ def committee(r: int, rounds: Sequence[Iterable[str]], rule: CommitteeRule) -> t
     return tuple(seats)
 
 
+def order_checked(r: int, rule: CommitteeRule) -> bool:
+    """Whether a peer checks round r's accepted set against the gather rule's order of the notices it saw, or only
+    against the cap. With a committee, from round 2 on, no two peers see the same notices (a holder its part, a
+    lead the forwards, a peer whose holder died every notice read from the DHT): judged against what each saw, an
+    honest set was refused by some peers and taken by the rest, a split (measured with a holder killed). The cap
+    is judged alike by every peer; the order is then the leads' to keep, and they rotate every round."""
+    return not rule.on or r < 2
+
+
 def leads(seats: Sequence[str], rule: CommitteeRule) -> tuple[str, ...]:
     """The committee members that coordinate in turn and receive the holders' forwards."""
     return tuple(seats[:rule.leads])

@@ -162,14 +162,22 @@ def pick_accepted(sets: Sequence[AcceptedSet], order: Sequence[str]) -> Accepted
     return min(ranked, key=lambda s: rank[s.coordinator])
 
 
+def round_set(round_: int, notices: Mapping[str, AbstractSet[int]], sets: Sequence[AcceptedSet], n_shards: int,
+              undialable: AbstractSet[str] = frozenset(), first: Sequence[str] = ()) -> AcceptedSet | None:
+    """The accepted set of round ``round_`` as its records show it: the set of the best-ranked coordinator among
+    the contributors (``notices``: sender -> the shards its notice names), ``first`` (a committee's leads, who
+    coordinate before the rest) ranked ahead; None when no contributor published one. A set from a key that
+    contributed nothing never counts. ``undialable``: the senders whose notices say they cannot be dialled
+    (:func:`coordinator_ranking`)."""
+    ranking = coordinator_ranking(round_, notices, n_shards, undialable)
+    order = [p for p in first if p in notices] + [p for p in ranking if p not in set(first)]
+    return pick_accepted([s for s in sets if s.coordinator in order], order)
+
+
 def round_members(round_: int, notices: Mapping[str, AbstractSet[int]], sets: Sequence[AcceptedSet],
                   n_shards: int, undialable: AbstractSet[str] = frozenset()) -> frozenset[str] | None:
-    """The members of round ``round_`` as its records show them: the senders of the accepted set of the best-ranked
-    coordinator among the contributors (``notices``: sender -> the shards its notice names), or None when no
-    contributor published one. A set from a key that contributed nothing never defines the membership.
-    ``undialable``: the senders whose notices say they cannot be dialled (:func:`coordinator_ranking`)."""
-    order = coordinator_ranking(round_, notices, n_shards, undialable)
-    accepted = pick_accepted([s for s in sets if s.coordinator in order], order)
+    """The members of round ``round_`` as its records show them (:func:`round_set`), or None."""
+    accepted = round_set(round_, notices, sets, n_shards, undialable)
     return None if accepted is None else frozenset(accepted.senders())
 
 

@@ -53,6 +53,10 @@ class Seating:
         self.answered = {k: v for k, v in self.answered.items() if k > r - 3}
         self.calls = {k: v for k, v in self.calls.items() if k > r - 3}
 
+    def knows(self, r: int) -> bool:
+        """Whether we hold round r's members (we closed it, or learnt it from its records)."""
+        return r in self.recent
+
     def forget(self) -> None:
         """We resynced: the sets we took may not be the run's, so we know no committee until we take new ones."""
         self.recent = {}

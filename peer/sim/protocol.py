@@ -205,12 +205,8 @@ def simulate_protocol(cfg: ProtocolSimConfig) -> dict[str, Any]:
             for p in live:
                 if p.pid not in relayed and p.pid not in seats:
                     received[p.pid] += 1
-            # a member checks the set against the notices it holds (a lead: the forwards too); anyone else checks
-            # the cap and the newcomers' places only
-            views = {c: dict(parts.get(c, {})) for c in seats if c in peers}
-            for c in leaders:
-                if c in views:
-                    views[c] |= view
+            # every peer checks the cap only (committee.order_checked): no two see the same notices
+            views = {}
         else:
             for p in live:  # every live peer's notice and the accepted set, pushed to every live peer
                 received[p.pid] += len(notices) - (p.pid in notices) + 1

@@ -14,9 +14,10 @@ from hlbp.peer.rounds.committee import (
     forwarded,
     holder,
     leads,
+    order_checked,
     relayed_to,
 )
-from hlbp.peer.rounds.gather import GatherRule, candidates
+from hlbp.peer.rounds.gather import BreachKind, GatherRule, Standing, breach, candidates, priority
 
 RULE = CommitteeRule(size=8, leads=3, samples=4)
 
@@ -107,3 +108,24 @@ def test_the_checks_sample_is_a_few_other_members_and_spreads_the_reads() -> Non
         for m in check_sample(4, f"x{i}", members, RULE):
             reads[m] = reads.get(m, 0) + 1
     assert set(reads) == set(members) and max(reads.values()) < 2 * 800 * 4 / 8
+
+
+def test_with_a_committee_every_peer_checks_only_the_cap_from_round_2_on() -> None:
+    """Peers see different notices with a committee, so an order check would split them: only the cap is judged,
+    which every peer judges alike."""
+    rule = CommitteeRule(5)
+    assert order_checked(0, rule) and order_checked(1, rule) and not order_checked(2, rule)
+    assert all(order_checked(r, CommitteeRule(0)) for r in range(5))
+    gather = GatherRule(size=2, reserves=1)
+    standing = Standing(gather.memory)
+    pool = {f"p{i}": frozenset({0}) for i in range(8)}
+    for r in range(4):  # everybody becomes a veteran
+        standing.record(r, [f"p{2 * r}", f"p{2 * r + 1}"])
+    order = priority(4, pool, standing.veterans(4), gather)
+    honest_view = {p: pool[p] for p in order[:2]}
+    late = {order[-1]: pool[order[-1]]}  # a member the full view ranks last: a peer that saw every notice refuses
+    assert breach(4, late, pool, standing, gather) is not None
+    assert breach(4, late, late, standing, gather) is None  # judged on the set alone, it is kept
+    over = {**honest_view, **late}
+    found = breach(4, over, over, standing, gather)
+    assert found is not None and found.kind is BreachKind.OVER_CAP

@@ -4,8 +4,9 @@ From round 2 on (a committee is drawn from round r - 2's members and those befor
 holder, the holders forward what the gather rule could select to the leads, the coordinator sends the accepted set
 to the seats and they relay it; after a round each peer reads four seats' checksums. Every round's checksums must
 still agree, and a peer must receive far fewer round records than when every record goes to every peer (rounds 0
-and 1 of the same run, and the 2 (N - 1) pushes a round all-to-all costs at least). A holder killed mid-run should
-cost the others no agreement; it does not yet reliably (marked as a known defect).
+and 1 of the same run, and the 2 (N - 1) pushes a round all-to-all costs at least). A holder killed mid-run costs
+the others no agreement, which needs every peer to judge a set alike (the cap only) and a peer that resyncs to
+learn the committee from the records.
 """
 
 from __future__ import annotations
@@ -54,10 +55,6 @@ def test_rounds_with_a_committee_agree_and_each_peer_hears_few_records(swarm: Sw
     assert committee < 0.6 * all_to_all, received
 
 
-@pytest.mark.xfail(strict=False, reason="known defect: after a seat dies, peers that resync forget the committee "
-                   "and push their notices to the peers they know, seats then see notices the leads did not, refuse "
-                   "the leads' sets and split; measured 2 failures in 10 runs under load (a stall, and cascading "
-                   "resyncs). docs/limitations.md")
 def test_a_holder_killed_mid_run_leaves_the_others_rounds_agreeing(swarm: Swarm) -> None:
     """SIGKILL a holder of a coming round's committee (computed from the sets the replicas took, as every peer
     computes it): its part of the notices is lost for that round, the leads close without it after asking, and the
