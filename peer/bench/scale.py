@@ -77,10 +77,12 @@ def process_run(cfg: ScaleBenchConfig, n: int, gather: int, workdir: Path) -> di
     total = report.get("time_s", {})
     compute, comm = total.get("compute", 0.0), total.get("comm", 0.0)
     counted = [c for r in rounds if not committee or r["round"] >= 2 for c in r.get("records_received", {}).values()]
+    sent = [b for r in rounds if r["round"] >= 1 for b in r.get("bytes_sent", {}).values()]  # round 0: state syncs
     return {
         "mode": "processes", "n": n, "gather": gather, "reserves": sim.reserves, "committee": committee,
         "recv_bytes_per_peer_round": report["bytes_per_peer_round"]["received"],
         "sent_bytes_per_peer_round": report["bytes_per_peer_round"]["sent"],
+        "max_sent_bytes_one_peer_round": max(sent, default=0),
         "records_per_peer_round": sum(counted) / len(counted) if counted else 0.0,
         "max_records_one_peer_round": max(counted, default=0),
         "records_all_rounds": report["records_per_peer_round"]["received"],
@@ -164,7 +166,8 @@ def run_scale_bench(cfg: ScaleBenchConfig, out: Path | None = None,
         runs.append(simulated_run(cfg, n))
         write_result(out, "scale", config, {"runs": runs, "complete": False})
     rows = [[r["mode"], r["n"], r["gather"] or "-", r.get("committee") or "-", int(r["recv_bytes_per_peer_round"]),
-             int(r["sent_bytes_per_peer_round"]), round(r["records_per_peer_round"], 1),
+             int(r["sent_bytes_per_peer_round"]), int(r.get("max_sent_bytes_one_peer_round", 0)),
+             round(r["records_per_peer_round"], 1),
              r.get("max_records_one_peer_round", "-"), f"{r['rounds_agreed']}/{r['rounds']}",
              r.get("utilization") if r.get("utilization") is not None else "-"]
             for r in runs]
@@ -172,7 +175,7 @@ def run_scale_bench(cfg: ScaleBenchConfig, out: Path | None = None,
              f"H={cfg.inner_steps} (W={cfg.committee}); simulated {cfg.simulated_rounds} rounds, churn {cfg.churn:.0%} "
              f"(W={cfg.simulated_committee})")
     print_table(console, title, ["mode", "N", "F", "W", "payload B recv/peer/round", "payload B sent/peer/round",
-                                 "records recv/peer/round", "most records one peer", "rounds agreed",
+                                 "most B sent one peer-round", "records recv/peer/round", "most records one peer", "rounds agreed",
                                  "utilization"], rows)
     costs = []
     for f in cfg.cost_sizes:

@@ -13,11 +13,12 @@ Pushes go the other way: :meth:`P2PBlobTransport.push` sends a small record (u32
 with the sender's authenticated peer id, to its ``on_push`` callback. Rounds push their signed records to the
 round's members this way instead of leaving them to find them by polling the DHT (:mod:`hlbp.peer.rounds.inbox`).
 
-A request for a name this peer is itself fetching from its source right now (inside :meth:`P2PBlobTransport.sharing`)
-waits for that fetch, up to ``hold_s`` and with at most :data:`MAX_WAITERS` requests waiting at once, instead of
-answering "not here" and sending the requester on to another holder. Only a fetch from the source is waited on:
-the source always holds the blob, so a chain of waits has at most one hop and two holders can never wait on
-each other.
+A request for a name this peer is itself fetching right now (inside :meth:`P2PBlobTransport.sharing`) waits for
+that fetch, up to ``hold_s`` and with at most :data:`MAX_WAITERS` requests waiting at once, instead of answering
+"not here" and sending the requester on to another holder. Rounds fetch a payload down a tree
+(:mod:`hlbp.peer.rounds.spread`): a peer asks only its ancestors, so waits chain up the tree towards the sender,
+which always holds it; two peers that count the run's peers differently can ask each other, and then each wait
+ends after ``hold_s`` and both move up their chains.
 """
 
 from __future__ import annotations
@@ -139,7 +140,7 @@ class P2PBlobTransport:
         # how long a request for a name we are fetching waits for it: under the 6 s a round gives a holder
         # (RoundConfig.fetch_timeout_s / 5), so the requester still hears "not here" and moves on in time
         self.hold_s = hold_s
-        self._sharing: dict[str, int] = {}  # name -> our fetches from its source under way (under _lock)
+        self._sharing: dict[str, int] = {}  # name -> our fetches of it under way (under _lock)
         self._wakers: dict[str, asyncio.Event] = {}  # name -> event of the requests waiting for it (loop only)
         self._waiters = 0  # requests waiting right now (loop only)
         self.cancel = cancel  # once set (the peer is leaving), every fetch under way or to come fails at once
@@ -327,8 +328,8 @@ class P2PBlobTransport:
 
     @contextmanager
     def sharing(self, name: str) -> Iterator[None]:
-        """Mark a fetch of ``name`` from its source (one that always holds it) as under way: requests for it wait
-        (bounded) until it is :meth:`put` or the block ends, instead of hearing "not here"."""
+        """Mark a fetch of ``name`` as under way: requests for it wait (bounded) until it is :meth:`put` or the
+        block ends, instead of hearing "not here"."""
         with self._lock:
             self._sharing[name] = self._sharing.get(name, 0) + 1
         try:

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
 
 from hlbp.peer.net.transport import TransportError
-from hlbp.peer.rounds import copies, guard
+from hlbp.peer.rounds import copies, guard, spread
 from hlbp.peer.rounds.bans import RoundBans
 from hlbp.peer.rounds.config import RoundConfig
 from hlbp.peer.rounds.outcome import Applied, Failed, Refused, RoundOutcome
@@ -36,24 +37,28 @@ class Applier:
     for (copies are looked for there). ``loss_of(params)``: the loss on the run's fixed guard batch (None: no loss
     guard). ``on_restore()``: called when a refused round's parameters were put back (reload the model)."""
 
-    def __init__(self, cfg: RoundConfig, shards: Sequence[Sequence[str]], held: Sequence[int], applied: Sequence[int],
-                 payloads: Payloads, bans: RoundBans,
+    def __init__(self, me: str, cfg: RoundConfig, shards: Sequence[Sequence[str]], held: Sequence[int],
+                 applied: Sequence[int], payloads: Payloads, bans: RoundBans,
                  loss_of: Callable[[Mapping[str, torch.Tensor]], float] | None, on_restore: Callable[[], None]) -> None:
-        self.cfg, self.shards, self.held, self.applied = cfg, shards, held, applied
+        self.me, self.cfg, self.shards, self.held, self.applied = me, cfg, shards, held, applied
         self.payloads, self.bans, self.loss_of, self.on_restore = payloads, bans, loss_of, on_restore
         self.guard = cfg.guard
         self.last_ratios: dict[str, float] = {}  # the last applied round's largest norm ratios (guard)
         self.last_copies: list[dict[str, Any]] = []  # the last applied round's evidence of copied contributions
         self._reuse = {s: copies.ReuseLog() for s in held}
 
-    def apply(self, r: int, accepted: AcceptedSet, state: ReplicaState) -> RoundOutcome:
+    def apply(self, r: int, accepted: AcceptedSet, state: ReplicaState,
+              online: AbstractSet[str] = frozenset()) -> RoundOutcome:
         """Fetch, verify, bound and apply the accepted set of round r: :class:`Applied`, :class:`Refused` (nobody's
-        parameters move, the offenders are banned) or :class:`Failed` (this peer alone is out of sync)."""
+        parameters move, the offenders are banned) or :class:`Failed` (this peer alone is out of sync).
+        ``online``: the peers last read announced online (empty: not known)."""
         # each held (or followed) shard takes the members that contributed to it (a stage peer contributes its own
         # shard only)
         jobs = [(sender, s, digests[s]) for sender, _tokens, digests in accepted.members for s in self.applied
                 if s in digests]
-        holders = accepted.senders()
+        # each payload's fetch tree spans the peers announced online (as last read), under the round's members;
+        # when they are not known, the peers with standing (selected within its memory: long-lived peers)
+        population = sorted(online or state.standing.veterans(r))
 
         def get(job: tuple[str, int, str]) -> tuple[str, int, Contribution | BadPayload | None]:
             sender, s, digest = job
@@ -62,7 +67,9 @@ class Applier:
             if cached is not None:
                 return sender, s, cached
             try:
-                return sender, s, self.payloads.decode(r, s, sender, digest, holders, accepted.coordinator)
+                chain = spread.sources(r, sender, accepted.coordinator, self.me, population, shard=s,
+                                       members=accepted.senders())
+                return sender, s, self.payloads.decode(r, s, sender, digest, chain, accepted.coordinator)
             except BadPayload as exc:
                 return sender, s, exc
             except (TransportError, ProtocolError) as exc:

@@ -53,6 +53,8 @@ from hlbp.protocol.roundwire import (
 
 logger = logging.getLogger(__name__)
 
+ONLINE_EVERY = 4  # rounds between a peer's reads of the announcements when it holds no seat (N entries each)
+
 def signed_form(value: Any, check: Callable[[bytes], Any]) -> bytes | None:
     """Of a DHT entry's value (bytes, or a stored and a pushed one), the signed bytes ``check`` accepts."""
     forms = [value.stored, value.pushed] if isinstance(value, Both) else [value]
@@ -105,6 +107,9 @@ class Closer:
         # our seats in the rounds' committees, when the run has one (committee.py, seating.py)
         self.seating = Seating(me, CommitteeRule(cfg.committee), self.rule, records, self.signed)
         self.learnt = -1  # the last round whose committee we learnt from the records (learn_committee)
+        # (round, the peers announced online as read then): whom payload fetch trees span (spread.py); a seat reads
+        # the announcements every round, any other peer every ONLINE_EVERY rounds
+        self.online: tuple[int, frozenset[str]] = (-ONLINE_EVERY, frozenset())
 
     def seats(self, r: int) -> tuple[str, ...]:
         """Round r's committee as we know it (empty: the run has none, or round r - 2's members are not known and
@@ -318,6 +323,11 @@ class Closer:
         # a count of 0 means the announcements could not be read: wait out the window rather than close on the first
         # (with a committee only its seats need them)
         expected = self.announced = self.expected() if not seats or self.me in seats else UNKNOWN
+        if expected.count:
+            self.online = (r, expected.peers)
+        elif r >= self.online[0] + ONLINE_EVERY:  # a peer off the committee reads them now and then
+            read = self.expected()
+            self.online = (r, read.peers) if read.count else self.online
         self.widen_for_late()
         self.close_window = self.window
         read_all: dict[str, ContribNotice] | None = None  # with a committee: every notice, read once when needed

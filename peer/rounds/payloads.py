@@ -9,8 +9,6 @@ transport's :class:`TransportError` when the bytes could not be had) and the cal
 
 from __future__ import annotations
 
-import contextlib
-import random
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from collections.abc import Set as AbstractSet
@@ -171,15 +169,16 @@ class Payloads:
         """Our own served payload of round r, shard s."""
         return self.transport.get(payload_name(r, s, self.me))
 
-    def decode(self, r: int, s: int, sender: str, digest: str, holders: list[str],
+    def decode(self, r: int, s: int, sender: str, digest: str, sources: Sequence[str] = (),
                coordinator: str = "") -> Contribution:
-        """One shard payload, fetched (or our own), digest-checked and decoded."""
+        """One shard payload, fetched (or our own), digest-checked and decoded. ``sources``: whom to ask first, in
+        order (our chain in the payload's fetch tree, :func:`hlbp.peer.rounds.spread.sources`)."""
         if sender == self.me:
             blob = self.own(r, s)
             if blob is None or sha256_hex(blob) != digest:
                 raise TransportError("our own contribution is gone or differs from the accepted digest")
         else:
-            blob = self._fetch(r, s, sender, digest, holders, coordinator)
+            blob = self._fetch(r, s, sender, digest, sources, coordinator)
         try:
             c = contribution_from_bytes(blob, self.outer_cfg, self.shapes[s], run=self.cfg.run_id, round=r, shard=s,
                                         max_bytes=self.limits[s])
@@ -189,22 +188,22 @@ class Payloads:
             raise BadPayload(f"payload claims sender {c.sender[:12]}…, accepted for {sender[:12]}…")
         return c
 
-    def _fetch(self, r: int, shard: int, sender: str, digest: str, holders: list[str], coordinator: str = "") -> bytes:
-        """A payload from up to three holders, then the coordinator (it fetched every payload it accepted, so it
-        still has a sender's that died right after announcing), then the sender itself."""
+    def _fetch(self, r: int, shard: int, sender: str, digest: str, sources: Sequence[str],
+               coordinator: str = "") -> bytes:
+        """A payload from ``sources`` in order, then the coordinator (it fetched every payload it accepted, so it
+        still has a sender's that died right after announcing), then the sender itself. While we fetch, peers that
+        ask us for it wait for our copy (peer/net/transport.py): our children in the fetch tree ask as soon as they
+        have the accepted set, often before we hold it."""
         name = payload_name(r, shard, sender)
-        others = [h for h in holders if h not in (sender, self.me)]
-        random.Random(f"{self.me}|{r}|{shard}|{sender}").shuffle(others)
-        tries = [*others[:3], *([coordinator] if coordinator not in (*others[:3], sender, self.me, "") else [])]
+        tries = [p for p in dict.fromkeys([*sources, coordinator]) if p not in (sender, self.me, "")]
         errors: list[str] = []
-        for peer in [*tries, sender, sender]:  # the sender twice: one broken transfer is not a verdict
-            # while we fetch from the sender, others asking us for it wait for our copy (peer/net/transport.py)
-            with self.transport.sharing(name) if peer == sender else contextlib.nullcontext():
+        with self.transport.sharing(name):
+            for peer in [*tries, sender, sender]:  # the sender twice: one broken transfer is not a verdict
                 blob = self._fetch_from(peer, name, shard, sender, digest, errors)
                 if blob is not None:
                     with self._count_lock:  # fetches run in parallel threads
                         self.on_received(len(blob))
-                    self.transport.put(name, blob)  # gossip: serve it onwards, so the sender uploads it about once
+                    self.transport.put(name, blob)  # serve it onwards: our children in the tree fetch it from us
                     return blob
         raise TransportError(f"contribution of {sender[:12]}… for round {r} shard {shard}: " + "; ".join(errors))
 

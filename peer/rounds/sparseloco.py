@@ -80,7 +80,7 @@ class RoundRunner(ReplicaBase):
         bans = RoundBans()  # shared by the parts that judge senders
         self.payloads = Payloads(self.me, self.transport, self.cfg, self.outer_cfg, self.shapes, limits, applied,
                                  bans.banned, self._received, self.stop)
-        self.applier = Applier(self.cfg, self.shards, self.held, applied, self.payloads, bans, self.guard_loss,
+        self.applier = Applier(self.me, self.cfg, self.shards, self.held, applied, self.payloads, bans, self.guard_loss,
                                self.load_anchor_into_model)
         self.overlapped = OverlapLoop(self) if self.cfg.overlap != "none" else None
         # contributors to wait for before closing early: the live ones the announcements name (0: unread), else
@@ -256,4 +256,4 @@ class RoundRunner(ReplicaBase):
 
     def apply_round(self, r: int, accepted: AcceptedSet) -> RoundOutcome:
         """Apply round r's accepted set to our state (:class:`~hlbp.peer.rounds.apply.Applier`)."""
-        return self.applier.apply(r, accepted, self.state)
+        return self.applier.apply(r, accepted, self.state, self.closer.online[1])

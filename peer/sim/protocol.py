@@ -16,9 +16,10 @@ checksum records from the next round's seats. A holder that left loses its part 
 run starts under way: the ``LOOKBACK`` rounds before round 0 closed with F founders each. Without a committee every
 notice, accepted set and checksum record is pushed to every live peer (2N records a peer).
 
-Payloads move as hlbp moves them today: the members fetch the selected payloads from their senders while the round
-is open, and every other peer fetches each from a random member (the members serve what they verified), so the F
-members between them upload a payload to each of the N - F others. The counts are per peer and round:
+Payloads move as hlbp moves them: the coordinator fetches its candidates from their senders while the round is
+open, and every other peer fetches each accepted payload down that payload's fetch tree
+(:mod:`hlbp.peer.rounds.spread`: from its parent, or the nearest ancestor still there), so a peer uploads about F
+payloads a round and at most ``FANOUT`` of each. The counts are per peer and round:
 ``records_per_peer_round`` (received; the most any peer received in any round, and sent), ``recv_bytes_per_peer_round``
 / ``sent_bytes_per_peer_round`` (payloads), the most any sender uploaded, the payloads each peer fetched (the
 coordinator fetches up to F + R; the others F).
@@ -31,6 +32,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
+from hlbp.peer.rounds import spread
+from hlbp.peer.rounds.closer import ONLINE_EVERY
 from hlbp.peer.rounds.committee import (
     LOOKBACK,
     CommitteeRule,
@@ -111,6 +114,7 @@ def simulate_protocol(cfg: ProtocolSimConfig) -> dict[str, Any]:
     totals = {"records": 0, "recv": 0, "sent": 0, "fetched_max": 0, "sent_max": 0, "peer_rounds": 0,
               "records_max": 0, "records_sent_max": 0}
     closed = agreed = refused_sets = 0
+    online: set[str] = set(peers)  # the peers announced online as a peer last read them
     waits: list[int] = []
     durations: list[float] = []
     for r in range(cfg.rounds):
@@ -232,13 +236,20 @@ def simulate_protocol(cfg: ProtocolSimConfig) -> dict[str, Any]:
             else:
                 received[p.pid] += len(live) - 1
         uploads: dict[str, int] = {}
+        # as the applier does: each payload comes down its fetch tree over the peers with standing and the members
+        # (spread.py); a peer asks the first of its chain still there. The coordinator fetched its candidates from
+        # their senders while it admitted them.
+        # the trees span the peers announced online as of the last read (every ONLINE_EVERY rounds: some have left
+        # since, and their children in the trees fall back to others of their level)
+        if r % ONLINE_EVERY == 0:
+            online = set(peers)
+        population = sorted(online)
+        trees = {q: spread.tree(r, q, coordinator.pid, population, members=chosen) for q in chosen}
         for p in live:
             fetched = [q for q in (pool if p is coordinator else chosen) if q != p.pid]
             for q in fetched:
-                # as Payloads._fetch does: a member (or the coordinator) prefetched it from its sender; anyone else
-                # tries a random member other than the sender first, which holds it by then
-                holders = [m for m in chosen if m not in (q, p.pid)]
-                source = q if p.pid in members or p is coordinator or not holders else rng.choice(holders)
+                there = [h for h in spread.chain(trees[q], p.pid, r) if h in peers] if q in trees else []
+                source = q if p is coordinator or not there else there[0]
                 uploads[source] = uploads.get(source, 0) + 1
             totals["recv"] += cfg.payload_bytes * len(fetched)
             totals["fetched_max"] = max(totals["fetched_max"], len(fetched))
@@ -249,7 +260,11 @@ def simulate_protocol(cfg: ProtocolSimConfig) -> dict[str, Any]:
         totals["sent"] += sum(sent.values())
         totals["sent_max"] = max([totals["sent_max"], *sent.values()])
         totals["peer_rounds"] += len(live)
-        slowest = max((cfg.payload_bytes * len(chosen) / p.bps + p.latency_s for p in live), default=0.0)
+        # each peer's F payloads, plus a relay's transfer per level of the trees above it (a hop waits for the
+        # whole payload at its parent)
+        hop = max((cfg.payload_bytes / p.bps + p.latency_s for p in live), default=0.0)
+        slowest = max((cfg.payload_bytes * len(chosen) / p.bps + p.latency_s for p in live), default=0.0) \
+            + spread.depth(len(population) + 2) * hop
         durations.append(set_at + slowest - first)
         standing.record(r, chosen)
         prior = dict(members)
