@@ -77,7 +77,8 @@ def process_run(cfg: ScaleBenchConfig, n: int, gather: int, workdir: Path) -> di
     total = report.get("time_s", {})
     compute, comm = total.get("compute", 0.0), total.get("comm", 0.0)
     counted = [c for r in rounds if not committee or r["round"] >= 2 for c in r.get("records_received", {}).values()]
-    sent = [b for r in rounds if r["round"] >= 1 for b in r.get("bytes_sent", {}).values()]  # round 0: state syncs
+    # from round 2: in rounds 0 and 1 peers that started late load the state from the others (megabytes served)
+    sent = [b for r in rounds if r["round"] >= 2 for b in r.get("bytes_sent", {}).values()]
     return {
         "mode": "processes", "n": n, "gather": gather, "reserves": sim.reserves, "committee": committee,
         "recv_bytes_per_peer_round": report["bytes_per_peer_round"]["received"],

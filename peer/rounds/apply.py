@@ -67,8 +67,7 @@ class Applier:
             if cached is not None:
                 return sender, s, cached
             try:
-                chain = spread.sources(r, sender, accepted.coordinator, self.me, population, shard=s,
-                                       members=accepted.senders())
+                chain = spread.sources(r, sender, self.me, population, shard=s, members=accepted.senders())
                 return sender, s, self.payloads.decode(r, s, sender, digest, chain, accepted.coordinator)
             except BadPayload as exc:
                 return sender, s, exc

@@ -10,6 +10,7 @@ transport's :class:`TransportError` when the bytes could not be had) and the cal
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -26,6 +27,8 @@ from hlbp.peer.rounds.outer import Contribution, OuterConfig
 from hlbp.protocol import ProtocolError
 from hlbp.protocol.identity import sha256_hex
 from hlbp.protocol.roundwire import ContribNotice
+
+PARENT_WAIT_S = 1.0  # how long a peer whose parent in a fetch tree lacks a payload waits before asking it again
 
 
 class BadPayload(ProtocolError):
@@ -198,8 +201,14 @@ class Payloads:
         tries = [p for p in dict.fromkeys([*sources, coordinator]) if p not in (sender, self.me, "")]
         errors: list[str] = []
         with self.transport.sharing(name):
-            for peer in [*tries, sender, sender]:  # the sender twice: one broken transfer is not a verdict
+            for i, peer in enumerate([*tries, sender, sender]):  # the sender twice: one transfer is not a verdict
+                began = time.monotonic()
                 blob = self._fetch_from(peer, name, shard, sender, digest, errors)
+                if blob is None and i == 0 and peer != sender and time.monotonic() - began < PARENT_WAIT_S:
+                    # our parent answered at once without it: it has not begun its own fetch yet (it took the
+                    # accepted set after us). Ask it again shortly instead of sending the whole subtree up the tree
+                    self.stop.wait(PARENT_WAIT_S)
+                    blob = self._fetch_from(peer, name, shard, sender, digest, errors)
                 if blob is not None:
                     with self._count_lock:  # fetches run in parallel threads
                         self.on_received(len(blob))

@@ -1,20 +1,20 @@
 """Whom a peer fetches an accepted payload from: a tree per payload, so that each peer uploads about F payloads a
-round (the gather set's size) whatever the run's size, and a sender uploads its own a bounded number of times.
+round (the gather set's size) whatever the run's size.
 
 Every in-sync peer applies every accepted payload, so a round moves N x F payloads. Fetched from the members (the
 holders of what they verified), the F members between them uploaded all of them: about N payloads each (52 MB for
 one member in one round at N = 1000 with the tiny model's 48 KB payloads, simulated). Here each payload of round r
-has its own tree (:func:`tree`): the sender at the root, the round's coordinator next (it fetched every payload it
-accepted), then the run's peers with standing in rendezvous order of (round, sender, peer); the peer at position
-i >= 1 fetches from position (i - 1) // ``fanout`` (:func:`sources`). A peer serves at most ``fanout`` fetches
-of a payload (more only as a fallback), and takes part in F trees, so its uploads stay about F payloads a round
-on average; the sender and the coordinator upload ``fanout`` copies each. A fetch from a peer that is still
-fetching the payload waits for it (:meth:`hlbp.peer.net.transport.BlobTransport.sharing`).
+has its own tree (:func:`tree`): the sender at the root, the round's other members next, then the peers announced
+online, each part in rendezvous order of (round, sender, shard, peer); the peer at position i >= 1 fetches from
+position (i - 1) // ``fanout`` (:func:`sources`). A peer serves at most ``fanout`` fetches of a payload (more only
+as a fallback) and sits in F trees, so its uploads stay about F payloads a round on average and at most
+``fanout`` x F. A fetch from a peer that is still fetching the payload waits for it
+(:meth:`hlbp.peer.net.transport.P2PBlobTransport.sharing`).
 
-Peers differ a little in whom they count (standing after a resync, a joiner): that only unbalances the trees, and
-every peer falls back up its chain of ancestors to the sender, so a payload is lost only with its sender. A peer
-outside the population (it has no standing yet) fetches from a node chosen by rendezvous, then that node's
-ancestors. Everything here is pure; the applier and the protocol simulator run it.
+Peers differ a little in whom they count (announcements read at different times, a joiner): that only unbalances
+the trees, and every peer falls back up its chain to the sender, so a payload is lost only with its sender. A peer
+outside the population fetches from a node picked by hashing, then up that node's chain. Everything here is pure;
+the applier and the protocol simulator run it.
 """
 
 from __future__ import annotations
@@ -29,27 +29,24 @@ def _rank(r: int, sender: str, shard: int, peer: str) -> bytes:
     return hashlib.sha256(f"spread|{r}|{sender}|{shard}|{peer}".encode()).digest()
 
 
-def tree(r: int, sender: str, coordinator: str, population: Iterable[str], shard: int = 0,
-         members: Iterable[str] = ()) -> list[str]:
+def tree(r: int, sender: str, population: Iterable[str], shard: int = 0, members: Iterable[str] = ()) -> list[str]:
     """Round r's fetch tree of ``sender``'s payload for ``shard``, as a list (position i's parent is
-    (i - 1) // fanout): the sender, the coordinator, the round's other ``members``, then ``population``, each
-    part in rendezvous order of (r, sender, shard, peer). The members head the tree because they are surely there
-    (they have just contributed), where the population may name peers that left since it was read."""
-    head = list(dict.fromkeys([sender, coordinator] if coordinator else [sender]))
-    mid = sorted(set(members) - set(head), key=lambda p: _rank(r, sender, shard, p))
-    rest = sorted(set(population) - set(head) - set(mid), key=lambda p: _rank(r, sender, shard, p))
-    return head + mid + rest
+    (i - 1) // fanout): the sender, the round's other ``members``, then ``population``, each part in rendezvous
+    order of (r, sender, shard, peer). The members head the tree because they are surely there (they have just
+    contributed), where the population may name peers that left since it was read; the rendezvous order gives each
+    member a different place in each tree, so no member sits near the top of all of them."""
+    mid = sorted(set(members) - {sender}, key=lambda p: _rank(r, sender, shard, p))
+    rest = sorted(set(population) - {sender} - set(mid), key=lambda p: _rank(r, sender, shard, p))
+    return [sender, *mid, *rest]
 
 
-def sources(r: int, sender: str, coordinator: str, me: str, population: Iterable[str], fanout: int = FANOUT,
-            shard: int = 0, members: Iterable[str] = ()) -> list[str]:
-    """Whom ``me`` asks for ``sender``'s payload of round r (``shard``), first to last: its parent in the payload's
-    tree, then the parent's ancestors up to the sender (each holds it before its children). ``me`` outside the
-    tree: a node of it picked by hashing (r, me, sender, shard), then that node's ancestors. Empty for the sender
-    itself."""
+def sources(r: int, sender: str, me: str, population: Iterable[str], fanout: int = FANOUT, shard: int = 0,
+            members: Iterable[str] = ()) -> list[str]:
+    """Whom ``me`` asks for ``sender``'s payload of round r (``shard``), first to last (:func:`chain`). Empty for
+    the sender itself."""
     if me == sender:
         return []
-    return chain(tree(r, sender, coordinator, population, shard, members), me, r, shard, fanout)
+    return chain(tree(r, sender, population, shard, members), me, r, shard, fanout)
 
 
 def chain(order: Sequence[str], me: str, r: int, shard: int = 0, fanout: int = FANOUT) -> list[str]:

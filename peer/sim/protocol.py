@@ -244,7 +244,7 @@ def simulate_protocol(cfg: ProtocolSimConfig) -> dict[str, Any]:
         if r % ONLINE_EVERY == 0:
             online = set(peers)
         population = sorted(online)
-        trees = {q: spread.tree(r, q, coordinator.pid, population, members=chosen) for q in chosen}
+        trees = {q: spread.tree(r, q, population, members=chosen) for q in chosen}
         for p in live:
             fetched = [q for q in (pool if p is coordinator else chosen) if q != p.pid]
             for q in fetched:
