@@ -96,14 +96,15 @@ def process_run(cfg: ScaleBenchConfig, n: int, gather: int, workdir: Path) -> di
     }
 
 
-def simulated_run(cfg: ScaleBenchConfig, n: int) -> dict[str, Any]:
-    """The protocol simulator at N peers; the run's entry."""
+def simulated_run(cfg: ScaleBenchConfig, n: int, trees: bool = True) -> dict[str, Any]:
+    """The protocol simulator at N peers (``trees`` off: every peer fetches each payload from a random member, the
+    baseline the fetch trees replace); the run's entry."""
     committee = cfg.simulated_committee
     res = simulate_protocol(ProtocolSimConfig(n=n, rounds=cfg.simulated_rounds, gather=cfg.gather,
                                               reserves=cfg.reserves, churn=cfg.churn, seed=cfg.seed,
-                                              committee=committee))
-    return {"mode": "simulated", "n": n, "gather": cfg.gather, "reserves": cfg.reserves, "committee": committee,
-            **res}
+                                              committee=committee, trees=trees))
+    return {"mode": "simulated" if trees else "simulated, members serve", "n": n, "gather": cfg.gather,
+            "reserves": cfg.reserves, "committee": committee, **res}
 
 
 def write_plot(path: Path, runs: list[dict[str, Any]], title: str) -> bool:
@@ -165,6 +166,9 @@ def run_scale_bench(cfg: ScaleBenchConfig, out: Path | None = None,
     for n in cfg.simulated_sizes:
         console.print(f"simulated: N={n}")
         runs.append(simulated_run(cfg, n))
+        write_result(out, "scale", config, {"runs": runs, "complete": False})
+    if cfg.simulated_sizes:  # side by side at the largest size: the same run with the members serving every payload
+        runs.append(simulated_run(cfg, max(cfg.simulated_sizes), trees=False))
         write_result(out, "scale", config, {"runs": runs, "complete": False})
     rows = [[r["mode"], r["n"], r["gather"] or "-", r.get("committee") or "-", int(r["recv_bytes_per_peer_round"]),
              int(r["sent_bytes_per_peer_round"]), int(r.get("max_sent_bytes_one_peer_round", 0)),

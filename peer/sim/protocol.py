@@ -18,8 +18,9 @@ notice, accepted set and checksum record is pushed to every live peer (2N record
 
 Payloads move as hlbp moves them: the coordinator fetches its candidates from their senders while the round is
 open, and every other peer fetches each accepted payload down that payload's fetch tree
-(:mod:`hlbp.peer.rounds.spread`: from its parent, or the nearest ancestor still there), so a peer uploads about F
-payloads a round and at most ``FANOUT`` of each. The counts are per peer and round:
+(:mod:`hlbp.peer.rounds.spread`: from its parent, or the nearest of its chain still there), so a peer uploads about F
+payloads a round and at most ``FANOUT`` of each; with ``trees`` off, as before the trees, every peer but the members
+fetches each payload from a random member (each member then uploads about N). The counts are per peer and round:
 ``records_per_peer_round`` (received; the most any peer received in any round, and sent), ``recv_bytes_per_peer_round``
 / ``sent_bytes_per_peer_round`` (payloads), the most any sender uploaded, the payloads each peer fetched (the
 coordinator fetches up to F + R; the others F).
@@ -71,6 +72,7 @@ class ProtocolSimConfig:
     samples: int = 4
     takeover_s: float = 3.0
     seed: int = 0
+    trees: bool = True  # payloads come down fetch trees (rounds/spread.py); False: every peer fetches from a member
 
 
 @dataclass
@@ -244,12 +246,18 @@ def simulate_protocol(cfg: ProtocolSimConfig) -> dict[str, Any]:
         if r % ONLINE_EVERY == 0:
             online = set(peers)
         population = sorted(online)
-        trees = {q: spread.tree(r, q, population, members=chosen) for q in chosen}
+        trees = {q: spread.tree(r, q, population, members=chosen) for q in chosen} if cfg.trees else {}
         for p in live:
             fetched = [q for q in (pool if p is coordinator else chosen) if q != p.pid]
             for q in fetched:
-                there = [h for h in spread.chain(trees[q], p.pid, r) if h in peers] if q in trees else []
-                source = q if p is coordinator or not there else there[0]
+                if p is coordinator:  # it fetched its candidates from their senders while it admitted them
+                    source = q
+                elif cfg.trees:
+                    there = [h for h in spread.chain(trees[q], p.pid, r) if h in peers]
+                    source = there[0] if there else q
+                else:  # a member fetched it from its sender; anyone else asks a random member
+                    holders = [m for m in chosen if m not in (q, p.pid)]
+                    source = q if p.pid in members or p is coordinator or not holders else rng.choice(holders)
                 uploads[source] = uploads.get(source, 0) + 1
             totals["recv"] += cfg.payload_bytes * len(fetched)
             totals["fetched_max"] = max(totals["fetched_max"], len(fetched))
@@ -264,7 +272,7 @@ def simulate_protocol(cfg: ProtocolSimConfig) -> dict[str, Any]:
         # whole payload at its parent)
         hop = max((cfg.payload_bytes / p.bps + p.latency_s for p in live), default=0.0)
         slowest = max((cfg.payload_bytes * len(chosen) / p.bps + p.latency_s for p in live), default=0.0) \
-            + spread.depth(len(population) + 2) * hop
+            + (spread.depth(len(population) + 1) * hop if cfg.trees else 0.0)
         durations.append(set_at + slowest - first)
         standing.record(r, chosen)
         prior = dict(members)
