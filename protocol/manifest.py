@@ -22,7 +22,6 @@ from typing import Any, ClassVar
 from hlbp.protocol.errors import ProtocolError
 from hlbp.protocol.fields import _bool, _float, _int, _str, _str_list
 from hlbp.protocol.identity import Identity, open_envelope, public_key_from_peer_id, seal
-from hlbp.protocol.sparse import SMALL_TENSOR_RULES
 
 MAX_COMMITTEE = 32  # committee seats a manifest may ask for (hlbp.peer.rounds.committee)
 
@@ -36,6 +35,10 @@ MAX_PROBE_BYTES = 64 * 1024 * 1024  # largest bandwidth probe a server sends
 MAX_ALLOWED_PEERS = 256  # a closed run's allow-list; each id is about 52 bytes, and the manifest stays under 16 KiB
 
 MANIFEST_KEY = "hlbp:manifest"  # DHT key; subkey is the signer's peer id
+
+SMALL_TENSOR_RULES = ("topk", "dense")
+"""How a run compresses small tensors: the run's k like any other, or every value (see
+:func:`hlbp.protocol.sparse.tensor_k`)."""
 
 
 RUN_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")  # used with fullmatch, like every pattern here

@@ -38,6 +38,8 @@ from functools import lru_cache
 
 import torch
 
+from hlbp.protocol.manifest import SMALL_TENSOR_RULES
+
 CHUNK_SIZE = 4096
 """Values per full chunk: a 64 x 64 tile or a 4096-long run of a 1-D tensor."""
 TILE_SIDE = 64
@@ -48,8 +50,6 @@ QUANT_LEVELS = 4
 """Number of 2-bit codes and of entries in the lookup table."""
 SCALE_SIGMAS = 1.5
 """Bin width in units of std(c): 4 bins of 1.5 sigma cover a 6 sigma range."""
-SMALL_TENSOR_RULES = ("topk", "dense")
-"""How a run compresses small tensors: the run's k like any other, or every value (see :func:`tensor_k`)."""
 
 
 @dataclass(frozen=True)
