@@ -234,7 +234,9 @@ def join(cfg: JoinConfig, echo: Callable[[str], None]) -> JoinedPeer:
         def bandwidth_fn() -> float:
             return measure_bandwidth(lambda n: plane.probe(probe_peer, n), cfg.probe_bytes)
 
+        probe_start = time.perf_counter()
         capacity = measure(cfg.memory_gb, cfg.throughput, cfg.bandwidth, throughput_fn, bandwidth_fn)
+        probe_s = time.perf_counter() - probe_start
         peers = plane.read_peers(m.run_id)
         views = [
             PeerView(p, r.announcement.role, r.announcement.swarm, r.announcement.stage, r.announcement.throughput)
@@ -273,7 +275,7 @@ def join(cfg: JoinConfig, echo: Callable[[str], None]) -> JoinedPeer:
     where = "full replica" if role.kind == "replica" else f"stage {role.stage} of swarm {role.swarm}"
     echo(f"role: {where} ({role.reason})")
     echo(f"capacity: {capacity.memory_gb:.1f} GB, {capacity.throughput:,.0f} tok/s, "
-         f"{capacity.bandwidth / 1e6:,.1f} MB/s")
+         f"{capacity.bandwidth / 1e6:,.1f} MB/s (measured in {probe_s:.1f} s; --throughput and --bandwidth skip it)")
     echo(reachability_line(reachability, role.kind, maddrs, checked=cfg.reachability == "auto"))
     echo(f"announced in {seconds:.1f} s ({heartbeat.last_size}-byte record, refreshed every {cfg.ttl / 3:.0f} s)")
     return JoinedPeer(plane, heartbeat, signed, role, capacity, tokenizer_path, seconds, reachability, tmp)

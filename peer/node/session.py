@@ -38,6 +38,11 @@ def run_join(plan: JoinPlan, echo: Callable[[str], None], faults: Callable[[Any]
     stop, training = threading.Event(), threading.Event()
     stop_on_signals(stop, training)
     cfg = plan.join
+    threads = plan.replica.threads or plan.stage.threads
+    if threads:  # before the capacity probe, so that it measures the speed this peer will train at
+        import torch
+
+        torch.set_num_threads(threads)
     peer = join(cfg, echo)
     try:
         out = Path(cfg.out_dir) / peer.manifest.manifest.run_id / peer.plane.peer_id[-12:]
