@@ -9,6 +9,7 @@ slice of a full state dict directly.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import itertools
 import math
 from dataclasses import dataclass
@@ -229,15 +230,13 @@ class Stage(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        """GPT-2 style init: N(0, 0.02), residual writers scaled by 1/sqrt(2 * n_layers)."""
-        std = self.config.init_std
+        """GPT-2 style init (:func:`init_std_of`) from torch's global generator; a run's peers start from
+        :func:`seed_parameters` instead."""
         for name, p in self.named_parameters():
             if p.dim() == 1:
                 nn.init.ones_(p)
-            elif name.endswith(("attn.wo.weight", "ffn.w2.weight")):
-                nn.init.normal_(p, 0.0, std / math.sqrt(2 * self.config.n_layers))
             else:
-                nn.init.normal_(p, 0.0, std)
+                nn.init.normal_(p, 0.0, init_std_of(self.config, name))
 
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
         """The residual stream's start: embed[x], or T_fixed[x] + embed[x]·U·Uᵀ in the subspace network.
@@ -302,6 +301,31 @@ def split(
     ):
         raise UserInputError(f"stage partition {bounds} must tile layers 0..{config.n_layers} contiguously")
     return [Stage(config, a, b) for a, b in bounds]
+
+
+WRITERS = ("attn.wo.weight", "ffn.w2.weight")  # the matrices that write the residual stream
+
+
+def init_std_of(config: ModelConfig, name: str) -> float:
+    """GPT-2 style: N(0, init_std), residual writers scaled by 1/sqrt(2 * n_layers)."""
+    return config.init_std / math.sqrt(2 * config.n_layers) if name.endswith(WRITERS) else config.init_std
+
+
+def seeded_parameter(config: ModelConfig, name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    """The run's initial value of parameter ``name`` (ones for norm gains, else :func:`init_std_of`), drawn from a
+    generator keyed by (seed, name) alone: any stage, or any one tensor, is built on its own bit for bit as it
+    is in the whole model, so a stage peer never builds the layers it does not hold."""
+    if len(shape) == 1:
+        return torch.ones(shape)
+    key = int.from_bytes(hashlib.sha256(f"hlbp-init|{seed}|{name}".encode()).digest()[:8], "big") >> 1
+    return torch.empty(shape).normal_(0.0, init_std_of(config, name), generator=torch.Generator().manual_seed(key))
+
+
+@torch.no_grad()
+def seed_parameters(stage: Stage, seed: int) -> None:
+    """Set every parameter of ``stage`` to the run's initial value (:func:`seeded_parameter`)."""
+    for name, p in stage.named_parameters():
+        p.copy_(seeded_parameter(stage.config, name, tuple(p.shape), seed))
 
 
 def load_from_full(stage: Stage, full_state: dict[str, torch.Tensor]) -> None:

@@ -25,7 +25,16 @@ import torch
 from torch import nn
 
 from hlbp.peer.model.codec import ActivationCodec, CodecConfig
-from hlbp.peer.model.decoder import ModelConfig, Stage, build_model, load_from_full, partition, split
+from hlbp.peer.model.decoder import (
+    ModelConfig,
+    Stage,
+    build_model,
+    load_from_full,
+    partition,
+    seed_parameters,
+    seeded_parameter,
+    split,
+)
 from hlbp.peer.model.subspace import constrained_model_config, make_codec
 
 
@@ -107,15 +116,34 @@ def build_pipeline(
 def initial_model(config: ModelConfig, seed: int) -> Stage:
     """The whole model ``config`` with the run's initial parameters from ``seed``: what a full replica trains.
 
-    The subspace fields of ``config`` do not change the parameters (U and T_fixed come from their own seeded
-    generators), so a run's constrained and plain models start from the same weights.
+    Each parameter comes from a generator keyed by the seed and its name
+    (:func:`hlbp.peer.model.decoder.seeded_parameter`), so a stage built alone (:func:`initial_stage`) holds
+    exactly its slice. The subspace fields of ``config`` do not change the parameters (U and T_fixed come from
+    their own seeded generators), so a run's constrained and plain models start from the same weights.
     """
     torch.manual_seed(seed)
-    return build_model(config)
+    model = build_model(config)
+    seed_parameters(model, seed)
+    return model
 
 
 def initial_state(config: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
-    """The whole model's initial parameters from ``seed``, as every replica of a run starts (a stage peer loads
-    its stage's slice): exactly :func:`initial_model`'s, and the same as
-    :func:`hlbp.peer.sim.engine.make_full_replicas`."""
+    """The whole model's initial parameters from ``seed``, as every replica of a run starts: exactly
+    :func:`initial_model`'s."""
     return {n: t.detach().clone() for n, t in initial_model(config, seed).state_dict().items()}
+
+
+def initial_stage(config: ModelConfig, seed: int, start: int, end: int) -> Stage:
+    """Layers ``[start, end)`` with the run's initial parameters, bit for bit the whole model's slice, without
+    building the other layers (a stage peer of a large model holds only its own)."""
+    stage = Stage(config, start, end)
+    seed_parameters(stage, seed)
+    return stage
+
+
+def initial_tensors(config: ModelConfig, seed: int, names: Sequence[str]) -> dict[str, torch.Tensor]:
+    """Some of the run's initial parameters by name (the shapes are read from a model on the meta device, which
+    holds no memory)."""
+    with torch.device("meta"):
+        shapes = {n: tuple(p.shape) for n, p in build_model(config).named_parameters()}
+    return {n: seeded_parameter(config, n, shapes[n], seed) for n in names}

@@ -31,8 +31,9 @@ import torch
 
 from hlbp.peer.common.files import atomic_write_bytes
 from hlbp.peer.data.streams import TokenStream, load_tokenizer, prepare_data, val_batches
-from hlbp.peer.model.decoder import load_from_full, preset, split
-from hlbp.peer.model.pipeline import initial_state, run_model_config
+from hlbp.peer.model.basis import fixed_table
+from hlbp.peer.model.decoder import preset
+from hlbp.peer.model.pipeline import initial_stage, initial_tensors, run_model_config
 from hlbp.peer.model.subspace import make_codec
 from hlbp.peer.node.join import TrainContext, data_rank
 from hlbp.peer.node.rebalance import Rebalancer
@@ -122,15 +123,18 @@ def _build(ctx: TrainContext, options: StageOptions) -> tuple[Any, StageWorker, 
     # the run's model and tokenizer beside this stage's round state: hlbp export assembles the stages of a run
     write_model_info(ctx.out_dir, ModelInfo(m.run_id, config, eot_id, m.hparams.batch_size * m.hparams.seq_len),
                      peer.tokenizer_path)
-    full = initial_state(config, m.seed)
-    stages = split(config, len(bounds), bounds)
-    stage = stages[peer.role.stage]
-    load_from_full(stage, full)
+    # this stage's layers only, bit for bit the whole model's slice; the codec needs the embedding's initial value
+    # (and the first stage's fixed table, rebuilt from the seed) whatever stage this is
+    start, end = bounds[peer.role.stage]
+    stage = initial_stage(config, m.seed, start, end)
+    embed = stage.embed.weight.detach().clone() if stage.is_first else \
+        initial_tensors(config, m.seed, ["embed.weight"])["embed.weight"]
+    table = fixed_table(config.vocab_size, config.d_model, config.subspace_seed, config.subspace_table_std) \
+        if config.subspace_rank else None
     device = pick_device(options.device)
     optim = inner_schedule(m.hparams.lr, m.hparams.schedule_total)
     worker = StageWorker(stage, optim, device)
-    codec = make_codec(cc, config.d_model, config.vocab_size, config.max_seq_len,
-                       getattr(stages[0], "fixed_table", None), full["embed.weight"],
+    codec = make_codec(cc, config.d_model, config.vocab_size, config.max_seq_len, table, embed,
                        max_tokens=m.hparams.batch_size * m.hparams.seq_len).to(device)
     resumed = _resume(ctx, worker)
     return config, worker, codec, vocab, {"resumed_step": resumed}

@@ -36,7 +36,7 @@ import torch
 
 from hlbp.peer.model.codec import ActivationCodec
 from hlbp.peer.model.decoder import split
-from hlbp.peer.model.pipeline import initial_state
+from hlbp.peer.model.pipeline import initial_tensors
 from hlbp.peer.model.subspace import REBUILT
 from hlbp.peer.net.reach import AddressBook
 from hlbp.peer.net.transport import P2PBlobTransport
@@ -146,8 +146,7 @@ def make_stage_rounds(ctx: Any, worker: StageWorker, config: Any, phase: Callabl
     expected = contributors_counter(peer.plane, m)
     follow: dict[int, dict[str, torch.Tensor]] = {}
     if peer.role.stage != 0 and getattr(codec, "variant", None) in REBUILT:
-        full = initial_state(config, m.seed)
-        follow = {0: {n: full[n] for n in shards[0]}}
+        follow = {0: initial_tensors(config, m.seed, shards[0])}  # shard 0's initial values, built alone
     box: list[RoundRunner] = []
 
     def load_table(anchor: Mapping[str, torch.Tensor]) -> None:

@@ -18,6 +18,7 @@ import torch
 
 from hlbp.peer.data.streams import PreparedData, TokenStream, val_batches
 from hlbp.peer.model.decoder import ModelConfig, Stage, build_model
+from hlbp.peer.model.pipeline import initial_model
 from hlbp.peer.rounds.contribution import contribution_from_bytes, contribution_to_bytes
 from hlbp.peer.rounds.gather import GatherRule, Standing, select
 from hlbp.peer.rounds.outer import Contribution, OuterConfig, make_outer
@@ -99,8 +100,7 @@ def make_full_replicas(cfg: EngineConfig, data: PreparedData, device: torch.devi
     out: list[EngineReplica] = []
     optim = dataclasses.replace(cfg.optim, total_steps=cfg.rounds * cfg.inner_steps)
     for r in range(cfg.replicas):
-        torch.manual_seed(cfg.seed)
-        model = build_model(cfg.model)
+        model = initial_model(cfg.model, cfg.seed)  # a run's initial parameters, as every peer starts
         stream = TokenStream(data.train, cfg.seq_len, cfg.batch_size, seed=cfg.seed, rank=r)
         out.append(FullReplica(f"replica-{r}", model, InnerTrainer(model, optim, micro_batches(stream, 1), device)))
     return out

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from hlbp.peer.model.basis import off_span, project_writer, subspace_basis
-from hlbp.peer.model.decoder import build_model, load_from_full, preset, split
+from hlbp.peer.model.decoder import load_from_full, preset, split
 from hlbp.peer.model.pipeline import initial_state, run_model_config
 from hlbp.peer.model.subspace import constrained_names
 from hlbp.peer.node.replica import codec_config, replica_model
@@ -34,14 +34,13 @@ def _weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize(("codec", "k"), [("dense", 0), ("subspace-b", 8)])
-def test_dense_and_b_runs_train_the_plain_model_with_the_weights_of_before(codec: str, k: int) -> None:
+def test_dense_and_b_runs_train_the_plain_model_from_the_runs_initial_weights(codec: str, k: int) -> None:
     m = _manifest(codec, k)
     config, model, constraint = replica_model(m, VOCAB)
     plain = preset(m.model, **m.model_overrides, vocab_size=VOCAB)
     assert config == plain and constraint is None
-    torch.manual_seed(SEED)  # how a full replica built its model before the subspace variants reached it
-    before = build_model(plain)
-    assert all(torch.equal(a, b) for a, b in zip(_weights(model).values(), _weights(before).values()))
+    start = initial_state(plain, SEED)
+    assert all(torch.equal(t, start[n]) for n, t in _weights(model).items())
 
 
 @pytest.mark.parametrize("codec", ["subspace-a", "subspace-a-drift"])
@@ -61,8 +60,7 @@ def test_a_runs_train_the_stage_peers_constrained_model_from_the_same_weights(co
         load_from_full(stage, full)
         assert all(torch.equal(t, weights[n]) for n, t in stage.state_dict().items())
     # the constraint does not change the initial weights: a plain run starts from the same bits
-    torch.manual_seed(SEED)
-    plain = _weights(build_model(base))
+    plain = initial_state(base, SEED)
     assert all(torch.equal(weights[n], plain[n]) for n in plain)
 
 
