@@ -20,7 +20,7 @@ from typing import Any
 
 from hlbp.peer.rounds.admission import Admission
 from hlbp.peer.rounds.bans import RoundBans
-from hlbp.peer.rounds.committee import LOOKBACK, CommitteeRule, leads, order_checked
+from hlbp.peer.rounds.committee import CommitteeRule, leads, order_checked
 from hlbp.peer.rounds.config import RoundConfig
 from hlbp.peer.rounds.gather import GatherRule, Standing, breach, candidates, select
 from hlbp.peer.rounds.inbox import Both, DhtPoll
@@ -34,7 +34,6 @@ from hlbp.peer.rounds.rules import (
     close_verdict,
     complete,
     pick_accepted,
-    round_set,
     set_counts,
     turn_order,
     widen_for_late,
@@ -106,7 +105,6 @@ class Closer:
         self.admission = Admission(me, cfg, n_shards, payloads, bans)  # fetching and checking contributions
         # our seats in the rounds' committees, when the run has one (committee.py, seating.py)
         self.seating = Seating(me, CommitteeRule(cfg.committee), self.rule, records, self.signed)
-        self.learnt = -1  # the last round whose committee we learnt from the records (learn_committee)
         # (round, the peers announced online as read then): whom payload fetch trees span (spread.py); a seat reads
         # the announcements every round, any other peer every ONLINE_EVERY rounds
         self.online: tuple[int, frozenset[str]] = (-ONLINE_EVERY, frozenset())
@@ -114,7 +112,7 @@ class Closer:
     def seats(self, r: int) -> tuple[str, ...]:
         """Round r's committee as we know it (empty: the run has none, or round r - 2's members are not known and
         cannot be learnt from its records)."""
-        self.learn_committee(r)
+        self.seating.learn(r, lambda k: self.round_records(k, full=True), self.n_shards)
         return self.seating.seats(r)
 
     def notice_targets(self, r: int) -> set[str] | None:
@@ -249,50 +247,12 @@ class Closer:
         first). Without them its first round after the sync waited out a window before taking any set, and it
         missed the next round's close."""
         notices, sets = self.round_records(r, full=True)
-        chosen = self.recorded_set(r, (notices, sets))
+        chosen = self.seating.recorded_set(r, notices, sets, self.n_shards)
         undialable = {p for p, n in notices.items() if not n.dialable}
         if chosen is not None and chosen.members:
             self.seating.note(r, set(chosen.senders()))
             self.prior = (r, {p: frozenset(d) for p, _t, d in chosen.members})
             self.prior_undialable = frozenset(p for p in self.prior[1] if p in undialable)
-
-    def recorded_set(self, r: int, notices_and_sets: tuple[dict[str, ContribNotice], list[AcceptedSet]] | None = None
-                     ) -> AcceptedSet | None:
-        """Round r's accepted set as its records in the DHT show it (:func:`~hlbp.peer.rounds.rules.round_set`,
-        its committee's leads first when we know them); ``notices_and_sets``: the records, when already read."""
-        notices, sets = notices_and_sets or self.round_records(r, full=True)
-        undialable = {p for p, n in notices.items() if not n.dialable}
-        return round_set(r, {p: set(n.digests) for p, n in notices.items()}, sets, self.n_shards, undialable,
-                         leads(self.seating.seats(r), self.seating.rule))
-
-    def learn_committee(self, r: int) -> None:
-        """The members of the rounds round r's committee is drawn from (r - 2 and before), from their records, for
-        a peer that did not close them (a joiner, a resynced or restarted peer). Without them it knew no committee
-        for two rounds: it pushed its notice to every peer, read every notice and ranked the coordinators without
-        the leads, so it could take, or publish, a set the others did not (measured: a cascade of resyncs after a
-        holder died). Rounds are read newest first until their members fill the seats, then picked oldest first,
-        so that each round's leads are known when its set is picked."""
-        rule = self.seating.rule
-        if not rule.on or r < 2 or self.seating.knows(r - 2) or self.learnt == r:
-            return
-        self.learnt = r
-        read: list[tuple[int, tuple[dict[str, ContribNotice], list[AcceptedSet]]]] = []
-        heard: set[str] = set()
-        filled: int | None = None  # how many rounds read when their sets' senders filled the seats
-        for k in range(r - 2, max(-1, r - 2 - LOOKBACK), -1):
-            if self.seating.knows(k) or (filled is not None and len(read) >= filled + 2):
-                break  # two rounds past the seats: the leads of the rounds that give them are known too
-            records = self.round_records(k, full=True)
-            if not records[1]:
-                break  # an empty round, or its records expired: the committee reaches no further back
-            read.append((k, records))
-            heard.update(p for s in records[1] for p in s.senders())
-            if filled is None and len(heard) >= rule.size:
-                filled = len(read)
-        for k, records in reversed(read):
-            chosen = self.recorded_set(k, records)
-            if chosen is not None and chosen.members:
-                self.seating.note(k, set(chosen.senders()))
 
     def accepted(self, r: int, sets: list[AcceptedSet], notices: dict[str, ContribNotice],
                  expected: Expected = UNKNOWN) -> AcceptedSet | None:

@@ -1,8 +1,8 @@
 """A replica's part in its rounds' committees (:mod:`hlbp.peer.rounds.committee`): whom its notice goes to, what it
 forwards to the leads while it holds a part, what it relays once a round closes, and whose checksums it reads.
 
-:class:`Seating` keeps the members of the last rounds (a committee reaches back ``LOOKBACK`` rounds) and what it
-already passed on; the :class:`~hlbp.peer.rounds.closer.Closer` calls it from its close loop with the round's
+:class:`Seating` keeps the members of the last rounds (a committee reaches back ``LOOKBACK`` rounds; a peer that
+did not close them learns them from their records) and what it already passed on; the :class:`~hlbp.peer.rounds.closer.Closer` calls it from its close loop with the round's
 records as read. The signed bytes it passes on come from ``signed(r, kind, signer, same)``: the record as we hold it
 (pushed, forwarded or read; an accepted set equal to ``same``), or None.
 """
@@ -25,7 +25,8 @@ from hlbp.peer.rounds.committee import (
 )
 from hlbp.peer.rounds.gather import GatherRule
 from hlbp.peer.rounds.records import RoundRecords
-from hlbp.protocol.roundwire import KIND_ACCEPTED, KIND_CONTRIB, AcceptedSet
+from hlbp.peer.rounds.rules import round_set
+from hlbp.protocol.roundwire import KIND_ACCEPTED, KIND_CONTRIB, AcceptedSet, ContribNotice
 
 Signed = Callable[[int, str, str, AcceptedSet | None], bytes | None]
 
@@ -43,6 +44,7 @@ class Seating:
         self.answered: dict[int, float] = {}  # round -> when we last forwarded to its leads (monotonic)
         self.calls: dict[int, float] = {}  # round -> when we (a lead) asked its holders for their parts
         self._seats: tuple[int, dict[int, frozenset[str]], tuple[str, ...]] | None = None
+        self.learnt = -1  # the last round whose committee we learnt from the records (learn)
 
     def note(self, r: int, members: AbstractSet[str]) -> None:
         """Round r closed with ``members``: they take seats in the next rounds' committees."""
@@ -52,6 +54,44 @@ class Seating:
         self.relayed = {k for k in self.relayed if k > r - 3}
         self.answered = {k: v for k, v in self.answered.items() if k > r - 3}
         self.calls = {k: v for k, v in self.calls.items() if k > r - 3}
+
+    def recorded_set(self, r: int, notices: Mapping[str, ContribNotice], sets: Sequence[AcceptedSet],
+                     n_shards: int) -> AcceptedSet | None:
+        """Round r's accepted set as its records in the DHT show it (:func:`~hlbp.peer.rounds.rules.round_set`),
+        its committee's leads first when we know them."""
+        undialable = {p for p, n in notices.items() if not n.dialable}
+        return round_set(r, {p: set(n.digests) for p, n in notices.items()}, sets, n_shards, undialable,
+                         leads(self.seats(r), self.rule))
+
+    def learn(self, r: int, read: Callable[[int], tuple[dict[str, ContribNotice], list[AcceptedSet]]],
+              n_shards: int) -> None:
+        """The members of the rounds round r's committee is drawn from (r - 2 and before), from their records
+        (``read(k)``: round k's notices and accepted sets, from the DHT), for a peer that did not close them (a
+        joiner, a resynced or restarted peer). Without them it knew no committee for two rounds: it pushed its
+        notice to every peer, read every notice and ranked the coordinators without the leads, so it could take,
+        or publish, a set the others did not (measured: a cascade of resyncs after a holder died). Rounds are read
+        newest first until their members fill the seats, then picked oldest first, so that each round's leads are
+        known when its set is picked. Once per round."""
+        if not self.rule.on or r < 2 or self.knows(r - 2) or self.learnt == r:
+            return
+        self.learnt = r
+        found: list[tuple[int, tuple[dict[str, ContribNotice], list[AcceptedSet]]]] = []
+        heard: set[str] = set()
+        filled: int | None = None  # how many rounds read when their sets' senders filled the seats
+        for k in range(r - 2, max(-1, r - 2 - LOOKBACK), -1):
+            if self.knows(k) or (filled is not None and len(found) >= filled + 2):
+                break  # two rounds past the seats: the leads of the rounds that give them are known too
+            records = read(k)
+            if not records[1]:
+                break  # an empty round, or its records expired: the committee reaches no further back
+            found.append((k, records))
+            heard.update(p for s in records[1] for p in s.senders())
+            if filled is None and len(heard) >= self.rule.size:
+                filled = len(found)
+        for k, (notices, sets) in reversed(found):
+            chosen = self.recorded_set(k, notices, sets, n_shards)
+            if chosen is not None and chosen.members:
+                self.note(k, set(chosen.senders()))
 
     def knows(self, r: int) -> bool:
         """Whether we hold round r's members (we closed it, or learnt it from its records)."""
