@@ -192,7 +192,8 @@ def swarm(cfg: NetworkBenchConfig, model: str, n: int, data: Any) -> Iterator[Be
     from hivemind.averaging import DecentralizedAverager
 
     from hlbp.peer.data.streams import TokenStream
-    from hlbp.peer.model.decoder import build_model, preset, split
+    from hlbp.peer.model.decoder import preset, split
+    from hlbp.peer.model.pipeline import initial_model
     from hlbp.peer.net.dht import SafeDHT
     from hlbp.peer.net.transport import P2PBlobTransport
     from hlbp.peer.net.validation import load_or_create_identity
@@ -222,8 +223,7 @@ def swarm(cfg: NetworkBenchConfig, model: str, n: int, data: Any) -> Iterator[Be
             stack.callback(dht.shutdown)
             transport = P2PBlobTransport(dht)
             stack.callback(transport.close)
-            torch.manual_seed(cfg.seed)  # every replica starts from the same parameters, as in a real run
-            net = build_model(model_cfg)
+            net = initial_model(model_cfg, cfg.seed)  # every replica starts from the run's initial parameters
             stream = TokenStream(data.train, cfg.seq_len, 1, seed=cfg.seed, rank=i)
             trainer = InnerTrainer(net, OptimConfig(total_steps=1000, warmup_steps=5), micro_batches(stream, 1),
                                    torch.device("cpu"))

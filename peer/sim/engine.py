@@ -218,8 +218,7 @@ def run_single_adamw(
     cfg: EngineConfig, data: PreparedData, device: torch.device, on_round: Callable[[dict[str, Any]], None] | None = None
 ) -> dict[str, Any]:
     """The data-parallel ideal: one AdamW run with R times the batch over the same total tokens."""
-    torch.manual_seed(cfg.seed)
-    model = build_model(cfg.model)
+    model = initial_model(cfg.model, cfg.seed)  # the replicas' initial parameters: every method starts alike
     total_steps = cfg.rounds * cfg.inner_steps
     optim = dataclasses.replace(cfg.optim, total_steps=total_steps, grad_accum=cfg.replicas)
     stream = TokenStream(data.train, cfg.seq_len, cfg.batch_size, seed=cfg.seed, rank=0)
