@@ -24,6 +24,7 @@ from hlbp.peer.rounds import guard
 from hlbp.peer.rounds.config import RoundConfig
 from hlbp.peer.rounds.contribution import contribution_from_bytes, contribution_to_bytes
 from hlbp.peer.rounds.outer import Contribution, OuterConfig
+from hlbp.peer.rounds.spread import TRIES
 from hlbp.protocol import ProtocolError
 from hlbp.protocol.identity import sha256_hex
 from hlbp.protocol.roundwire import ContribNotice
@@ -193,12 +194,12 @@ class Payloads:
 
     def _fetch(self, r: int, shard: int, sender: str, digest: str, sources: Sequence[str],
                coordinator: str = "") -> bytes:
-        """A payload from ``sources`` in order, then the coordinator (it fetched every payload it accepted, so it
+        """A payload from the first ``TRIES`` of ``sources`` in order, then the coordinator (it fetched every payload it accepted, so it
         still has a sender's that died right after announcing), then the sender itself. While we fetch, peers that
         ask us for it wait for our copy (peer/net/transport.py): our children in the fetch tree ask as soon as they
         have the accepted set, often before we hold it."""
         name = payload_name(r, shard, sender)
-        tries = [p for p in dict.fromkeys([*sources, coordinator]) if p not in (sender, self.me, "")]
+        tries = [p for p in dict.fromkeys([*sources[:TRIES], coordinator]) if p not in (sender, self.me, "")]
         errors: list[str] = []
         with self.transport.sharing(name):
             for i, peer in enumerate([*tries, sender, sender]):  # the sender twice: one transfer is not a verdict

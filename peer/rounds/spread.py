@@ -23,6 +23,7 @@ import hashlib
 from collections.abc import Iterable, Sequence
 
 FANOUT = 4  # fetches a peer serves of one payload: the trees' depth is log4(N), 5 at N = 1000
+TRIES = 6  # of its chain a peer asks (three levels; each failure can cost a timeout) before the coordinator and sender
 
 
 def _rank(r: int, sender: str, shard: int, peer: str) -> bytes:

@@ -252,9 +252,9 @@ def simulate_protocol(cfg: ProtocolSimConfig) -> dict[str, Any]:
             for q in fetched:
                 if p is coordinator:  # it fetched its candidates from their senders while it admitted them
                     source = q
-                elif cfg.trees:
-                    there = [h for h in spread.chain(trees[q], p.pid, r) if h in peers]
-                    source = there[0] if there else q
+                elif cfg.trees:  # the first of its chain still there, else the coordinator, else the sender
+                    there = [h for h in spread.chain(trees[q], p.pid, r)[:spread.TRIES] if h in peers]
+                    source = there[0] if there else coordinator.pid
                 else:  # a member fetched it from its sender; anyone else asks a random member
                     holders = [m for m in chosen if m not in (q, p.pid)]
                     source = q if p.pid in members or p is coordinator or not holders else rng.choice(holders)
