@@ -171,7 +171,11 @@ def expected_contributors(announcements: dict[str, Any], m: Any) -> Expected:
     n_stages = len(m.stages)
     whole = [held for held in stages.values() if len(held) == n_stages]
     peers = full.union(*(p for held in whole for p in held.values()))
-    return Expected(len(full) + n_stages * len(whole), frozenset(peers))
+    shards = {p: frozenset(range(n_stages)) for p in full}
+    for held in whole:
+        for stage, members in held.items():
+            shards.update({p: frozenset({stage}) for p in members if p not in full})
+    return Expected(len(full) + n_stages * len(whole), frozenset(peers), shards)
 
 
 def contributors_counter(plane: Any, m: Any) -> Callable[[], Expected]:

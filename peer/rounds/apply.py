@@ -48,17 +48,20 @@ class Applier:
         self._reuse = {s: copies.ReuseLog() for s in held}
 
     def apply(self, r: int, accepted: AcceptedSet, state: ReplicaState,
-              online: AbstractSet[str] = frozenset()) -> RoundOutcome:
+              online: Mapping[str, AbstractSet[int]] | None = None) -> RoundOutcome:
         """Fetch, verify, bound and apply the accepted set of round r: :class:`Applied`, :class:`Refused` (nobody's
         parameters move, the offenders are banned) or :class:`Failed` (this peer alone is out of sync).
-        ``online``: the peers last read announced online (empty: not known)."""
+        ``online``: the peers last read announced online -> the shards each applies (empty: not known)."""
         # each held (or followed) shard takes the members that contributed to it (a stage peer contributes its own
         # shard only)
         jobs = [(sender, s, digests[s]) for sender, _tokens, digests in accepted.members for s in self.applied
                 if s in digests]
-        # each payload's fetch tree spans the peers announced online (as last read), under the round's members;
-        # when they are not known, the peers with standing (selected within its memory: long-lived peers)
-        population = sorted(online or state.standing.veterans(r))
+        # each payload's fetch tree spans the peers announced online (as last read) that apply its shard (a stage
+        # peer asked for another stage's payload never fetches it), under the round's members; when they are not
+        # known, the peers with standing (selected within its memory: long-lived peers)
+        veterans = sorted(state.standing.veterans(r))
+        population = {s: sorted(p for p, held in online.items() if s in held) if online else veterans
+                      for s in self.applied}
 
         def get(job: tuple[str, int, str]) -> tuple[str, int, Contribution | BadPayload | None]:
             sender, s, digest = job
@@ -67,7 +70,8 @@ class Applier:
             if cached is not None:
                 return sender, s, cached
             try:
-                chain = spread.sources(r, sender, self.me, population, shard=s, members=accepted.senders())
+                members = [p for p, _t, d in accepted.members if s in d]
+                chain = spread.sources(r, sender, self.me, population[s], shard=s, members=members)
                 return sender, s, self.payloads.decode(r, s, sender, digest, chain, accepted.coordinator)
             except BadPayload as exc:
                 return sender, s, exc

@@ -105,9 +105,9 @@ class Closer:
         self.admission = Admission(me, cfg, n_shards, payloads, bans)  # fetching and checking contributions
         # our seats in the rounds' committees, when the run has one (committee.py, seating.py)
         self.seating = Seating(me, CommitteeRule(cfg.committee), self.rule, records, self.signed)
-        # (round, the peers announced online as read then): whom payload fetch trees span (spread.py); a seat reads
-        # the announcements every round, any other peer every ONLINE_EVERY rounds
-        self.online: tuple[int, frozenset[str]] = (-ONLINE_EVERY, frozenset())
+        # (round, the peers announced online as read then -> the shards each applies): whom each shard's payload
+        # fetch trees span (spread.py); a seat reads the announcements every round, any other peer every ONLINE_EVERY
+        self.online: tuple[int, dict[str, frozenset[int]]] = (-ONLINE_EVERY, {})
 
     def seats(self, r: int) -> tuple[str, ...]:
         """Round r's committee as we know it (empty: the run has none, or round r - 2's members are not known and
@@ -284,10 +284,10 @@ class Closer:
         # (with a committee only its seats need them)
         expected = self.announced = self.expected() if not seats or self.me in seats else UNKNOWN
         if expected.count:
-            self.online = (r, expected.peers)
+            self.online = (r, dict(expected.shards or {}))
         elif r >= self.online[0] + ONLINE_EVERY:  # a peer off the committee reads them now and then
             read = self.expected()
-            self.online = (r, read.peers) if read.count else self.online
+            self.online = (r, dict(read.shards or {})) if read.count else self.online
         self.widen_for_late()
         self.close_window = self.window
         read_all: dict[str, ContribNotice] | None = None  # with a committee: every notice, read once when needed

@@ -20,11 +20,14 @@ from hlbp.protocol.roundwire import AcceptedSet, ShardChecks
 @dataclass(frozen=True)
 class Expected:
     """The contributors a round can expect, as the run's announcements name them: ``count`` of them (0: the
-    announcements could not be read), and who (``peers``; None where only a count is known, as in the in-process
-    engine). A round is complete, and may close before its window ends, once these have announced."""
+    announcements could not be read), who (``peers``; None where only a count is known, as in the in-process
+    engine) and which shards each applies (``shards``). A round is complete, and may close before its window
+    ends, once these have announced."""
 
     count: int
     peers: frozenset[str] | None = None
+    # the shards each of ``peers`` applies (a full replica every one, a stage peer its stage's); None: not known
+    shards: Mapping[str, frozenset[int]] | None = None
 
 
 UNKNOWN = Expected(0)  # the announcements could not be read: no round is complete before its window ends

@@ -292,6 +292,8 @@ def test_the_expected_contributors_are_full_replicas_and_whole_swarms() -> None:
     got = expected_contributors(anns, Run())
     assert got.count == 2 + 2  # two replicas, one per stage of the whole swarm (its standby trains nothing)
     assert got.peers == frozenset({"r1", "r2", "s0", "s1", "standby"})
+    # which shards each applies, for the payload fetch trees: a full replica every one, a stage peer its stage's
+    assert got.shards == {"r1": {0, 1}, "r2": {0, 1}, "s0": {0}, "s1": {1}, "standby": {1}}
 
 
 def test_unannounced_keys_rank_behind_every_announced_contributor() -> None:
