@@ -6,12 +6,16 @@ the workaround touches two private attributes of hivemind's class, which belongs
 
 from __future__ import annotations
 
+import logging
 import os
 import select
 import struct
+import sys
 import threading
+import traceback
 from collections.abc import Callable
 from multiprocessing.reduction import ForkingPickler
+from types import TracebackType
 from typing import Any
 
 import hivemind
@@ -94,6 +98,26 @@ class _WholeMessagePipe:
         return getattr(self._conn, name)
 
 
+def quiet_handle_passing() -> None:
+    """Report in one line, not a traceback, a failure of the thread through which this process passes file handles
+    to its DHT process (``multiprocessing.resource_sharer``, which hands errors to ``sys.excepthook``): it fails
+    only when the DHT process died while taking a handle, and the round loop then says so itself."""
+    if getattr(sys.excepthook, "hlbp_quiet", False):
+        return
+    previous = sys.excepthook
+
+    def hook(kind: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
+        frames = traceback.extract_tb(tb)
+        if any(f.filename.endswith(os.path.join("multiprocessing", "resource_sharer.py")) for f in frames):
+            logging.getLogger(__name__).warning("passing a handle to the DHT process failed: %s: %s",
+                                                kind.__name__, exc)
+            return
+        previous(kind, exc, tb)
+
+    hook.hlbp_quiet = True  # type: ignore[attr-defined]
+    sys.excepthook = hook
+
+
 class SafeDHT(hivemind.DHT):
     """hivemind's ``DHT``, safe for records above 4 KiB and for several calling threads.
 
@@ -106,6 +130,7 @@ class SafeDHT(hivemind.DHT):
 
     def __init__(self, *args: Any, start: bool, await_ready: bool = True, **kwargs: Any) -> None:
         super().__init__(*args, start=False, **kwargs)
+        quiet_handle_passing()
         if start:
             self.run_in_background(await_ready=await_ready)
         # wrapped once the DHT process runs, so the lock never has to cross into it (spawn pickles the object)

@@ -53,3 +53,24 @@ def test_a_send_into_a_pipe_nobody_drains_raises_once_the_dht_process_is_dead() 
     with pytest.raises(ConnectionError):
         pipe.send(("_get", [], {}))
     inner.close()
+
+
+def test_a_failure_to_pass_a_handle_to_the_dht_process_is_one_line_and_other_errors_keep_their_hook(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    import multiprocessing.resource_sharer as sharer
+    import sys
+
+    from hlbp.peer.net.dht import quiet_handle_passing
+
+    seen: list[type[BaseException]] = []
+    monkeypatch.setattr(sys, "excepthook", lambda kind, exc, tb: seen.append(kind))
+    quiet_handle_passing()
+    quiet_handle_passing()  # once only: the hook is not wrapped twice
+    for code, kind in ((compile("raise EOFError('the DHT process died')", sharer.__file__, "exec"), EOFError),
+                       (compile("raise ValueError('elsewhere')", "elsewhere.py", "exec"), ValueError)):
+        try:
+            exec(code, {})  # noqa: S102 - our own code object, compiled to raise from a resource_sharer frame
+        except kind:
+            sys.excepthook(*sys.exc_info())
+    assert seen == [ValueError]  # the handle-passing thread's failure went to the log, the other to the old hook
+    assert "passing a handle to the DHT process failed: EOFError" in caplog.text
