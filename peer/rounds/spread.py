@@ -4,8 +4,8 @@ round (the gather set's size) whatever the run's size.
 Every in-sync peer applies every accepted payload, so a round moves N x F payloads. Fetched from the members (the
 holders of what they verified), the F members between them uploaded all of them: about N payloads each (52 MB for
 one member in one round at N = 1000 with the tiny model's 48 KB payloads, simulated). Here each payload of round r
-has its own tree (:func:`tree`): the sender at the root, the round's other members next, then the peers announced
-online, each part in rendezvous order of (round, sender, shard, peer); the peer at position i >= 1 fetches from
+has its own tree (:func:`tree`): the sender at the root, the round's other members of its shard next, then the
+peers announced online that apply the shard, each part in rendezvous order of (round, sender, shard, peer); the peer at position i >= 1 fetches from
 position (i - 1) // ``fanout`` (:func:`sources`). A peer serves at most ``fanout`` fetches of a payload (more only
 as a fallback) and sits in F trees, so its uploads stay about F payloads a round on average and at most
 ``fanout`` x F. A fetch from a peer that is still fetching the payload waits for it
@@ -53,7 +53,7 @@ def sources(r: int, sender: str, me: str, population: Iterable[str], fanout: int
 def chain(order: Sequence[str], me: str, r: int, shard: int = 0, fanout: int = FANOUT) -> list[str]:
     """:func:`sources` over a tree already built (``order``, from :func:`tree`): for each level from our parent's
     up to the root, the ancestor at that level, then another node of that level picked by hashing. The second
-    choice is for a dead ancestor (the standing names peers that left): its children then spread over its level
+    choice is for a dead ancestor (the announcements, read now and then, name peers that left since): its children then spread over its level
     instead of all falling on the grandparent, which would pile a whole subtree onto the nodes near the root."""
     if me == order[0]:
         return []
