@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import msgpack
 
+from hlbp.peer.net.blobstore import BlobStore
 from hlbp.peer.net.ratelimit import RateLimiter
 from hlbp.protocol import ProtocolError
 
@@ -140,7 +141,6 @@ class P2PBlobTransport:
         # how long a request for a name we are fetching waits for it: under the 6 s a round gives a holder
         # (RoundConfig.fetch_timeout_s / 5), so the requester still hears "not here" and moves on in time
         self.hold_s = hold_s
-        self._sharing: dict[str, int] = {}  # name -> our fetches of it under way (under _lock)
         self._wakers: dict[str, asyncio.Event] = {}  # name -> event of the requests waiting for it (loop only)
         self._waiters = 0  # requests waiting right now (loop only)
         self.cancel = cancel  # once set (the peer is leaving), every fetch under way or to come fails at once
@@ -156,8 +156,7 @@ class P2PBlobTransport:
         self.state_limit = RateLimiter(rate=STATE_RATE, burst=STATE_BURST)
         self.pushes_sent = 0
         self.push_failures = 0
-        self._blobs: dict[str, bytes] = {}
-        self._lock = threading.Lock()
+        self.store = BlobStore()  # what we serve, and the names we are fetching ourselves
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="hlbp-transport", daemon=True)
         self._thread.start()
@@ -278,9 +277,7 @@ class P2PBlobTransport:
                 writer.write(_frame({"error": "too many state requests"}))
                 await writer.drain()
                 return
-            with self._lock:
-                data = self._blobs.get(name)
-                shared = name in self._sharing
+            data, shared = self.store.lookup(name)
             if data is None and shared and self._waiters < MAX_WAITERS:
                 data = await self._await_shared(name)
             if data is None:
@@ -303,8 +300,7 @@ class P2PBlobTransport:
         try:
             end = self._loop.time() + self.hold_s
             while True:
-                with self._lock:
-                    data, shared = self._blobs.get(name), name in self._sharing
+                data, shared = self.store.lookup(name)
                 left = end - self._loop.time()
                 if data is not None or not shared or left <= 0:
                     return data
@@ -330,43 +326,30 @@ class P2PBlobTransport:
     def sharing(self, name: str) -> Iterator[None]:
         """Mark a fetch of ``name`` as under way: requests for it wait (bounded) until it is :meth:`put` or the
         block ends, instead of hearing "not here"."""
-        with self._lock:
-            self._sharing[name] = self._sharing.get(name, 0) + 1
+        self.store.begin_sharing(name)
         try:
             yield
         finally:
-            with self._lock:
-                left = self._sharing.pop(name) - 1
-                if left:
-                    self._sharing[name] = left
+            self.store.end_sharing(name)
             self._wake(name)
 
     def put(self, name: str, data: bytes) -> None:
         if len(name) > MAX_NAME:
             raise ValueError(f"blob name longer than {MAX_NAME}")
-        with self._lock:
-            self._blobs[name] = bytes(data)
-            shared = name in self._sharing
-        if shared:
+        if self.store.put(name, data):
             self._wake(name)
 
     def get(self, name: str) -> bytes | None:
-        with self._lock:
-            return self._blobs.get(name)
+        return self.store.get(name)
 
     def drop(self, names: Iterable[str]) -> None:
-        with self._lock:
-            for name in list(names):
-                self._blobs.pop(name, None)
+        self.store.drop(names)
 
     def drop_prefix(self, prefix: str) -> None:
-        with self._lock:
-            for name in [n for n in self._blobs if n.startswith(prefix)]:
-                del self._blobs[name]
+        self.store.drop_prefix(prefix)
 
     def names(self) -> list[str]:
-        with self._lock:
-            return list(self._blobs)
+        return self.store.names()
 
     async def _fetch(self, peer_id: str, name: str, max_size: int, timeout: float) -> bytes:
         reader, writer = await self._open(peer_id, HANDLER, timeout)
