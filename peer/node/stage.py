@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from hlbp.peer.common import memory
 from hlbp.peer.common.files import atomic_write_bytes
 from hlbp.peer.data.streams import TokenStream, load_tokenizer, prepare_data, val_batches
 from hlbp.peer.model.basis import fixed_table
@@ -126,12 +127,13 @@ def _build(ctx: TrainContext, options: StageOptions) -> tuple[Any, StageWorker, 
     # this stage's layers only, bit for bit the whole model's slice; the codec needs the embedding's initial value
     # (and the first stage's fixed table, rebuilt from the seed) whatever stage this is
     start, end = bounds[peer.role.stage]
+    device = pick_device(options.device)
+    memory.mark_baseline(device)  # what the stage's state costs is measured above this (hlbp bench memory)
     stage = initial_stage(config, m.seed, start, end)
     embed = stage.embed.weight.detach().clone() if stage.is_first else \
         initial_tensors(config, m.seed, ["embed.weight"])["embed.weight"]
     table = fixed_table(config.vocab_size, config.d_model, config.subspace_seed, config.subspace_table_std) \
         if config.subspace_rank else None
-    device = pick_device(options.device)
     optim = inner_schedule(m.hparams.lr, m.hparams.schedule_total)
     worker = StageWorker(stage, optim, device)
     codec = make_codec(cc, config.d_model, config.vocab_size, config.max_seq_len, table, embed,

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from hlbp.peer.common import memory
 from hlbp.peer.net.transport import BlobTransport
 from hlbp.peer.rounds.agreement import Agreement, ExactAgreement
 from hlbp.peer.rounds.config import RoundConfig, RoundStats
@@ -99,8 +100,10 @@ class ReplicaBase(ABC):
         self.state = ReplicaState(
             anchor={n: p.detach().float().cpu().clone() for n, p in trainer.model.named_parameters()},
             outers={s: make_outer(outer) for s in self.held})
+        memory.trim()  # a model built on the host and moved to its device left its host copy freed, not returned
         self.checkpoints = Checkpoints(checkpoint, cfg.checkpoint_every_s, trainer, cfg.run_id)
-        self.reporter = RoundReporter(metrics or MetricsLog(None), evaluate, on_round)
+        self.reporter = RoundReporter(metrics or MetricsLog(None), evaluate, on_round,
+                                      trained=sum(p.numel() for p in trainer.model.parameters()))
         self.expected = expected
         self.on_load = on_load  # called after every load of the anchor into the model (a stage's codec table)
         self.guard_loss = guard_loss  # given parameters' loss on the run's fixed guard batch (rounds/guard.py)

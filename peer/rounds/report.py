@@ -6,6 +6,7 @@ from collections.abc import Callable, Mapping
 
 import torch
 
+from hlbp.peer.common import memory
 from hlbp.peer.rounds.config import RoundStats
 from hlbp.peer.train.metricslog import MetricsLog
 from hlbp.protocol.roundwire import ShardChecks
@@ -13,20 +14,23 @@ from hlbp.protocol.roundwire import ShardChecks
 
 class RoundReporter:
     """Reports each round: ``evaluate(params)`` scores parameters (None: not scored), ``metrics`` takes the round's
-    record (event ``round``), ``on_round(stats, val_loss)`` tells the caller."""
+    record (event ``round``), ``on_round(stats, val_loss)`` tells the caller. Each record carries the process's
+    memory (:func:`hlbp.peer.common.memory.snapshot`) and the parameters the peer trains (``trained``), whose
+    quotient is the memory budget ``hlbp bench memory`` reports."""
 
     def __init__(self, metrics: MetricsLog, evaluate: Callable[[Mapping[str, torch.Tensor]], float | None] | None,
-                 on_round: Callable[[RoundStats, float | None], None] | None) -> None:
-        self.metrics, self.evaluate, self.on_round = metrics, evaluate, on_round
+                 on_round: Callable[[RoundStats, float | None], None] | None, trained: int = 0) -> None:
+        self.metrics, self.evaluate, self.on_round, self.trained = metrics, evaluate, on_round, trained
 
     def report(self, stats: RoundStats, mine: ShardChecks, steps: int,
                params: Mapping[str, torch.Tensor]) -> RoundStats:
         """Score ``params`` (the round's new parameters), write the round's record and tell the caller."""
+        memory.trim()  # the round's freed buffers (the replaced anchor, its transients) go back to the system
         val = self.evaluate(params) if self.evaluate else None
         extra = {"fingerprints": {str(k): list(v) for k, v in mine.fingerprints.items()}} if mine.fingerprints else {}
         self.metrics.write(event="round", **{k: v for k, v in vars(stats).items() if k != "checksums"},
                            checksums={str(k): v for k, v in mine.checksums.items()}, val_loss=val, steps=steps,
-                           **extra)
+                           trained_params=self.trained, **memory.snapshot(), **extra)
         if self.on_round:
             self.on_round(stats, val)
         return stats

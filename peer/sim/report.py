@@ -92,6 +92,9 @@ def summarize(records: dict[str, Sequence[dict[str, Any]]], n_params: int | None
             "bytes_sent": {name: p["bytes_sent"] for name, p in sorted(peers.items())},
             "bytes_received": {name: p["bytes_received"] for name, p in sorted(peers.items())},
             "records_received": {name: p.get("records_received", 0) for name, p in sorted(peers.items())},
+            # each peer's process memory so far (hlbp.peer.common.memory) and the parameters it trains
+            "memory": {name: {k: p.get(k, 0) for k in ("peak_host_bytes", "base_host_bytes", "peak_device_bytes",
+                                                       "trained_params")} for name, p in sorted(peers.items())},
             "compute_s": compute / n,
             "comm_s": comm / n,
             "wait_s": wait / n,
