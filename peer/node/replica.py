@@ -12,7 +12,6 @@ activations, only the swarms' links do.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import json
 import logging
@@ -24,6 +23,7 @@ from typing import Any
 
 import torch
 
+from hlbp.peer.common import memory
 from hlbp.peer.common.files import atomic_write_bytes
 from hlbp.peer.data.streams import TokenStream, prepare_data, val_batches
 from hlbp.peer.model.codec import CodecConfig
@@ -41,7 +41,15 @@ from hlbp.peer.rounds.rules import Expected
 from hlbp.peer.rounds.sparseloco import RoundConfig, RoundRunner, RoundStats
 from hlbp.peer.train.export import ModelInfo, write_model_info
 from hlbp.peer.train.metricslog import MetricsLog
-from hlbp.peer.train.trainer import InnerTrainer, OptimConfig, evaluate, micro_batches, pick_device
+from hlbp.peer.train.trainer import (
+    InnerTrainer,
+    OptimConfig,
+    evaluate,
+    evaluate_params,
+    micro_batches,
+    pick_device,
+    skeleton,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -118,11 +126,12 @@ class ParamScorer:
     """The loss of given parameters on given batches, for the round guard and the per-round evaluation.
 
     Without overlap it loads them into the trainer's model (the round loop loads them next anyway). With overlap
-    the model is training the next phase meanwhile, so a separate copy scores them (twice the parameter memory)."""
+    the model is training the next phase meanwhile, so a :func:`~hlbp.peer.train.trainer.skeleton` of it (no
+    parameter memory of its own) runs on the given tensors as they are: on CPU no copy of them is made."""
 
     def __init__(self, trainer: InnerTrainer, device: torch.device, separate: bool) -> None:
         self.trainer, self.device, self.separate = trainer, device, separate
-        self._copy: torch.nn.Module | None = None
+        self._shell: torch.nn.Module | None = None
         self._lock = threading.Lock()
 
     def __call__(self, params: Mapping[str, torch.Tensor], batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
@@ -130,12 +139,9 @@ class ParamScorer:
             self.trainer.load_params(params)
             return evaluate(self.trainer.model, batches, self.device)
         with self._lock:  # the exchange thread (guard) and the main thread (report) may both score
-            if self._copy is None:
-                self._copy = copy.deepcopy(self.trainer.model)
-            with torch.no_grad():
-                for n, p in self._copy.named_parameters():
-                    p.copy_(params[n])
-            return evaluate(self._copy, batches, self.device)
+            if self._shell is None:
+                self._shell = skeleton(self.trainer.model)
+            return evaluate_params(self._shell, params, batches, self.device)
 
 
 def round_settings(m: Any, checkpoint_every_s: float) -> tuple[OuterConfig, RoundConfig]:
@@ -202,6 +208,7 @@ def run_replica(ctx: TrainContext, options: ReplicaOptions, echo: Any = print) -
     hp = m.hparams
     device = pick_device(options.device)
     data = prepare_data(m.data_recipe, ctx.cache_dir, tokenizer_path=peer.tokenizer_path)
+    memory.mark_baseline(device)  # what the model's state costs is measured above this (hlbp bench memory)
     config, model, constraint = replica_model(m, data.vocab_size)  # every replica: bit-identical initial weights
     # beside the checkpoint, what it does not say: the model's shape and the run's tokenizer (hlbp export, generate)
     write_model_info(ctx.out_dir, ModelInfo(m.run_id, config, data.eot_id, hp.batch_size * hp.seq_len),

@@ -8,10 +8,12 @@ random-access), which is what makes checkpoints resume exactly.
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -79,11 +81,15 @@ def autocast(device: torch.device) -> contextlib.AbstractContextManager:
 
 
 def make_adamw(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
-    """AdamW with weight decay on matrices and none on norms (1-D parameters)."""
+    """AdamW with weight decay on matrices and none on norms (1-D parameters).
+
+    The fused kernel (CPU and CUDA) updates each tensor in one pass; the multi-tensor ("foreach") one allocates
+    temporaries as large as all parameters together, 4 bytes per parameter at the step's peak (docs/design.md,
+    "Memory")."""
     decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=False, foreach=True)
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=True)
 
 
 # (step, micro-batch index) -> (inputs, targets)
@@ -135,6 +141,9 @@ class InnerTrainer:
         if self.cfg.grad_clip > 0:
             nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
         self.optimizer.step()
+        # the gradients are not needed past the step: between steps (where a round contributes and applies) they
+        # would hold 4 bytes per parameter for nothing
+        self.optimizer.zero_grad(set_to_none=True)
         if self.constraint is not None:
             self.constraint.reproject()
         self.step += 1
@@ -201,6 +210,34 @@ class InnerTrainer:
 
 
 @torch.no_grad()
+def skeleton(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` that holds no parameter memory: its parameters are on the meta device and its buffers
+    (constant tables such as the rotary ones) are ``model``'s own, shared. :func:`evaluate_params` runs it on
+    given parameter tensors, so scoring a second set of parameters beside a model in training costs no copy of
+    them (docs/design.md, "Memory")."""
+    memo: dict[int, Any] = {id(p): nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=False)
+                            for p in model.parameters()}
+    memo.update({id(b): b for b in model.buffers()})
+    return copy.deepcopy(model, memo)
+
+
+@torch.no_grad()
+def evaluate_params(shell: nn.Module, params: Mapping[str, torch.Tensor],
+                    batches: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device) -> float:
+    """Token-weighted mean loss of ``shell`` (a :func:`skeleton`) run on ``params`` (name -> tensor, at least every
+    parameter; moved to ``device`` only where they are elsewhere) over ``batches``."""
+    names = [n for n, _ in shell.named_parameters()]
+    moved = {n: params[n].to(device) for n in names}
+    shell.eval()
+    total, count = 0.0, 0
+    for x, y in batches:
+        x, y = x.to(device), y.to(device)
+        with autocast(device):
+            total += shell.loss(torch.func.functional_call(shell, moved, (x,)), y).item() * y.numel()
+        count += y.numel()
+    return total / max(1, count)
+
+
 def evaluate(model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device) -> float:
     """Token-weighted mean loss of ``model`` (a whole model or a last stage fed inputs) over ``batches``."""
     was_training = model.training

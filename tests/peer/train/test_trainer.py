@@ -9,7 +9,15 @@ from hlbp.peer.common.errors import UserInputError
 from hlbp.peer.data.streams import TokenStream
 from hlbp.peer.model.decoder import build_model, preset
 from hlbp.peer.train.checkpoint import load_checkpoint, save_checkpoint
-from hlbp.peer.train.trainer import InnerTrainer, OptimConfig, lr_at, micro_batches
+from hlbp.peer.train.trainer import (
+    InnerTrainer,
+    OptimConfig,
+    evaluate,
+    evaluate_params,
+    lr_at,
+    micro_batches,
+    skeleton,
+)
 
 
 def _trainer(data, steps=20, init_seed=0):
@@ -105,3 +113,26 @@ def test_a_warm_up_pass_changes_nothing(builtin_data):
         assert warm.train_step() == cold.train_step()
     for (name, a), b in zip(cold.model.state_dict().items(), warm.model.state_dict().values()):
         assert torch.equal(a, b), name
+
+
+def test_a_step_leaves_no_gradients_and_a_skeleton_scores_parameters_without_a_copy(builtin_data):
+    """Gradients do not outlive their step (a round between two steps would hold them for nothing), and a
+    skeleton of the model (meta parameters, shared buffers) scores given tensors exactly as the model loaded with
+    them does."""
+    torch.manual_seed(0)
+    model = build_model(preset("tiny", vocab_size=builtin_data.vocab_size))
+    stream = TokenStream(builtin_data.train, 32, 2, seed=0)
+    trainer = InnerTrainer(model, OptimConfig(lr=1e-3, warmup_steps=1, total_steps=10), micro_batches(stream, 1),
+                           torch.device("cpu"))
+    trainer.train_step()
+    assert all(p.grad is None for p in model.parameters())
+    shell = skeleton(model)
+    assert all(p.is_meta for p in shell.parameters())
+    assert all(b is dict(model.named_buffers())[n] for n, b in shell.named_buffers())
+    params = {n: p.detach() + 0.01 for n, p in model.named_parameters()}
+    batches = [stream.batch(i) for i in range(2)]
+    scored = evaluate_params(shell, params, batches, torch.device("cpu"))
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            p.copy_(params[n])
+    assert scored == evaluate(model, batches, torch.device("cpu"))
