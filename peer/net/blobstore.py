@@ -8,22 +8,30 @@ so every method takes its lock.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+
+Maker = Callable[[], "bytes | None"]
+"""Makes a lazy blob's bytes when it is requested; None: it has nothing to serve any more."""
 
 
 class BlobStore:
     """Named blobs served to other peers, and a count of our own fetches under way per name (a request for a name
-    we are fetching waits for it instead of hearing "not here")."""
+    we are fetching waits for it instead of hearing "not here").
+
+    A blob is held as bytes (:meth:`put`) or made on request (:meth:`put_lazy`): a shard's state is encoded from
+    the parameters the peer holds anyway instead of being kept twice (docs/design.md, "Memory")."""
 
     def __init__(self) -> None:
         self._blobs: dict[str, bytes] = {}
+        self._lazy: dict[str, Maker] = {}
         self._sharing: dict[str, int] = {}  # name -> our fetches of it under way
         self._lock = threading.Lock()
 
-    def lookup(self, name: str) -> tuple[bytes | None, bool]:
-        """The blob ``name`` if it is here, and whether a fetch of it is under way."""
+    def lookup(self, name: str) -> tuple[bytes | None, bool, Maker | None]:
+        """The blob ``name`` if it is here as bytes, whether a fetch of it is under way, and its maker if it is
+        served lazily."""
         with self._lock:
-            return self._blobs.get(name), name in self._sharing
+            return self._blobs.get(name), name in self._sharing, self._lazy.get(name)
 
     def begin_sharing(self, name: str) -> None:
         """A fetch of ``name`` started."""
@@ -41,7 +49,14 @@ class BlobStore:
         """Serve ``data`` as ``name``; returns whether a fetch of it is under way (its waiters are to be woken)."""
         with self._lock:
             self._blobs[name] = bytes(data)
+            self._lazy.pop(name, None)
             return name in self._sharing
+
+    def put_lazy(self, name: str, make: Maker) -> None:
+        """Serve ``name`` by calling ``make`` when it is requested, instead of holding its bytes."""
+        with self._lock:
+            self._lazy[name] = make
+            self._blobs.pop(name, None)
 
     def get(self, name: str) -> bytes | None:
         with self._lock:
@@ -51,12 +66,14 @@ class BlobStore:
         with self._lock:
             for name in list(names):
                 self._blobs.pop(name, None)
+                self._lazy.pop(name, None)
 
     def drop_prefix(self, prefix: str) -> None:
         with self._lock:
-            for name in [n for n in self._blobs if n.startswith(prefix)]:
-                del self._blobs[name]
+            for name in [n for n in [*self._blobs, *self._lazy] if n.startswith(prefix)]:
+                self._blobs.pop(name, None)
+                self._lazy.pop(name, None)
 
     def names(self) -> list[str]:
         with self._lock:
-            return list(self._blobs)
+            return [*self._blobs, *self._lazy]

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import msgpack
 
-from hlbp.peer.net.blobstore import BlobStore
+from hlbp.peer.net.blobstore import BlobStore, Maker
 from hlbp.peer.net.ratelimit import RateLimiter
 from hlbp.protocol import ProtocolError
 
@@ -87,6 +87,8 @@ class BlobTransport(Protocol):
     bytes_served: int  # body bytes this peer has uploaded to others
 
     def put(self, name: str, data: bytes) -> None: ...
+
+    def put_lazy(self, name: str, make: Maker) -> None: ...
 
     def get(self, name: str) -> bytes | None: ...
 
@@ -157,6 +159,9 @@ class P2PBlobTransport:
         self.pushes_sent = 0
         self.push_failures = 0
         self.store = BlobStore()  # what we serve, and the names we are fetching ourselves
+        # the bytes of a lazy blob being sent, shared by the requests that overlap (loop only):
+        # name -> [future of the bytes, requests holding them]
+        self._making: dict[str, list[Any]] = {}
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="hlbp-transport", daemon=True)
         self._thread.start()
@@ -262,6 +267,7 @@ class P2PBlobTransport:
             logger.debug("push of %s to %s failed: %s: %s", key, peer_id[:16], type(exc).__name__, exc)
 
     async def _handle(self, info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        made: str | None = None  # the lazy blob this request holds a share of (released at the end)
         try:
             requester = str(getattr(info, "peer_id", ""))
             if self.allowed is not None and not self.allowed(requester):
@@ -277,7 +283,10 @@ class P2PBlobTransport:
                 writer.write(_frame({"error": "too many state requests"}))
                 await writer.drain()
                 return
-            data, shared = self.store.lookup(name)
+            data, shared, make = self.store.lookup(name)
+            if data is None and make is not None:
+                made = name
+                data = await self._made(name, make)
             if data is None and shared and self._waiters < MAX_WAITERS:
                 data = await self._await_shared(name)
             if data is None:
@@ -291,7 +300,31 @@ class P2PBlobTransport:
         except (TimeoutError, ProtocolError, asyncio.IncompleteReadError, ConnectionError, struct.error) as e:
             logger.debug("blob request from %s failed: %s", getattr(info, "peer_id", "?"), e)
         finally:
+            if made is not None:
+                self._release(made)
             writer.close()
+
+    async def _made(self, name: str, make: Maker) -> bytes | None:
+        """The bytes of the lazy blob ``name``, made in a worker thread (not on the loop: a large model's shard takes
+        seconds to encode) once for all the requests that overlap; None when the maker has nothing or fails. Each
+        call is paired with one :meth:`_release`."""
+        entry = self._making.get(name)
+        if entry is None:
+            entry = self._making[name] = [self._loop.run_in_executor(None, make), 0]
+        entry[1] += 1
+        try:
+            return await asyncio.shield(entry[0])
+        except Exception as exc:  # noqa: BLE001 - a maker's failure is a "not here", never the transport's end
+            logger.warning("could not make %s to serve it: %s", name, exc)
+            return None
+
+    def _release(self, name: str) -> None:
+        """One request of the lazy blob ``name`` is done: the last one lets its bytes go."""
+        entry = self._making.get(name)
+        if entry is not None:
+            entry[1] -= 1
+            if entry[1] <= 0:
+                del self._making[name]
 
     async def _await_shared(self, name: str) -> bytes | None:
         """The blob ``name`` once our own fetch of it is put, or None when that fetch ends without it or
@@ -300,7 +333,7 @@ class P2PBlobTransport:
         try:
             end = self._loop.time() + self.hold_s
             while True:
-                data, shared = self.store.lookup(name)
+                data, shared, _ = self.store.lookup(name)
                 left = end - self._loop.time()
                 if data is not None or not shared or left <= 0:
                     return data
@@ -338,6 +371,12 @@ class P2PBlobTransport:
             raise ValueError(f"blob name longer than {MAX_NAME}")
         if self.store.put(name, data):
             self._wake(name)
+
+    def put_lazy(self, name: str, make: Maker) -> None:
+        """Serve ``name`` by calling ``make`` in a worker thread when it is requested (None from it: "not here")."""
+        if len(name) > MAX_NAME:
+            raise ValueError(f"blob name longer than {MAX_NAME}")
+        self.store.put_lazy(name, make)
 
     def get(self, name: str) -> bytes | None:
         return self.store.get(name)

@@ -12,6 +12,7 @@ blocks a donor's training.
 from __future__ import annotations
 
 import hashlib
+import weakref
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -98,6 +99,30 @@ def encode_state(
     tensors = {f"p.{n}": params[n] for n in names}
     tensors.update({f"o.{k}": v for k, v in public_outer_state(outer_state).items()})
     return st_save({k: v.detach().to("cpu", torch.float32).contiguous() for k, v in tensors.items()})
+
+
+class ServedState:
+    """One shard's state after a round, served on request (``BlobTransport.put_lazy``) without a copy of it.
+
+    It holds weak references to the anchor's tensors of that round, which the round loop replaces and never
+    changes in place, so while they live they are that round's parameters; once a later round has replaced and
+    dropped them the state is gone and a request hears "not here" (the fetcher then asks for a newer round). The
+    outer optimizer's public state (DiLoCo's momentum, changed in place) is copied; SparseLoCo has none. So serving
+    costs no memory beside the anchor (docs/design.md, "Memory"), where an encoded blob per round held the shard
+    twice more."""
+
+    def __init__(self, params: Mapping[str, torch.Tensor], names: Sequence[str],
+                 outer_state: Mapping[str, torch.Tensor]) -> None:
+        self._names = list(names)
+        self._refs = {n: weakref.ref(params[n]) for n in self._names}
+        self._outer = {k: v.detach().clone() for k, v in public_outer_state(outer_state).items()}
+
+    def __call__(self) -> bytes | None:
+        """The state blob (:func:`encode_state`), or None when the round's parameters are gone."""
+        params = {n: ref() for n, ref in self._refs.items()}
+        if any(t is None for t in params.values()):
+            return None
+        return encode_state(params, self._names, self._outer)  # type: ignore[arg-type]
 
 
 @dataclass

@@ -30,7 +30,7 @@ from hlbp.peer.rounds.outer import OuterConfig, make_outer
 from hlbp.peer.rounds.records import RoundRecords, checks_name
 from hlbp.peer.rounds.rules import checks_settled, member_checks, round_members
 from hlbp.peer.rounds.state import ReplicaState
-from hlbp.peer.rounds.statesync import encode_state, fetch_state, shard_checksum, state_name
+from hlbp.peer.rounds.statesync import ServedState, fetch_state, shard_checksum, state_name
 from hlbp.protocol import ProtocolError
 from hlbp.protocol.announcement import decode_announcement, peers_key
 from hlbp.protocol.roundwire import (
@@ -136,8 +136,8 @@ class StateSync:
         ``to`` as well as the live peers, unless the round's readers ``sampled`` them (a committee)."""
         r = mine.round
         for s in self.held:
-            self.transport.put(state_name(r, s), encode_state(state.anchor, self.shards[s],
-                                                              state.outers[s].state_tensors()))
+            self.transport.put_lazy(state_name(r, s), ServedState(state.anchor, self.shards[s],
+                                                                  state.outers[s].state_tensors()))
         self.transport.drop([state_name(r - 2, s) for s in self.held] + [checks_name(r - 2)])
         value = self.records.store(checks_key(self.cfg.run_id), mine.to_body(self.cfg.run_id), KIND_CHECKS, to,
                                    only=frozenset() if sampled else None)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import pytest
@@ -50,6 +50,11 @@ class Blobs:
 
     def put(self, name: str, data: bytes) -> None:
         self.registry[self.peer_id][name] = data
+
+    def put_lazy(self, name: str, make: Callable[[], bytes | None]) -> None:
+        data = make()  # made at once: these runners are in-process, and the tensors it reads are alive now
+        if data is not None:
+            self.put(name, data)
 
     def get(self, name: str) -> bytes | None:
         return self.registry[self.peer_id].get(name)

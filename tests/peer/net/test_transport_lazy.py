@@ -1,0 +1,108 @@
+"""Blobs made on request (``put_lazy``): a shard's state is served from tensors the peer holds, not kept as bytes.
+
+Real DHTs and p2pd daemons on 127.0.0.1. The maker runs when a request comes (not before), concurrent requests
+share one making, and a maker that has nothing (None) or fails is a "not here" to the requester, never the end of
+the serving peer's transport. ``ServedState`` gives the state blob of a round while its tensors live and None
+once a later round has replaced and dropped them.
+"""
+
+from __future__ import annotations
+
+import gc
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from hlbp.peer.net.blobstore import BlobStore
+from hlbp.peer.net.transport import P2PBlobTransport, TransportError
+from hlbp.peer.rounds.statesync import ServedState, encode_state, parse_state
+
+LOCAL = ["/ip4/127.0.0.1/tcp/0"]
+
+
+def test_the_store_serves_a_lazy_name_until_it_is_dropped_or_put_as_bytes() -> None:
+    store = BlobStore()
+    store.put_lazy("s/1/0", lambda: b"made")
+    data, shared, make = store.lookup("s/1/0")
+    assert data is None and not shared and make is not None and make() == b"made"
+    assert store.names() == ["s/1/0"]
+    store.put("s/1/0", b"held")
+    assert store.lookup("s/1/0") == (b"held", False, None)
+    store.put_lazy("s/2/0", lambda: None)
+    store.drop_prefix("s/")
+    assert store.names() == [] and store.lookup("s/2/0") == (None, False, None)
+
+
+def test_served_state_lives_as_long_as_the_rounds_tensors() -> None:
+    anchor = {"a": torch.arange(6, dtype=torch.float32).view(2, 3), "b": torch.ones(4)}
+    served = ServedState(anchor, ["a", "b"], {"ef.a": torch.zeros(2, 3)})  # error feedback is never served
+    blob = served()
+    assert blob == encode_state(anchor, ["a", "b"], {})
+    state = parse_state(blob, {"a": (2, 3), "b": (4,)})
+    assert torch.equal(state.params["a"], anchor["a"]) and state.outer == {}
+    anchor["a"] = anchor["a"] + 1  # the next round replaces the tensor; the old one is dropped
+    gc.collect()
+    assert served() is None
+
+
+@pytest.fixture(scope="module")
+def pair() -> Iterator[tuple[P2PBlobTransport, P2PBlobTransport]]:
+    import hivemind
+
+    holder_dht = hivemind.DHT(start=True, host_maddrs=LOCAL)
+    asker_dht = hivemind.DHT(start=True, host_maddrs=LOCAL,
+                             initial_peers=[str(m) for m in holder_dht.get_visible_maddrs()])
+    holder, asker = P2PBlobTransport(holder_dht), P2PBlobTransport(asker_dht)
+    try:
+        yield holder, asker
+    finally:
+        for t in (holder, asker):
+            t.close()
+        for d in (asker_dht, holder_dht):
+            d.shutdown()
+
+
+@pytest.mark.slow
+def test_a_lazy_blob_is_made_on_request_once_for_overlapping_requests(pair) -> None:
+    holder, asker = pair
+    calls: list[float] = []
+    gate = threading.Event()
+
+    def make() -> bytes:
+        calls.append(time.monotonic())
+        gate.wait(5)  # both requests arrive while the first making is under way
+        return b"x" * 100_000
+
+    holder.put_lazy("lazy", make)
+    assert calls == []  # nothing is made before a request
+    with ThreadPoolExecutor(2) as pool:
+        futures = [pool.submit(asker.fetch, holder.peer_id, "lazy", 1 << 20, 10.0) for _ in range(2)]
+        deadline = time.monotonic() + 10
+        while not calls and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.5)
+        gate.set()
+        assert [f.result(timeout=15) for f in futures] == [b"x" * 100_000] * 2
+    assert len(calls) == 1
+    assert asker.fetch(holder.peer_id, "lazy", 1 << 20, 10.0) == b"x" * 100_000  # made again for a later one
+    assert len(calls) == 2
+
+
+@pytest.mark.slow
+def test_a_maker_with_nothing_or_failing_is_not_here_and_the_transport_goes_on(pair) -> None:
+    holder, asker = pair
+
+    def broken() -> bytes:
+        raise RuntimeError("the tensors are gone")
+
+    holder.put_lazy("gone", lambda: None)
+    holder.put_lazy("broken", broken)
+    for name in ("gone", "broken"):
+        with pytest.raises(TransportError, match="has no"):
+            asker.fetch(holder.peer_id, name, 1 << 20, 10.0)
+    holder.put("plain", b"still serving")
+    assert asker.fetch(holder.peer_id, "plain", 1 << 20, 10.0) == b"still serving"
