@@ -102,8 +102,15 @@ def outliers(norms: Mapping[str, float], cfg: GuardConfig) -> dict[str, float]:
 
 
 def update_ratio(old: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor]) -> float:
-    """‖new − old‖ / ‖old‖ over a shard (inf if ``new`` holds a non-finite value)."""
-    return norm({n: new[n].double() - old[n].double() for n in old}) / scale(old)
+    """‖new − old‖ / ‖old‖ over a shard (inf if ``new`` holds a non-finite value), one parameter's difference at a
+    time: the shard's update is never held whole (docs/design.md, "Memory per parameter")."""
+    total = 0.0
+    for n in old:
+        d = new[n].detach().double() - old[n].detach().double()
+        if not bool(torch.isfinite(d).all()):
+            return math.inf
+        total += float(d.pow(2).sum())
+    return math.sqrt(total) / scale(old)
 
 
 def refuse_reason(ratio: float, cfg: GuardConfig) -> str | None:

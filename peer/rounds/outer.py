@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -149,7 +149,8 @@ class SparseLoCo(OuterOptimizer):
         self.phases += 1
         m = self.phases if self.config.backlog == "average" else 1
         sent: dict[str, SparseTensor] = {}
-        for name, delta in pseudo_gradient(anchor, local).items():
+        for name in anchor:  # one tensor at a time: the transient buffers are one parameter's, not the model's
+            delta = anchor[name].detach().float().cpu() - local[name].detach().float().cpu()
             e = self.ef.get(name)
             e = delta if e is None else e.mul_(self.config.beta).add_(delta)
             k = tensor_k(tuple(e.shape), self.config.k, self.config.small_tensors)
@@ -172,6 +173,14 @@ class SparseLoCo(OuterOptimizer):
 
     def aggregate(self, contributions: Sequence[Contribution], names: Sequence[str]) -> dict[str, torch.Tensor]:
         """The combined pseudo-gradient Δ per parameter (zero where no contribution selected anything)."""
+        return dict(self.aggregated(contributions, names))
+
+    def aggregated(self, contributions: Sequence[Contribution], names: Sequence[str], only: str | None = None
+                   ) -> Iterator[tuple[str, torch.Tensor]]:
+        """:meth:`aggregate` one parameter at a time: the weights (and median clipping) are decided over every
+        name first, from the sparse values alone, then each dense Δ is made when it is asked for, so the caller
+        holds one parameter's Δ at a time, not the model's (docs/design.md, "Memory"). ``only``: yield that one
+        parameter's Δ alone (the weights still decided over ``names``)."""
         cfg = self.config
         w = _weights(contributions, cfg.token_weighted, cfg.max_tokens)
         values = {name: [c.tensors[name].dense_values() for c in contributions] for name in names}
@@ -182,8 +191,7 @@ class SparseLoCo(OuterOptimizer):
             median = float(torch.tensor(norms, dtype=torch.float64).median())
             w = [wi * (min(1.0, median / n) if n > 0 else 1.0) for wi, n in zip(w, norms)]
         total = sum(_weights(contributions, cfg.token_weighted, cfg.max_tokens))
-        out = {}
-        for name in names:
+        for name in names if only is None else [only]:
             ref = contributions[0].tensors[name]
             numel = math.prod(ref.shape)
             num = torch.zeros(numel, dtype=torch.float32)
@@ -197,14 +205,23 @@ class SparseLoCo(OuterOptimizer):
                 delta = num / total
             else:
                 delta = torch.where(den > 0, num / den.clamp(min=1e-30), torch.zeros_like(num))
-            out[name] = delta.view(ref.shape)
-        return out
+            yield name, delta.view(ref.shape)
 
     def apply(self, anchor: Tensors, contributions: Sequence[Contribution]) -> dict[str, torch.Tensor]:
         if not contributions:
             return {n: t.detach().float().cpu().clone() for n, t in anchor.items()}
-        delta = self.aggregate(contributions, list(anchor))
-        return {n: anchor[n].detach().float().cpu() - self.config.alpha * delta[n] for n in anchor}
+        return {n: anchor[n].detach().float().cpu() - self.config.alpha * delta
+                for n, delta in self.aggregated(contributions, list(anchor))}
+
+    def applied(self, anchor: Tensors, contributions: Sequence[Contribution], name: str) -> torch.Tensor:
+        """One parameter of :meth:`apply`'s result, bit for bit (the weights are decided over every name as there),
+        for a view that makes the result one parameter at a time (``hlbp.peer.rounds.overlap.Applied``)."""
+        t = anchor[name].detach().float().cpu()
+        if not contributions:
+            return t.clone()
+        for _, delta in self.aggregated(contributions, list(anchor), only=name):
+            return t - self.config.alpha * delta
+        raise KeyError(name)
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         return {f"ef.{n}": t for n, t in self.ef.items()}

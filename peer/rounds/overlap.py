@@ -35,7 +35,8 @@ stays the paper's one-round baseline.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 import torch
 
@@ -47,42 +48,134 @@ OVERLAPS = Hyperparameters.OVERLAPS
 """How a run overlaps rounds with training (manifest ``hparams.overlap``)."""
 
 
-def proxy_step(cfg: OuterConfig, own: Contribution, replicas: int) -> dict[str, torch.Tensor]:
-    """The update a peer's own contribution is expected to cause in its round's result (float32, CPU)."""
+def _scale(cfg: OuterConfig, replicas: int) -> float:
+    """The weight of a peer's own contribution in its round's expected result, times the outer step."""
     if replicas < 1:
         raise ValueError(f"replicas must be >= 1, got {replicas}")
     if cfg.kind == "sparseloco":
-        scale = cfg.alpha if cfg.aggregation == "selectors" else cfg.alpha / replicas
-    else:
-        scale = cfg.outer_lr * (1.0 + cfg.momentum) / replicas
-    out = {}
-    for name, t in own.tensors.items():
-        dense = decompress(t) if isinstance(t, SparseTensor) else t
-        out[name] = scale * dense.detach().float().cpu()
-    return out
+        return cfg.alpha if cfg.aggregation == "selectors" else cfg.alpha / replicas
+    return cfg.outer_lr * (1.0 + cfg.momentum) / replicas
 
 
-def landing_shift(start: Mapping[str, torch.Tensor], new_global: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def _dense(t: torch.Tensor | SparseTensor) -> torch.Tensor:
+    return (decompress(t) if isinstance(t, SparseTensor) else t).detach().float().cpu()
+
+
+def proxy_step(cfg: OuterConfig, own: Contribution, replicas: int) -> dict[str, torch.Tensor]:
+    """The update a peer's own contribution is expected to cause in its round's result (float32, CPU)."""
+    scale = _scale(cfg, replicas)
+    return {name: scale * _dense(t) for name, t in own.tensors.items()}
+
+
+class EagerStart(Mapping[str, torch.Tensor]):
+    """Eager's start, ``late global - proxy step``, made one parameter at a time when it is read.
+
+    A phase's start is read three times (loaded into the model, subtracted for the pseudo-gradient, and at each
+    landing), so holding it costs a whole copy of the parameters; this holds the late global tensors (which the
+    round loop replaces, never changes in place) and our own sparse contribution instead (docs/design.md,
+    "Memory"). Each read gives bit for bit what subtracting the proxy step in place gave."""
+
+    def __init__(self, late_global: Mapping[str, torch.Tensor], own: Contribution, scale: float) -> None:
+        self._late, self._own, self._scale = dict(late_global), own.tensors, scale
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        start = self._late[name].detach().float().cpu()
+        own = self._own.get(name)
+        return start if own is None else start - self._scale * _dense(own)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._late)
+
+    def __len__(self) -> int:
+        return len(self._late)
+
+
+class Previewed(Mapping[str, torch.Tensor]):
+    """A round's result over some of its contributions, made one parameter at a time when read: per shard,
+    ``SparseLoCo.apply`` of that shard's contributions to the shard's names of ``anchor`` (the names of no shard as
+    the anchor has them). An eager preview is read once when it lands and once more at the phase's end, so holding
+    it made would cost a copy of the parameters per preview (docs/design.md, "Memory").
+
+    ``parts``: (outer optimizer, contributions, names) per shard."""
+
+    def __init__(self, anchor: Mapping[str, torch.Tensor], parts: list[tuple[Any, list[Contribution], list[str]]]
+                 ) -> None:
+        self._anchor = dict(anchor)
+        self._parts = [(outer, contributions, {n: self._anchor[n] for n in names}) for outer, contributions, names
+                       in parts]
+        self._part = {n: i for i, (_, _, shard) in enumerate(self._parts) for n in shard}
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        i = self._part.get(name)
+        if i is None:
+            return self._anchor[name]
+        outer, contributions, shard = self._parts[i]
+        return outer.applied(shard, contributions, name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._anchor)
+
+    def __len__(self) -> int:
+        return len(self._anchor)
+
+
+class Subset(Mapping[str, torch.Tensor]):
+    """The ``names`` of ``params``, read through (a shard's part of an :class:`EagerStart` stays lazy)."""
+
+    def __init__(self, params: Mapping[str, torch.Tensor], names: list[str]) -> None:
+        self._params, self._names, self._known = params, names, frozenset(names)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self._known:
+            raise KeyError(name)
+        return self._params[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+
+class LandingShift(Mapping[str, torch.Tensor]):
+    """:func:`landing_shift` made one parameter at a time when it is read (``trainer.shift_params`` reads each
+    once), so a landing never holds a whole-model difference."""
+
+    def __init__(self, start: Mapping[str, torch.Tensor], new_global: Mapping[str, torch.Tensor]) -> None:
+        missing = set(start) ^ set(new_global)
+        if missing:
+            raise ValueError(f"the start and the new global parameters differ in names: {sorted(missing)[:3]}")
+        self._start, self._new = start, new_global
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self._new[name].detach().float().cpu() - self._start[name].detach().float().cpu()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._start)
+
+    def __len__(self) -> int:
+        return len(self._start)
+
+
+def landing_shift(start: Mapping[str, torch.Tensor], new_global: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
     """How far to move a phase under way when its round's result lands mid-phase: ``new_global - start``, per
-    parameter (float32, CPU). Added to the working parameters it keeps the inner steps taken so far and replaces the
-    start (late global parameters plus the eager proxy) by the new global parameters, against which the phase's
-    pseudo-gradient is then taken."""
-    missing = set(start) ^ set(new_global)
-    if missing:
-        raise ValueError(f"the start and the new global parameters differ in names: {sorted(missing)[:3]}")
-    return {n: new_global[n].detach().float().cpu() - start[n].detach().float().cpu() for n in start}
+    parameter (float32, CPU, made when read: :class:`LandingShift`). Added to the working parameters it keeps the
+    inner steps taken so far and replaces the start (late global parameters plus the eager proxy) by the new global
+    parameters, against which the phase's pseudo-gradient is then taken."""
+    return LandingShift(start, new_global)
 
 
 def phase_start(
     overlap: str, cfg: OuterConfig, late_global: Mapping[str, torch.Tensor], own: Contribution | None, replicas: int
-) -> dict[str, torch.Tensor]:
+) -> Mapping[str, torch.Tensor]:
     """Where the next inner phase starts under ``overlap``, given the global parameters the peer already has (one
     round late under overlap) and its own contribution to the round in flight (None: it has none, as after a
-    restart or when it was left out; the start is then the late global parameters)."""
+    restart or when it was left out; the start is then the late global parameters).
+
+    No copy is made: the late global tensors are shared (the round loop replaces them, never changes them in
+    place), and eager's start is an :class:`EagerStart` over them."""
     if overlap not in OVERLAPS:
         raise ValueError(f"overlap must be one of {OVERLAPS}, got {overlap!r}")
-    start = {n: t.detach().float().cpu().clone() for n, t in late_global.items()}
     if overlap == "eager" and own is not None:
-        for name, step in proxy_step(cfg, own, replicas).items():
-            start[name].sub_(step)
-    return start
+        return EagerStart(late_global, own, _scale(cfg, replicas))
+    return dict(late_global)

@@ -30,7 +30,7 @@ from typing import Any, Protocol
 
 from hlbp.peer.rounds.config import RoundConfig, RoundStats
 from hlbp.peer.rounds.outer import Contribution, OuterConfig
-from hlbp.peer.rounds.overlap import landing_shift, phase_start
+from hlbp.peer.rounds.overlap import Previewed, landing_shift, phase_start
 from hlbp.peer.rounds.state import ReplicaState
 from hlbp.protocol.roundwire import ShardChecks
 
@@ -94,11 +94,11 @@ class OverlapLoop:
         self.runner = runner
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hlbp-exchange")
         self.inflight: _InFlight | None = None
-        self.base: dict[str, Any] | None = None  # where the phase under way started (None: the anchor)
+        self.base: Mapping[str, Any] | None = None  # where the phase under way started (None: the anchor)
         self.stale = False  # a resync replaced the anchor while the phase under way trained from the old one
         self._landed: RoundStats | None = None  # an exchange joined mid-phase by land(), not yet reported
         self._lock = threading.Lock()
-        self._offer: tuple[int, dict[str, Any], bool] | None = None  # (round, parameters, final) to land next
+        self._offer: tuple[int, Mapping[str, Any], bool] | None = None  # (round, parameters, final) to land next
 
     def _expected(self) -> int:
         """R for the eager proxy's 1/R weight: the members of the last closed round. Not a read of the live
@@ -168,11 +168,8 @@ class OverlapLoop:
             if not senders or senders == f.previewed:
                 return
             f.previewed = senders
-            params = dict(run.state.anchor)
-            for s, own in f.mine.items():
-                names = run.shards[s]
-                params.update(run.state.outers[s].apply({n: run.state.anchor[n] for n in names},
-                                                  [own, *(got[p][s] for p in sorted(senders))]))
+            params = Previewed(run.state.anchor, [(run.state.outers[s], [own, *(got[p][s] for p in sorted(senders))],
+                                                    run.shards[s]) for s, own in f.mine.items()])
         with self._lock:
             self._offer = (r, params, final)
 

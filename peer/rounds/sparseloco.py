@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from hlbp.peer.common import memory
 from hlbp.peer.rounds.apply import Applier
 from hlbp.peer.rounds.bans import RoundBans
 from hlbp.peer.rounds.closer import Closer
@@ -41,6 +42,7 @@ from hlbp.peer.rounds.follow import Follower, follow_anchor
 from hlbp.peer.rounds.loop import ReplicaBase, RoundConfig, RoundStats
 from hlbp.peer.rounds.outcome import Applied, Failed, Refused, RoundOutcome
 from hlbp.peer.rounds.outer import Contribution, make_outer
+from hlbp.peer.rounds.overlap import Subset
 from hlbp.peer.rounds.overlap_loop import OverlapLoop
 from hlbp.peer.rounds.payloads import PayloadEncoder, Payloads, payload_name
 from hlbp.peer.rounds.rules import Expected, payload_limit
@@ -163,7 +165,7 @@ class RoundRunner(ReplicaBase):
         digests, sizes = {}, {}
         for s in self.held:
             names = self.shards[s]
-            c = self.state.outers[s].contribute({n: base[n] for n in names}, {n: local[n] for n in names}, self.me, tokens)
+            c = self.state.outers[s].contribute(Subset(base, names), {n: local[n] for n in names}, self.me, tokens)
             blob = self.encoder.encode(r, s, c)
             self.transport.put(payload_name(r, s, self.me), blob)
             digests[s], sizes[s] = sha256_hex(blob), len(blob)
@@ -178,6 +180,7 @@ class RoundRunner(ReplicaBase):
             self.records.store(round_key(self.cfg.run_id, r, KIND_CONTRIB), notice.to_body(self.cfg.run_id),
                                KIND_CONTRIB, only=self.closer.notice_targets(r))
             stats.contributed = True
+        memory.trim()  # the encoding's per-parameter buffers go back to the system before the next phase
         return mine
 
     def exchange(self, r: int, stats: RoundStats, mine: dict[int, Contribution]) -> tuple[ShardChecks, bool]:

@@ -8,7 +8,7 @@ import torch
 from hlbp.peer.data.streams import PreparedData
 from hlbp.peer.model.decoder import preset
 from hlbp.peer.rounds.outer import OuterConfig, make_outer
-from hlbp.peer.rounds.overlap import landing_shift, phase_start, proxy_step
+from hlbp.peer.rounds.overlap import Previewed, landing_shift, phase_start, proxy_step
 from hlbp.peer.sim.engine import EngineConfig, make_full_replicas, run_outer_simulation
 from hlbp.peer.train.trainer import OptimConfig
 from hlbp.protocol.sparse import decompress
@@ -39,6 +39,29 @@ def test_eager_start_is_the_late_global_moved_by_the_own_sent_contribution_at_it
     assert torch.allclose(proxy_step(dl, dense, 2)["w"], 0.7 * 1.9 / 2 * dense.tensors["w"])
     with pytest.raises(ValueError):
         phase_start("late", cfg, late, own, 4)
+
+
+def test_starts_and_previews_are_views_equal_bit_for_bit_to_the_copies_they_replace() -> None:
+    """Eager's start, a preview and a landing are made one parameter at a time when read (no copy of the model is
+    held): each read equals, bit for bit, what subtracting in place or applying the whole round gave."""
+    cfg = OuterConfig(k=64, alpha=0.8, aggregation="selectors")
+    late, own = _own(cfg)
+    start = phase_start("eager", cfg, late, own, 4)
+    for n in late:
+        eager = late[n].clone()
+        eager.sub_(proxy_step(cfg, own, 4)[n])
+        assert torch.equal(start[n], eager)
+    assert sorted(start) == sorted(late) and len(start) == len(late)
+    assert phase_start("none", cfg, late, own, 4)["w"] is late["w"]  # shared, not copied
+    _, other = _own(OuterConfig(k=32, alpha=0.8, aggregation="selectors"))
+    for clip in (False, True):  # median clipping decides weights over every name of the shard
+        outer = make_outer(OuterConfig(k=64, alpha=0.8, aggregation="selectors", clip_median=clip))
+        whole = outer.apply(late, [own, other, own])
+        view = Previewed({**late, "x": torch.ones(3)}, [(outer, [own, other, own], ["w", "n"])])
+        assert all(torch.equal(view[n], whole[n]) for n in late) and torch.equal(view["x"], torch.ones(3))
+        assert all(torch.equal(outer.applied(late, [own, other, own], n), whole[n]) for n in late)
+    shift = landing_shift(start, whole)
+    assert all(torch.equal(shift[n], whole[n] - start[n]) for n in late)
 
 
 def test_landing_keeps_the_inner_progress_and_replaces_the_start() -> None:
