@@ -25,3 +25,28 @@ def test_the_first_baseline_mark_wins_and_the_snapshot_carries_it() -> None:
     snap = memory.snapshot()
     assert snap["base_host_bytes"] == first and snap["peak_host_bytes"] >= first
     assert snap["peak_device_bytes"] == (torch.cuda.max_memory_allocated() if torch.cuda.is_initialized() else 0)
+
+
+def _held_after_free(mapped: bool) -> str:
+    """In a fresh process: free a 16 MiB buffer (glibc's adaptive threshold rises to its size), then allocate and
+    touch 8 MiB, keep a small tensor allocated after it and free the 8 MiB; print whether mapping was set and whether
+    those 8 MiB are still resident (a hole below a live allocation, which trimming the heap's top cannot return)."""
+    import subprocess
+
+    code = ("from hlbp.peer.common import memory; import torch;"
+            f"ok = memory.map_large_allocations() if {mapped} else None;"
+            "a = torch.ones(4 << 20); del a; before = memory.current_host_bytes();"
+            "b = torch.ones(2 << 20); keep = torch.ones(1 << 16); del b;"
+            "print(ok, memory.current_host_bytes() - before > 4 << 20)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    return " ".join(out.stdout.split()[-2:])
+
+
+def test_large_allocations_mapped_on_their_own_go_back_when_freed() -> None:
+    """What a peer training on a GPU sets: an 8 MiB buffer freed after a larger one is returned at once, where
+    glibc's adaptive threshold keeps it (the control, so that the test can tell the two apart)."""
+    if not sys.platform.startswith("linux"):
+        assert _held_after_free(True) == "False False"
+        return
+    assert _held_after_free(False) == "None True"
+    assert _held_after_free(True) == "True False"
