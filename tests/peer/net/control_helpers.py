@@ -7,16 +7,19 @@ deadline, never by sleeping for a fixed time.
 
 from __future__ import annotations
 
+import contextlib
 import re
 import signal
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 from hlbp.peer.sim.launcher import LOOPBACK, PeerProcess, poll
 from hlbp.peer.sim.zygote import shared_zygote
 
-__all__ = ["LOOPBACK", "Proc", "free_tcp_port", "joiner_peer_id", "poll", "start_bootstrap", "start_joiner", "write_run"]
+__all__ = ["LOOPBACK", "Proc", "free_tcp_port", "joiner_peer_id", "poll", "start_bootstrap", "start_joiner", "transport_pair",
+           "write_run"]
 
 
 class Proc(PeerProcess):
@@ -86,3 +89,24 @@ def joiner_peer_id(proc: Proc) -> str:
     return proc.wait_for(r"^connected as (\S+)").group(1)
 
 
+
+
+@contextlib.contextmanager
+def transport_pair(**holder_options: Any) -> Iterator[tuple[Any, Any]]:
+    """A holder and an asker: blob transports on two DHTs (each with its p2pd) on 127.0.0.1, the asker bootstrapped
+    from the holder; ``holder_options`` go to the holder's transport. Everything is closed at the end."""
+    import hivemind
+
+    from hlbp.peer.net.transport import P2PBlobTransport
+
+    holder_dht = hivemind.DHT(start=True, host_maddrs=[LOOPBACK])
+    asker_dht = hivemind.DHT(start=True, host_maddrs=[LOOPBACK],
+                             initial_peers=[str(m) for m in holder_dht.get_visible_maddrs()])
+    holder, asker = P2PBlobTransport(holder_dht, **holder_options), P2PBlobTransport(asker_dht)
+    try:
+        yield holder, asker
+    finally:
+        for t in (holder, asker):
+            t.close()
+        for d in (asker_dht, holder_dht):
+            d.shutdown()

@@ -16,12 +16,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
+from control_helpers import transport_pair
 
 from hlbp.peer.net.blobstore import BlobStore
 from hlbp.peer.net.transport import P2PBlobTransport, TransportError
 from hlbp.peer.rounds.statesync import ServedState, encode_state, parse_state
-
-LOCAL = ["/ip4/127.0.0.1/tcp/0"]
 
 
 def test_the_store_serves_a_lazy_name_until_it_is_dropped_or_put_as_bytes() -> None:
@@ -51,19 +50,8 @@ def test_served_state_lives_as_long_as_the_rounds_tensors() -> None:
 
 @pytest.fixture(scope="module")
 def pair() -> Iterator[tuple[P2PBlobTransport, P2PBlobTransport]]:
-    import hivemind
-
-    holder_dht = hivemind.DHT(start=True, host_maddrs=LOCAL)
-    asker_dht = hivemind.DHT(start=True, host_maddrs=LOCAL,
-                             initial_peers=[str(m) for m in holder_dht.get_visible_maddrs()])
-    holder, asker = P2PBlobTransport(holder_dht), P2PBlobTransport(asker_dht)
-    try:
-        yield holder, asker
-    finally:
-        for t in (holder, asker):
-            t.close()
-        for d in (asker_dht, holder_dht):
-            d.shutdown()
+    with transport_pair() as both:
+        yield both
 
 
 @pytest.mark.slow

@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
+from control_helpers import transport_pair
 
 from hlbp.peer.net import transport as tr
 from hlbp.peer.net.transport import P2PBlobTransport, TransportError
@@ -21,25 +22,13 @@ from hlbp.peer.sim.launcher import poll
 
 pytestmark = pytest.mark.slow
 
-LOCAL = ["/ip4/127.0.0.1/tcp/0"]
 BLOB = bytes(range(256)) * 64
 
 
 @pytest.fixture(scope="module")
 def pair() -> Iterator[tuple[P2PBlobTransport, P2PBlobTransport]]:
-    import hivemind
-
-    holder_dht = hivemind.DHT(start=True, host_maddrs=LOCAL)
-    asker_dht = hivemind.DHT(start=True, host_maddrs=LOCAL,
-                             initial_peers=[str(m) for m in holder_dht.get_visible_maddrs()])
-    holder, asker = P2PBlobTransport(holder_dht, hold_s=3.0), P2PBlobTransport(asker_dht)
-    try:
-        yield holder, asker
-    finally:
-        for t in (holder, asker):
-            t.close()
-        for d in (asker_dht, holder_dht):
-            d.shutdown()
+    with transport_pair(hold_s=3.0) as both:
+        yield both
 
 
 def _ask(asker: P2PBlobTransport, holder: P2PBlobTransport, name: str, pool: ThreadPoolExecutor) -> Any:
