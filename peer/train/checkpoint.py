@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from hlbp.peer.common.errors import UserInputError
 from hlbp.peer.common.files import atomic_path
@@ -43,14 +43,39 @@ def tensors_digest(tensors: dict[str, torch.Tensor]) -> str:
     return h.hexdigest()
 
 
+_ST_DTYPE = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+             torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+             torch.bool: "BOOL"}
+"""safetensors' name of each dtype a checkpoint may hold."""
+
+
 def save_checkpoint(path: Path, tensors: dict[str, torch.Tensor], header: dict[str, Any]) -> None:
     """Save tensors and a JSON-serialisable header atomically (temporary file, fsync, rename), with the tensors'
-    checksum (:func:`tensors_digest`) in the metadata."""
-    cpu = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
-    meta = {"format": FORMAT, "version": str(FORMAT_VERSION), "header": json.dumps(header, sort_keys=True),
-            "sha256": tensors_digest(cpu)}
-    with atomic_path(Path(path)) as tmp:
-        save_file(cpu, str(tmp), metadata=meta)
+    checksum (:func:`tensors_digest`) in the metadata.
+
+    The safetensors file is written one tensor at a time: a tensor on a GPU is copied to the host only while it is
+    hashed and while it is written, so saving a model and its AdamW state never holds them on the host whole
+    (12 bytes per parameter beside a GPU; docs/design.md, "Memory per parameter")."""
+    names = sorted(tensors)
+    entries: dict[str, Any] = {}
+    offset = 0
+    for name in names:
+        t = tensors[name]
+        if t.dtype not in _ST_DTYPE:
+            raise ValueError(f"tensor {name} has dtype {t.dtype}, which a checkpoint does not hold")
+        size = t.numel() * t.element_size()
+        entries[name] = {"dtype": _ST_DTYPE[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    entries["__metadata__"] = {"format": FORMAT, "version": str(FORMAT_VERSION),
+                               "header": json.dumps(header, sort_keys=True), "sha256": tensors_digest(tensors)}
+    head = json.dumps(entries, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)  # the data starts 8-byte aligned
+    with atomic_path(Path(path)) as tmp, open(tmp, "wb") as f:
+        f.write(len(head).to_bytes(8, "little"))
+        f.write(head)
+        for name in names:
+            host = tensors[name].detach().contiguous().cpu()
+            f.write(host.reshape(-1).view(torch.uint8).numpy().data)
 
 
 def _read_prefix(path: Path) -> bytes:

@@ -92,3 +92,27 @@ def test_a_truncated_checkpoint_is_a_user_error(ckpt):
     ckpt.write_bytes(ckpt.read_bytes()[:-5])
     with pytest.raises(UserInputError, match="delete it"):
         load_checkpoint(ckpt)
+
+
+def test_a_checkpoint_written_a_tensor_at_a_time_loads_bit_for_bit(tmp_path):
+    """save_checkpoint writes the safetensors file itself, one tensor at a time; safetensors' own reader and ours
+    load every dtype a checkpoint holds exactly, empty tensors included, with the header and checksum."""
+    g = torch.Generator().manual_seed(3)
+    tensors = {
+        "model.w": torch.randn(5, 7, generator=g),
+        "model.half": torch.randn(3, generator=g).to(torch.bfloat16),
+        "optim.0.step": torch.tensor(12.0),
+        "optim.1.count": torch.arange(4, dtype=torch.int64),
+        "mask": torch.tensor([True, False, True]),
+        "empty": torch.zeros(0, 4),
+        "strided": torch.randn(6, 4, generator=g).t(),  # not contiguous
+    }
+    path = tmp_path / "c.safetensors"
+    save_checkpoint(path, tensors, {"step": 12, "note": "x"})
+    loaded, header = load_checkpoint(path)
+    assert header == {"step": 12, "note": "x"} and sorted(loaded) == sorted(tensors)
+    for name, t in tensors.items():
+        assert loaded[name].dtype == t.dtype and torch.equal(loaded[name], t), name
+    with pytest.raises(ValueError, match="complex"):
+        save_checkpoint(tmp_path / "d.safetensors", {"z": torch.zeros(2, dtype=torch.complex64)}, {})
+    assert not (tmp_path / "d.safetensors").exists()
