@@ -4,7 +4,8 @@ For each model preset a loopback run (``hlbp simulate``'s launcher) of full repl
 few overlapped rounds; every peer's round records carry its process's peak resident set, the baseline it had just
 before building its model (interpreter, torch, hivemind, the DHT: a few hundred MiB whatever the model), and the
 parameters it trains (``hlbp.peer.common.memory``). The budget is ``(peak - baseline) / parameters``, per role:
-a full replica trains every parameter, a stage peer its stage's (and keeps a copy of the shards it follows).
+a full replica trains every parameter, a stage peer its stage's (and keeps a copy of the shards it follows). Every
+peer saves its checkpoint after every round, so the peak includes a save (a real run saves every 5 minutes).
 
 The projection for larger presets multiplies the largest measured preset's budget by their parameter counts (built
 on the meta device: no memory) and adds the measured baseline, to say whether a full replica fits a host.
@@ -88,7 +89,7 @@ def preset_run(cfg: MemoryBenchConfig, preset: str, workdir: Path) -> dict[str, 
     sim = SimConfig(n_full=cfg.full, n_swarms=1, n_stages=cfg.stages, model=preset, rounds=cfg.rounds,
                     inner_steps=cfg.inner_steps, batch_size=cfg.batch_size, seq_len=cfg.seq_len, overlap=cfg.overlap,
                     seed=cfg.seed, threads=1, run_id=f"memory-{preset}", startup_timeout_s=600.0,
-                    max_deadline_s=120.0, round_deadline_s=30.0)
+                    max_deadline_s=120.0, round_deadline_s=30.0, checkpoint_every_s=0.0)
     report = run_simulation(sim, workdir, cfg.timeout_s)
     memory = peak_memory(report["rounds"])
     return {

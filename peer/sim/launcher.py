@@ -93,6 +93,7 @@ class SimConfig:
     swarm_wan_delay_ms: float | None = None  # the swarms' stage peers' links (None: as the full replicas')
     swarm_wan_mbps: float | None = None
     schedule_steps: int | None = None  # the inner lr schedule's length on every peer (None: rounds x H, the run)
+    checkpoint_every_s: float | None = None  # every peer's --checkpoint-every (None: join's default; 0: every round)
 
     @property
     def schedule_total(self) -> int:
@@ -317,6 +318,8 @@ class Swarm:
         args = ["join", "--initial-peers", self.maddr, *self._listen("--stage" in role_flags, listen), "--identity", str(identity),
                 "--bandwidth", "1e8", "--reachability", "public", "--threads", str(self.cfg.threads),
                 "--out-dir", str(out_dir), "--ttl", str(self.cfg.ttl_s), *role_flags]
+        if self.cfg.checkpoint_every_s is not None:
+            args += ["--checkpoint-every", str(self.cfg.checkpoint_every_s)]
         peer = Replica(name, identity, out_dir, self._spawn(name, args, program), old.peer_id if old else "")
         self.replicas[name] = peer
         return peer
