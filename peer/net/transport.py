@@ -14,8 +14,9 @@ with the sender's authenticated peer id, to its ``on_push`` callback. Rounds pus
 round's members this way instead of leaving them to find them by polling the DHT (:mod:`hlbp.peer.rounds.inbox`).
 
 A request for a name this peer is itself fetching right now (inside :meth:`P2PBlobTransport.sharing`) waits for
-that fetch, up to ``hold_s`` and with at most :data:`MAX_WAITERS` requests waiting at once, instead of answering
-"not here" and sending the requester on to another holder. Rounds fetch a payload down a tree
+that fetch (:mod:`hlbp.peer.net.answers` decides which bytes answer a request), up to ``hold_s`` and with at most
+:data:`~hlbp.peer.net.answers.MAX_WAITERS` requests waiting at once, instead of answering "not here" and sending the
+requester on to another holder. Rounds fetch a payload down a tree
 (:mod:`hlbp.peer.rounds.spread`): a peer asks only its ancestors, so waits chain up the tree towards the sender,
 which always holds it; two peers that count the run's peers differently can ask each other, and then each wait
 ends after ``hold_s`` and both move up their chains.
@@ -35,6 +36,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import msgpack
 
+from hlbp.peer.net.answers import Answers
 from hlbp.peer.net.blobstore import BlobStore, Maker
 from hlbp.peer.net.ratelimit import RateLimiter
 from hlbp.protocol import ProtocolError
@@ -57,7 +59,6 @@ STATE_RATE, STATE_BURST = 0.5, 32.0
 STATE_PREFIX = "s/"  # the names of state shards (hlbp.peer.rounds.statesync.state_name)
 MAX_HEADER = 4096
 MAX_NAME = 256
-MAX_WAITERS = 64  # requests held open at once while our own fetch of their name finishes
 _LEN = struct.Struct(">I")
 
 
@@ -143,8 +144,6 @@ class P2PBlobTransport:
         # how long a request for a name we are fetching waits for it: under the 6 s a round gives a holder
         # (RoundConfig.fetch_timeout_s / 5), so the requester still hears "not here" and moves on in time
         self.hold_s = hold_s
-        self._wakers: dict[str, asyncio.Event] = {}  # name -> event of the requests waiting for it (loop only)
-        self._waiters = 0  # requests waiting right now (loop only)
         self.cancel = cancel  # once set (the peer is leaving), every fetch under way or to come fails at once
         self.allowed = allowed  # closed runs: which peer ids may fetch from us (None: anyone)
         self.bytes_served = 0
@@ -159,10 +158,8 @@ class P2PBlobTransport:
         self.pushes_sent = 0
         self.push_failures = 0
         self.store = BlobStore()  # what we serve, and the names we are fetching ourselves
-        # the bytes of a lazy blob being sent, shared by the requests that overlap (loop only):
-        # name -> [future of the bytes, requests holding them]
-        self._making: dict[str, list[Any]] = {}
         self._loop = asyncio.new_event_loop()
+        self.answers = Answers(self.store, self._loop, hold_s)  # which bytes a request is answered with
         self._thread = threading.Thread(target=self._loop.run_forever, name="hlbp-transport", daemon=True)
         self._thread.start()
         self._p2p = self._run(self._start(dht), timeout=30)
@@ -283,12 +280,8 @@ class P2PBlobTransport:
                 writer.write(_frame({"error": "too many state requests"}))
                 await writer.drain()
                 return
-            data, shared, make = self.store.lookup(name)
-            if data is None and make is not None:
-                made = name
-                data = await self._made(name, make)
-            if data is None and shared and self._waiters < MAX_WAITERS:
-                data = await self._await_shared(name)
+            data, holds = await self.answers.find(name)
+            made = name if holds else None
             if data is None:
                 writer.write(_frame({"error": "not here"}))
             else:
@@ -301,59 +294,8 @@ class P2PBlobTransport:
             logger.debug("blob request from %s failed: %s", getattr(info, "peer_id", "?"), e)
         finally:
             if made is not None:
-                self._release(made)
+                self.answers.release(made)
             writer.close()
-
-    async def _made(self, name: str, make: Maker) -> bytes | None:
-        """The bytes of the lazy blob ``name``, made in a worker thread (not on the loop: a large model's shard takes
-        seconds to encode) once for all the requests that overlap; None when the maker has nothing or fails. Each
-        call is paired with one :meth:`_release`."""
-        entry = self._making.get(name)
-        if entry is None:
-            entry = self._making[name] = [self._loop.run_in_executor(None, make), 0]
-        entry[1] += 1
-        try:
-            return await asyncio.shield(entry[0])
-        except Exception as exc:  # noqa: BLE001 - a maker's failure is a "not here", never the transport's end
-            logger.warning("could not make %s to serve it: %s", name, exc)
-            return None
-
-    def _release(self, name: str) -> None:
-        """One request of the lazy blob ``name`` is done: the last one lets its bytes go."""
-        entry = self._making.get(name)
-        if entry is not None:
-            entry[1] -= 1
-            if entry[1] <= 0:
-                del self._making[name]
-
-    async def _await_shared(self, name: str) -> bytes | None:
-        """The blob ``name`` once our own fetch of it is put, or None when that fetch ends without it or
-        ``hold_s`` passes."""
-        self._waiters += 1
-        try:
-            end = self._loop.time() + self.hold_s
-            while True:
-                data, shared, _ = self.store.lookup(name)
-                left = end - self._loop.time()
-                if data is not None or not shared or left <= 0:
-                    return data
-                try:  # no await between the check and here: a wake-up scheduled after it cannot be missed
-                    await asyncio.wait_for(self._wakers.setdefault(name, asyncio.Event()).wait(), left)
-                except TimeoutError:
-                    pass
-        finally:
-            self._waiters -= 1
-
-    def _wake(self, name: str) -> None:
-        def wake() -> None:
-            event = self._wakers.pop(name, None)
-            if event is not None:
-                event.set()
-
-        try:
-            self._loop.call_soon_threadsafe(wake)
-        except RuntimeError:  # the loop is closed: nobody is waiting any more
-            pass
 
     @contextmanager
     def sharing(self, name: str) -> Iterator[None]:
@@ -364,13 +306,13 @@ class P2PBlobTransport:
             yield
         finally:
             self.store.end_sharing(name)
-            self._wake(name)
+            self.answers.wake(name)
 
     def put(self, name: str, data: bytes) -> None:
         if len(name) > MAX_NAME:
             raise ValueError(f"blob name longer than {MAX_NAME}")
         if self.store.put(name, data):
-            self._wake(name)
+            self.answers.wake(name)
 
     def put_lazy(self, name: str, make: Maker) -> None:
         """Serve ``name`` by calling ``make`` in a worker thread when it is requested (None from it: "not here")."""

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 from control_helpers import transport_pair
 
-from hlbp.peer.net import transport as tr
+from hlbp.peer.net import answers
 from hlbp.peer.net.transport import P2PBlobTransport, TransportError
 from hlbp.peer.sim.launcher import poll
 
@@ -49,7 +49,7 @@ def test_a_request_waits_for_the_holders_fetch_and_gets_the_blob(pair) -> None:
         asker.fetch(holder.peer_id, "a", 1 << 20, 10.0)
     with ThreadPoolExecutor(2) as pool, holder.sharing("a"):
         pending = _ask(asker, holder, "a", pool)
-        poll(lambda: holder._waiters == 1, 20, "the request to wait at the holder")
+        poll(lambda: holder.answers.waiting == 1, 20, "the request to wait at the holder")
         holder.put("a", BLOB)
         got, _ = _outcome(pending)
     assert got == BLOB
@@ -60,22 +60,22 @@ def test_a_fetch_that_ends_without_the_blob_releases_the_request_at_once(pair) -
     with ThreadPoolExecutor(2) as pool:
         with holder.sharing("b"):
             pending = _ask(asker, holder, "b", pool)
-            poll(lambda: holder._waiters == 1, 20, "the request to wait at the holder")
+            poll(lambda: holder.answers.waiting == 1, 20, "the request to wait at the holder")
         got, waited = _outcome(pending)
     assert isinstance(got, str) and "has no b" in got and waited < holder.hold_s, (got, waited)
 
 
 def test_a_request_waits_at_most_hold_s_and_waiters_are_capped(pair, monkeypatch) -> None:
     holder, asker = pair
-    monkeypatch.setattr(tr, "MAX_WAITERS", 1)
+    monkeypatch.setattr(answers, "MAX_WAITERS", 1)
     with ThreadPoolExecutor(3) as pool, holder.sharing("c"):
         t0 = time.monotonic()
         first = _ask(asker, holder, "c", pool)
-        poll(lambda: holder._waiters == 1, 20, "the first request to wait at the holder")
+        poll(lambda: holder.answers.waiting == 1, 20, "the first request to wait at the holder")
         second, waited = _outcome(_ask(asker, holder, "c", pool))  # over the cap: "not here" without waiting
         assert isinstance(second, str) and "has no c" in second and waited < 1.0, (second, waited)
         got, _ = _outcome(first)
         elapsed = time.monotonic() - t0
     assert isinstance(got, str) and "has no c" in got, got
     assert holder.hold_s - 0.5 <= elapsed < holder.hold_s + 3.0, elapsed
-    assert holder._waiters == 0
+    assert holder.answers.waiting == 0
