@@ -175,28 +175,38 @@ class SparseLoCo(OuterOptimizer):
         """The combined pseudo-gradient Δ per parameter (zero where no contribution selected anything)."""
         return dict(self.aggregated(contributions, names))
 
-    def aggregated(self, contributions: Sequence[Contribution], names: Sequence[str], only: str | None = None
-                   ) -> Iterator[tuple[str, torch.Tensor]]:
-        """:meth:`aggregate` one parameter at a time: the weights (and median clipping) are decided over every
-        name first, from the sparse values alone, then each dense Δ is made when it is asked for, so the caller
-        holds one parameter's Δ at a time, not the model's (docs/design.md, "Memory"). ``only``: yield that one
-        parameter's Δ alone (the weights still decided over ``names``)."""
+    def _values(self, contributions: Sequence[Contribution], name: str) -> list[torch.Tensor]:
+        """The contributions' values of one tensor, clamped to the median's largest magnitude under clipping."""
+        values = [c.tensors[name].dense_values() for c in contributions]
+        return _clip_values(values) if self.config.clip_median and len(contributions) > 1 else values
+
+    def weights(self, contributions: Sequence[Contribution], names: Sequence[str]) -> list[float]:
+        """Each contribution's weight in the round over ``names``: equal or by tokens, and under median clipping
+        scaled down to the median contribution norm, which is taken over every name (from the sparse values)."""
         cfg = self.config
         w = _weights(contributions, cfg.token_weighted, cfg.max_tokens)
-        values = {name: [c.tensors[name].dense_values() for c in contributions] for name in names}
         if cfg.clip_median and len(contributions) > 1:
-            values = {name: _clip_values(vs) for name, vs in values.items()}
+            values = {name: self._values(contributions, name) for name in names}
             norms = [math.sqrt(sum(float(values[name][i].double().pow(2).sum()) for name in names))
                      for i in range(len(contributions))]
             median = float(torch.tensor(norms, dtype=torch.float64).median())
             w = [wi * (min(1.0, median / n) if n > 0 else 1.0) for wi, n in zip(w, norms)]
+        return w
+
+    def aggregated(self, contributions: Sequence[Contribution], names: Sequence[str],
+                   weights: Sequence[float] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """:meth:`aggregate` one parameter at a time: the weights (and median clipping) are decided over every
+        name first (:meth:`weights`; given: decided before over the shard), then each dense Δ is made when it is
+        asked for, so the caller holds one parameter's Δ at a time, not the model's (docs/design.md, "Memory")."""
+        cfg = self.config
+        w = list(weights) if weights is not None else self.weights(contributions, names)
         total = sum(_weights(contributions, cfg.token_weighted, cfg.max_tokens))
-        for name in names if only is None else [only]:
+        for name in names:
             ref = contributions[0].tensors[name]
             numel = math.prod(ref.shape)
             num = torch.zeros(numel, dtype=torch.float32)
             den = torch.zeros(numel, dtype=torch.float32)
-            for wi, c, v in zip(w, contributions, values[name]):
+            for wi, c, v in zip(w, contributions, self._values(contributions, name)):
                 idx = c.tensors[name].flat_indices()
                 num.index_add_(0, idx, v * wi)
                 if cfg.aggregation == "selectors":
@@ -213,13 +223,16 @@ class SparseLoCo(OuterOptimizer):
         return {n: anchor[n].detach().float().cpu() - self.config.alpha * delta
                 for n, delta in self.aggregated(contributions, list(anchor))}
 
-    def applied(self, anchor: Tensors, contributions: Sequence[Contribution], name: str) -> torch.Tensor:
-        """One parameter of :meth:`apply`'s result, bit for bit (the weights are decided over every name as there),
-        for a view that makes the result one parameter at a time (``hlbp.peer.rounds.overlap.Applied``)."""
+    def applied(self, anchor: Tensors, contributions: Sequence[Contribution], name: str,
+                weights: Sequence[float] | None = None) -> torch.Tensor:
+        """One parameter of :meth:`apply`'s result, bit for bit, for a view that makes the result one parameter at
+        a time (``hlbp.peer.rounds.overlap.Previewed``). ``weights``: :meth:`weights` over ``anchor``'s names,
+        decided once by the caller; without them they are decided here, over every name, for this one read."""
         t = anchor[name].detach().float().cpu()
         if not contributions:
             return t.clone()
-        for _, delta in self.aggregated(contributions, list(anchor), only=name):
+        w = weights if weights is not None else self.weights(contributions, list(anchor))
+        for _, delta in self.aggregated(contributions, [name], weights=w):
             return t - self.config.alpha * delta
         raise KeyError(name)
 

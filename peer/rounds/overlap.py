@@ -104,13 +104,16 @@ class Previewed(Mapping[str, torch.Tensor]):
         self._parts = [(outer, contributions, {n: self._anchor[n] for n in names}) for outer, contributions, names
                        in parts]
         self._part = {n: i for i, (_, _, shard) in enumerate(self._parts) for n in shard}
+        self._weights: dict[int, list[float]] = {}  # per part, decided at its first read (over its every name)
 
     def __getitem__(self, name: str) -> torch.Tensor:
         i = self._part.get(name)
         if i is None:
             return self._anchor[name]
         outer, contributions, shard = self._parts[i]
-        return outer.applied(shard, contributions, name)
+        if i not in self._weights and contributions:
+            self._weights[i] = outer.weights(contributions, list(shard))
+        return outer.applied(shard, contributions, name, self._weights.get(i))
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._anchor)
