@@ -17,6 +17,7 @@ refused after reading 4 bytes.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import re
 import struct
 from dataclasses import dataclass, field
@@ -44,6 +45,10 @@ MAX_HEADER = 4096
 MAX_ROUTE = 32
 """Most stages after the receiver that a route may name."""
 MAX_MICROBATCHES = 4096
+SIG_BYTES = 64  # an Ed25519 signature
+SIGNED_OPS = frozenset({"fwd", "bwd"})
+"""Ops whose sender signs what it sends (:func:`frame_commitment`): the frames an audit recomputes."""
+_COMMITMENT = b"hlbp-stage-frame-v1\x00"
 LENGTH = struct.Struct(">I")
 _PEER = re.compile(r"[1-9A-HJ-NP-Za-km-z]{1,128}")  # base58, as a libp2p peer id prints
 _ID_DTYPES = {2: "<u2", 4: "<u4"}
@@ -88,6 +93,9 @@ class StageMessage:
     busy: tuple[float, ...] = field(default=())  # bwd/loss: seconds each stage computed for this micro-batch
     tokens: int = 0  # finish/done: tokens of the step (what a stage's round contribution is weighted by)
     round_end: bool = False  # finish/done: the swarm's last inner step of the round; stages contribute after it
+    round: int = 0  # fwd/bwd: the outer round whose inner phase the step belongs to (the driver's count)
+    inner: int = 0  # fwd/bwd: steps the swarm applied in that phase before this one (0: weights at the anchor)
+    sig: bytes = b""  # fwd/bwd: the sender's Ed25519 signature over :func:`frame_commitment` of this hop
 
 
 def _route(body: dict[str, Any]) -> tuple[str, ...]:
@@ -110,6 +118,13 @@ def _reason(body: dict[str, Any]) -> Reason:
         return Reason(value)
     except ValueError:
         raise ProtocolError(f"stage message has an unknown reason code {value}") from None
+
+
+def _sig(body: dict[str, Any]) -> bytes:
+    value = body.get("sig", b"")
+    if not isinstance(value, bytes) or len(value) not in (0, SIG_BYTES):
+        raise ProtocolError(f"stage message sig must be {SIG_BYTES} bytes")
+    return value
 
 
 def parse_header(obj: Any) -> StageMessage:
@@ -140,6 +155,9 @@ def parse_header(obj: Any) -> StageMessage:
         busy=_busy(obj),
         tokens=_int(obj, "tokens", 0, 1 << 40, 0),
         round_end=_bool(obj, "round_end", False),
+        round=_int(obj, "round", 0, 2**40, 0),
+        inner=_int(obj, "inner", 0, 1 << 20, 0),
+        sig=_sig(obj),
     )
 
 
@@ -165,6 +183,17 @@ def encode_message(msg: StageMessage, body: bytes = b"") -> bytes:
     if len(head) > MAX_HEADER:
         raise ValueError(f"stage message header of {len(head)} bytes exceeds {MAX_HEADER}")
     return b"".join((LENGTH.pack(len(head)), head, LENGTH.pack(len(body)), body))
+
+
+def frame_commitment(msg: StageMessage, body: bytes) -> bytes:
+    """The bytes a stage peer signs for one ``fwd`` or ``bwd`` hop: which micro-batch of which step and round it
+    belongs to, the fields that change what the receiver computes (the loss weight; the loss it reports), and the
+    SHA-256 of the body. The route and the busy times are left out: each hop changes them, and they change no
+    number of the step. A signature over this binds its sender to the frame for good: an auditor holding the frame
+    and the signature needs nothing else to show what that peer sent."""
+    fields = [msg.op, msg.session, msg.step, msg.mb, msg.attempt, msg.round, msg.inner, msg.weight, msg.loss,
+              hashlib.sha256(body).digest()]
+    return _COMMITMENT + msgpack.packb(fields, use_bin_type=True)
 
 
 def header_length(data: bytes) -> int:

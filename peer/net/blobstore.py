@@ -12,6 +12,8 @@ from collections.abc import Callable, Iterable
 
 Maker = Callable[[], "bytes | None"]
 """Makes a lazy blob's bytes when it is requested; None: it has nothing to serve any more."""
+Resolver = Callable[[str], "bytes | None"]
+"""Makes the bytes of any name under a prefix when it is requested (the name is untrusted); None: "not here"."""
 
 
 class BlobStore:
@@ -24,6 +26,7 @@ class BlobStore:
     def __init__(self) -> None:
         self._blobs: dict[str, bytes] = {}
         self._lazy: dict[str, Maker] = {}
+        self._prefixes: dict[str, Resolver] = {}
         self._sharing: dict[str, int] = {}  # name -> our fetches of it under way
         self._lock = threading.Lock()
 
@@ -31,7 +34,12 @@ class BlobStore:
         """The blob ``name`` if it is here as bytes, whether a fetch of it is under way, and its maker if it is
         served lazily."""
         with self._lock:
-            return self._blobs.get(name), name in self._sharing, self._lazy.get(name)
+            make = self._lazy.get(name)
+            if make is None and name not in self._blobs:
+                resolve = next((f for p, f in self._prefixes.items() if name.startswith(p)), None)
+                if resolve is not None:
+                    make = lambda: resolve(name)
+            return self._blobs.get(name), name in self._sharing, make
 
     def begin_sharing(self, name: str) -> None:
         """A fetch of ``name`` started."""
@@ -57,6 +65,12 @@ class BlobStore:
         with self._lock:
             self._lazy[name] = make
             self._blobs.pop(name, None)
+
+    def put_lazy_prefix(self, prefix: str, resolve: Resolver) -> None:
+        """Serve every name that starts with ``prefix`` (and is not held otherwise) by ``resolve(name)`` when it is
+        requested: a store of many small items (a swarm's transcript) answers without a name per item here."""
+        with self._lock:
+            self._prefixes[prefix] = resolve
 
     def get(self, name: str) -> bytes | None:
         with self._lock:

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import msgpack
 
 from hlbp.peer.net.answers import Answers
-from hlbp.peer.net.blobstore import BlobStore, Maker
+from hlbp.peer.net.blobstore import BlobStore, Maker, Resolver
 from hlbp.peer.net.ratelimit import RateLimiter
 from hlbp.protocol import ProtocolError
 
@@ -90,6 +90,8 @@ class BlobTransport(Protocol):
     def put(self, name: str, data: bytes) -> None: ...
 
     def put_lazy(self, name: str, make: Maker) -> None: ...
+
+    def put_lazy_prefix(self, prefix: str, resolve: Resolver) -> None: ...
 
     def get(self, name: str) -> bytes | None: ...
 
@@ -319,6 +321,10 @@ class P2PBlobTransport:
         if len(name) > MAX_NAME:
             raise ValueError(f"blob name longer than {MAX_NAME}")
         self.store.put_lazy(name, make)
+
+    def put_lazy_prefix(self, prefix: str, resolve: Resolver) -> None:
+        """Serve every name under ``prefix`` by ``resolve(name)`` in a worker thread when it is requested."""
+        self.store.put_lazy_prefix(prefix, resolve)
 
     def get(self, name: str) -> bytes | None:
         return self.store.get(name)

@@ -47,6 +47,7 @@ from hlbp.peer.swarm.gate import RoundGate
 from hlbp.peer.swarm.phase import PhaseConfig, StepLimitReached, SwarmPhase, driver_report
 from hlbp.peer.swarm.routing import Candidate
 from hlbp.peer.swarm.server import StageServer
+from hlbp.peer.swarm.transcript import Notary
 from hlbp.peer.swarm.worker import StageWorker
 from hlbp.peer.train.checkpoint import (
     load_checkpoint,
@@ -57,6 +58,7 @@ from hlbp.peer.train.checkpoint import (
 from hlbp.peer.train.export import ModelInfo, write_model_info
 from hlbp.peer.train.metricslog import MetricsLog
 from hlbp.peer.train.trainer import lr_at, pick_device
+from hlbp.protocol.transcript import AUDIT_PREFIX
 
 logger = logging.getLogger(__name__)
 
@@ -277,6 +279,8 @@ def _serve(ctx: TrainContext, options: StageOptions, worker: StageWorker, codec:
     phase: list[Callable[[int], tuple[int, int]]] = []
     runner, transport = make_stage_rounds(ctx, worker, config, lambda r: phase[0](r), metrics,
                                           options.checkpoint_every_s, on_round=_round_echo(echo, stage), codec=codec)
+    notary = Notary(ctx.peer.plane.identity)  # the frames this stage receives, signed, served to auditors
+    transport.put_lazy_prefix(AUDIT_PREFIX, notary.transcript.resolve)
     phase.append(serve_phase(runner, gate, worker, ctx.stop, dead_step_s=30.0))
 
     def rounds() -> None:
@@ -293,7 +297,8 @@ def _serve(ctx: TrainContext, options: StageOptions, worker: StageWorker, codec:
 
     server = StageServer(ctx.peer.plane.dht, worker, codec, vocab,
                          lambda p: view.may_call(p, stage),
-                         max_tokens=m.hparams.batch_size * m.hparams.seq_len, on_step=on_step, gate=gate)
+                         max_tokens=m.hparams.batch_size * m.hparams.seq_len, on_step=on_step, gate=gate,
+                         notary=notary)
     echo(f"serving stage {stage} as {server.peer_id}")
     thread = threading.Thread(target=rounds, name="hlbp-stage-rounds", daemon=True)
     try:
@@ -366,7 +371,8 @@ def _swarm_phase(ctx: TrainContext, options: StageOptions, worker: StageWorker, 
 
     cfg = DriverConfig(micro_batches=options.micro_batches, in_flight=options.in_flight, deadline_s=options.deadline_s)
     step_tokens = m.hparams.batch_size * m.hparams.seq_len
-    driver = Driver(peer.plane.dht, worker, codec, vocab, cfg, candidates, max_tokens=step_tokens, stop=ctx.stop)
+    driver = Driver(peer.plane.dht, worker, codec, vocab, cfg, candidates, max_tokens=step_tokens, stop=ctx.stop,
+                    notary=Notary(peer.plane.identity))
     optim = inner_schedule(m.hparams.lr, m.hparams.schedule_total)
     phase_cfg = PhaseConfig(inner_steps=m.hparams.inner_steps, step_tokens=step_tokens,
                             eval_every=options.eval_every, checkpoint_every_s=options.checkpoint_every_s,
@@ -402,6 +408,8 @@ def _drive(ctx: TrainContext, options: StageOptions, worker: StageWorker, codec:
     runner, transport = make_stage_rounds(ctx, worker, config, phase, metrics, options.checkpoint_every_s,
                                           evaluate=driving.score if driving.val else None,
                                           on_round=_round_echo(echo, 0), codec=codec)
+    if driving.driver.notary is not None:  # the frames the driver receives, signed, served to auditors
+        transport.put_lazy_prefix(AUDIT_PREFIX, driving.driver.notary.transcript.resolve)
     echo(f"driving swarm {peer.role.swarm}: {len(m.stages)} stages, {options.micro_batches} micro-batches per "
          f"step, {m.hparams.inner_steps} steps per round; rounds: {runner.start()}; at round {runner.round}")
     try:

@@ -55,6 +55,7 @@ from hlbp.peer.swarm.step import (
     StepState,
     micro_batches,
 )
+from hlbp.peer.swarm.transcript import Notary, sealed
 from hlbp.peer.swarm.worker import StageWorker, done_fault
 from hlbp.protocol import ProtocolError
 from hlbp.protocol.stagewire import Reason, StageMessage, encode_message, encode_targets
@@ -99,12 +100,13 @@ class Driver:
     """Stage 0 of a swarm; ``candidates()`` lists the announced peers of stages 1..S-1 (from the DHT)."""
 
     def __init__(self, dht: Any, worker: StageWorker, codec: ActivationCodec, vocab_size: int, cfg: DriverConfig,
-                 candidates: CandidatesFn, max_tokens: int, stop: Any = None) -> None:
+                 candidates: CandidatesFn, max_tokens: int, stop: Any = None, notary: Notary | None = None) -> None:
         if not worker.stage.is_first:
             raise ValueError("the driver holds the first stage")
         self.worker, self.codec, self.vocab_size, self.cfg = worker, codec, vocab_size, cfg
         self.candidates = candidates
         self.stop = stop
+        self.notary = notary  # signs the frames this driver sends, checks and keeps those it receives
         self.session = random.SystemRandom().randrange(1, 2**63 - 1)
         self.step_seq = 0
         self.chain: list[str] = []
@@ -120,6 +122,10 @@ class Driver:
     # --- loop thread: everything goes to the inbox --------------------------------------------------------------
 
     def _on_message(self, conn: Conn, msg: StageMessage, body: bytes) -> None:
+        fault = None if self.notary is None else self.notary.receive(conn.peer, msg, body)
+        if fault is not None:
+            self._on_bad(conn.peer, fault)
+            return
         try:
             answer = decode_answer(conn, msg, body)
         except UnexpectedMessage as exc:
@@ -197,15 +203,16 @@ class Driver:
 
     # --- one step ----------------------------------------------------------------------------------------------------
 
-    def _send(self, i: int, mb: MicroBatch, chain: list[str]) -> None:
+    def _send(self, i: int, step: StepState) -> None:
+        mb, chain = step.mbs[i], step.chain
         mb.attempt += 1
         mb.done = False
         out = self.worker.forward(i, mb.attempt, mb.x)
         data = self.codec.encode_forward(out, mb.x, i) + encode_targets(mb.y, self.vocab_size)
         msg = StageMessage("fwd", session=self.session, step=self.step_seq, mb=i, attempt=mb.attempt,
-                           route=tuple(chain[1:]), weight=mb.weight)
+                           route=tuple(chain[1:]), weight=mb.weight, round=step.round, inner=step.inner)
         mb.sent_at = time.monotonic()
-        self.links.dial(chain[0]).send(encode_message(msg, data))
+        self.links.dial(chain[0]).send(sealed(self.notary, msg, data))
 
     def _abandon(self, step_mbs: list[MicroBatch], cause: Abandon, reason: str) -> StepAbandoned:
         self.counters.steps_abandoned += 1
@@ -222,11 +229,14 @@ class Driver:
         return StepAbandoned(cause, reason)
 
     def train_step(self, x: torch.Tensor, y: torch.Tensor, opt_step: int, lr: float,
-                   round_end: bool = False, give_up: Callable[[], bool] | None = None) -> StepResult:
+                   round_end: bool = False, give_up: Callable[[], bool] | None = None, round_r: int = 0,
+                   inner: int = 0) -> StepResult:
         """One inner step on the batch (x, y) [batch, seq]; raises :class:`StepAbandoned` if it can't finish.
 
         ``round_end`` marks the swarm's last inner step of an outer round: every stage of the chain then stops
-        starting steps and contributes its shard's pseudo-gradient (hlbp.peer.swarm.gate). ``give_up()`` is asked
+        starting steps and contributes its shard's pseudo-gradient (hlbp.peer.swarm.gate). ``round_r`` and ``inner``
+        label every frame of the step (the outer round, and the steps applied in its phase before this one), so an
+        audit knows which weights computed it (hlbp.peer.swarm.audit). ``give_up()`` is asked
         while the step waits for a chain (every half second): True abandons the step at once (the outer round it
         belongs to has closed without the swarm, so waiting longer only puts the swarm further behind).
 
@@ -240,7 +250,7 @@ class Driver:
             raise self._abandon(mbs, Abandon.NO_CHAIN, "no complete chain of stage peers")
         self.worker.begin(self.session, self.step_seq)
         window = min(len(mbs), self.cfg.in_flight or len(mbs))
-        step = StepState(mbs, chain, window, opt_step, lr, int(y.numel()), round_end, give_up, start)
+        step = StepState(mbs, chain, window, opt_step, lr, int(y.numel()), round_end, give_up, start, round_r, inner)
         while True:
             if self.stop is not None and self.stop.is_set():
                 raise self._abandon(mbs, Abandon.STOPPING, "this peer is stopping")
@@ -262,7 +272,7 @@ class Driver:
             if len(inflight) >= step.window:
                 break
             try:
-                self._send(i, step.mbs[i], step.chain)
+                self._send(i, step)
             except ConnectionError as exc:  # stage 1 cannot be dialled: it failed
                 logger.warning("%s", exc)
                 step.mbs[i].sent_at = 0.0

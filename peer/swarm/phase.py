@@ -122,20 +122,20 @@ class SwarmPhase:
                     waiting = True
                 self.stop.wait(0.5)
                 continue
-            if self.step(r, round_end=steps + 1 == inner, give_up=closed):
+            if self.step(r, round_end=steps + 1 == inner, give_up=closed, inner=steps):
                 steps += 1
                 tokens += self.cfg.step_tokens
         return steps, tokens
 
-    def step(self, r: int, round_end: bool, give_up: Callable[[], bool] | None = None) -> bool:
-        """One inner step of round r through the chain, logged (and scored when due); False if it was
-        abandoned."""
+    def step(self, r: int, round_end: bool, give_up: Callable[[], bool] | None = None, inner: int = 0) -> bool:
+        """One inner step of round r through the chain, ``inner`` steps of its phase done, logged (and scored when
+        due); False if it was abandoned."""
         x, y = self.stream.batch(self.seq)
         record: dict[str, Any] = {"event": "step", "step": self.opt_step, "seq": self.seq, "round": r}
         self.seq += 1
         try:
             result = self.driver.train_step(x, y, self.opt_step, self.lr(self.opt_step), round_end=round_end,
-                                            give_up=give_up)
+                                            give_up=give_up, round_r=r, inner=inner)
         except StepAbandoned as exc:
             record.update(abandoned=str(exc))
             done = False

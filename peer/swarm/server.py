@@ -34,6 +34,7 @@ from hlbp.peer.model.codec import ActivationCodec
 from hlbp.peer.swarm.gate import RoundGate
 from hlbp.peer.swarm.links import Conn, StageLinks
 from hlbp.peer.swarm.routing import Bans
+from hlbp.peer.swarm.transcript import Notary, sealed
 from hlbp.peer.swarm.worker import StageStateError, StageWorker, clip_scale, done_fault, finish_fault
 from hlbp.protocol import ProtocolError
 from hlbp.protocol.stagewire import (
@@ -78,8 +79,9 @@ class StageServer:
     def __init__(self, dht: Any, worker: StageWorker, codec: ActivationCodec, vocab_size: int,
                  accept: Callable[[str], bool], max_tokens: int, bans: Bans | None = None,
                  on_step: Callable[[StageMessage, bool], None] | None = None, gate: RoundGate | None = None,
-                 gate_timeout_s: float = 600.0) -> None:
+                 gate_timeout_s: float = 600.0, notary: Notary | None = None) -> None:
         self.worker, self.codec, self.vocab_size = worker, codec, vocab_size
+        self.notary = notary  # signs what this stage sends, checks and keeps what it receives (commitments)
         self.gate, self.gate_timeout_s = gate, gate_timeout_s  # steps wait here while a round is exchanged
         self.max_tokens = max_tokens  # a step has at most this many tokens, whatever its driver claims
         self.is_last = worker.stage.is_last
@@ -122,6 +124,10 @@ class StageServer:
         allowed = UPSTREAM if conn.dialled else DOWNSTREAM
         if msg.op not in allowed:
             self._on_bad(conn.peer, f"a {msg.op} message on a stream where only {sorted(allowed)} belong")
+            return
+        fault = None if self.notary is None else self.notary.receive(conn.peer, msg, body)
+        if fault is not None:
+            self._on_bad(conn.peer, fault)
             return
         if msg.op == "ping":
             exchanging = self.gate is not None and self.gate.closed  # the driver waits before its next step
@@ -235,8 +241,9 @@ class StageServer:
             self.counters.forwards += 1
             self.counters.backwards += 1
             busy = time.perf_counter() - start
-            conn.send(encode_message(StageMessage("bwd", session=msg.session, step=msg.step, mb=msg.mb,
-                                                  attempt=msg.attempt, loss=min(loss, 1e6), busy=(busy,)), data))
+            conn.send(sealed(self.notary, StageMessage("bwd", session=msg.session, step=msg.step, mb=msg.mb,
+                                                       attempt=msg.attempt, loss=min(loss, 1e6), busy=(busy,),
+                                                       round=msg.round, inner=msg.inner), data))
             return
         decode_targets(targets_bytes, shape, self.vocab_size)  # check before passing it on
         out = self.worker.forward(msg.mb, msg.attempt, received.tensor)
@@ -250,7 +257,7 @@ class StageServer:
         except ConnectionError as exc:
             self._fail(nxt, Reason.UNREACHABLE, str(exc))
             return
-        down.send(encode_message(replace(msg, route=rest), data + targets_bytes))
+        down.send(sealed(self.notary, replace(msg, route=rest), data + targets_bytes))
 
     def _eval(self, conn: Conn, msg: StageMessage, received: Any, targets_bytes: bytes,
               shape: tuple[int, int]) -> None:
@@ -287,7 +294,9 @@ class StageServer:
         with self._lock:
             _, fwd_s = self._pending.pop((msg.mb, msg.attempt), ("", 0.0))
         busy = msg.busy + (fwd_s + time.perf_counter() - start,)
-        self._send_up(replace(msg, busy=busy[-32:]), data)
+        up = self._upstream
+        if up is not None:
+            up.send(sealed(self.notary, replace(msg, busy=busy[-32:]), data))
 
     def _finish(self, msg: StageMessage) -> None:
         if (msg.session, msg.step) != (self.worker.session, self.worker.step) or \

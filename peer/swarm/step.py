@@ -70,6 +70,8 @@ class StepState:
     round_end: bool
     give_up: Callable[[], bool] | None
     started: float  # perf_counter at the start
+    round: int = 0  # the outer round whose phase the step belongs to (every frame carries it)
+    inner: int = 0  # steps applied in that phase before this one (0: every stage is at the round's anchor)
     retried: int = 0
     waits: int = 0  # deadlines renewed because a stage said it is exchanging a round (bounded: a peer may lie)
     finishing: bool = False  # every micro-batch is done and the finish is under way

@@ -33,6 +33,7 @@ class FakeDriver:
     abandon: set[int] = field(default_factory=set)
     counters: DriverCounters = field(default_factory=DriverCounters)
     calls: list[tuple[int, bool]] = field(default_factory=list)
+    labels: list[tuple[int, int]] = field(default_factory=list)  # (round, inner) each step's frames carry
     evaluations: int = 0
 
     def wait_ready(self, timeout: float) -> bool:
@@ -42,8 +43,9 @@ class FakeDriver:
         return True
 
     def train_step(self, x: torch.Tensor, y: torch.Tensor, opt_step: int, lr: float, round_end: bool = False,
-                   give_up: Any = None) -> StepResult:
+                   give_up: Any = None, round_r: int = 0, inner: int = 0) -> StepResult:
         self.calls.append((opt_step, round_end))
+        self.labels.append((round_r, inner))
         if opt_step in self.abandon:
             self.abandon.discard(opt_step)
             self.counters.steps_abandoned += 1
@@ -93,6 +95,7 @@ def test_a_phase_takes_h_steps_and_marks_the_last_as_the_rounds_end() -> None:
     phase = _phase(driver)
     assert phase.run(0) == (3, 24)
     assert driver.calls == [(5, False), (6, False), (7, True)]
+    assert driver.labels == [(0, 0), (0, 1), (0, 2)]  # an audit knows step 0 of the phase ran at the anchor
     assert phase.opt_step == 8 and phase.seq == 8
 
 
@@ -101,6 +104,7 @@ def test_an_abandoned_step_is_logged_uses_its_batch_and_is_tried_again() -> None
     phase = _phase(driver)
     assert phase.run(4) == (3, 24)
     assert [c[0] for c in driver.calls] == [5, 6, 6, 7]
+    assert driver.labels == [(4, 0), (4, 1), (4, 1), (4, 2)]  # an abandoned step applied nothing
     assert phase.stream.asked == [5, 6, 7, 8]  # type: ignore[attr-defined]
     records = phase.metrics.records  # type: ignore[attr-defined]
     assert [r.get("abandoned") for r in records] == [None, "no complete chain of stage peers", None, None]
