@@ -194,8 +194,9 @@ class StageServer:
 
     def _fail(self, peer: str, code: Reason, reason: str) -> None:
         self.counters.fails_sent += 1
-        self._send_up(StageMessage("fail", session=self._session, step=self.worker.step, peer=peer, code=code,
-                                   reason=reason[:200]))
+        # after a step is applied the worker is at step -1 (no step): the header's step is never negative
+        self._send_up(StageMessage("fail", session=self._session, step=max(self.worker.step, 0), peer=peer,
+                                   code=code, reason=reason[:200]))
 
     def _put(self, priority: int, job: Callable[[], None]) -> None:
         self._jobs.put((priority, next(self._seq), job))
