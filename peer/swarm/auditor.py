@@ -1,0 +1,155 @@
+"""The auditor's shell: which frames of a stage peer to check, fetched from the peers that hold them, and the
+finding of :func:`hlbp.peer.swarm.audit.audit` on each.
+
+For a stage peer P and an outer round r, the auditor reads the round's transcript index of P and of the swarm's
+other peers (``audit/i/<r>``, :mod:`hlbp.protocol.transcript`). What P *sent* is listed by its neighbours, who hold
+it signed by P, so P cannot keep a micro-batch out of the sample by leaving it out of its own index; what P
+*received* it must show from its own transcript, signed by the neighbour that sent it. The micro-batch attempts to
+check are drawn from a seed the auditor chooses after the traffic, so no stage peer knew, when it computed, which
+ones would be looked at; the first step of the phase (weights exactly the anchor) is always among them when P
+sent any of it.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from hlbp.peer.model.codec import ActivationCodec
+from hlbp.peer.model.decoder import Stage
+from hlbp.peer.swarm.audit import AuditResult, Evidence, Finding, Frame, Tolerance, audit
+from hlbp.protocol import ProtocolError
+from hlbp.protocol.transcript import FrameKey, IndexEntry, decode_index, decode_kept, index_name
+
+logger = logging.getLogger(__name__)
+
+Fetch = Callable[[str, str, int, float], bytes]
+"""``fetch(peer, name, max_size, timeout)``: a blob from a peer's data plane (``BlobTransport.fetch``); raises
+``ConnectionError`` (or a subclass) when it cannot."""
+
+MicroBatchKey = tuple[int, int, int, int]  # (session, step, mb, attempt)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The finding on one micro-batch attempt that ``accused`` passed on in round ``round``, and who held each
+    frame (the evidence anyone can fetch again and recompute)."""
+
+    accused: str
+    round: int
+    micro_batch: MicroBatchKey
+    result: AuditResult
+    holders: dict[str, str] = field(default_factory=dict)  # "x" / "y" / "g_out" / "g_in" -> the peer that held it
+
+    @property
+    def guilty(self) -> bool:
+        return self.result.finding.guilty
+
+
+@dataclass(frozen=True)
+class PeerAudit:
+    """The findings on the micro-batch attempts of ``accused`` sampled in round ``round``, and the peers it
+    exchanged frames with in that round (its swarm's chain: the work a lie of its reached)."""
+
+    accused: str
+    round: int
+    verdicts: list[Verdict]
+    neighbours: frozenset[str]
+
+    @property
+    def guilty(self) -> Verdict | None:
+        """The first finding that convicts the accused, or None."""
+        return next((v for v in self.verdicts if v.guilty), None)
+
+
+@dataclass(frozen=True)
+class AuditConfig:
+    samples: int = 2  # micro-batch attempts checked per stage peer and round (one from the phase's first step)
+    timeout_s: float = 10.0  # per fetch
+    tolerance: Tolerance = field(default_factory=Tolerance)
+
+
+def choose(sent: dict[MicroBatchKey, int], count: int, seed: int) -> list[MicroBatchKey]:
+    """``count`` of the micro-batch attempts in ``sent`` (each with the inner step it belongs to), drawn by
+    ``seed``: one of the phase's first step when there is one (the exact check), the rest at random."""
+    rng = random.Random(seed)
+    keys = sorted(sent)
+    first = [k for k in keys if sent[k] == 0]
+    picked = [rng.choice(first)] if first and count > 0 else []
+    rest = [k for k in keys if k not in picked]
+    return picked + rng.sample(rest, min(len(rest), count - len(picked)))
+
+
+class Auditor:
+    """Audits stage peers of a round by fetching the frames they exchanged (``fetch``) and recomputing their
+    stage at the anchor. ``max_body``: the largest stage message body the run allows."""
+
+    def __init__(self, fetch: Fetch, codec: ActivationCodec, vocab_size: int, max_body: int,
+                 cfg: AuditConfig | None = None) -> None:
+        self.fetch, self.codec, self.vocab_size, self.max_body = fetch, codec, vocab_size, max_body
+        self.cfg = cfg or AuditConfig()
+        self._indexes: dict[tuple[str, int], list[IndexEntry]] = {}  # (peer, round) -> its index, this round only
+
+    def _index(self, peer: str, r: int) -> list[IndexEntry]:
+        """``peer``'s index of round ``r``, fetched once per round (every audit of the round reads them)."""
+        if (peer, r) not in self._indexes:
+            self._indexes = {k: v for k, v in self._indexes.items() if k[1] >= r}
+            try:
+                self._indexes[(peer, r)] = decode_index(self.fetch(peer, index_name(r), 16 << 20,
+                                                                   self.cfg.timeout_s))
+            except (ConnectionError, ProtocolError) as exc:
+                logger.info("no audit index of round %d from %s: %s", r, peer[:12], exc)
+                self._indexes[(peer, r)] = []
+        return self._indexes[(peer, r)]
+
+    def _frame(self, holder: str, key: FrameKey) -> Frame | None:
+        try:
+            return decode_kept(self.fetch(holder, key.name, self.max_body + 8192, self.cfg.timeout_s), key,
+                               self.max_body)
+        except (ConnectionError, ProtocolError) as exc:
+            logger.info("frame %s not had from %s: %s", key.name, holder[:12], exc)
+            return None
+
+    def audit_peer(self, r: int, accused: str, stage: Stage, swarm: Sequence[str], seed: int,
+                   params: Mapping[str, torch.Tensor] | None = None) -> PeerAudit:
+        """Findings on a sample of the micro-batch attempts ``accused`` passed on in round ``r``, recomputed on
+        ``stage`` at the anchor of round r's phase (``params``, or ``stage``'s own weights); ``swarm``: the peers
+        that may hold its frames."""
+        own = self._index(accused, r)
+        received = {(e.key.op, e.key.micro_batch()): e.key for e in own}
+        neighbours = {e.key.sender for e in own}
+        sent: dict[MicroBatchKey, int] = {}
+        holders: dict[tuple[str, MicroBatchKey], tuple[str, FrameKey]] = {}
+        for peer in swarm:
+            if peer == accused:
+                continue
+            for e in self._index(peer, r):
+                if e.key.sender == accused:
+                    neighbours.add(peer)
+                    mb = e.key.micro_batch()
+                    holders[(e.key.op, mb)] = (peer, e.key)
+                    sent.setdefault(mb, e.inner)
+        verdicts = []
+        for mb in choose(sent, self.cfg.samples, seed):
+            frames: dict[str, Frame | None] = {}
+            held: dict[str, str] = {}
+            for name, op in (("y", "fwd"), ("g_in", "bwd")):
+                where = holders.get((op, mb))
+                frames[name] = None if where is None else self._frame(*where)
+                if where is not None:
+                    held[name] = where[0]
+            for name, op in (("x", "fwd"), ("g_out", "bwd")):
+                key = received.get((op, mb))
+                frames[name] = None if key is None else self._frame(accused, key)
+                if key is not None:
+                    held[name] = accused
+            evidence = Evidence(frames["x"], frames["y"], frames["g_out"], frames["g_in"])
+            result = audit(stage, self.codec, self.vocab_size, evidence, self.cfg.tolerance, params)
+            if result.finding is Finding.INCONCLUSIVE and not stage.is_first and evidence.x is None:
+                result = AuditResult(Finding.INCONCLUSIVE, detail="it did not show the input it passed on")
+            verdicts.append(Verdict(accused, r, mb, result, held))
+        return PeerAudit(accused, r, verdicts, frozenset(neighbours - {accused}))
