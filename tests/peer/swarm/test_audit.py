@@ -59,7 +59,7 @@ def test_an_honest_middle_and_last_stage_are_clean_exactly_at_the_anchor() -> No
 
 
 def test_the_anchor_can_come_as_tensors_run_through_a_skeleton_of_the_stage() -> None:
-    s, e = honest(1, lie=10.0)
+    _, e = honest(1, lie=10.0)
     found = audit(skeleton(split(CONFIG, 3)[1]), CODEC, CONFIG.vocab_size, e, params=initial_state(CONFIG, 0))
     assert found.finding is Finding.FORWARD and found.forward is not None and abs(found.forward.ratio - 10) < 1e-6
 
@@ -83,7 +83,7 @@ def test_a_relabelled_frame_a_broken_signed_frame_and_missing_evidence_get_their
 
 
 def test_stage_zero_cannot_be_audited_from_a_codec_that_carries_no_token_ids() -> None:
-    s, e = honest(1)
+    _, e = honest(1)
     zero = split(CONFIG, 3)[0]
     assert audit(zero, CODEC, CONFIG.vocab_size, replace(e, x=None)).finding is Finding.INCONCLUSIVE
 
