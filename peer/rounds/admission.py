@@ -6,8 +6,11 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
+from dataclasses import dataclass
+from typing import Protocol
 
 from hlbp.peer.net.transport import TransportError
 from hlbp.peer.rounds.bans import RoundBans
@@ -21,11 +24,29 @@ logger = logging.getLogger(__name__)
 MAX_NEWCOMER_FETCHES = 32  # parallel fetches at admission when more contributions than fetch_workers are due
 
 
+@dataclass(frozen=True)
+class Refusal:
+    """Why a screen leaves a contribution out of the round it coordinates: its sender lied (``ban``), or its work
+    was computed on what a liar sent it (left out, not banned)."""
+
+    reason: str
+    ban: bool
+
+
+class Screen(Protocol):
+    """A check of contributions beyond their bytes, run by a coordinator on the ones that passed admission
+    (a full replica audits the stage peers' pipeline traffic: hlbp.peer.node.audits)."""
+
+    def refuse(self, r: int, admitted: Mapping[str, ContribNotice]) -> dict[str, Refusal]: ...
+
+
 class Admission:
     """Fetches and checks contributions for the round loop's closer (``bans``: the loop's, shared)."""
 
-    def __init__(self, me: str, cfg: RoundConfig, n_shards: int, payloads: Payloads, bans: RoundBans) -> None:
+    def __init__(self, me: str, cfg: RoundConfig, n_shards: int, payloads: Payloads, bans: RoundBans,
+                 screen: Screen | None = None) -> None:
         self.me, self.cfg, self.n_shards, self.payloads, self.bans = me, cfg, n_shards, payloads, bans
+        self.screen = screen
 
     def check_bans(self, r: int, accepted: AcceptedSet, notices: dict[str, ContribNotice], window: float) -> None:
         """Check the bans round r's accepted set carries, in the background, before taking any: a coordinator's word
@@ -42,7 +63,9 @@ class Admission:
             return
 
         def check() -> None:
-            cleared = self.admit(r, accused, window, frozenset(), count_misses=False)  # what we cannot fetch, we do not judge
+            # what we cannot fetch, we do not judge; nor is the screen run: this runs beside the round being taken,
+            # whose anchor an audit would read half replaced
+            cleared = self.admit(r, accused, window, frozenset(), count_misses=False, screened=False)
             if cleared:
                 logger.warning("round %d: the accepted set of %s banned %s, whose contributions check out here; "
                                "not taken", r, accepted.coordinator[:16], ", ".join(p[:16] for p in cleared))
@@ -50,10 +73,11 @@ class Admission:
         threading.Thread(target=check, name=f"check-bans-{r}", daemon=True).start()
 
     def admit(self, r: int, notices: dict[str, ContribNotice], window: float, prior: frozenset[str],
-              count_misses: bool = True) -> dict[str, ContribNotice]:
+              count_misses: bool = True, screened: bool = True) -> dict[str, ContribNotice]:
         """The coordinator fetches and decodes every contribution before accepting it, so one peer's garbage
         cannot make the others fail the round. A sender of garbage is banned for 2, 4, 8, ... rounds. Senders are
-        checked in parallel: the round closes for everybody only when the coordinator is done."""
+        checked in parallel: the round closes for everybody only when the coordinator is done. Then the screen, if
+        any and ``screened``, may leave out more (:class:`Screen`)."""
         candidates = {}
         for sender, notice in notices.items():
             if (self.bans.banned(sender, r) or not notice.digests
@@ -105,5 +129,12 @@ class Admission:
         for sender, reason in self.payloads.outliers(r, set(admitted)).items():
             self.bans.ban(r, sender, reason)
             del admitted[sender]
+        if self.screen is not None and screened and admitted:
+            for sender, refusal in self.screen.refuse(r, dict(admitted)).items():
+                if refusal.ban:
+                    self.bans.ban(r, sender, refusal.reason)
+                else:
+                    logger.warning("round %d: leaving out the contribution of %s: %s", r, sender[:16], refusal.reason)
+                admitted.pop(sender, None)
         return admitted
 

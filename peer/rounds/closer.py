@@ -18,7 +18,7 @@ from collections.abc import Callable
 from collections.abc import Set as AbstractSet
 from typing import Any
 
-from hlbp.peer.rounds.admission import Admission
+from hlbp.peer.rounds.admission import Admission, Screen
 from hlbp.peer.rounds.bans import RoundBans
 from hlbp.peer.rounds.committee import CommitteeRule, leads, order_checked
 from hlbp.peer.rounds.config import RoundConfig
@@ -80,7 +80,8 @@ class Closer:
     def __init__(self, me: str, cfg: RoundConfig, n_shards: int, records: RoundRecords, payloads: Payloads,
                  bans: RoundBans, expected: Callable[[], Expected], stop: Any,
                  choose: Callable[[int, dict[str, Any], dict[str, Any]], dict[str, Any]] = lambda r, a, n: a,
-                 on_poll: Callable[[int], None] = lambda r: None, standing: Standing | None = None) -> None:
+                 on_poll: Callable[[int], None] = lambda r: None, standing: Standing | None = None,
+                 screen: Screen | None = None) -> None:
         self.me, self.cfg, self.n_shards = me, cfg, n_shards
         self.records, self.payloads, self.bans = records, payloads, bans
         self.expected, self.stop, self.choose, self.on_poll = expected, stop, choose, on_poll
@@ -102,7 +103,8 @@ class Closer:
         # who was selected when, as the sets we took show (the replica's state holds it, and its checkpoints)
         self.standing = standing if standing is not None else Standing(self.rule.memory)
         self.breaches: set[tuple[int, str]] = set()  # (round, coordinator) of sets refused for breaking the rule
-        self.admission = Admission(me, cfg, n_shards, payloads, bans)  # fetching and checking contributions
+        # fetching and checking contributions (and, given a screen, auditing their senders' pipeline traffic)
+        self.admission = Admission(me, cfg, n_shards, payloads, bans, screen)
         # our seats in the rounds' committees, when the run has one (committee.py, seating.py)
         self.seating = Seating(me, CommitteeRule(cfg.committee), self.rule, records, self.signed)
         # (round, the peers announced online as read then -> the shards each applies): whom each shard's payload

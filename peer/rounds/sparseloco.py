@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from hlbp.peer.common import memory
+from hlbp.peer.rounds.admission import Screen
 from hlbp.peer.rounds.apply import Applier
 from hlbp.peer.rounds.bans import RoundBans
 from hlbp.peer.rounds.closer import Closer
@@ -64,10 +65,12 @@ class RoundRunner(ReplicaBase):
     many contributors to wait for before closing early (the live replicas the control plane knows of).
     ``follow``: shards this peer does not hold but keeps a bit-identical copy of, by their initial parameters
     (:mod:`hlbp.peer.rounds.follow`; a stage peer of a B or A+drift run follows the embedding's shard).
+    ``screen``: what a coordinator checks admitted contributions with beyond their bytes (a full replica: audits of
+    the stage peers' pipeline traffic, hlbp.peer.node.audits).
     """
 
     def __init__(self, *args: Any, follow: Mapping[int, Mapping[str, torch.Tensor]] | None = None,
-                 **kwargs: Any) -> None:
+                 screen: Screen | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.state.anchor.update(follow_anchor(self.shards, self.shapes, self.held, follow or {}))
         self.follower = Follower(sorted(follow or {}), self.shards, self.shapes, self.me, self.transport, self.cfg,
@@ -90,7 +93,7 @@ class RoundRunner(ReplicaBase):
         self.closer = Closer(self.me, self.cfg, len(self.shards), self.records, self.payloads, bans,
                              lambda: self.expected() if self.expected else Expected(max(1, self.last_members)), self.stop,
                              on_poll=lambda r: self.overlapped.preview(r) if self.overlapped is not None else None,
-                             standing=self.state.standing)
+                             standing=self.state.standing, screen=screen)
 
     def start(self) -> Start:
         how = super().start()
