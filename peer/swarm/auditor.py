@@ -6,8 +6,8 @@ other peers (``audit/i/<r>``, :mod:`hlbp.protocol.transcript`). What P *sent* is
 it signed by P, so P cannot keep a micro-batch out of the sample by leaving it out of its own index; what P
 *received* it must show from its own transcript, signed by the neighbour that sent it. The micro-batch attempts to
 check are drawn from a seed the auditor chooses after the traffic, so no stage peer knew, when it computed, which
-ones would be looked at; the first step of the phase (weights exactly the anchor) is always among them when P
-sent any of it.
+ones would be looked at; they are attempts of the phase's first step, where the peer's weights are exactly the
+anchor (later steps can be compared and reported, :class:`~hlbp.peer.swarm.audit.Tolerance`).
 """
 
 from __future__ import annotations
@@ -65,23 +65,29 @@ class PeerAudit:
         """The first finding that convicts the accused, or None."""
         return next((v for v in self.verdicts if v.guilty), None)
 
+    @property
+    def stale(self) -> Verdict | None:
+        """The first finding that its work of the round was computed on other weights than the anchor, or None."""
+        return next((v for v in self.verdicts if v.result.finding is Finding.STALE), None)
+
 
 @dataclass(frozen=True)
 class AuditConfig:
-    samples: int = 2  # micro-batch attempts checked per stage peer and round (one from the phase's first step)
+    samples: int = 2  # micro-batch attempts of the phase's first step judged per stage peer and round
+    later: int = 0  # micro-batch attempts of later steps compared and reported (not judged) per peer and round
     timeout_s: float = 10.0  # per fetch
     tolerance: Tolerance = field(default_factory=Tolerance)
 
 
-def choose(sent: dict[MicroBatchKey, int], count: int, seed: int) -> list[MicroBatchKey]:
-    """``count`` of the micro-batch attempts in ``sent`` (each with the inner step it belongs to), drawn by
-    ``seed``: one of the phase's first step when there is one (the exact check), the rest at random."""
+def choose(sent: dict[MicroBatchKey, int], count: int, seed: int, later: int = 0) -> list[MicroBatchKey]:
+    """``count`` of the micro-batch attempts in ``sent`` (each with the inner step it belongs to) of the phase's
+    first step, the only ones an audit judges, and ``later`` of later steps (compared and reported only), drawn by
+    ``seed``."""
     rng = random.Random(seed)
     keys = sorted(sent)
     first = [k for k in keys if sent[k] == 0]
-    picked = [rng.choice(first)] if first and count > 0 else []
-    rest = [k for k in keys if k not in picked]
-    return picked + rng.sample(rest, min(len(rest), count - len(picked)))
+    rest = [k for k in keys if sent[k] != 0]
+    return rng.sample(first, min(len(first), count)) + rng.sample(rest, min(len(rest), later))
 
 
 class Auditor:
@@ -124,7 +130,9 @@ class Auditor:
         neighbours = {e.key.sender for e in own}
         sent: dict[MicroBatchKey, int] = {}
         holders: dict[tuple[str, MicroBatchKey], tuple[str, FrameKey]] = {}
-        for peer in swarm:
+        # whoever sent it frames holds what it sent back to them: asked even when it is not in ``swarm`` (a peer
+        # that joined mid-round and contributed nothing yet still holds the frames it exchanged with the accused)
+        for peer in dict.fromkeys([*swarm, *sorted(neighbours)]):
             if peer == accused:
                 continue
             for e in self._index(peer, r):
@@ -134,7 +142,7 @@ class Auditor:
                     holders[(e.key.op, mb)] = (peer, e.key)
                     sent.setdefault(mb, e.inner)
         verdicts = []
-        for mb in choose(sent, self.cfg.samples, seed):
+        for mb in choose(sent, self.cfg.samples, seed, self.cfg.later):
             frames: dict[str, Frame | None] = {}
             held: dict[str, str] = {}
             for name, op in (("y", "fwd"), ("g_in", "bwd")):

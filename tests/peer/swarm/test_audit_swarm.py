@@ -21,6 +21,7 @@ from typing import Any
 import hivemind
 import pytest
 import torch
+from lying_stage_peer import LyingWorker
 
 from hlbp.peer.model.codec import CodecConfig
 from hlbp.peer.model.decoder import load_from_full, preset, split
@@ -44,43 +45,6 @@ OPTIM = OptimConfig(lr=3e-3, warmup_steps=1, total_steps=20)
 STEPS = 4
 MICRO = 4
 MAX_TOKENS = 4096
-
-
-class LyingWorker:
-    """A stage worker that lies about what it computed: ``where`` is "forward" (the activations it passes on) or
-    "backward" (the gradient it passes back); ``how`` is "scale" (x10), "flip" (sign) or "noise" (Gaussian of the
-    same RMS); ``every`` = n lies on every n-th micro-batch it computes only (``lied`` lists them)."""
-
-    _OWN = ("inner", "where", "how", "every", "count", "lied")
-
-    def __init__(self, inner: StageWorker, where: str, how: str, every: int = 1) -> None:
-        for name, value in zip(self._OWN, (inner, where, how, every, 0, [])):
-            object.__setattr__(self, name, value)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
-
-    def __setattr__(self, name: str, value: Any) -> None:  # the server sets the step it is at on its worker
-        setattr(self.inner, name, value)
-
-    def _lie(self, mb: int, attempt: int, t: torch.Tensor) -> torch.Tensor:
-        object.__setattr__(self, "count", self.count + 1)
-        if (self.count - 1) % self.every:
-            return t
-        self.lied.append((self.inner.session, self.inner.step, mb, attempt))
-        if self.how == "scale":
-            return t * 10
-        if self.how == "flip":
-            return -t
-        return torch.randn_like(t) * t.pow(2).mean().sqrt()
-
-    def forward(self, mb: int, attempt: int, x: torch.Tensor, train: bool = True) -> torch.Tensor:
-        out = self.inner.forward(mb, attempt, x, train)
-        return self._lie(mb, attempt, out) if self.where == "forward" and train else out
-
-    def backward(self, mb: int, attempt: int, grad_out: torch.Tensor) -> torch.Tensor | None:
-        grad = self.inner.backward(mb, attempt, grad_out)
-        return self._lie(mb, attempt, grad) if self.where == "backward" and grad is not None else grad
 
 
 @contextmanager
@@ -124,9 +88,10 @@ def network() -> Iterator[tuple[list[hivemind.DHT], list[Identity]]]:
 
 
 def run_swarm(network: tuple[list[hivemind.DHT], list[Identity]], lie: tuple[str, str, int] | None,
-              wire: str = "fp32", samples: int = 2, seed: int = 0) -> tuple[list[Any], list[Any]]:
+              wire: str = "fp32", samples: int = 2, seed: int = 0, later: int = 0) -> tuple[list[Any], list[Any]]:
     """STEPS steps of a 3-stage swarm in round 0 (stage 1 lying as ``lie`` says), then the verdicts of an audit
-    of stage 1 with ``samples`` samples, and the micro-batch attempts it lied on."""
+    of stage 1 with ``samples`` samples of the phase's first step (and ``later`` of later steps), and the
+    micro-batch attempts it lied on."""
     dhts, identities = network
     workers = [StageWorker(s, OPTIM, torch.device("cpu")) for s in stages()]
     middle: Any = workers[1] if lie is None else LyingWorker(workers[1], *lie)
@@ -149,7 +114,7 @@ def run_swarm(network: tuple[list[hivemind.DHT], list[Identity]], lie: tuple[str
             x = torch.randint(0, CONFIG.vocab_size, (8, 17))
             driver.train_step(x[:, :-1], x[:, 1:], step, lr_at(step, OPTIM), round_r=0, inner=step)
         auditor = Auditor(transports[3].fetch, codec(wire), CONFIG.vocab_size, body,
-                          AuditConfig(samples=samples))
+                          AuditConfig(samples=samples, later=later))
         # round 0's anchor: the run's initial weights, run through a skeleton of the stage (no parameter memory)
         anchor = initial_state(CONFIG, 0)
         swarm = [driver.peer_id, *(s.peer_id for s in servers)]
@@ -167,11 +132,11 @@ def run_swarm(network: tuple[list[hivemind.DHT], list[Identity]], lie: tuple[str
 
 
 def test_an_honest_middle_stage_passes_every_sample(network: Any) -> None:
-    verdicts, _ = run_swarm(network, None, samples=STEPS * MICRO)
+    verdicts, _ = run_swarm(network, None, samples=MICRO, later=STEPS * MICRO)
     assert len(verdicts) == STEPS * MICRO  # every micro-batch attempt it passed on
     worst: dict[int, tuple[float, float, float]] = {}
     for v in verdicts:
-        assert v.result.finding is Finding.CLEAN, v
+        assert v.result.finding is (Finding.CLEAN if v.result.inner == 0 else Finding.UNJUDGED), v
         assert set(v.holders) == {"x", "y", "g_out", "g_in"}
         for c in (v.result.forward, v.result.backward):
             e, cos, ratio = worst.get(v.result.inner, (0.0, 1.0, 1.0))
@@ -184,13 +149,17 @@ def test_an_honest_middle_stage_passes_every_sample(network: Any) -> None:
 @pytest.mark.parametrize("how", ["scale", "flip", "noise"])
 def test_a_lying_middle_stage_is_found_guilty(network: Any, where: str, how: str) -> None:
     verdicts, lied = run_swarm(network, (where, how, 1))
-    assert len(verdicts) == 2 and verdicts[0].result.inner == 0  # one sample is always at the anchor
+    assert len(verdicts) == 2 and all(v.result.inner == 0 for v in verdicts)  # judged: the first step's
     expect = Finding.FORWARD if where == "forward" else Finding.BACKWARD
     assert all(v.result.finding is expect for v in verdicts), verdicts
     assert {v.micro_batch for v in verdicts} <= set(lied)
 
 
-def test_a_liar_on_one_micro_batch_in_ten_is_found_guilty_on_each_lie_and_nothing_else(network: Any) -> None:
-    verdicts, lied = run_swarm(network, ("forward", "noise", 10), samples=STEPS * MICRO)
-    assert len(lied) == 2  # 16 micro-batches
-    assert {v.micro_batch for v in verdicts if v.guilty} == set(lied)
+def test_a_liar_on_one_micro_batch_in_ten_is_found_guilty_on_each_judged_lie_and_nothing_else(network: Any) -> None:
+    verdicts, lied = run_swarm(network, ("forward", "noise", 10), samples=MICRO, later=STEPS * MICRO)
+    assert len(lied) == 2  # of 16 micro-batches: one in the first step, one in the third
+    first = {v.micro_batch for v in verdicts if v.result.inner == 0}
+    assert {v.micro_batch for v in verdicts if v.guilty} == set(lied) & first
+    later = [v for v in verdicts if v.micro_batch in set(lied) - first]
+    assert later and later[0].result.finding is Finding.UNJUDGED  # a lie after the first step is not judged
+    assert later[0].result.forward is not None and abs(later[0].result.forward.cosine) < 0.3  # though it shows
