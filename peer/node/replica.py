@@ -29,16 +29,18 @@ from hlbp.peer.data.streams import TokenStream, prepare_data, val_batches
 from hlbp.peer.model.codec import CodecConfig
 from hlbp.peer.model.decoder import ModelConfig, Stage, preset, split
 from hlbp.peer.model.pipeline import initial_model, run_model_config
-from hlbp.peer.model.subspace import SubspaceConstraint
+from hlbp.peer.model.subspace import SubspaceConstraint, fixed_table, make_codec
 from hlbp.peer.net.prometheus import MetricsServer, PeerMetrics
 from hlbp.peer.net.reach import AddressBook, Reachability
 from hlbp.peer.net.transport import P2PBlobTransport
+from hlbp.peer.node.audits import PipelineAudits
 from hlbp.peer.node.join import TrainContext, data_rank
 from hlbp.peer.rounds.diloco import DenseRoundRunner
 from hlbp.peer.rounds.guard import GuardConfig
 from hlbp.peer.rounds.outer import OuterConfig
 from hlbp.peer.rounds.rules import Expected
 from hlbp.peer.rounds.sparseloco import RoundConfig, RoundRunner, RoundStats
+from hlbp.peer.swarm.server import max_body_bytes
 from hlbp.peer.train.export import ModelInfo, write_model_info
 from hlbp.peer.train.metricslog import MetricsLog
 from hlbp.peer.train.trainer import (
@@ -97,6 +99,20 @@ def codec_config(m: Any) -> CodecConfig:
     """The run's activation codec (manifest ``codec``) as a :class:`CodecConfig`."""
     return CodecConfig(kind=m.codec.name, rank=str(m.codec.k) if m.codec.k else "1/32",
                        wire_dtype=m.codec.dtype or None, seed=m.seed)
+
+
+def pipeline_audits(m: Any, config: ModelConfig, model: Stage, transport: P2PBlobTransport,
+                    anchor: Callable[[], Mapping[str, torch.Tensor] | None], metrics: Any) -> PipelineAudits:
+    """The audits this full replica runs on the run's stage peers when it coordinates (hlbp.peer.node.audits),
+    with the run's codec and the largest stage frame the run allows."""
+    cc = codec_config(m)
+    table = fixed_table(config.vocab_size, config.d_model, config.subspace_seed, config.subspace_table_std) \
+        if config.subspace_rank else None
+    tokens = m.hparams.batch_size * m.hparams.seq_len
+    codec = make_codec(cc, config.d_model, config.vocab_size, config.max_seq_len, table,
+                       model.embed.weight.detach().cpu().clone(), max_tokens=tokens)
+    return PipelineAudits(config, [tuple(b) for b in m.stages], codec, config.vocab_size,
+                          max_body_bytes(codec, tokens, config.vocab_size), transport.fetch, anchor, metrics)
 
 
 def replica_model(m: Any, vocab_size: int) -> tuple[ModelConfig, Stage, SubspaceConstraint | None]:
@@ -256,13 +272,18 @@ def run_replica(ctx: TrainContext, options: ReplicaOptions, echo: Any = print) -
              + (f", resynced to round {stats.state_round}" if stats.state_round is not None else ""))
 
     runner_cls = DenseRoundRunner if outer.kind == "diloco" else RoundRunner
+    box: list[Any] = []  # the runner, for the audits' anchor (they run inside its round close)
+    extra = {} if runner_cls is DenseRoundRunner or len(bounds) < 2 else {
+        "screen": pipeline_audits(m, config, model, transport,
+                                  lambda: box[0].state.anchor if box[0].in_sync else None, metrics)}
     runner = runner_cls(
         peer.plane.dht, peer.plane.identity, transport, trainer, outer, shards, rcfg, ctx.stop,
         checkpoint=ctx.out_dir / "checkpoint.safetensors", metrics=metrics, expected=expected, on_round=on_round,
         evaluate=(lambda params: scorer(params, val)) if val else None,
         guard_loss=lambda params: scorer(params, guard_batch),
-        protect=peer.plane.protect,
+        protect=peer.plane.protect, **extra,
     )
+    box.append(runner)
     if options.faults is not None:
         options.faults(runner)
     start = time.perf_counter()

@@ -33,7 +33,8 @@ def run_join(plan: JoinPlan, echo: Callable[[str], None], faults: Callable[[Any]
     """Join, train until the plan's limits or until SIGTERM or SIGINT, then leave (marked offline).
 
     Installs the process's SIGTERM and SIGINT handlers: this is the whole life of a peer process. ``faults``
-    wraps a full replica's round parts before it starts (a fault test's misbehaving peer); production leaves it out.
+    wraps a full replica's round parts before it starts, or returns a stage peer's worker wrapped (a fault test's
+    misbehaving peer); production leaves it out.
     """
     stop, training = threading.Event(), threading.Event()
     stop_on_signals(stop, training)
@@ -51,7 +52,7 @@ def run_join(plan: JoinPlan, echo: Callable[[str], None], faults: Callable[[Any]
             echo("holding the role without training (--no-train); Ctrl-C or SIGTERM to leave")
             stop.wait()
         elif peer.role.kind != "replica":
-            run_stage(ctx, plan.stage, echo)
+            run_stage(ctx, replace(plan.stage, faults=faults), echo)
         elif not plan.local_only and not stop.is_set():
             run_replica(ctx, replace(plan.replica, faults=faults), echo)
         elif not stop.is_set():

@@ -24,6 +24,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import Any
 
@@ -79,6 +80,7 @@ class StageOptions:
     checkpoint_every_s: float = 60.0
     rebalance_period_s: float | None = None  # a move needs the same proposal twice this far apart (None: the
     # announcement lifetime, at least 30 s; 0: never move)
+    faults: Callable[[StageWorker], Any] | None = None  # a fault test's wrapper of the built worker (a liar)
 
 
 class SwarmView:
@@ -224,6 +226,8 @@ def _run_role(ctx: TrainContext, options: StageOptions,
     """One role's life: build, serve or drive, and the summary plus the confirmed move that ended it (if any)."""
     role = ctx.peer.role
     config, worker, codec, vocab, info = _build(ctx, options)
+    if options.faults is not None:
+        worker = options.faults(worker)
     view = SwarmView(ctx.peer.plane, ctx.peer.manifest.manifest, role.swarm)
     where = f"stage {role.stage} of swarm {role.swarm}"
     echo(f"{where}: {sum(p.numel() for p in worker.stage.parameters()):,} parameters, codec {codec_config(ctx.peer.manifest.manifest).label(config.d_model)}"
@@ -354,8 +358,10 @@ def _stand_by(ctx: TrainContext, view: SwarmView, rebalance: Rebalancer, echo: C
 
 def _swarm_phase(ctx: TrainContext, options: StageOptions, worker: StageWorker, codec: Any, vocab: int,
                  view: SwarmView, echo: Callable[[str], None], start_step: int, metrics: MetricsLog,
-                 round_closed: Callable[[int], bool]) -> SwarmPhase:
-    """The driving peer's phase: its data stream, validation batches and driver, from the manifest."""
+                 round_closed: Callable[[int], bool], banned: Callable[[], AbstractSet[str]]) -> SwarmPhase:
+    """The driving peer's phase: its data stream, validation batches and driver, from the manifest.
+    ``banned()``: the peers the last accepted set names banned (a stage peer caught lying by a pipeline audit
+    among them), whom the driver routes around."""
     peer = ctx.peer
     m = peer.manifest.manifest
     data = prepare_data(m.data_recipe, ctx.cache_dir, tokenizer_path=peer.tokenizer_path)
@@ -367,7 +373,8 @@ def _swarm_phase(ctx: TrainContext, options: StageOptions, worker: StageWorker, 
     n_stages = len(m.stages)
 
     def candidates() -> list[list[Candidate]]:
-        return [[Candidate(p, t) for p, t in view.at_stage(s)] for s in range(1, n_stages)]
+        out = banned()
+        return [[Candidate(p, t) for p, t in view.at_stage(s) if p not in out] for s in range(1, n_stages)]
 
     cfg = DriverConfig(micro_batches=options.micro_batches, in_flight=options.in_flight, deadline_s=options.deadline_s)
     step_tokens = m.hparams.batch_size * m.hparams.seq_len
@@ -397,7 +404,8 @@ def _drive(ctx: TrainContext, options: StageOptions, worker: StageWorker, codec:
     metrics = MetricsLog(ctx.out_dir / "metrics.jsonl")
     # driving: the same phase as swarm, never None, for the closures below (they run once it exists)
     driving = swarm = _swarm_phase(ctx, options, worker, codec, vocab, view, echo, start_step, metrics,
-                                   round_closed=lambda r: runner.round_closed(r))
+                                   round_closed=lambda r: runner.round_closed(r),
+                                   banned=lambda: set(runner.history[-1].banned) if runner.history else set())
 
     def phase(r: int) -> tuple[int, int]:
         try:

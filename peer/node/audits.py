@@ -1,0 +1,127 @@
+"""A full replica's audits of the run's pipeline swarms, run when it coordinates a round.
+
+A coordinator that holds every shard checks, before it accepts a stage peer's contribution to round r, a few of
+the micro-batches that peer passed on during round r's phase (:class:`hlbp.peer.swarm.auditor.Auditor`): it fetches
+the signed frames from the peers that hold them and recomputes the stage at the anchor it holds itself, the one the
+swarm started the phase from. A peer whose own signed frames convict it is banned and its contribution refused;
+the contributions of the peers it exchanged frames with in that round are refused too (their gradients and
+activations were computed from what it sent), without a ban. A peer whose frames are near but not equal to its
+stage's output at the anchor computed on other weights (it had not loaded the round's result when it served the
+step): its work and its chain's are left out of the round, and nobody is banned. Which micro-batches are checked
+is drawn from this process's own randomness after the traffic, so no stage peer could know it when it computed.
+
+Every audit is written to ``metrics.jsonl`` (event ``audit``: the round, the peer, each sample's finding, inner step,
+and the distances), which is how the tests and an operator see them.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import threading
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from hlbp.peer.model.codec import ActivationCodec
+from hlbp.peer.model.decoder import ModelConfig, Stage
+from hlbp.peer.rounds.admission import Refusal
+from hlbp.peer.swarm.auditor import AuditConfig, Auditor, Fetch, PeerAudit
+from hlbp.peer.train.trainer import skeleton
+from hlbp.protocol.roundwire import ContribNotice
+
+logger = logging.getLogger(__name__)
+
+
+class PipelineAudits:
+    """The coordinator's screen (:class:`hlbp.peer.rounds.admission.Screen`) of stage peers' contributions.
+
+    ``bounds``: the manifest's stage partition; ``codec``: the run's activation codec (its table is rebuilt from the
+    anchor's embedding before each round's audits, as the stage peers rebuild theirs); ``anchor()``: the parameters
+    of the round the phase under audit started from (the round loop's anchor while it closes the next round), or
+    None when this peer's state is not the agreed one (it audits nothing then: a stale anchor would convict honest
+    peers); ``metrics``: where each audit is written (anything with ``write(**record)``)."""
+
+    def __init__(self, config: ModelConfig, bounds: list[tuple[int, int]], codec: ActivationCodec, vocab_size: int,
+                 max_body: int, fetch: Fetch, anchor: Callable[[], Mapping[str, torch.Tensor] | None], metrics: Any,
+                 cfg: AuditConfig | None = None) -> None:
+        self.config, self.bounds, self.codec = config, bounds, codec
+        self.anchor, self.metrics = anchor, metrics
+        self.auditor = Auditor(fetch, codec, vocab_size, max_body, cfg)
+        self._skeletons: dict[int, Stage] = {}
+        self._lock = threading.Lock()  # one audit at a time: they share the codec's table and the skeletons
+        self.audited = 0  # stage peers audited, for the summary
+        self.caught: list[tuple[int, str]] = []  # (round, peer) of every conviction
+        self.liars: set[str] = set()  # every peer convicted here: work computed with its frames is never taken
+
+    def _skeleton(self, s: int) -> Stage:
+        """Stage ``s`` holding no parameter memory (its buffers are real): built once, run on the anchor."""
+        if s not in self._skeletons:
+            start, end = self.bounds[s]
+            self._skeletons[s] = skeleton(Stage(self.config, start, end))
+        return self._skeletons[s]
+
+    def refuse(self, r: int, admitted: Mapping[str, ContribNotice]) -> dict[str, Refusal]:
+        """The admitted contributions of round r to leave out, and why (see the module docstring)."""
+        n = len(self.bounds)
+        stage_peers = {p: next(iter(c.digests)) for p, c in admitted.items() if n > 1 and len(c.digests) == 1}
+        if not stage_peers:
+            return {}
+        with self._lock:
+            return self._refuse(r, stage_peers)
+
+    def _refuse(self, r: int, stage_peers: dict[str, int]) -> dict[str, Refusal]:
+        held = self.anchor()
+        if held is None:
+            logger.info("round %d: not auditing the stage peers: this peer's state is not the agreed one", r)
+            return {}
+        anchor = dict(held)  # its tensors are replaced, never changed in place: this view stays round r - 1's
+        if "embed.weight" in anchor:
+            self.codec.rebuild_table(anchor["embed.weight"])  # B, A+drift: the table the swarm's phase used
+        refused: dict[str, Refusal] = {}
+        swarm = sorted(stage_peers)
+        for peer, s in sorted(stage_peers.items()):
+            stage = self._skeleton(s)
+            if any(name not in anchor for name, _ in stage.named_parameters()):
+                continue  # a shard this coordinator does not hold (it is a stage peer itself)
+            t0 = time.perf_counter()
+            found = self.auditor.audit_peer(r, peer, stage, swarm, seed=secrets.randbits(64), params=anchor)
+            self.audited += 1
+            self._record(found, s, time.perf_counter() - t0)
+            guilty = found.guilty
+            if guilty is None:
+                tainted = sorted(found.neighbours & self.liars)
+                if tainted:  # a liar banned earlier that its swarm still routes through
+                    refused[peer] = Refusal(f"its round-{r} work was computed with frames from {tainted[0][:16]}, "
+                                            "caught lying earlier", ban=False)
+                elif found.stale is not None:  # honest, late: its work and its chain's is not the round's
+                    for other in (peer, *found.neighbours):
+                        refused.setdefault(other, Refusal(f"round-{r} work of stage {s} ({peer[:16]}) was computed on "
+                                                          "other weights than the round's anchor", ban=False))
+                continue
+            self.caught.append((r, peer))
+            self.liars.add(peer)
+            result = guilty.result
+            refused[peer] = Refusal(f"caught lying by a pipeline audit of stage {s} in round {r}: "
+                                    f"{result.finding.value} on step {guilty.micro_batch[1]} micro-batch "
+                                    f"{guilty.micro_batch[2]} {result.detail}".strip(), ban=True)
+            for other in found.neighbours:
+                refused.setdefault(other, Refusal(f"its round-{r} work was computed with frames from {peer[:16]}, "
+                                                  "caught lying", ban=False))
+        return refused
+
+    def _record(self, found: PeerAudit, stage: int, seconds: float) -> None:
+        samples = [{"finding": v.result.finding.value, "inner": v.result.inner, "step": v.micro_batch[1],
+                    "mb": v.micro_batch[2], "holders": sorted(v.holders),
+                    **{k: [c.error, c.cosine, c.ratio] for k, c in (("forward", v.result.forward),
+                                                                   ("backward", v.result.backward)) if c is not None}}
+                   for v in found.verdicts]
+        guilty = found.guilty
+        if guilty is not None:
+            logger.warning("round %d: stage peer %s of stage %d caught lying (%s)", found.round, found.accused[:16],
+                           stage, guilty.result.finding.value)
+        self.metrics.write(event="audit", round=found.round, peer=found.accused, stage=stage,
+                           guilty=guilty is not None, samples=samples, neighbours=sorted(found.neighbours),
+                           seconds=round(seconds, 4))

@@ -1,0 +1,95 @@
+"""A lying middle stage in a run's rounds, as real ``hlbp join`` processes on loopback: a full replica and a 3-stage
+swarm whose stage-1 peer sends noise of the right scale instead of its activations, on every micro-batch.
+
+What must hold: the full replica, coordinating, audits the stage peers' traffic before it accepts their
+contributions, finds the liar guilty on a round's samples from its own signed frames (within 2 rounds of the
+swarm's first contribution), bans it, and refuses that round's contributions of the whole swarm (they were computed
+on what the liar sent); the driver routes around the banned peer, so the swarm's work is never in an accepted set
+again until an honest peer of stage 1 joins, and then it is, audited clean; the full replica's loss falls
+throughout."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from lying_stage_peer import program
+
+from hlbp.peer.sim.launcher import Replica, SimConfig, Swarm, poll
+from hlbp.peer.train.metricslog import read_metrics
+
+pytestmark = pytest.mark.slow
+
+TIMEOUT_S = 240.0  # a bound on a few rounds of small steps on 2 busy cores, not an expected duration
+H = 4
+
+
+def _records(peer: Replica, event: str) -> list[dict[str, Any]]:
+    path = peer.metrics_path()
+    return [r for r in read_metrics(path) if r.get("event") == event] if path is not None and path.exists() else []
+
+
+def _wait(sw: Swarm, fn: Callable[[], Any], what: str) -> Any:
+    try:
+        return poll(fn, TIMEOUT_S, what)
+    except TimeoutError as exc:
+        logs = "\n".join(f"--- {n}\n{r.proc.output[-2500:]}" for n, r in sw.replicas.items())
+        raise AssertionError(f"{exc}\n{logs}") from None
+
+
+def _peer_id(r: Replica) -> str:
+    return r.proc.wait_for(r"^connected as (\S+)", 60).group(1)
+
+
+def test_a_lying_middle_stage_is_caught_banned_and_its_swarms_work_never_accepted(tmp_path: Path) -> None:
+    cfg = SimConfig(n_stages=3, inner_steps=H, batch_size=4, seq_len=64, seed=4, run_id="audit", ttl_s=8.0,
+                    micro_batches=2)
+    with Swarm(cfg, tmp_path) as sw:
+        sw.start()
+        liar = sw.add_stage("s1", 1, program=program("forward:noise"))
+        liar.proc.wait_for("^announced", 60)
+        sw.add_stage("s2", 2).proc.wait_for("^announced", 60)
+        full = sw.add("peer0", "--wait-replicas", "4", rounds=1000)
+        driver = sw.add_stage("s0", 0, "--micro-batches", "2", "--eval-every", "0")
+        ids = {n: _peer_id(sw.replicas[n]) for n in ("s0", "s1", "s2", "peer0")}
+
+        # the swarm's first contributions are audited in the round they are sent for
+        caught = _wait(sw, lambda: next((a for a in _records(full, "audit") if a["guilty"]), None),
+                       "the full replica to catch the liar")
+        assert caught["peer"] == ids["s1"] and caught["stage"] == 1, caught
+        assert set(caught["neighbours"]) == {ids["s0"], ids["s2"]}, caught
+        bad = [s for s in caught["samples"] if s["finding"] != "clean"]
+        assert bad and all(s["finding"] == "forward" and s["forward"][1] < 0.3 for s in bad), caught  # cosine ~0
+        detected = caught["round"]
+        sent = _wait(sw, lambda: [r["round"] for r in _records(driver, "round")
+                                  if r["round"] <= detected and r["contributed"]] or None,
+                     "the driver's record of the round it was caught in")
+        first_sent = min(sent)
+        assert detected <= first_sent + 1, (detected, first_sent)
+        # honest stage peers are audited too, and clean
+        assert any(a["peer"] == ids["s2"] and not a["guilty"] for a in _records(full, "audit"))
+
+        # from the round of detection on, no accepted set holds the swarm's work; the full replica goes on
+        _wait(sw, lambda: [r for r in _records(full, "round") if r["round"] >= detected + 2] or None,
+              "two more rounds of the full replica")
+        rounds = [r for r in _records(full, "round") if r["round"] >= detected]
+        assert all(r["members"] == 1 and r["accepted"] for r in rounds), rounds  # the full replica's alone
+        for name in ("s0", "s1", "s2"):
+            assert not any(r["accepted"] for r in _records(sw.replicas[name], "round") if r["round"] >= detected)
+        assert any(ids["s1"] in r["banned"] for r in rounds), rounds
+
+        # an honest peer of stage 1 joins: the swarm's chain runs through it and its work is accepted again, audited
+        # clean from the frames it exchanged with the new peer
+        honest_id = _peer_id(sw.add_stage("s1b", 1, swarm=0))
+        back = _wait(sw, lambda: next((r["round"] for r in _records(driver, "round")
+                                       if r["round"] > detected and r["accepted"]), None),
+                     "the swarm's contributions to be accepted again")
+        audits = {a["peer"]: a for a in _records(full, "audit") if a["round"] == back}
+        assert ids["s1"] not in audits and not any(a["guilty"] for a in audits.values()), audits
+        last = audits[ids["s2"]]
+        assert last["neighbours"] == [honest_id] and last["samples"], last
+        assert all(s["finding"] == "clean" for s in last["samples"]), last
+        losses = [r["val_loss"] for r in _records(full, "round") if r.get("val_loss") is not None]
+        assert losses[-1] < losses[0], losses
