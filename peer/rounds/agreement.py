@@ -38,8 +38,9 @@ class Agreement(Protocol):
         from each, or None when there is no such state."""
         ...
 
-    def agrees(self, checks: Sequence[ShardChecks], mine: ShardChecks) -> bool:
-        """Whether our state after ``mine.round`` is the one the others (``checks``) agree on."""
+    def agrees(self, checks: Sequence[ShardChecks], mine: ShardChecks, vote: ShardChecks | None = None) -> bool:
+        """Whether our state after ``mine.round`` is the one the others (``checks``) agree on; ``vote``: the part
+        of ``mine`` that votes (:func:`~hlbp.peer.rounds.rules.vote_checks`; all of it when None)."""
         ...
 
 
@@ -60,8 +61,8 @@ class ExactAgreement:
         donors = [p for p, shards in expect.items() if shards]  # a donor serves the agreed shards it holds
         return donors, {d: expect[d] for d in donors}
 
-    def agrees(self, checks: Sequence[ShardChecks], mine: ShardChecks) -> bool:
-        want = majority_checksums([*checks, mine], mine.round)
+    def agrees(self, checks: Sequence[ShardChecks], mine: ShardChecks, vote: ShardChecks | None = None) -> bool:
+        want = majority_checksums([*checks, mine if vote is None else vote], mine.round)
         bad = [s for s in mine.checksums if want.get(s) != mine.checksums[s]]
         if bad:
             logger.warning("round %d: shard checksums %s differ from the majority of %d peers", mine.round, bad,
@@ -86,7 +87,7 @@ class FingerprintAgreement:
             return None
         return [c.peer for c in cluster], {c.peer: c.checksums for c in cluster}
 
-    def agrees(self, checks: Sequence[ShardChecks], mine: ShardChecks) -> bool:
+    def agrees(self, checks: Sequence[ShardChecks], mine: ShardChecks, vote: ShardChecks | None = None) -> bool:
         cluster = fingerprint_cluster([*checks, mine], mine.round)
         if mine.peer not in {c.peer for c in cluster}:
             logger.warning("round %d: our parameters differ from the %d replicas that agree; reloading state",

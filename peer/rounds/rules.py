@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import Enum
 
 from hlbp.peer.rounds.statesync import fingerprints_agree
@@ -188,6 +188,28 @@ def member_checks(checks: Sequence[ShardChecks], round_: int, members: AbstractS
     """The checksum records of round ``round_`` that count: those of its members. Votes from keys that were not
     members (unannounced, newly minted, or simply left out) never move the majority."""
     return [c for c in checks if c.round == round_ and c.peer in members]
+
+
+def vote_checks(checks: Sequence[ShardChecks], round_: int, members: Mapping[str, AbstractSet[int] | None],
+                n_shards: int) -> list[ShardChecks]:
+    """The checksum records of round ``round_`` that vote, and on which shards (``members``: peer -> the shards it
+    contributed to the round, None: every shard).
+
+    Only members vote (:func:`member_checks`), each only on the shards it contributed: a stage peer that signs
+    checksums of shards it does not hold counts for nothing there. And where a member that contributed every shard
+    (a full replica) voted on a shard, only such members' votes count for it: stage peers, which hold one shard
+    and can be many, outvote full replicas only on shards no full replica of the round holds (docs/security.md)."""
+    def shards_of(peer: str) -> AbstractSet[int]:
+        held = members[peer]
+        return range(n_shards) if held is None else held
+
+    cut = [replace(c, checksums={s: d for s, d in c.checksums.items() if s in shards_of(c.peer)})
+           for c in member_checks(checks, round_, set(members))]
+    whole = {c.peer for c in cut if members[c.peer] is None or len(set(shards_of(c.peer))) >= n_shards}
+    covered = {s for c in cut if c.peer in whole for s in c.checksums}
+    out = [c if c.peer in whole else replace(c, checksums={s: d for s, d in c.checksums.items() if s not in covered})
+           for c in cut]
+    return [c for c in out if c.checksums]
 
 
 def fingerprint_cluster(checks: Sequence[ShardChecks], round_: int, rtol: float = 1e-5) -> list[ShardChecks]:

@@ -28,7 +28,7 @@ from hlbp.peer.rounds.agreement import Agreement
 from hlbp.peer.rounds.config import RoundConfig
 from hlbp.peer.rounds.outer import OuterConfig, make_outer
 from hlbp.peer.rounds.records import RoundRecords, checks_name
-from hlbp.peer.rounds.rules import checks_settled, member_checks, round_members
+from hlbp.peer.rounds.rules import checks_settled, round_members, vote_checks
 from hlbp.peer.rounds.state import ReplicaState
 from hlbp.peer.rounds.statesync import ServedState, fetch_state, shard_checksum, state_name
 from hlbp.protocol import ProtocolError
@@ -151,9 +151,14 @@ class StateSync:
         if sample is not None:
             return self.agreement.agrees(sample_checks(self.records, r, sample, mine), mine)
         checks = wait_for_checks(self.records, r, members, mine)
-        if self.member_votes:
-            checks = member_checks(checks, r, set(members))
-        return self.agreement.agrees([c for c in checks if c.peer != self.me], mine)
+        if not self.member_votes:
+            return self.agreement.agrees([c for c in checks if c.peer != self.me], mine)
+        # our own vote counts as a member's, on the shards we hold (also when we were left out, as it always has)
+        voters = {**members, self.me: members.get(self.me, None if len(self.held) == len(self.shards)
+                                                    else set(self.held))}
+        votes = vote_checks([*[c for c in checks if c.peer != self.me], mine], r, voters, len(self.shards))
+        mine_vote = next((c for c in votes if c.peer == self.me), ShardChecks(self.me, r, {}))
+        return self.agreement.agrees([c for c in votes if c.peer != self.me], mine, mine_vote)
 
     def agreed_round(self) -> tuple[int, list[ShardChecks]] | None:
         """The newest round others published checksums for whose members are known from its records, and the
@@ -172,7 +177,7 @@ class StateSync:
             notices = {n.sender: set(n.digests) for n in parsed}
             members = round_members(r, notices, self.records.records(keys[1], parse_accepted, sets, round_=r),
                                     len(self.shards), {n.sender for n in parsed if not n.dialable})
-            voters = member_checks(checks, r, members or frozenset())
+            voters = vote_checks(checks, r, {p: notices.get(p, set()) for p in members or ()}, len(self.shards))
             if voters:
                 return r, voters
         return None

@@ -211,6 +211,35 @@ def test_only_a_rounds_members_vote_on_its_state() -> None:
     assert round_members(5, notices, sets[:1], 1) is None  # only a stranger's set: the members are unknown
 
 
+def test_full_replicas_outvote_stage_peers_on_the_shards_they_hold_and_nobody_votes_on_what_it_did_not_send() -> None:
+    from hlbp.peer.rounds.agreement import ExactAgreement
+    from hlbp.peer.rounds.rules import majority_checksums, vote_checks
+
+    good, bad = "a" * 64, "b" * 64
+    full = [ShardChecks(p, 5, {0: good, 1: good}) for p in ("f1", "f2")]
+    # three stage peers of shard 1 and one of shard 0 agree on a poisoned shard 1, and sign shard 0 too
+    stage = [ShardChecks(p, 5, {0: bad, 1: bad}) for p in ("s1", "s2", "s3", "s0")]
+    members = {"f1": None, "f2": None, "s1": {1}, "s2": {1}, "s3": {1}, "s0": {0}}
+    assert majority_checksums([*full, *stage], 5) == {0: bad, 1: bad}  # one vote each: the stage peers win
+    votes = vote_checks([*full, *stage], 5, members, 2)
+    assert majority_checksums(votes, 5) == {0: good, 1: good}
+    assert {c.peer for c in votes} == {"f1", "f2"}  # the stage peers' votes fall to the full replicas'
+    # a state sync fetches each shard from the peers whose counted vote matches: the full replicas
+    donors, expect = ExactAgreement().agreed(votes, 5, [1], 2) or ([], {})
+    assert sorted(donors) == ["f1", "f2"] and expect["f1"] == {1: good}
+    # without a full replica in the round, stage peers vote, each on the shard it contributed only
+    alone = vote_checks(stage, 5, {p: members[p] for p in ("s1", "s2", "s3", "s0")}, 2)
+    assert {c.peer: c.checksums for c in alone} == {"s1": {1: bad}, "s2": {1: bad}, "s3": {1: bad}, "s0": {0: bad}}
+    # a stage peer's own vote on a shard full replicas voted on does not count, so it cannot tie them (a tie goes to
+    # the smaller checksum, here the stage peer's)
+    small = "0" * 64
+    mine = ShardChecks("s1", 5, {1: small})
+    assert ExactAgreement().agrees([full[0]], mine)  # one vote each: the tie made the stage peer's state the agreed
+    one_full = vote_checks([full[0], mine], 5, {"f1": None, "s1": {1}}, 2)
+    vote = next((c for c in one_full if c.peer == "s1"), ShardChecks("s1", 5, {}))
+    assert not ExactAgreement().agrees([c for c in one_full if c.peer != "s1"], mine, vote)
+
+
 def test_last_rounds_members_rank_first_whoever_announced_first() -> None:
     from hlbp.peer.rounds.rules import turn_order
 
