@@ -148,6 +148,15 @@ def print_report(out_console: Console, report: dict[str, Any], rounds: int) -> N
     if rpr:
         out_console.print(f"round records per peer and round: received {rpr['received']:,.1f} (pushed to it or "
                           f"returned by its DHT reads), pushed {rpr['sent']:,.1f}")
+    audits = report.get("audits") or {}
+    if audits.get("audits"):
+        share = audits.get("compute_share")
+        wall = audits.get("wall_share")
+        found = ", ".join(f"{n} {k}" for k, n in sorted(audits["findings"].items()))
+        out_console.print(f"pipeline audits: {audits['audits']} stage peers audited, {audits['guilty']} convicted "
+                          f"(samples: {found or 'none'}); recomputing took "
+                          f"{'n/a' if share is None else f'{100 * share:.2f} %'} of the stage peers' compute, "
+                          f"{'n/a' if wall is None else f'{100 * wall:.1f} %'} with fetching the frames")
 
 
 def register(app: typer.Typer) -> None:

@@ -8,6 +8,7 @@ The summary is a pure function of the peers' ``metrics.jsonl`` records, so it is
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -22,7 +23,15 @@ from pathlib import Path
 from typing import Any, Self
 
 from hlbp.peer.net.wanlink import WanEmulator, free_port
-from hlbp.peer.sim.report import checksums_agree, count_params, stage_name, states_agree, summarize
+from hlbp.peer.sim.report import (
+    audit_summary,
+    checksums_agree,
+    count_params,
+    is_stage,
+    stage_name,
+    states_agree,
+    summarize,
+)
 from hlbp.peer.sim.zygote import ForkedProcess, Zygote, ZygoteError, shared_zygote
 from hlbp.peer.train.metricslog import read_metrics
 
@@ -388,6 +397,22 @@ def poll(fn: Callable[[], Any], timeout: float, what: str, interval: float = 0.2
 # ---------------------------------------------------------------------------------------------------------------
 
 
+def _audits(paths: dict[str, Path | None]) -> tuple[list[dict[str, Any]], float]:
+    """The full replicas' audit events and the stage peers' compute seconds (their summaries), for the report."""
+    audits, busy = [], 0.0
+    for name, path in paths.items():
+        if path is None or not path.exists():
+            continue
+        if not is_stage(name):
+            audits += [r for r in read_metrics(path) if r.get("event") == "audit"]
+            continue
+        summary = path.parent / "summary.json"
+        if summary.exists():
+            own = json.loads(summary.read_text()).get("busy_s", 0.0)
+            busy += float(own.get("driver", 0.0) if isinstance(own, dict) else own)
+    return audits, busy
+
+
 def run_simulation(cfg: SimConfig, workdir: Path, timeout_s: float,
                    on_progress: Callable[[dict[str, list[dict[str, Any]]]], None] | None = None) -> dict[str, Any]:
     """Start a bootstrap and ``cfg.n_full`` replicas, wait until each has run ``cfg.rounds`` rounds or left (or
@@ -443,6 +468,7 @@ def run_simulation(cfg: SimConfig, workdir: Path, timeout_s: float,
             n_params = count_params(path.parent / "checkpoint.safetensors")
             break
     report = summarize(records, n_params, cfg.rounds)
+    report["audits"] = audit_summary(*_audits(paths))
     report.update(config={k: (str(v) if isinstance(v, Path) else v) for k, v in vars(cfg).items()},
                   seconds=round(time.monotonic() - started, 1), timed_out=timed_out, exit_codes=exits, wan=wan,
                   workdir=str(workdir))

@@ -157,6 +157,23 @@ def summarize(records: dict[str, Sequence[dict[str, Any]]], n_params: int | None
     return out
 
 
+def audit_summary(audits: Sequence[dict[str, Any]], stage_busy_s: float) -> dict[str, Any]:
+    """What the pipeline audits of a run found and cost (``audits``: the coordinators' ``audit`` events,
+    hlbp.peer.node.audits; ``stage_busy_s``: the stage peers' compute seconds over the run). ``compute_share`` is the
+    recomputation's seconds over the stage peers' compute; ``wall_share`` adds fetching the frames (on the
+    coordinator, inside its round close)."""
+    findings: dict[str, int] = {}
+    for a in audits:
+        for sample in a.get("samples", []):
+            findings[sample["finding"]] = findings.get(sample["finding"], 0) + 1
+    wall = sum(float(a.get("seconds", 0.0)) for a in audits)
+    compute = sum(float(a.get("compute_s", 0.0)) for a in audits)
+    return {"audits": len(audits), "guilty": sum(1 for a in audits if a.get("guilty")), "findings": findings,
+            "seconds": wall, "compute_s": compute, "stage_busy_s": stage_busy_s,
+            "compute_share": compute / stage_busy_s if stage_busy_s > 0 else None,
+            "wall_share": wall / stage_busy_s if stage_busy_s > 0 else None}
+
+
 def count_params(checkpoint: Path) -> int:
     """Parameters in a replica checkpoint (its ``anchor.*`` tensors: the model as the rounds agree on it)."""
     from safetensors import safe_open

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import random
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -59,6 +60,7 @@ class PeerAudit:
     round: int
     verdicts: list[Verdict]
     neighbours: frozenset[str]
+    compute_s: float = 0.0  # seconds spent recomputing (the rest of an audit's time is fetching frames)
 
     @property
     def guilty(self) -> Verdict | None:
@@ -121,10 +123,10 @@ class Auditor:
             return None
 
     def audit_peer(self, r: int, accused: str, stage: Stage, swarm: Sequence[str], seed: int,
-                   params: Mapping[str, torch.Tensor] | None = None) -> PeerAudit:
+                   params: Mapping[str, torch.Tensor] | None = None, samples: int | None = None) -> PeerAudit:
         """Findings on a sample of the micro-batch attempts ``accused`` passed on in round ``r``, recomputed on
         ``stage`` at the anchor of round r's phase (``params``, or ``stage``'s own weights); ``swarm``: the peers
-        that may hold its frames."""
+        that may hold its frames; ``samples`` overrides the configured count (0: only who its neighbours were)."""
         own = self._index(accused, r)
         received = {(e.key.op, e.key.micro_batch()): e.key for e in own}
         neighbours = {e.key.sender for e in own}
@@ -142,7 +144,9 @@ class Auditor:
                     holders[(e.key.op, mb)] = (peer, e.key)
                     sent.setdefault(mb, e.inner)
         verdicts = []
-        for mb in choose(sent, self.cfg.samples, seed, self.cfg.later):
+        compute_s = 0.0
+        count = self.cfg.samples if samples is None else samples
+        for mb in choose(sent, count, seed, self.cfg.later if count else 0):
             frames: dict[str, Frame | None] = {}
             held: dict[str, str] = {}
             for name, op in (("y", "fwd"), ("g_in", "bwd")):
@@ -156,8 +160,10 @@ class Auditor:
                 if key is not None:
                     held[name] = accused
             evidence = Evidence(frames["x"], frames["y"], frames["g_out"], frames["g_in"])
+            t0 = time.perf_counter()
             result = audit(stage, self.codec, self.vocab_size, evidence, self.cfg.tolerance, params)
+            compute_s += time.perf_counter() - t0
             if result.finding is Finding.INCONCLUSIVE and not stage.is_first and evidence.x is None:
                 result = AuditResult(Finding.INCONCLUSIVE, detail="it did not show the input it passed on")
             verdicts.append(Verdict(accused, r, mb, result, held))
-        return PeerAudit(accused, r, verdicts, frozenset(neighbours - {accused}))
+        return PeerAudit(accused, r, verdicts, frozenset(neighbours - {accused}), compute_s)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from hlbp.peer.sim.launcher import checksums_agree, summarize
+from hlbp.peer.sim.report import audit_summary
 
 
 def _rec(r: int, sums: dict[str, str], val: float, sent: int, in_sync: bool = True) -> dict[str, Any]:
@@ -73,3 +74,16 @@ def test_phases_are_averaged_per_peer_and_round() -> None:
     a["phases"] = {"close": 1.0, "verify": 0.5}
     b["phases"] = {"close": 3.0}  # a round without a verify step (left out) counts as 0 s of it
     assert summarize({"p0": [a], "p1": [b]})["phases_s"] == {"close": 2.0, "verify": 0.25}
+
+
+def test_the_audit_summary_counts_findings_and_sets_their_cost_against_the_stage_peers_compute() -> None:
+    audits = [{"event": "audit", "guilty": False, "seconds": 0.05, "compute_s": 0.01,
+               "samples": [{"finding": "clean"}, {"finding": "clean"}]},
+              {"event": "audit", "guilty": True, "seconds": 0.15, "compute_s": 0.03,
+               "samples": [{"finding": "forward"}, {"finding": "stale"}]},
+              {"event": "audit", "guilty": False, "seconds": 0.0, "compute_s": 0.0, "samples": []}]
+    out = audit_summary(audits, stage_busy_s=4.0)
+    assert (out["audits"], out["guilty"]) == (3, 1)
+    assert out["findings"] == {"clean": 2, "forward": 1, "stale": 1}
+    assert abs(out["compute_share"] - 0.01) < 1e-12 and abs(out["wall_share"] - 0.05) < 1e-12
+    assert audit_summary([], 0.0)["compute_share"] is None
