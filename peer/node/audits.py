@@ -7,7 +7,9 @@ swarm started the phase from. A peer whose own signed frames convict it is banne
 the contributions of the peers it exchanged frames with in that round are refused too (their gradients and
 activations were computed from what it sent), without a ban. A peer whose frames are near but not equal to its
 stage's output at the anchor computed on other weights (it had not loaded the round's result when it served the
-step): its work and its chain's are left out of the round, and nobody is banned. Which micro-batches are checked
+step): its work and its chain's are left out of the round, and nobody is banned. Work nothing of which could be
+checked (no frame of the phase's first step shown, or the audits' time budget for the round spent) is left out
+too, without a ban (:func:`judge`). Which micro-batches are checked
 is drawn from this process's own randomness after the traffic, so no stage peer could know it when it computed.
 
 Every audit is written to ``metrics.jsonl`` (event ``audit``: the round, the peer, each sample's finding, inner step,
@@ -21,6 +23,7 @@ import secrets
 import threading
 import time
 from collections.abc import Callable, Mapping
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 import torch
@@ -28,6 +31,7 @@ import torch
 from hlbp.peer.model.codec import ActivationCodec
 from hlbp.peer.model.decoder import ModelConfig, Stage
 from hlbp.peer.rounds.admission import Refusal
+from hlbp.peer.swarm.audit import Finding
 from hlbp.peer.swarm.auditor import AuditConfig, Auditor, Fetch, PeerAudit
 from hlbp.peer.train.trainer import skeleton
 from hlbp.protocol.roundwire import ContribNotice
@@ -82,7 +86,19 @@ class PipelineAudits:
             self.codec.rebuild_table(anchor["embed.weight"])  # B, A+drift: the table the swarm's phase used
         refused: dict[str, Refusal] = {}
         swarm = sorted(stage_peers)
-        for peer, s in sorted(stage_peers.items()):
+        # in an order no peer can predict, within the round's budget: peers that answer slowly (or not at all, each
+        # fetch waits out its timeout) can cost the close at most the budget, and cannot always starve the same ones
+        order = sorted(stage_peers.items(), key=lambda item: secrets.randbits(64))
+        started = time.monotonic()
+        for i, (peer, s) in enumerate(order):
+            if time.monotonic() - started > self.auditor.cfg.budget_s:
+                late = [p for p, _ in order[i:]]
+                logger.warning("round %d: the audits' budget of %.0f s is spent; leaving out the contributions of "
+                               "%d stage peers not audited", r, self.auditor.cfg.budget_s, len(late))
+                self.metrics.write(event="audit_budget", round=r, unaudited=late)
+                for p in late:
+                    refused.setdefault(p, Refusal(f"not audited within round {r}'s audit budget", ban=False))
+                break
             stage = self._skeleton(s)
             if any(name not in anchor for name, _ in stage.named_parameters()):
                 continue  # a shard this coordinator does not hold (it is a stage peer itself)
@@ -94,26 +110,11 @@ class PipelineAudits:
                                             samples=0 if blind else None)
             self.audited += 1
             self._record(found, s, time.perf_counter() - t0)
-            guilty = found.guilty
-            if guilty is None:
-                tainted = sorted(found.neighbours & self.liars)
-                if tainted:  # a liar banned earlier that its swarm still routes through
-                    refused[peer] = Refusal(f"its round-{r} work was computed with frames from {tainted[0][:16]}, "
-                                            "caught lying earlier", ban=False)
-                elif found.stale is not None:  # honest, late: its work and its chain's is not the round's
-                    for other in (peer, *found.neighbours):
-                        refused.setdefault(other, Refusal(f"round-{r} work of stage {s} ({peer[:16]}) was computed on "
-                                                          "other weights than the round's anchor", ban=False))
-                continue
-            self.caught.append((r, peer))
-            self.liars.add(peer)
-            result = guilty.result
-            refused[peer] = Refusal(f"caught lying by a pipeline audit of stage {s} in round {r}: "
-                                    f"{result.finding.value} on step {guilty.micro_batch[1]} micro-batch "
-                                    f"{guilty.micro_batch[2]} {result.detail}".strip(), ban=True)
-            for other in found.neighbours:
-                refused.setdefault(other, Refusal(f"its round-{r} work was computed with frames from {peer[:16]}, "
-                                                  "caught lying", ban=False))
+            if found.guilty is not None:
+                self.caught.append((r, peer))
+                self.liars.add(peer)
+            for p, refusal in judge(found, s, blind, self.liars).items():
+                refused.setdefault(p, refusal)
         return refused
 
     def _record(self, found: PeerAudit, stage: int, seconds: float) -> None:
@@ -129,3 +130,38 @@ class PipelineAudits:
         self.metrics.write(event="audit", round=found.round, peer=found.accused, stage=stage,
                            guilty=guilty is not None, samples=samples, neighbours=sorted(found.neighbours),
                            seconds=round(seconds, 4), compute_s=round(found.compute_s, 4))
+
+
+def judge(found: PeerAudit, stage: int, blind: bool, liars: AbstractSet[str]) -> dict[str, Refusal]:
+    """Which contributions of ``found.round`` one stage peer's audit leaves out, and why (pure).
+
+    - its own signed frames convict it: it is banned, and the peers it exchanged frames with are left out;
+    - it exchanged frames with a peer convicted earlier (``liars``): it is left out;
+    - its first step was computed on other weights than the anchor (stale): it and its chain are left out;
+    - nothing of its first step could be checked (it showed none of it, or its neighbours did not), unless its
+      stage cannot be recomputed by construction (``blind``: stage 0 without token ids in its frames): it is left
+      out, since work that cannot be checked is not taken (an honest standby switched in after the first step
+      loses that round's work);
+    - else nothing."""
+    r, peer = found.round, found.accused
+    guilty = found.guilty
+    if guilty is not None:
+        result = guilty.result
+        out = {peer: Refusal(f"caught lying by a pipeline audit of stage {stage} in round {r}: "
+                             f"{result.finding.value} on step {guilty.micro_batch[1]} micro-batch "
+                             f"{guilty.micro_batch[2]} {result.detail}".strip(), ban=True)}
+        for other in sorted(found.neighbours):
+            out[other] = Refusal(f"its round-{r} work was computed with frames from {peer[:16]}, caught lying",
+                                 ban=False)
+        return out
+    tainted = sorted(found.neighbours & liars)
+    if tainted:  # a liar banned earlier that its swarm still routes through
+        return {peer: Refusal(f"its round-{r} work was computed with frames from {tainted[0][:16]}, caught lying "
+                              "earlier", ban=False)}
+    if found.stale is not None:  # honest, late: its work and its chain's is not the round's
+        return {p: Refusal(f"round-{r} work of stage {stage} ({peer[:16]}) was computed on other weights than the "
+                           "round's anchor", ban=False) for p in (peer, *sorted(found.neighbours))}
+    if not blind and not any(v.result.finding is Finding.CLEAN for v in found.verdicts):
+        return {peer: Refusal(f"none of its round-{r} frames of the phase's first step could be checked",
+                              ban=False)}
+    return {}

@@ -77,7 +77,8 @@ class PeerAudit:
 class AuditConfig:
     samples: int = 2  # micro-batch attempts of the phase's first step judged per stage peer and round
     later: int = 0  # micro-batch attempts of later steps compared and reported (not judged) per peer and round
-    timeout_s: float = 10.0  # per fetch
+    timeout_s: float = 3.0  # per fetch: a peer that does not answer within it shows nothing (inconclusive)
+    budget_s: float = 15.0  # most seconds a coordinator spends auditing one round (a round's close waits for it)
     tolerance: Tolerance = field(default_factory=Tolerance)
 
 

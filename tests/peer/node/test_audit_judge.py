@@ -1,0 +1,40 @@
+"""What one stage peer's audit does to a round's contributions (``judge``, pure): a conviction bans the liar and
+leaves out its chain, a liar banned earlier taints who still trades frames with it, stale work leaves out its chain
+without a ban, and work that could not be checked is not taken unless its stage cannot be recomputed at all."""
+
+from __future__ import annotations
+
+from hlbp.peer.node.audits import judge
+from hlbp.peer.swarm.audit import AuditResult, Comparison, Finding
+from hlbp.peer.swarm.auditor import PeerAudit, Verdict
+
+CLOSE = Comparison(0.0, 1.0, 1.0)
+
+
+def audit(*findings: Finding, neighbours: tuple[str, ...] = ("up", "down")) -> PeerAudit:
+    verdicts = [Verdict("p", 4, (1, 9, i, 0), AuditResult(f, 0, CLOSE, CLOSE)) for i, f in enumerate(findings)]
+    return PeerAudit("p", 4, verdicts, frozenset(neighbours))
+
+
+def test_a_conviction_bans_the_liar_and_leaves_out_the_chain_it_fed() -> None:
+    out = judge(audit(Finding.CLEAN, Finding.FORWARD), 1, False, set())
+    assert out["p"].ban and "forward on step 9 micro-batch 1" in out["p"].reason
+    assert {p for p, r in out.items() if not r.ban} == {"up", "down"}
+
+
+def test_a_liar_banned_earlier_taints_whoever_still_trades_frames_with_it() -> None:
+    out = judge(audit(Finding.CLEAN, Finding.CLEAN, neighbours=("liar", "down")), 2, False, {"liar"})
+    assert set(out) == {"p"} and not out["p"].ban
+
+
+def test_stale_work_leaves_out_its_chain_and_bans_nobody() -> None:
+    out = judge(audit(Finding.CLEAN, Finding.STALE), 1, False, set())
+    assert set(out) == {"p", "up", "down"} and not any(r.ban for r in out.values())
+
+
+def test_work_that_could_not_be_checked_is_not_taken_unless_its_stage_cannot_be_recomputed() -> None:
+    for nothing in (audit(), audit(Finding.INCONCLUSIVE, Finding.INCONCLUSIVE), audit(Finding.UNJUDGED)):
+        out = judge(nothing, 1, False, set())
+        assert set(out) == {"p"} and not out["p"].ban
+        assert judge(nothing, 0, True, set()) == {}  # stage 0 without token ids in its frames: nothing to check
+    assert judge(audit(Finding.CLEAN, Finding.INCONCLUSIVE), 1, False, set()) == {}
