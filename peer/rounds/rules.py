@@ -184,6 +184,14 @@ def round_members(round_: int, notices: Mapping[str, AbstractSet[int]], sets: Se
     return None if accepted is None else frozenset(accepted.senders())
 
 
+def round_member_shards(round_: int, notices: Mapping[str, AbstractSet[int]], sets: Sequence[AcceptedSet],
+                        n_shards: int, undialable: AbstractSet[str] = frozenset()) -> dict[str, frozenset[int]] | None:
+    """The members of round ``round_`` and the shards each contributed, as its accepted set lists them (the set,
+    not the notices: a reader may lack some notices), or None."""
+    accepted = round_set(round_, notices, sets, n_shards, undialable)
+    return None if accepted is None else {s: frozenset(d) for s, _, d in accepted.members}
+
+
 def member_checks(checks: Sequence[ShardChecks], round_: int, members: AbstractSet[str]) -> list[ShardChecks]:
     """The checksum records of round ``round_`` that count: those of its members. Votes from keys that were not
     members (unannounced, newly minted, or simply left out) never move the majority."""

@@ -28,7 +28,7 @@ from hlbp.peer.rounds.agreement import Agreement
 from hlbp.peer.rounds.config import RoundConfig
 from hlbp.peer.rounds.outer import OuterConfig, make_outer
 from hlbp.peer.rounds.records import RoundRecords, checks_name
-from hlbp.peer.rounds.rules import checks_settled, round_members, vote_checks
+from hlbp.peer.rounds.rules import checks_settled, round_member_shards, vote_checks
 from hlbp.peer.rounds.state import ReplicaState
 from hlbp.peer.rounds.statesync import ServedState, fetch_state, shard_checksum, state_name
 from hlbp.protocol import ProtocolError
@@ -175,9 +175,9 @@ class StateSync:
             contribs, sets = self.records.read(*keys)
             parsed = self.records.records(keys[0], parse_contrib, contribs, round_=r)
             notices = {n.sender: set(n.digests) for n in parsed}
-            members = round_members(r, notices, self.records.records(keys[1], parse_accepted, sets, round_=r),
-                                    len(self.shards), {n.sender for n in parsed if not n.dialable})
-            voters = vote_checks(checks, r, {p: notices.get(p, set()) for p in members or ()}, len(self.shards))
+            members = round_member_shards(r, notices, self.records.records(keys[1], parse_accepted, sets, round_=r),
+                                          len(self.shards), {n.sender for n in parsed if not n.dialable})
+            voters = vote_checks(checks, r, members or {}, len(self.shards))
             if voters:
                 return r, voters
         return None

@@ -209,6 +209,10 @@ def test_only_a_rounds_members_vote_on_its_state() -> None:
             *(AcceptedSet(p, 5, tuple((m, 1, {0: "d" * 64}) for m in sorted(notices))) for p in notices)]
     assert round_members(5, notices, sets, 1) == frozenset(notices)
     assert round_members(5, notices, sets[:1], 1) is None  # only a stranger's set: the members are unknown
+    from hlbp.peer.rounds.rules import round_member_shards
+
+    # the shards each member voted on come from the set, so a reader that lacks a member's notice still counts it
+    assert round_member_shards(5, notices, sets, 1) == dict.fromkeys(notices, frozenset({0}))
 
 
 def test_full_replicas_outvote_stage_peers_on_the_shards_they_hold_and_nobody_votes_on_what_it_did_not_send() -> None:
