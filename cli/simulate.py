@@ -81,7 +81,7 @@ def simulate(flags: SimFlags) -> None:
     also on Ctrl-C.
     """
     from hlbp.peer.sim.html_report import REPORT_JSON, write_report
-    from hlbp.peer.sim.launcher import run_simulation
+    from hlbp.peer.sim.run import run_simulation
 
     work = flags.workdir or Path(tempfile.mkdtemp(prefix="hlbp-simulate-"))
     rounds = flags.rounds

@@ -22,8 +22,9 @@ from typing import Any
 from rich.console import Console
 
 from hlbp.peer.bench.report import print_table, write_result
-from hlbp.peer.sim.launcher import SimConfig, run_simulation
+from hlbp.peer.sim.launcher import SimConfig
 from hlbp.peer.sim.report import is_stage
+from hlbp.peer.sim.run import run_simulation
 
 GIB = 1 << 30
 HOST_BUDGET_GIB = 24.0  # the volunteer host the projection is checked against (issue: a 1B replica on 24 GB)

@@ -26,8 +26,9 @@ from rich.console import Console
 
 from hlbp.peer.bench.costs import apply_costs
 from hlbp.peer.bench.report import print_table, write_result
-from hlbp.peer.sim.launcher import SimConfig, run_simulation
+from hlbp.peer.sim.launcher import SimConfig
 from hlbp.peer.sim.protocol import ProtocolSimConfig, simulate_protocol
+from hlbp.peer.sim.run import run_simulation
 
 
 @dataclass(frozen=True)

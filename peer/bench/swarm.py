@@ -108,7 +108,8 @@ def overlap_comparison(results: dict[str, Any]) -> dict[str, Any]:
 def run_swarm_bench(cfg: SwarmBenchConfig, out: Path | None, console: Console) -> dict[str, Any]:
     """Run the swarm with each method (or each overlap mode), print the side-by-side table, and write JSON when
     ``out`` is set."""
-    from hlbp.peer.sim.launcher import SimConfig, run_simulation
+    from hlbp.peer.sim.launcher import SimConfig
+    from hlbp.peer.sim.run import run_simulation
 
     cfg.check()
     runs = ([(f"sparseloco overlap {m}", "sparseloco", m) for m in cfg.overlaps] if cfg.overlaps

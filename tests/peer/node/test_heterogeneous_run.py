@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from hlbp.peer.sim.launcher import SimConfig, run_simulation
+from hlbp.peer.sim.launcher import SimConfig
+from hlbp.peer.sim.run import run_simulation
 
 pytestmark = pytest.mark.slow
 

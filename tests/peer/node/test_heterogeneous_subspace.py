@@ -24,7 +24,8 @@ from safetensors.torch import load_file
 from hlbp.peer.model.basis import fixed_table
 from hlbp.peer.model.codec import CodecConfig
 from hlbp.peer.model.subspace import make_codec
-from hlbp.peer.sim.launcher import SimConfig, run_simulation
+from hlbp.peer.sim.launcher import SimConfig
+from hlbp.peer.sim.run import run_simulation
 from hlbp.peer.train.metricslog import read_metrics
 
 pytestmark = pytest.mark.slow

@@ -6,7 +6,8 @@ import itertools
 
 import pytest
 
-from hlbp.peer.sim.launcher import SimConfig, run_simulation
+from hlbp.peer.sim.launcher import SimConfig
+from hlbp.peer.sim.run import run_simulation
 
 pytestmark = pytest.mark.slow
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from hlbp.peer.sim.launcher import SimConfig, run_simulation
+from hlbp.peer.sim.launcher import SimConfig
+from hlbp.peer.sim.run import run_simulation
 
 pytestmark = pytest.mark.slow
 
