@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from typing import Protocol
 
 import torch
@@ -33,14 +34,18 @@ class Agreement(Protocol):
         """Fingerprints to publish beside the checksums."""
         ...
 
-    def agreed(self, checks: Sequence[ShardChecks], r: int, held: Sequence[int], n_shards: int) -> Donors | None:
+    def agreed(self, checks: Sequence[ShardChecks], r: int, held: Sequence[int], n_shards: int,
+               whole: AbstractSet[str] = frozenset()) -> Donors | None:
         """The peers holding the agreed state after round r of the ``held`` shards and the checksum to expect
-        from each, or None when there is no such state."""
+        from each, or None when there is no such state. ``whole``: the voters whose votes rank first
+        (:class:`~hlbp.peer.rounds.rules.Votes`)."""
         ...
 
-    def agrees(self, checks: Sequence[ShardChecks], mine: ShardChecks, vote: ShardChecks | None = None) -> bool:
+    def agrees(self, checks: Sequence[ShardChecks], mine: ShardChecks, vote: ShardChecks | None = None,
+               whole: AbstractSet[str] = frozenset()) -> bool:
         """Whether our state after ``mine.round`` is the one the others (``checks``) agree on; ``vote``: the part
-        of ``mine`` that votes (:func:`~hlbp.peer.rounds.rules.vote_checks`; all of it when None)."""
+        of ``mine`` that votes (:func:`~hlbp.peer.rounds.rules.vote_checks`; all of it when None); ``whole``: the
+        voters whose votes rank first (ours included when we are one)."""
         ...
 
 
@@ -53,16 +58,18 @@ class ExactAgreement:
                      shards: Sequence[Sequence[str]]) -> dict[int, tuple[float, float]]:
         return {}
 
-    def agreed(self, checks: Sequence[ShardChecks], r: int, held: Sequence[int], n_shards: int) -> Donors | None:
-        want = majority_checksums(checks, r)
+    def agreed(self, checks: Sequence[ShardChecks], r: int, held: Sequence[int], n_shards: int,
+               whole: AbstractSet[str] = frozenset()) -> Donors | None:
+        want = majority_checksums(checks, r, whole)
         if any(s not in want for s in held):
             return None
         expect = {c.peer: {s: want[s] for s in held if c.checksums.get(s) == want[s]} for c in checks if c.round == r}
         donors = [p for p, shards in expect.items() if shards]  # a donor serves the agreed shards it holds
         return donors, {d: expect[d] for d in donors}
 
-    def agrees(self, checks: Sequence[ShardChecks], mine: ShardChecks, vote: ShardChecks | None = None) -> bool:
-        want = majority_checksums([*checks, mine if vote is None else vote], mine.round)
+    def agrees(self, checks: Sequence[ShardChecks], mine: ShardChecks, vote: ShardChecks | None = None,
+               whole: AbstractSet[str] = frozenset()) -> bool:
+        want = majority_checksums([*checks, mine if vote is None else vote], mine.round, whole)
         bad = [s for s in mine.checksums if want.get(s) != mine.checksums[s]]
         if bad:
             logger.warning("round %d: shard checksums %s differ from the majority of %d peers", mine.round, bad,
@@ -81,13 +88,15 @@ class FingerprintAgreement:
                      shards: Sequence[Sequence[str]]) -> dict[int, tuple[float, float]]:
         return {s: shard_fingerprint(dict(anchor), names) for s, names in enumerate(shards)}
 
-    def agreed(self, checks: Sequence[ShardChecks], r: int, held: Sequence[int], n_shards: int) -> Donors | None:
+    def agreed(self, checks: Sequence[ShardChecks], r: int, held: Sequence[int], n_shards: int,
+               whole: AbstractSet[str] = frozenset()) -> Donors | None:
         cluster = [c for c in fingerprint_cluster(checks, r) if len(c.checksums) == n_shards]
         if not cluster:
             return None
         return [c.peer for c in cluster], {c.peer: c.checksums for c in cluster}
 
-    def agrees(self, checks: Sequence[ShardChecks], mine: ShardChecks, vote: ShardChecks | None = None) -> bool:
+    def agrees(self, checks: Sequence[ShardChecks], mine: ShardChecks, vote: ShardChecks | None = None,
+               whole: AbstractSet[str] = frozenset()) -> bool:
         cluster = fingerprint_cluster([*checks, mine], mine.round)
         if mine.peer not in {c.peer for c in cluster}:
             logger.warning("round %d: our parameters differ from the %d replicas that agree; reloading state",

@@ -198,26 +198,40 @@ def member_checks(checks: Sequence[ShardChecks], round_: int, members: AbstractS
     return [c for c in checks if c.round == round_ and c.peer in members]
 
 
+@dataclass(frozen=True)
+class Votes:
+    """The checksum records that vote on a round's state, each cut to the shards its signer contributed
+    (:func:`vote_checks`), and ``whole``: the signers that contributed every shard (full replicas), whose votes
+    rank first (:func:`majority_checksums`)."""
+
+    checks: list[ShardChecks]
+    whole: frozenset[str] = frozenset()
+
+
+def holds_all(held: AbstractSet[int] | None, n_shards: int | None) -> bool:
+    """Whether a member that contributed ``held`` (None: every shard) contributed all ``n_shards`` shards; with
+    ``n_shards`` None every member counts alike (a vote weighs the same whoever casts it)."""
+    return n_shards is not None and (held is None or len(set(held)) >= n_shards)
+
+
 def vote_checks(checks: Sequence[ShardChecks], round_: int, members: Mapping[str, AbstractSet[int] | None],
-                n_shards: int) -> list[ShardChecks]:
+                n_shards: int) -> Votes:
     """The checksum records of round ``round_`` that vote, and on which shards (``members``: peer -> the shards it
     contributed to the round, None: every shard).
 
     Only members vote (:func:`member_checks`), each only on the shards it contributed: a stage peer that signs
-    checksums of shards it does not hold counts for nothing there. And where a member that contributed every shard
-    (a full replica) voted on a shard, only such members' votes count for it: stage peers, which hold one shard
-    and can be many, outvote full replicas only on shards no full replica of the round holds (docs/security.md)."""
+    checksums of shards it does not hold counts for nothing there. Members that contributed every shard (full
+    replicas) are named in the result's ``whole``: on a shard their votes decide first and stage peers' votes only
+    break a tie among them, so stage peers, which hold one shard and can be many, outvote full replicas only on
+    shards no full replica of the round voted on (docs/security.md)."""
     def shards_of(peer: str) -> AbstractSet[int]:
         held = members[peer]
         return range(n_shards) if held is None else held
 
     cut = [replace(c, checksums={s: d for s, d in c.checksums.items() if s in shards_of(c.peer)})
            for c in member_checks(checks, round_, set(members))]
-    whole = {c.peer for c in cut if members[c.peer] is None or len(set(shards_of(c.peer))) >= n_shards}
-    covered = {s for c in cut if c.peer in whole for s in c.checksums}
-    out = [c if c.peer in whole else replace(c, checksums={s: d for s, d in c.checksums.items() if s not in covered})
-           for c in cut]
-    return [c for c in out if c.checksums]
+    return Votes([c for c in cut if c.checksums],
+                 frozenset(c.peer for c in cut if c.checksums and holds_all(members[c.peer], n_shards)))
 
 
 def fingerprint_cluster(checks: Sequence[ShardChecks], round_: int, rtol: float = 1e-5) -> list[ShardChecks]:
@@ -241,16 +255,20 @@ def payload_limit(n_params: int) -> int:
     return 6 * n_params + (1 << 20)
 
 
-def majority_checksums(checks: Sequence[ShardChecks], round_: int) -> dict[int, str]:
-    """Per shard, the checksum most peers published for ``round_`` (ties: the smallest string)."""
-    votes: dict[int, dict[str, int]] = {}
+def majority_checksums(checks: Sequence[ShardChecks], round_: int,
+                       whole: AbstractSet[str] = frozenset()) -> dict[int, str]:
+    """Per shard, the checksum most peers published for ``round_``. With ``whole`` (the signers that hold every
+    shard, :class:`Votes`), the checksum most of them published wins and the other votes break a tie among them;
+    a tie of both goes to the smallest string."""
+    tally: dict[int, dict[str, list[int]]] = {}
     for c in checks:
         if c.round != round_:
             continue
         for shard, digest in c.checksums.items():
-            votes.setdefault(shard, {}).setdefault(digest, 0)
-            votes[shard][digest] += 1
-    return {s: min(v, key=lambda d: (-v[d], d)) for s, v in votes.items()}
+            count = tally.setdefault(shard, {}).setdefault(digest, [0, 0])
+            count[0] += c.peer in whole
+            count[1] += 1
+    return {s: min(v, key=lambda d: (-v[d][0], -v[d][1], d)) for s, v in tally.items()}
 
 
 class Verdict(Enum):
@@ -294,19 +312,22 @@ def round_standing(checks: Sequence[ShardChecks]) -> dict[str, dict[str, int | b
 
 
 def checks_settled(checks: Sequence[ShardChecks], mine: ShardChecks, members: Mapping[str, AbstractSet[int] | None],
-                   online: AbstractSet[str] | None = None, moved_on: AbstractSet[str] = frozenset()) -> bool:
+                   online: AbstractSet[str] | None = None, moved_on: AbstractSet[str] = frozenset(),
+                   n_shards: int | None = None) -> bool:
     """Whether a peer can stop waiting for the other members' checksums of round ``mine.round`` (``checks``: the
     records seen so far; ``members``: peer -> the shards it contributed, None for all of them).
 
     True once every member that may still publish has published (a member that the run's announcements no
     longer show online, ``online`` given, never will; nor will one that already published a later round's,
     ``moved_on``: a peer's record holds its latest round only), or once, for every shard we hold, the leading
-    among the records seen (ours included) is ahead of every other by more than the members still to publish
-    that shard could add: the majority that :func:`majority_checksums` would pick, and so our verdict, can no
-    longer change. A tie or a close count keeps waiting, so a peer whose state differs still finds out.
+    checksum among the votes seen (ours included) is ahead of every other by more than the members still to
+    publish that shard could add: the majority that :func:`majority_checksums` would pick, and so our verdict, can
+    no longer change. A tie or a close count keeps waiting, so a peer whose state differs still finds out.
+    With ``n_shards``, votes rank as :func:`vote_checks` ranks them: full replicas' first, the rest break ties
+    (a member that contributed every shard weighs more than all the others together).
     """
     r = mine.round
-    # only the round's members vote: a checksum record under any other key counts for nothing
+    # only the round's members vote, each on the shards it contributed: any other record counts for nothing
     seen = {c.peer: c for c in checks if c.round == r and c.peer != mine.peer and c.peer in members}
     pending = [p for p in members if p != mine.peer and p not in seen and p not in moved_on
                and (online is None or p in online)]
@@ -314,14 +335,23 @@ def checks_settled(checks: Sequence[ShardChecks], mine: ShardChecks, members: Ma
         return True
     if mine.fingerprints:  # a dense run agrees up to float rounding: only a complete set of records decides it
         return False
+    big = len(members) + 2  # more than all partial votes together: full replicas' votes rank first
+
+    def weight(peer: str) -> int:
+        return big + 1 if holds_all(members.get(peer, frozenset(mine.checksums)), n_shards) else 1
+
+    def votes_on(peer: str, shard: int) -> bool:
+        held = members[peer]
+        return held is None or shard in held
+
     for shard, digest in mine.checksums.items():
-        votes: dict[str, int] = {digest: 1}
+        votes: dict[str, int] = {digest: weight(mine.peer)}
         for c in seen.values():
-            if shard in c.checksums:
-                votes[c.checksums[shard]] = votes.get(c.checksums[shard], 0) + 1
+            if shard in c.checksums and votes_on(c.peer, shard):
+                votes[c.checksums[shard]] = votes.get(c.checksums[shard], 0) + weight(c.peer)
         ranked = sorted(votes.values(), reverse=True)
         lead, second = ranked[0], (ranked[1] if len(ranked) > 1 else 0)
-        still = sum(1 for p in pending if members[p] is None or shard in members[p])  # type: ignore[operator]
+        still = sum(weight(p) for p in pending if votes_on(p, shard))
         if lead <= second + still:
             return False
     return True

@@ -28,7 +28,7 @@ from hlbp.peer.rounds.agreement import Agreement
 from hlbp.peer.rounds.config import RoundConfig
 from hlbp.peer.rounds.outer import OuterConfig, make_outer
 from hlbp.peer.rounds.records import RoundRecords, checks_name
-from hlbp.peer.rounds.rules import checks_settled, round_member_shards, vote_checks
+from hlbp.peer.rounds.rules import Votes, checks_settled, round_member_shards, vote_checks
 from hlbp.peer.rounds.state import ReplicaState
 from hlbp.peer.rounds.statesync import ServedState, fetch_state, shard_checksum, state_name
 from hlbp.protocol import ProtocolError
@@ -69,9 +69,10 @@ def online_members(entries: Mapping[Any, Any], run_id: str, now: float, me: str,
 
 
 def wait_for_checks(records: RoundRecords, r: int, members: Mapping[str, AbstractSet[int] | None],
-                    mine: ShardChecks) -> list[ShardChecks]:
+                    mine: ShardChecks, n_shards: int | None = None) -> list[ShardChecks]:
     """The round-r checksum records seen when the wait ended: settled, ``checks_wait_s`` passed, or stopping.
-    ``records``: the round loop's records; ``members``: peer -> shards it contributed."""
+    ``records``: the round loop's records; ``members``: peer -> shards it contributed (``n_shards``: the votes
+    rank as :func:`~hlbp.peer.rounds.rules.vote_checks` ranks them)."""
     from hivemind.utils import get_dht_time
 
     cfg = records.cfg
@@ -83,7 +84,7 @@ def wait_for_checks(records: RoundRecords, r: int, members: Mapping[str, Abstrac
         checks = [c for c in latest if c.round == r]
         moved_on = {c.peer for c in latest if c.round > r}  # their round-r records are gone: none will come
         online = online_members(raw_peers, run, get_dht_time(), records.me, set(members))
-        if (checks_settled(checks, mine, members, online, moved_on) or time.monotonic() >= deadline
+        if (checks_settled(checks, mine, members, online, moved_on, n_shards) or time.monotonic() >= deadline
                 or records.stop.is_set()):
             return checks
         records.inbox.wait(cfg.poll_s)  # wakes at once for a pushed record or a finished DHT read
@@ -150,25 +151,25 @@ class StateSync:
         peers whose records we fetch instead (seats of the next round's committee, which applied round r)."""
         if sample is not None:
             return self.agreement.agrees(sample_checks(self.records, r, sample, mine), mine)
-        checks = wait_for_checks(self.records, r, members, mine)
         if not self.member_votes:
+            checks = wait_for_checks(self.records, r, members, mine)
             return self.agreement.agrees([c for c in checks if c.peer != self.me], mine)
         # our own vote counts as a member's, on the shards we hold (also when we were left out, as it always has)
         voters = {**members, self.me: members.get(self.me, None if len(self.held) == len(self.shards)
                                                     else set(self.held))}
+        checks = wait_for_checks(self.records, r, voters, mine, len(self.shards))
         votes = vote_checks([*[c for c in checks if c.peer != self.me], mine], r, voters, len(self.shards))
-        mine_vote = next((c for c in votes if c.peer == self.me), ShardChecks(self.me, r, {}))
-        return self.agreement.agrees([c for c in votes if c.peer != self.me], mine, mine_vote)
+        mine_vote = next((c for c in votes.checks if c.peer == self.me), ShardChecks(self.me, r, {}))
+        return self.agreement.agrees([c for c in votes.checks if c.peer != self.me], mine, mine_vote, votes.whole)
 
-    def agreed_round(self) -> tuple[int, list[ShardChecks]] | None:
+    def agreed_round(self) -> tuple[int, Votes] | None:
         """The newest round others published checksums for whose members are known from its records, and the
-        members' checksum records of it (not ours); None when there is none. Only members vote: checksum records
-        under keys that were not members of that round count for nothing, so throwaway keys cannot outvote the
-        run. The newest few claimed rounds are tried, newest first, so a far-future claim cannot hide the real
-        one."""
+        members' votes on it (not ours); None when there is none. Only members vote: checksum records under keys
+        that were not members of that round count for nothing, so throwaway keys cannot outvote the run. The
+        newest few claimed rounds are tried, newest first, so a far-future claim cannot hide the real one."""
         checks = [c for c in self.records.latest_checks() if c.peer != self.me]
         if not self.member_votes:
-            return (max(c.round for c in checks), checks) if checks else None
+            return (max(c.round for c in checks), Votes(checks)) if checks else None
         run = self.cfg.run_id
         for r in sorted({c.round for c in checks}, reverse=True)[:MEMBER_ROUNDS_TRIED]:
             keys = (round_key(run, r, KIND_CONTRIB), round_key(run, r, KIND_ACCEPTED))
@@ -177,9 +178,9 @@ class StateSync:
             notices = {n.sender: set(n.digests) for n in parsed}
             members = round_member_shards(r, notices, self.records.records(keys[1], parse_accepted, sets, round_=r),
                                           len(self.shards), {n.sender for n in parsed if not n.dialable})
-            voters = vote_checks(checks, r, members or {}, len(self.shards))
-            if voters:
-                return r, voters
+            votes = vote_checks(checks, r, members or {}, len(self.shards))
+            if votes.checks:
+                return r, votes
         return None
 
     def current(self, state: ReplicaState) -> bool | None:
@@ -188,8 +189,10 @@ class StateSync:
         found = self.agreed_round()
         if found is None:
             return None
-        latest, checks = found
-        return state.round == latest + 1 and self.agreement.agrees(checks, self.checks(state, latest))
+        latest, votes = found
+        mine = self.checks(state, latest)
+        whole = votes.whole | ({self.me} if len(self.held) == len(self.shards) else set())
+        return state.round == latest + 1 and self.agreement.agrees(votes.checks, mine, whole=whole)
 
     def sync(self, state: ReplicaState, attempts: int = 3, pause_s: float = 0.0, stop: Any = None) -> int | None:
         """Load the newest agreed state of the held shards from peers into ``state``, in parallel from different
@@ -204,8 +207,8 @@ class StateSync:
             if found is None:
                 state.in_sync = True  # no round with known members published a state: ours is as good as any
                 return None
-            latest, checks = found
-            agreed = self.agreement.agreed(checks, latest, self.held, len(self.shards))
+            latest, votes = found
+            agreed = self.agreement.agreed(votes.checks, latest, self.held, len(self.shards), votes.whole)
             if agreed is None or not agreed[0]:
                 return None
             donors, expect = agreed
@@ -224,6 +227,6 @@ class StateSync:
                 state.outers[s] = fresh  # a synced peer starts with an empty error-feedback buffer
             state.round, state.in_sync, state.guard_losses, state.evidence = latest + 1, True, [], {}
             logger.info("synced state of round %d from %d donors", latest, len(donors))
-            self.publish(state, self.checks(state, latest), {c.peer for c in checks})
+            self.publish(state, self.checks(state, latest), {c.peer for c in votes.checks})
             return n_bytes
         return None

@@ -226,22 +226,74 @@ def test_full_replicas_outvote_stage_peers_on_the_shards_they_hold_and_nobody_vo
     members = {"f1": None, "f2": None, "s1": {1}, "s2": {1}, "s3": {1}, "s0": {0}}
     assert majority_checksums([*full, *stage], 5) == {0: bad, 1: bad}  # one vote each: the stage peers win
     votes = vote_checks([*full, *stage], 5, members, 2)
-    assert majority_checksums(votes, 5) == {0: good, 1: good}
-    assert {c.peer for c in votes} == {"f1", "f2"}  # the stage peers' votes fall to the full replicas'
-    # a state sync fetches each shard from the peers whose counted vote matches: the full replicas
-    donors, expect = ExactAgreement().agreed(votes, 5, [1], 2) or ([], {})
+    assert votes.whole == {"f1", "f2"}
+    assert majority_checksums(votes.checks, 5, votes.whole) == {0: good, 1: good}
+    # each votes only on the shard it contributed
+    assert {c.peer: c.checksums for c in votes.checks if c.peer.startswith("s")} == {
+        "s1": {1: bad}, "s2": {1: bad}, "s3": {1: bad}, "s0": {0: bad}}
+    # a state sync fetches each shard from the peers whose vote matches the agreed checksum: the full replicas
+    donors, expect = ExactAgreement().agreed(votes.checks, 5, [1], 2, votes.whole) or ([], {})
     assert sorted(donors) == ["f1", "f2"] and expect["f1"] == {1: good}
     # without a full replica in the round, stage peers vote, each on the shard it contributed only
     alone = vote_checks(stage, 5, {p: members[p] for p in ("s1", "s2", "s3", "s0")}, 2)
-    assert {c.peer: c.checksums for c in alone} == {"s1": {1: bad}, "s2": {1: bad}, "s3": {1: bad}, "s0": {0: bad}}
-    # a stage peer's own vote on a shard full replicas voted on does not count, so it cannot tie them (a tie goes to
-    # the smaller checksum, here the stage peer's)
+    assert alone.whole == frozenset()
+    assert majority_checksums(alone.checks, 5, alone.whole) == {0: bad, 1: bad}
+    # a stage peer's own vote cannot tie a full replica's (a tie of equal votes goes to the smaller checksum, here
+    # the stage peer's)
     small = "0" * 64
     mine = ShardChecks("s1", 5, {1: small})
-    assert ExactAgreement().agrees([full[0]], mine)  # one vote each: the tie made the stage peer's state the agreed
+    assert ExactAgreement().agrees([full[0]], mine)  # one vote each, counted alike: the tie made it the agreed one
     one_full = vote_checks([full[0], mine], 5, {"f1": None, "s1": {1}}, 2)
-    vote = next((c for c in one_full if c.peer == "s1"), ShardChecks("s1", 5, {}))
-    assert not ExactAgreement().agrees([c for c in one_full if c.peer != "s1"], mine, vote)
+    vote = next((c for c in one_full.checks if c.peer == "s1"), ShardChecks("s1", 5, {}))
+    assert not ExactAgreement().agrees([c for c in one_full.checks if c.peer != "s1"], mine, vote, one_full.whole)
+
+
+def test_stage_peers_break_a_tie_between_full_replicas_the_same_way_for_every_reader() -> None:
+    """Two full replicas that disagree (one restarted from an older state) tie; the stage peers that contributed
+    the shard decide between their states, so both replicas reach the same verdict whatever the checksums' order
+    (a tie that went to the smaller string let each side of a split keep its own state)."""
+    from hlbp.peer.rounds.agreement import ExactAgreement
+    from hlbp.peer.rounds.rules import majority_checksums, vote_checks
+
+    for right, wrong in (("a" * 64, "f" * 64), ("f" * 64, "a" * 64)):
+        records = [ShardChecks("f1", 6, {0: right, 1: right}), ShardChecks("f2", 6, {0: wrong, 1: wrong}),
+                   ShardChecks("s0", 6, {0: right}), ShardChecks("s1", 6, {1: right})]
+        members = {"f1": None, "f2": None, "s0": {0}, "s1": {1}}
+        votes = vote_checks(records, 6, members, 2)
+        assert majority_checksums(votes.checks, 6, votes.whole) == {0: right, 1: right}
+        for me in ("f1", "f2"):
+            mine = next(c for c in votes.checks if c.peer == me)
+            others = [c for c in votes.checks if c.peer != me]
+            assert ExactAgreement().agrees(others, mine, mine, votes.whole) == (me == "f1"), (me, right)
+        # yet no number of stage peers outvotes a full replica that outnumbers the others
+        many = [ShardChecks(f"s{i}", 6, {1: wrong}) for i in range(2, 9)]
+        votes = vote_checks([*records, ShardChecks("f3", 6, {0: right, 1: right}), *many], 6,
+                            {**members, "f3": None, **{c.peer: {1} for c in many}}, 2)
+        assert majority_checksums(votes.checks, 6, votes.whole)[1] == right
+
+
+def test_checks_settled_ranks_votes_as_the_verdict_does() -> None:
+    """With ``n_shards`` a full replica's pending vote can overturn any number of stage peers' votes, and a stage
+    peer's vote on a shard it did not contribute counts for nothing."""
+    a, b = "a" * 64, "b" * 64
+    members = {"f1": None, "f2": None, "f3": None, "s1": {1}, "s2": {1}, "s3": {1}}
+    mine = ShardChecks("f1", 4, {1: a})  # the shard in question
+    seen = [ShardChecks(p, 4, {1: a}) for p in ("s1", "s2", "s3")]
+    assert checks_settled(seen, mine, members)  # counted alike: 4 against a pending 2
+    assert not checks_settled(seen, mine, members, n_shards=2)  # f2 and f3 together would outrank us
+    assert checks_settled([*seen, ShardChecks("f2", 4, {0: a, 1: a})], mine, members, n_shards=2)
+    members = {"f1": None, "f2": None, "s1": {1}, "s2": {1}, "s3": {1}}
+    assert checks_settled(seen, mine, members, n_shards=2)  # f2 alone would tie the full votes, and lose the tie
+    # f2 disagrees: 1 full vote each, the stage peers break the tie for us; nobody is left to publish
+    split = [*seen, ShardChecks("f2", 4, {0: b, 1: b})]
+    assert checks_settled(split, mine, members, n_shards=2)
+    # a stage peer that signs shard 0, which it did not contribute, counts for nothing there
+    mine = ShardChecks("f1", 4, {0: a, 1: a})
+    members3 = {"f1": None, "f2": None, "f3": None, "s1": {1}}
+    lying = [ShardChecks("f2", 4, {0: a, 1: a}), ShardChecks("s1", 4, {0: b, 1: a})]
+    assert checks_settled(lying, mine, members3, n_shards=2)  # 2 full votes against a pending 1: decided
+    tie = [ShardChecks("f2", 4, {0: b, 1: b})]
+    assert not checks_settled(tie, mine, members3, n_shards=2)  # 1 to 1 with f3 to come
 
 
 def test_last_rounds_members_rank_first_whoever_announced_first() -> None:
