@@ -293,7 +293,7 @@ def _serve(ctx: TrainContext, options: StageOptions, worker: StageWorker, codec:
                 try:
                     runner.history.append(runner.run_round())
                 finally:
-                    gate.open()
+                    gate.open(runner.round)
         except PhaseStopped:
             pass
         except Exception:  # a round loop that fails leaves the stage serving; the log says why
@@ -309,7 +309,7 @@ def _serve(ctx: TrainContext, options: StageOptions, worker: StageWorker, codec:
         # the stream handler is up before the state sync, so a driver that finds this peer already announced
         # is told to wait ("round" answers to its pings) instead of failing to open a stream and banning it
         echo(f"rounds: {runner.start()}; at round {runner.round}")
-        gate.open()
+        gate.open(runner.round)
         thread.start()
         rebalance = _rebalancer(ctx, options, view, lambda: server.counters.steps_applied)
         while not ctx.stop.is_set() and not done.is_set():

@@ -171,10 +171,12 @@ class Driver:
                 announced_once = True
             time.sleep(0.5)
 
-    def wait_ready(self, timeout: float) -> bool:
-        """Wait (at most ``timeout`` seconds) until no peer of the current chain is exchanging an outer round.
+    def wait_ready(self, timeout: float, round_: int = 0) -> bool:
+        """Wait (at most ``timeout`` seconds) until no peer of the current chain is exchanging an outer round or
+        still holds the parameters of a round before ``round_`` (the round whose phase starts).
 
-        A stage peer answers a ping with :attr:`Reason.ROUND` while its round gate is closed (hlbp.peer.swarm.gate);
+        A stage peer answers a ping with :attr:`Reason.ROUND` while its round gate is closed or a round behind
+        (hlbp.peer.swarm.gate);
         the next step's micro-batches would wait there and run into their deadline, so the driver waits here
         instead. Returns whether the chain was ready in time (a silent peer counts as ready: the step finds it).
         Banned peers are not asked: the next step will not use them, and a dead one would cost a ping timeout."""
@@ -183,19 +185,19 @@ class Driver:
         while chain and time.monotonic() < deadline:
             if self.stop is not None and self.stop.is_set():
                 return False
-            _silent, exchanging = self._ping(chain)
+            _silent, exchanging = self._ping(chain, round_)
             if not exchanging:
                 return True
             time.sleep(0.2)
         return not chain
 
-    def _ping(self, peers: Sequence[str]) -> tuple[list[str], list[str]]:
+    def _ping(self, peers: Sequence[str], round_: int = 0) -> tuple[list[str], list[str]]:
         """The peers of ``peers`` that do not answer a ping in time, and those that answer that they are
-        exchanging an outer round."""
+        exchanging an outer round (or behind ``round_``)."""
         for peer in peers:
             try:
                 self.links.dial(peer, self.cfg.ping_timeout_s).send(
-                    encode_message(StageMessage("ping", session=self.session)))
+                    encode_message(StageMessage("ping", session=self.session, round=round_)))
             except ConnectionError:
                 continue
         answered, exchanging = self._inbox.pongs(len(peers), self.cfg.ping_timeout_s)
@@ -328,7 +330,7 @@ class Driver:
         """The oldest micro-batch (or the finish) is past its deadline: ping the chain. A silent peer failed; a
         peer at its round gate gets a new deadline a few times; if everyone answers, the micro-batches were lost
         and go again."""
-        silent, exchanging = self._ping(step.chain)
+        silent, exchanging = self._ping(step.chain, step.round)
         if silent:
             return PeerFailed(silent[0])
         if exchanging and step.waits < self.cfg.max_attempts:

@@ -10,7 +10,14 @@ round's result. The two meet here:
 - that mark closes the gate at once, on the compute thread, so no step of the next round can start before the
   round loop has taken the step count (:meth:`take`), exchanged and loaded the result, and called :meth:`open`;
 - when the round closes without the swarm (its driver is gone, or behind), the round loop closes the gate itself
-  between two steps (:meth:`close_between_steps`), waiting a bounded time for a step under way to end.
+  between two steps (:meth:`close_between_steps`), waiting a bounded time for a step under way to end;
+- the gate also knows the round whose inner phase the loaded parameters start (:meth:`open` is told it), and a
+  step of a later round waits as at a closed gate. A peer that was not in the swarm's last round (a standby that
+  takes over mid-run, a joiner) gets no end-of-round mark, so its gate is open while its round loop still has to
+  take the round's result: served then, the step would run on the last round's parameters, work an auditor
+  rightly finds stale (hlbp.peer.swarm.audit). Only the next round waits so: a claim of a round further ahead,
+  which no round loop reaches by waiting, is served at once, so a driver cannot hold a stage's compute thread
+  with a made-up round number.
 
 Why a gate and not a lock: a step spans many jobs (forwards, backwards, finish, apply) and arrives from the
 network; a step's stored graphs hold the parameters it was computed with, so changing them mid-step would make
@@ -34,26 +41,39 @@ class RoundGate:
         self.steps = 0  # steps applied since the last take()
         self.tokens = 0
         self._entered_at = 0.0
+        self.round: int | None = None  # the round whose phase the loaded parameters start (None: not told)
 
-    def enter(self, timeout: float) -> bool:
-        """Compute thread, before a step's first micro-batch: wait while the gate is closed (at most ``timeout``
-        seconds, after which the step goes ahead: a stuck round loop must not stop the swarm for ever). Returns
-        whether the gate was open in time."""
+    def ready_for(self, round_: int | None) -> bool:
+        """Whether a step of round ``round_`` (None: any round) may start now: the gate is open and the loaded
+        parameters are not those of the round before (see the module docstring)."""
         with self._cond:
-            ok = self._cond.wait_for(lambda: not self.closed, timeout)
+            return self._ready(round_)
+
+    def _ready(self, round_: int | None) -> bool:
+        return not self.closed and (round_ is None or self.round is None or round_ != self.round + 1)
+
+    def enter(self, timeout: float, round_: int | None = None) -> bool:
+        """Compute thread, before a step's first micro-batch of round ``round_``: wait while the gate is closed or
+        the parameters are an earlier round's (at most ``timeout`` seconds, after which the step goes ahead: a
+        stuck round loop must not stop the swarm for ever). Returns whether the gate was ready in time."""
+        with self._cond:
+            ok = self._cond.wait_for(lambda: self._ready(round_), timeout)
             self.in_step = True
             self._entered_at = time.monotonic()
             return ok
 
-    def leave(self, applied: bool, tokens: int = 0, round_end: bool = False) -> None:
-        """Compute thread, after a step was applied (or dropped: ``applied`` False). ``round_end`` closes the
-        gate: the next step waits for the round's result."""
+    def leave(self, applied: bool, tokens: int = 0, round_end: bool = False, round_: int | None = None) -> None:
+        """Compute thread, after a step of round ``round_`` (None: not said) was applied (or dropped: ``applied``
+        False). ``round_end`` closes the gate: the next step waits for the round's result. A step of another round
+        than the loaded parameters' (a driver a round behind this peer, which synced past it) is neither counted
+        in this phase nor ends it: its mark would end the phase before the swarm's steps of this round ran."""
         with self._cond:
             self.in_step = False
-            if applied:
+            ours = round_ is None or self.round is None or round_ == self.round
+            if applied and ours:
                 self.steps += 1
                 self.tokens += tokens
-            if round_end:
+            if round_end and ours:
                 self.ended = self.closed = True
             self._cond.notify_all()
 
@@ -79,8 +99,11 @@ class RoundGate:
             self.ended = False
             return out
 
-    def open(self) -> None:
-        """Round loop: the round's result is loaded; steps may start again."""
+    def open(self, round_: int | None = None) -> None:
+        """Round loop: the round's result is loaded, the parameters start round ``round_`` (None: unchanged);
+        steps may start again."""
         with self._cond:
             self.closed = False
+            if round_ is not None:
+                self.round = round_
             self._cond.notify_all()

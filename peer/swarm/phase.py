@@ -103,7 +103,7 @@ class SwarmPhase:
     def run(self, r: int) -> tuple[int, int]:
         """The swarm's inner phase of round r: up to H steps, the last marked as the round's end, cut short when
         the round closes without the swarm; (steps, tokens). Raises :class:`StepLimitReached`."""
-        self.driver.wait_ready(60.0)  # the chain has loaded the last round's result
+        self.driver.wait_ready(60.0, r)  # the chain has loaded the last round's result
         steps = tokens = 0
         closed = StickyCheck(lambda: self.round_closed(r), 0.5)
         inner = self.cfg.inner_steps

@@ -94,6 +94,7 @@ class StageServer:
         self._lock = threading.Lock()
         self._upstream: Conn | None = None  # the stream of the session under way
         self._session = -1
+        self._step_round: int | None = None  # the outer round of the step under way, as its frames say
         self._forwarded: tuple[int, int, float, float, float] | None = None  # the last finish passed down (see _finish)
         self._pending: dict[tuple[int, int], tuple[str, float]] = {}  # (mb, attempt) -> (downstream peer, fwd s)
         self._eval_upstream: dict[tuple[int, int], Conn] = {}
@@ -130,7 +131,8 @@ class StageServer:
             self._on_bad(conn.peer, fault)
             return
         if msg.op == "ping":
-            exchanging = self.gate is not None and self.gate.closed  # the driver waits before its next step
+            # the driver waits before its next step (its round in the ping) while we exchange or are a round behind
+            exchanging = self.gate is not None and not self.gate.ready_for(msg.round)
             conn.send(encode_message(StageMessage("pong", session=msg.session,
                                                   code=Reason.ROUND if exchanging else Reason.NONE)))
         elif msg.op in ("fwd", "eval"):
@@ -231,9 +233,11 @@ class StageServer:
             self._eval(conn, msg, received, targets_bytes, shape)
             return
         new_step = (msg.session, msg.step) != (self.worker.session, self.worker.step)
-        if self.gate is not None and new_step and not self.gate.enter(self.gate_timeout_s):
+        if self.gate is not None and new_step and not self.gate.enter(self.gate_timeout_s, msg.round):
             logger.warning("the round exchange took over %.0f s; serving the next step anyway", self.gate_timeout_s)
         self.worker.begin(msg.session, msg.step)
+        if new_step:
+            self._step_round = msg.round  # what the step's apply tells the round gate
         if self.is_last:
             targets = decode_targets(targets_bytes, shape, self.vocab_size)
             loss, grad = self.worker.loss_backward(msg.mb, msg.attempt, received.tensor, targets, msg.weight)
@@ -335,7 +339,7 @@ class StageServer:
         self.worker.step = -1  # applied: the next fwd of this session starts the next step afresh
         if self.gate is not None:
             # the driver's count weighs this stage's contribution in token-weighted runs: never above a batch
-            self.gate.leave(ok, min(msg.tokens, self.max_tokens), msg.round_end)
+            self.gate.leave(ok, min(msg.tokens, self.max_tokens), msg.round_end, self._step_round)
         if self.on_step is not None:
             self.on_step(msg, ok)
 

@@ -36,7 +36,7 @@ class FakeDriver:
     labels: list[tuple[int, int]] = field(default_factory=list)  # (round, inner) each step's frames carry
     evaluations: int = 0
 
-    def wait_ready(self, timeout: float) -> bool:
+    def wait_ready(self, timeout: float, round_: int = 0) -> bool:
         return True
 
     def has_chain(self) -> bool:
