@@ -282,7 +282,8 @@ def _serve(ctx: TrainContext, options: StageOptions, worker: StageWorker, codec:
     metrics = MetricsLog(ctx.out_dir / "metrics.jsonl")
     phase: list[Callable[[int], tuple[int, int]]] = []
     runner, transport = make_stage_rounds(ctx, worker, config, lambda r: phase[0](r), metrics,
-                                          options.checkpoint_every_s, on_round=_round_echo(echo, stage), codec=codec)
+                                          options.checkpoint_every_s, on_round=_round_echo(echo, stage), codec=codec,
+                                          driven=True)
     notary = Notary(ctx.peer.plane.identity)  # the frames this stage receives, signed, served to auditors
     transport.put_lazy_prefix(AUDIT_PREFIX, notary.transcript.resolve)
     phase.append(serve_phase(runner, gate, worker, ctx.stop, dead_step_s=30.0))

@@ -117,9 +117,12 @@ def serve_phase(runner: RoundRunner, gate: RoundGate, worker: StageWorker, stop:
 def make_stage_rounds(ctx: Any, worker: StageWorker, config: Any, phase: Callable[[int], tuple[int, int]],
                       metrics: Any, checkpoint_every_s: float, evaluate: Callable[[Any], float | None] | None = None,
                       on_round: Callable[[Any, float | None], None] | None = None,
-                      codec: ActivationCodec | None = None) -> tuple[RoundRunner, Any]:
+                      codec: ActivationCodec | None = None, driven: bool = False) -> tuple[RoundRunner, Any]:
     """The round loop of this stage peer (``ctx``: its join context) and the blob transport it serves its
-    payloads and shard state on; the caller closes both.
+    payloads and shard state on; the caller closes both. ``driven``: a stage server, whose phase is its driver's
+    steps and so is never sat out after a state sync (the driver decides whether the swarm trains that round; a
+    server that sat it out while serving the round's steps would count them in its next phase, after the round's
+    result had replaced the parameters they trained).
 
     ``codec``: the stage's activation codec. In a B or A+drift run its table is rebuilt from the synchronized
     embedding after every round, and a stage after the first follows shard 0 for it, starting from the seed's
@@ -165,7 +168,8 @@ def make_stage_rounds(ctx: Any, worker: StageWorker, config: Any, phase: Callabl
     runner = RoundRunner(peer.plane.dht, peer.plane.identity, transport, StageTrainer(worker), outer, shards, rcfg,
                          ctx.stop, checkpoint=ctx.out_dir / "rounds.safetensors", metrics=metrics,
                          expected=expected, on_round=reported, evaluate=evaluate, protect=peer.plane.protect,
-                         held=[peer.role.stage], shapes=shapes, train=phase, follow=follow, on_load=load_table)
+                         held=[peer.role.stage], shapes=shapes, train=phase, follow=follow, on_load=load_table,
+                         sit_out=not driven)
     box.append(runner)
     return runner, transport
 

@@ -62,6 +62,8 @@ class ReplicaBase(ABC):
     (:class:`~hlbp.peer.rounds.rules.Expected`).
     ``train(r)``: an inner phase whose steps run elsewhere (a stage peer's swarm), in place of the trainer's;
     ``on_load(anchor)``: called after each load of the anchor into the model (a stage rebuilds its codec's table).
+    ``sit_out``: whether the first round after a state sync is sat out when others already announce it
+    (:meth:`~hlbp.peer.rounds.phase.InnerPhase.run`); False for a phase whose steps another peer drives.
     """
 
     agreement: Agreement = ExactAgreement()  # how the replicas tell the agreed state after a round
@@ -87,6 +89,7 @@ class ReplicaBase(ABC):
         shapes: Sequence[dict[str, tuple[int, ...]]] | None = None,
         train: Callable[[int], tuple[int, int]] | None = None,
         on_load: Callable[[Mapping[str, torch.Tensor]], None] | None = None,
+        sit_out: bool = True,
     ) -> None:
         self.dht, self.identity, self.transport, self.trainer = dht, identity, transport, trainer
         self.me = identity.peer_id
@@ -116,7 +119,7 @@ class ReplicaBase(ABC):
         # signed round records: the inbox of pushed ones, the DHT pollers, whom we push ours to (rounds/records.py)
         self.records = RoundRecords(dht, identity, transport, cfg, stop, lambda: self.state.round, protect)
         self.phase = InnerPhase(trainer, cfg, stop, self.round_closed, self.round_started, self.phase_base,
-                                self._after_step, train)
+                                self._after_step, train, sit_out)
         self.syncer = StateSync(self.me, self.shards, self.held, self.shapes, cfg, outer, transport, self.records,
                                 self.agreement, member_votes=self.agreement.member_votes)
 

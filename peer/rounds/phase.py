@@ -31,8 +31,8 @@ class InnerPhase:
     def __init__(self, trainer: Any, cfg: RoundConfig, stop: Any, closed: Callable[[int, bool], bool],
                  started: Callable[[int, bool], bool], base: Callable[[], Mapping[str, torch.Tensor]],
                  after_step: Callable[[int, int], None],
-                 steps: Callable[[int], tuple[int, int]] | None = None) -> None:
-        self.trainer, self.cfg, self.stop = trainer, cfg, stop
+                 steps: Callable[[int], tuple[int, int]] | None = None, sit_out: bool = True) -> None:
+        self.trainer, self.cfg, self.stop, self.sit_out = trainer, cfg, stop, sit_out
         self.closed, self.started, self.base, self.after_step, self.steps = closed, started, base, after_step, steps
         self.just_synced = False  # set after a state sync: we arrive mid-run, and the next round may be under way
         # under overlap: the round whose phase started behind the others' (after a sit-out, or after our notice of
@@ -60,7 +60,7 @@ class InnerPhase:
         """
         if self.just_synced:
             self.just_synced = False
-            if self.started(r, True):
+            if self.sit_out and self.started(r, True):
                 logger.info("round %d is already being announced by others: taking its result with weight 0 and "
                             "starting the next round with them", r)
                 if self.cfg.overlap != "none":

@@ -220,6 +220,10 @@ def test_sigterm_of_a_full_replica_and_a_stage_peer_together_then_both_resume(tm
         assert all(x["accepted"] and x["in_sync"] for x in rows.values()), (r, rows)
         for shard in ("0", "1"):
             assert len({x["checksums"][shard] for x in rows.values() if shard in x["checksums"]}) == 1, (r, rows)
+    # the restarted stage peer trained what it contributed: never its own earlier tensors again (as a server whose
+    # phase was misaligned with its driver's after a state sync did, sending a pseudo-gradient of zero each round)
+    reused = [(n, x["round"], c) for n, v in recs.items() for x in v for c in x.get("copies", []) if c["kind"] == "reuse"]
+    assert not reused, reused
 
 
 def test_an_idle_spare_moves_to_complete_another_swarm(tmp_path: Path) -> None:
