@@ -99,6 +99,7 @@ class Closer:
         self.prior_read = -1  # the last round whose members were read from its records (learn_prior)
         self.first_seen: dict[int, float] = {}  # round -> when we first saw one of its notices (time.monotonic)
         self.announced = UNKNOWN  # the expected contributors as last read (each close reads them anew)
+        self._phase_expected: tuple[int, Expected] = (-1, UNKNOWN)  # read once a round by round_closed
         self.rule = GatherRule(cfg.gather, cfg.reserves)  # the run's cap on a round's contributions (gather.py)
         # who was selected when, as the sets we took show (the replica's state holds it, and its checkpoints)
         self.standing = standing if standing is not None else Standing(self.rule.memory)
@@ -194,9 +195,23 @@ class Closer:
 
     def round_closed(self, r: int, wait: bool = True) -> bool:
         """Whether round r has an accepted set that counts by now (``wait``: read now; else as the phase's poller
-        last read)."""
+        last read).
+
+        A set of the first in turn counts at once when every expected contributor announced (rules.set_counts);
+        the expected contributors are read (once a round, by a check that may wait) only when a set is there and
+        would not count without them. Without them a peer with no order agreed before the round (round 0, the round after a sync) took a set
+        only a whole window after its first notice: an idle standby then stayed in round 0's phase until the round's
+        payloads were gone, and had to sync instead of taking part."""
         notices, sets = self.round_records(r, wait, self.records.phase_poller)
-        return self.accepted(r, sets, notices) is not None
+        if not sets:
+            return False
+        if self.accepted(r, sets, notices) is not None:
+            return True
+        if self._phase_expected[0] != r:
+            if not wait:
+                return False  # a look-up that must not wait reads nothing: the next waiting check will
+            self._phase_expected = (r, self.expected())
+        return self.accepted(r, sets, notices, self._phase_expected[1]) is not None
 
     def round_started(self, r: int, wait: bool = True) -> bool:
         """Whether others already announced round r (or it closed)."""
