@@ -45,6 +45,10 @@ def convergence(
                           "method (DiLoCo outer lr 0.6/0.7; SparseLoCo k 64/128 x inner lr 1/1.25x): 7 runs of about "
                           "16 minutes each on one core, about an hour with --jobs 2 on 2 cores; on one H100 with "
                           "--jobs 14, 14 runs took 6 minutes (under CUDA MPS). --quick: a smoke run of the same sweep."),
+    noloco: bool = opt(False, "--noloco", env="BENCH_NOLOCO",
+                       help="NoLoCo (pairs instead of rounds), dense and sparse (k = 64), beside DiLoCo, SparseLoCo and "
+                            "the single AdamW run: 40 rounds of H = 15, the replicas' mean loss and their spread "
+                            "(--quick: a smoke run)."),
     ablations: bool = opt(False, "--ablations", env="BENCH_ABLATIONS",
                           help="--long: also the small-tensor rule (per k) and median-norm clipping against their "
                                "defaults, 3 runs more."),
@@ -56,7 +60,8 @@ def convergence(
     lr_mults: str = opt("", "--lr-mults", env="BENCH_LR_MULTS",
                         help="--long: SparseLoCo inner lr as multiples of DiLoCo's, comma-separated (default 1,1.25)."),
 ) -> None:
-    """SparseLoCo vs DiLoCo vs one AdamW run with R x the batch, at equal tokens (--long: the long horizon)."""
+    """SparseLoCo vs DiLoCo vs one AdamW run with R x the batch, at equal tokens (--long: the long horizon;
+    --noloco: NoLoCo beside them)."""
     import dataclasses
 
     import torch
@@ -65,9 +70,11 @@ def convergence(
 
     if threads:
         torch.set_num_threads(threads)
-    if long and overlap:
-        raise UserInputError("--long and --overlap are separate sweeps: choose one")
-    if overlap:
+    if long + overlap + noloco > 1:
+        raise UserInputError("--long, --overlap and --noloco are separate sweeps: choose one")
+    if noloco:
+        cfg = ConvergenceBenchConfig.noloco(quick=quick)
+    elif overlap:
         cfg = ConvergenceBenchConfig.overlap(quick=quick)
     elif long:
         cfg = ConvergenceBenchConfig.long(quick=quick)

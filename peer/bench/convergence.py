@@ -33,9 +33,11 @@ from rich.console import Console
 from hlbp.peer.bench.report import finish_loss_plot, print_table, write_result
 from hlbp.peer.data.streams import prepare_data
 from hlbp.peer.model.decoder import build_model, preset
+from hlbp.peer.rounds.noloco import NoLoCoConfig
 from hlbp.peer.rounds.outer import OuterConfig
 from hlbp.peer.rounds.overlap import OVERLAPS
 from hlbp.peer.sim.engine import EngineConfig, make_full_replicas, run_outer_simulation, run_single_adamw
+from hlbp.peer.sim.noloco import run_noloco_simulation
 from hlbp.peer.train.trainer import OptimConfig, pick_device
 from hlbp.protocol.manifest import Hyperparameters
 from hlbp.protocol.sparse import transmitted_fraction
@@ -109,6 +111,16 @@ class ConvergenceBenchConfig:
             base = dataclasses.replace(base, rounds=3, inner_steps=3, seq_len=64, eval_batches=4, print_every=1)
         return dataclasses.replace(base, **overrides)
 
+    @classmethod
+    def noloco(cls, quick: bool = False, **overrides: Any) -> ConvergenceBenchConfig:
+        """NoLoCo, dense and sparse (k = 64), beside DiLoCo, SparseLoCo and the single AdamW run: 40 rounds of
+        H = 15 with R = 4, warm-up over 5 % then cosine to 0.1x. ``quick``: 3 rounds of H = 3."""
+        base = cls(rounds=40, inner_steps=15, batch_size=4, seq_len=128, warmup_frac=0.05, eval_batches=16,
+                   sweep="noloco", ks=(64,), aggregations=("selectors",), print_every=5)
+        if quick:
+            base = dataclasses.replace(base, rounds=3, inner_steps=3, seq_len=64, eval_batches=4, print_every=1)
+        return dataclasses.replace(base, **overrides)
+
     @property
     def warmup_steps(self) -> int:
         """Warm-up steps of the inner schedule (from ``warmup_frac`` when it is set)."""
@@ -119,13 +131,16 @@ class ConvergenceBenchConfig:
 
 @dataclass(frozen=True)
 class Method:
-    """One run of the benchmark: its label, outer optimizer (None: the single AdamW baseline) and inner lr."""
+    """One run of the benchmark: its label, outer optimizer (None: the single AdamW baseline, or NoLoCo when
+    ``noloco`` is set) and inner lr."""
 
     label: str
     outer: OuterConfig | None
     lr_mult: float = 1.0
-    family: str = "sparseloco"  # "adamw", "diloco" or "sparseloco": the sweep a method's best is chosen within
+    # "adamw", "diloco", "sparseloco" or "noloco": the sweep a method's best is chosen within
+    family: str = "sparseloco"
     overlap: str = "none"  # rounds overlapped with the next inner phase (hlbp.peer.rounds.overlap)
+    noloco: NoLoCoConfig | None = None  # pairs instead of rounds (hlbp.peer.rounds.noloco)
 
 
 def _sparseloco(cfg: ConvergenceBenchConfig, k: int, agg: str, alpha: float | None = None, beta: float | None = None,
@@ -169,6 +184,15 @@ def methods(cfg: ConvergenceBenchConfig) -> list[Method]:
                                   _sparseloco(cfg, k, agg, small_tensors=other)))
             out.append(Method(f"sparseloco k={cfg.ks[0]} lr x1 clip {'off' if cfg.clip_median else 'on'}{a}",
                               _sparseloco(cfg, cfg.ks[0], agg, clip_median=not cfg.clip_median)))
+    elif cfg.sweep == "noloco":
+        # NoLoCo beside the round-based methods on the same tokens, seeds and schedule: dense as the paper has it,
+        # and with SparseLoCo's payload at the sweep's k
+        out.append(Method("diloco", OuterConfig(kind="diloco", outer_lr=cfg.diloco_lr, momentum=cfg.diloco_momentum),
+                          family="diloco"))
+        out.append(Method(f"sparseloco k={cfg.ks[0]}", _sparseloco(cfg, cfg.ks[0], cfg.aggregations[0])))
+        out.append(Method("noloco dense", None, family="noloco", noloco=NoLoCoConfig()))
+        out.append(Method(f"noloco sparse k={cfg.ks[0]}", None, family="noloco",
+                          noloco=NoLoCoConfig(sparse=True, k=cfg.ks[0], small_tensors=cfg.small_tensors)))
     elif cfg.sweep == "overlap":
         # each outer method without overlap, with a naive one-round delay and with eager updates, same tokens
         dl = OuterConfig(kind="diloco", outer_lr=cfg.diloco_lr, momentum=cfg.diloco_momentum)
@@ -225,6 +249,26 @@ def verdict(results: dict[str, Any], meths: list[Method], k_max: int = 128) -> d
     return out
 
 
+def noloco_verdict(results: dict[str, Any], meths: list[Method]) -> dict[str, Any]:
+    """NoLoCo against the round-based methods at equal tokens: dense NoLoCo over the best DiLoCo, sparse NoLoCo
+    over the best SparseLoCo (final loss and bytes per replica and round), and each NoLoCo's final spread."""
+    rows = {m.label: m for m in meths if m.family == "noloco" and m.label in results}
+    best = {fam: _best(results, meths, fam) for fam in ("diloco", "sparseloco")}
+    out: dict[str, Any] = {}
+    for label, m in rows.items():
+        ref = best["sparseloco" if m.noloco is not None and m.noloco.sparse else "diloco"]
+        if ref is None:
+            continue
+        r, b = results[label], results[ref]
+        out[label] = {"against": ref, "loss_ratio": r["final_val_loss"] / b["final_val_loss"],
+                      "bytes_ratio": r["bytes_per_round_per_replica"] / max(1.0, b["bytes_per_round_per_replica"]),
+                      "spread": r["final_spread"]}
+    if out:
+        out["line"] = "; ".join(f"{lab} / {v['against']}: loss {v['loss_ratio']:.4f}, bytes {v['bytes_ratio']:.2f}x, "
+                                f"spread {v['spread']:.2e}" for lab, v in out.items())
+    return out
+
+
 def overlap_verdict(results: dict[str, Any], meths: list[Method]) -> dict[str, Any]:
     """Per outer method, the final loss of naive delay and of eager updates over no overlap at equal tokens (the
     issue's bar: eager within 1 %)."""
@@ -255,7 +299,8 @@ def write_plot(path: Path, results: dict[str, Any], meths: list[Method], title: 
     for i, m in enumerate(x for x in meths if x.label in results):
         h = results[m.label]["history"]
         color = "k" if m.family == "adamw" else palette[i % len(palette)]
-        ls = {"adamw": "-", "diloco": "-."}.get(m.family, "--" if ("small" in m.label or "clip" in m.label) else "-")
+        ls = {"adamw": "-", "diloco": "-.", "noloco": ":"}.get(
+            m.family, "--" if ("small" in m.label or "clip" in m.label) else "-")
         ls = {"naive": ":", "eager": "--"}.get(m.overlap, ls)
         xs, ys = [r["tokens"] / 1e6 for r in h], [r["val_loss"] for r in h]
         for ax in (a, b):
@@ -289,15 +334,18 @@ def run_method(
         if rec["round"] % cfg.print_every == 0 or rec["round"] == cfg.rounds:
             console.print(f"  {m.label:36s} round {rec['round']:3d}  val {rec['val_loss']:.4f}  {rec['seconds']:7.1f}s")
 
-    if m.outer is None:
+    if m.noloco is not None:
+        res = run_noloco_simulation(sim, m.noloco, data, make_full_replicas(sim, data, device), device, on_round=show)
+    elif m.outer is None:
         res = run_single_adamw(sim, data, device, on_round=show)
     else:
         res = run_outer_simulation(sim, data, make_full_replicas(sim, data, device), device, on_round=show)
     res["best_val_loss"] = min(r["val_loss"] for r in res["history"])
     res["inner_lr"] = optim.lr
-    if m.outer is not None and m.outer.kind == "sparseloco":
+    sparse = m.outer if m.outer is not None and m.outer.kind == "sparseloco" else m.noloco
+    if sparse is not None and (m.noloco is None or m.noloco.sparse):
         shapes = {n: tuple(t.shape) for n, t in build_model(model).named_parameters()}
-        res["transmitted"] = transmitted_fractions(shapes, m.outer.k, m.outer.small_tensors)
+        res["transmitted"] = transmitted_fractions(shapes, sparse.k, sparse.small_tensors)
     return res
 
 
@@ -339,6 +387,8 @@ def run_convergence_bench(
     for m in meths:
         if m.outer is not None:
             m.outer.validate()  # a bad setting (k outside 1..4096) fails before the runs, not after them
+        if m.noloco is not None:
+            m.noloco.validate()
     config = _config_doc(cfg)
     finished: dict[str, Any] = {}
 
@@ -372,7 +422,8 @@ def run_convergence_bench(
         sent = res.get("transmitted", {}).get("total")
         rows.append([
             label, res["final_val_loss"], res["best_val_loss"], res["final_val_loss"] / ref, int(b),
-            (dense / b) if b else "-", f"{100 * sent:.2f} %" if sent is not None else "-", res["seconds"],
+            (dense / b) if b else "-", f"{100 * sent:.2f} %" if sent is not None else "-",
+            f"{res['final_spread']:.2e}" if "final_spread" in res else "-", res["seconds"],
         ])
     title = (f"convergence: {cfg.model}, R={cfg.replicas}, H={cfg.inner_steps}, {cfg.rounds} rounds, batch "
              f"{cfg.batch_size}x{cfg.seq_len}, {results[meths[0].label]['tokens']:,} tokens each, warm-up "
@@ -380,13 +431,16 @@ def run_convergence_bench(
     print_table(
         console, title,
         ["method", "final val loss", "best val loss", f"final / {ref_label}", "bytes/round/replica",
-         "dense/this", "values sent", "seconds"],
+         "dense/this", "values sent", "spread", "seconds"],
         rows,
     )
     v = overlap_verdict(results, meths) if cfg.sweep == "overlap" else verdict(results, meths)
     if v:
         console.print(v["line"])
-    doc = write_result(out, "convergence", config, {"runs": results, "verdict": v, "complete": True})
+    nv = noloco_verdict(results, meths)
+    if nv:
+        console.print(nv["line"])
+    doc = write_result(out, "convergence", config, {"runs": results, "verdict": v, "noloco": nv, "complete": True})
     if out is not None and write_plot(Path(out).with_suffix(".png"), results, meths, title):
         console.print(f"plot: {Path(out).with_suffix('.png')}")
     return doc

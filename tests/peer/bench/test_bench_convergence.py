@@ -132,6 +132,7 @@ def test_sweep_flags_choose_the_long_sweeps_settings(tmp_path: Path, builtin_dat
     (("--quick", "--betas", "1"), "beta and momentum must be in [0, 1)"),
     (("--quick", "--ablations"), "add --long"),
     (("--quick", "--alphas", "0"), "--alphas: every value must be a finite number > 0"),
+    (("--quick", "--noloco", "--long"), "separate sweeps"),
 ])
 def test_bad_sweep_flags_fail_before_any_run(args: tuple[str, ...], message: str) -> None:
     proc = _bench(*args, timeout=120)
@@ -174,3 +175,27 @@ def test_sigterm_ends_the_workers_with_the_bench(builtin_data: object) -> None:
         assert not [w for w in workers if _alive(w)]
     finally:
         proc.kill()
+
+
+def test_noloco_sweep_runs_dense_and_sparse_pairs_beside_the_round_methods(tmp_path: Path,
+                                                                            builtin_data: object) -> None:
+    """`hlbp bench convergence --noloco --quick` as the CLI runs it (3 replicas: one sits out each round)."""
+    out = tmp_path / "noloco.json"
+    proc = _bench("--noloco", "--quick", "--replicas", "3", "--rounds", "2", "--jobs", "2", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    runs = doc["result"]["runs"]
+    assert set(runs) == {"adamw (1 replica, R x batch)", "diloco", "sparseloco k=64", "noloco dense",
+                         "noloco sparse k=64"}
+    assert len({res["tokens"] for res in runs.values()}) == 1  # equal tokens for every method
+    for label in ("noloco dense", "noloco sparse k=64"):
+        h = runs[label]["history"]
+        assert h[-1]["val_loss"] < h[0]["val_loss"], label
+        assert 0 < runs[label]["final_spread"] < 0.5, label  # apart, never identical, yet close
+    dense, sparse = runs["noloco dense"], runs["noloco sparse k=64"]
+    # dense sends φ and d in fp32 (8 bytes a parameter per paired replica); sparse far less
+    assert dense["bits_per_param"] == pytest.approx(64, rel=0.01)
+    assert sparse["bytes_per_round_per_replica"] * 50 < dense["bytes_per_round_per_replica"]
+    v = doc["result"]["noloco"]
+    assert v["noloco dense"]["against"] == "diloco" and v["noloco sparse k=64"]["against"] == "sparseloco k=64"
+    assert out.with_suffix(".png").stat().st_size > 10_000
