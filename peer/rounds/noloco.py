@@ -54,6 +54,10 @@ class NoLoCoConfig:
     quant_bits: int | None = 2  # sparse: 2-bit values with a lookup table, or None for fp32 values
     ef_decay: float = 0.95  # sparse: error-feedback decay
     small_tensors: str = "topk"
+    # a partner's say, per tensor, against our own progress's norm: its progress at most this many times it (honest
+    # pairs measured at most 1.8x on tiny), the pull toward its weights at most this many times it (3.4x)
+    progress_bound: float = 4.0
+    pull_bound: float = 8.0
 
     def validate(self) -> None:
         if not 0 <= self.momentum < 1:
@@ -62,6 +66,8 @@ class NoLoCoConfig:
             raise UserInputError("NoLoCo progress_lr must be in (0, 2] and pull in [0, 1]")
         if not 1 <= self.k <= 4096 or not 0 <= self.ef_decay < 1:
             raise UserInputError("NoLoCo k must be in 1..4096 and ef_decay in [0, 1)")
+        if not (self.progress_bound > 0 and self.pull_bound > 0):
+            raise UserInputError("NoLoCo progress_bound and pull_bound must be positive")
         if self.small_tensors not in SMALL_TENSOR_RULES:
             raise UserInputError(f"small_tensors must be one of {SMALL_TENSOR_RULES}, got {self.small_tensors!r}")
 
@@ -117,6 +123,7 @@ class NoLoCoState:
     phi: dict[str, torch.Tensor]
     momentum: dict[str, torch.Tensor] = field(default_factory=dict)
     ef: dict[str, torch.Tensor] = field(default_factory=dict)
+    bounded: int = 0  # tensors of partners' messages scaled down to the bounds so far (an honest run: none)
 
     @classmethod
     def start(cls, params: Tensors) -> NoLoCoState:
@@ -145,24 +152,40 @@ def message(state: NoLoCoState, theta: Tensors, cfg: NoLoCoConfig) -> PairMessag
     return PairMessage(progress, phi)
 
 
+def _bounded(t: torch.Tensor, limit: float) -> tuple[torch.Tensor, bool]:
+    """``t`` scaled down to norm ``limit`` when it is longer; and whether it was."""
+    norm = float(t.norm())
+    return (t * (limit / norm), True) if norm > limit else (t, False)
+
+
 def step(state: NoLoCoState, mine: PairMessage, partner: PairMessage | None, cfg: NoLoCoConfig) -> dict[str, torch.Tensor]:
     """The outer step after the swap: updates ``state`` (φ and m) and returns the new φ, which the inner phase
-    starts from (θ ← φ). ``partner`` None: no partner this round, the step is taken alone."""
+    starts from (θ ← φ). ``partner`` None: no partner this round, the step is taken alone.
+
+    A partner is hostile like anything from the network: well-formed, finite and signed, its message can still be
+    poison. Its say is bounded against our own scale, per tensor: its progress is scaled down to at most
+    ``progress_bound`` times the norm of ours, and the pull toward its weights to at most ``pull_bound`` times it,
+    so one round with a lying partner moves us at most (β·progress_bound + γ·pull_bound)/2 times our own progress
+    further than an honest one would (docs/security.md)."""
     a, b, g = cfg.momentum, cfg.progress_lr, cfg.pull
     for name, p in state.phi.items():
         d = mine.progress_dense(name)
         pull = torch.zeros_like(p)
         if partner is not None:
-            d = 0.5 * (d + partner.progress_dense(name))
+            own = float(d.norm())
+            theirs_d, cut_d = _bounded(partner.progress_dense(name), cfg.progress_bound * own)
+            d = 0.5 * (d + theirs_d)
             theirs = partner.phi[name]
             if cfg.sparse:
                 t = partner.progress[name]
                 assert isinstance(t, SparseTensor)
                 idx = t.flat_indices()
-                flat = pull.view(-1)
-                flat[idx] = 0.5 * (theirs - p.reshape(-1)[idx])
+                gap, cut_p = _bounded(theirs - p.reshape(-1)[idx], cfg.pull_bound * own)
+                pull.view(-1)[idx] = 0.5 * gap
             else:
-                pull = 0.5 * (theirs - p)
+                gap, cut_p = _bounded(theirs - p, cfg.pull_bound * own)
+                pull = 0.5 * gap
+            state.bounded += cut_d + cut_p
         m = state.momentum.get(name)
         upd = b * d + g * pull
         m = upd if m is None else m.mul_(a).add_(upd)

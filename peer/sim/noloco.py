@@ -102,4 +102,5 @@ def run_noloco_simulation(
         "params": n_params,
         "tokens": history[-1]["tokens"],
         "seconds": history[-1]["seconds"],
+        "bounded": sum(st.bounded for st in states),  # partners' tensors scaled down to the bounds (honest: 0)
     }

@@ -192,6 +192,7 @@ def test_noloco_sweep_runs_dense_and_sparse_pairs_beside_the_round_methods(tmp_p
         h = runs[label]["history"]
         assert h[-1]["val_loss"] < h[0]["val_loss"], label
         assert 0 < runs[label]["final_spread"] < 0.5, label  # apart, never identical, yet close
+        assert runs[label]["bounded"] == 0, label  # honest partners stay within the bounds
     dense, sparse = runs["noloco dense"], runs["noloco sparse k=64"]
     # dense sends φ and d in fp32 (8 bytes a parameter per paired replica); sparse far less
     assert dense["bits_per_param"] == pytest.approx(64, rel=0.01)

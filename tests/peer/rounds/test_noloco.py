@@ -38,9 +38,15 @@ def _replica(seed: int, shape: tuple[int, ...] = (64, 64)) -> dict[str, torch.Te
     return {"w": torch.randn(shape, generator=g), "b": torch.randn(shape[1], generator=g)}
 
 
+def _near(phi: dict[str, torch.Tensor], seed: int, scale: float = 0.001) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {n: t + scale * torch.randn(t.shape, generator=g) for n, t in phi.items()}
+
+
 def test_the_dense_step_is_the_update_rule_and_a_pair_ends_closer() -> None:
     cfg = NoLoCoConfig()
-    phi_i, phi_j = _replica(0), _replica(1)
+    phi_i = _replica(0)
+    phi_j = _near(phi_i, 1)
     theta_i = {n: t + 0.01 * torch.ones_like(t) for n, t in phi_i.items()}
     theta_j = {n: t - 0.03 * torch.ones_like(t) for n, t in phi_j.items()}
     si, sj = NoLoCoState.start(phi_i), NoLoCoState.start(phi_j)
@@ -54,6 +60,7 @@ def test_the_dense_step_is_the_update_rule_and_a_pair_ends_closer() -> None:
         assert torch.allclose(new_i[n], phi_i[n] + 0.7 * d_bar + 0.7 * (phi_bar - phi_i[n]), atol=1e-6)
         assert torch.allclose(new_j[n], phi_j[n] + 0.7 * d_bar + 0.7 * (phi_bar - phi_j[n]), atol=1e-6)
     assert spread([new_i, new_j]) < 0.5 * before  # the pull brings them together
+    assert si.bounded == sj.bounded == 0  # honest partners are within the bounds
     # momentum carries over: a second round with no progress still moves φ by α·m
     m_before = si.momentum["w"].clone()
     again = step(si, message(si, si.phi, cfg), None, cfg)
@@ -90,7 +97,8 @@ def test_sparse_messages_carry_the_top_k_and_the_rest_waits_in_error_feedback() 
 
 def test_sparse_pairs_pull_on_the_partners_positions_and_agree_on_the_mean_progress() -> None:
     cfg = NoLoCoConfig(sparse=True, k=64)
-    phi_i, phi_j = _replica(4), _replica(5)
+    phi_i = _replica(4)
+    phi_j = _near(phi_i, 5)
     g = torch.Generator().manual_seed(1)
     theta_i = {n: t + 0.01 * torch.randn(t.shape, generator=g) for n, t in phi_i.items()}
     theta_j = {n: t + 0.01 * torch.randn(t.shape, generator=g) for n, t in phi_j.items()}
@@ -114,6 +122,31 @@ def test_sparse_pairs_pull_on_the_partners_positions_and_agree_on_the_mean_progr
     assert torch.allclose(moved_i[only_i], 0.7 * d_bar[only_i], atol=1e-6)
     assert spread([new_i, new_j]) < spread([phi_i, phi_j])
     assert not torch.equal(moved_j, moved_i)  # j pulled on i's positions instead
+
+
+@pytest.mark.parametrize("sparse", [False, True])
+def test_a_poisoned_partner_moves_us_no_further_than_the_bounds_allow(sparse: bool) -> None:
+    """Finite, well-formed and 1000x too large: the progress and the pull it contributes are scaled down to a few
+    times our own progress, per tensor."""
+    cfg = NoLoCoConfig(sparse=sparse, momentum=0.0)
+    phi = _replica(11)
+    theta = _near(phi, 12, 0.01)
+    honest_partner = NoLoCoState.start(_near(phi, 13))
+    liar = NoLoCoState.start(_near(phi, 13))
+    theta_partner = _near(honest_partner.phi, 14, 0.01)
+    good = message(honest_partner, theta_partner, cfg)
+    bad = message(liar, {n: t + 1000 * (t - phi[n]) for n, t in theta_partner.items()}, cfg)
+    bad.phi = {n: 1000 * v for n, v in bad.phi.items()}
+    s_good, s_bad = NoLoCoState.start(phi), NoLoCoState.start(phi)
+    mine_good, mine_bad = message(s_good, theta, cfg), message(s_bad, theta, cfg)
+    after_good, after_bad = step(s_good, mine_good, good, cfg), step(s_bad, mine_bad, bad, cfg)
+    assert s_good.bounded == 0 and s_bad.bounded > 0
+    for n in phi:
+        own = float(mine_bad.progress_dense(n).norm())
+        moved = float((after_bad[n] - phi[n]).norm())
+        limit = (0.7 * (1 + cfg.progress_bound) + 0.7 * cfg.pull_bound) / 2 * own
+        assert moved <= limit * 1.0001, (n, moved, limit)
+        assert float((after_good[n] - phi[n]).norm()) < limit
 
 
 @pytest.mark.parametrize("sparse", [False, True])
