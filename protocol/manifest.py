@@ -82,7 +82,10 @@ class Hyperparameters:
     reserves: int = 0  # R: further contributions a coordinator checks to replace selected ones that fail
     unselected: str = "drop"  # what a contributor the gather set had no room for does with what it sent: drop, keep
     committee: int = 0  # W: seats that take a round's notices and pass its records on (0: all-to-all; rounds/committee.py)
-    outer: str = "sparseloco"  # sparseloco (our sparse rounds) or diloco (dense, hivemind's stock all-reduce)
+    # sparseloco (our sparse rounds), diloco (dense, hivemind's stock all-reduce) or noloco (seeded pairs, no
+    # all-reduce and no coordinator; full replicas only)
+    outer: str = "sparseloco"
+    noloco_payload: str = "sparse"  # NoLoCo: SparseLoCo's payload between partners, or the paper's "dense" one
     outer_lr: float = 0.7  # DiLoCo: Nesterov outer learning rate
     momentum: float = 0.9  # DiLoCo: Nesterov momentum
     aggregation: str = "selectors"  # SparseLoCo: mean over the replicas that selected a value, or the 1/R "mean"
@@ -96,7 +99,8 @@ class Hyperparameters:
     schedule_steps: int = 0  # inner steps the warm-up + cosine learning-rate schedule spans on every peer (full
     # replicas and swarm drivers alike); 0: 1000 rounds of H
 
-    OUTERS = ("sparseloco", "diloco")
+    OUTERS = ("sparseloco", "diloco", "noloco")
+    NOLOCO_PAYLOADS = ("sparse", "dense")
     AGGREGATIONS = ("selectors", "mean")
     WEIGHTINGS = ("equal", "tokens")
     SMALL_TENSORS = SMALL_TENSOR_RULES
@@ -104,7 +108,7 @@ class Hyperparameters:
     UNSELECTED = ("drop", "keep")
     # Eager for SparseLoCo: `hlbp bench swarm --overlap none,naive,eager` at H = 30 (tiny, 4 replicas, 100 ms RTT,
     # 20 Mbit/s): 97.8 % utilization against 91.5 % without overlap, at 1.0005x its loss (naive 1.079x)
-    DEFAULT_OVERLAP: ClassVar[dict[str, str]] = {"sparseloco": "eager", "diloco": "none"}
+    DEFAULT_OVERLAP: ClassVar[dict[str, str]] = {"sparseloco": "eager", "diloco": "none", "noloco": "none"}
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "overlap", self.overlap or self.default_overlap(self.outer))
@@ -141,6 +145,7 @@ class Hyperparameters:
             unselected=_str(body, "unselected", 8, d.unselected, choices=cls.UNSELECTED),
             committee=_int(body, "committee", 0, MAX_COMMITTEE, d.committee),
             outer=outer,
+            noloco_payload=_str(body, "noloco_payload", 8, d.noloco_payload, choices=cls.NOLOCO_PAYLOADS),
             outer_lr=_float(body, "outer_lr", 1e-6, 10.0, d.outer_lr),
             momentum=_float(body, "momentum", 0.0, 0.999, d.momentum),
             aggregation=_str(body, "aggregation", 16, d.aggregation, choices=cls.AGGREGATIONS),
@@ -161,9 +166,11 @@ class Hyperparameters:
             raise ProtocolError("a committee needs a gather set: its seats are the recent rounds' members")
         if hp.gather and hp.outer != "sparseloco":
             raise ProtocolError("a gather set caps sparseloco rounds only; a diloco run's all-reduce takes everyone")
-        if hp.outer == "diloco" and hp.overlap != "none":
-            raise ProtocolError("overlapped rounds are built for sparseloco runs only: a diloco run sets "
+        if hp.outer in ("diloco", "noloco") and hp.overlap != "none":
+            raise ProtocolError(f"overlapped rounds are built for sparseloco runs only: a {hp.outer} run sets "
                                 'overlap = "none"')
+        if hp.outer == "noloco" and (hp.gather or hp.committee):
+            raise ProtocolError("a noloco run has no rounds to cap or seat: gather and committee must be 0")
         if constrained and hp.overlap != "none":
             raise ProtocolError("a run with a subspace-a activation codec trains constrained full replicas, which "
                                 'do not overlap their rounds yet: set overlap = "none"')

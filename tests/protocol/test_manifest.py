@@ -237,8 +237,12 @@ def test_overlap_defaults_to_eager_for_sparseloco_and_none_for_diloco():
     assert Hyperparameters.from_body({"overlap": "none"}).overlap == "none"
     assert _manifest(hparams=Hyperparameters(overlap="naive")).to_body()["hparams"]["overlap"] == "naive"
     assert _manifest().to_body()["hparams"]["overlap"] == "eager"
+    assert Hyperparameters.from_body({"outer": "noloco"}).overlap == "none"
+    assert Hyperparameters.from_body({"outer": "noloco"}).noloco_payload == "sparse"
+    assert Hyperparameters.from_body({"outer": "noloco", "noloco_payload": "dense"}).noloco_payload == "dense"
     for bad in ({"outer": "diloco", "overlap": "eager"}, {"outer": "diloco", "overlap": "naive"},
-                {"overlap": "lazy"}, {"overlap": ""}):
+                {"overlap": "lazy"}, {"overlap": ""}, {"outer": "noloco", "overlap": "eager"},
+                {"outer": "noloco", "gather": 2}, {"outer": "noloco", "noloco_payload": "half"}):
         with pytest.raises(ProtocolError):  # the dense baseline's all-reduce cannot run beside a phase
             Hyperparameters.from_body(bad)
 
