@@ -242,8 +242,14 @@ def join(cfg: JoinConfig, echo: Callable[[str], None]) -> JoinedPeer:
             PeerView(p, r.announcement.role, r.announcement.swarm, r.announcement.stage, r.announcement.throughput)
             for p, r in peers.items() if r.announcement.online and p != plane.peer_id
         ]
+        force_role = cfg.role
+        if m.hparams.outer == "noloco":  # pairs of whole models: a noloco run has no pipeline swarms
+            if cfg.role == "stage" or cfg.stage is not None or cfg.swarm is not None:
+                raise UserInputError(f"run {m.run_id} uses noloco, which pairs full replicas only: stage peers "
+                                     "cannot join it; drop --role stage/--stage/--swarm")
+            force_role = "replica"
         try:
-            role = choose_role(capacity, views, len(m.stages), thresholds, force_role=cfg.role, force_stage=cfg.stage,
+            role = choose_role(capacity, views, len(m.stages), thresholds, force_role=force_role, force_stage=cfg.stage,
                                force_swarm=cfg.swarm)
         except ValueError as exc:
             raise UserInputError(str(exc)) from None

@@ -254,6 +254,11 @@ def run_replica(ctx: TrainContext, options: ReplicaOptions, echo: Any = print) -
     ctx.out_dir.mkdir(parents=True, exist_ok=True)
     metrics = MetricsLog(ctx.out_dir / "metrics.jsonl")
 
+    if hp.outer == "noloco":  # seeded pairs instead of rounds with an accepted set (hlbp.peer.node.noloco)
+        from hlbp.peer.node.noloco import run_noloco
+
+        return run_noloco(ctx, options, trainer, transport, metrics,
+                          (lambda params: scorer(params, val)) if val else None, echo, wait_for_replicas)
     expected = contributors_counter(peer.plane, m)
 
     exporter = None

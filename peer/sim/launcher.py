@@ -63,7 +63,8 @@ class SimConfig:
     round_deadline_s: float = 5.0  # first collection window; later ones adapt within the bounds below
     min_deadline_s: float = 1.0
     max_deadline_s: float = 30.0
-    outer: str = "sparseloco"  # sparseloco, or diloco: dense rounds through hivemind's stock all-reduce
+    outer: str = "sparseloco"  # sparseloco, diloco (dense rounds through hivemind's all-reduce) or noloco (pairs)
+    noloco_payload: str = "sparse"  # noloco: SparseLoCo's payload between partners, or "dense"
     min_contributors: int = 1  # a round with fewer accepted contributions by max_deadline_s closes empty
     gather: int = 0  # F: contributions per shard a round accepts (0: every one)
     reserves: int = 0  # R: further contributions the coordinator checks to replace failed ones
@@ -111,7 +112,8 @@ class SimConfig:
                 f"[hparams]\ninner_steps = {self.inner_steps}\nbatch_size = {self.batch_size}\n"
                 f"seq_len = {self.seq_len}\nround_deadline_s = {self.round_deadline_s}\n"
                 f"min_deadline_s = {self.min_deadline_s}\nmax_deadline_s = {self.max_deadline_s}\n"
-                f'outer = "{self.outer}"\nmin_contributors = {self.min_contributors}\n'
+                f'outer = "{self.outer}"\nnoloco_payload = "{self.noloco_payload}"\n'
+                f'min_contributors = {self.min_contributors}\n'
                 f'gather = {self.gather}\nreserves = {self.reserves}\nunselected = "{self.unselected}"\n'
                 f"committee = {self.committee}\n"
                 f'aggregation = "{self.aggregation}"\nweighting = "{self.weighting}"\n'
