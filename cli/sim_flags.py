@@ -44,8 +44,11 @@ class SimFlags:
     threads: int = flag(1, "--threads", env="SIM_THREADS", help="torch CPU threads per peer.")
     seed: int = flag(0, "--seed", env="SIM_SEED", help="Seed of the run: initial weights and data order.")
     outer: str = flag("sparseloco", "--outer", env="SIM_OUTER",
-                      help="Outer step: sparseloco (sparse rounds), or diloco (dense rounds through hivemind's stock "
-                           "DecentralizedAverager, the baseline).")
+                      help="Outer step: sparseloco (sparse rounds), diloco (dense rounds through hivemind's stock "
+                           "DecentralizedAverager, the baseline) or noloco (seeded pairs, no all-reduce).")
+    noloco_payload: str = flag("sparse", "--noloco-payload", env="SIM_NOLOCO_PAYLOAD",
+                               help="--outer noloco: what partners swap, SparseLoCo's payload (sparse) or the "
+                                    "paper's dense outer weights and progress (dense).")
     aggregation: str = flag("selectors", "--aggregation", env="SIM_AGGREGATION",
                             help="SparseLoCo aggregation: selectors (mean over the replicas that chose a value) or "
                                  "mean (1/R, zero where not chosen).")
@@ -99,8 +102,10 @@ class SimFlags:
         overlap, outer, codec = self.overlap, self.outer, self.codec
         if self.wan_delay_ms < 0 or self.wan_mbps is not None and self.wan_mbps <= 0:
             raise UserInputError("--wan-delay-ms must be >= 0 and --wan-mbps > 0")
-        if outer not in ("sparseloco", "diloco"):
-            raise UserInputError(f"--outer must be sparseloco or diloco, got {outer!r}")
+        if outer not in Hyperparameters.OUTERS:
+            raise UserInputError(f"--outer must be one of {', '.join(Hyperparameters.OUTERS)}, got {outer!r}")
+        if self.noloco_payload not in Hyperparameters.NOLOCO_PAYLOADS:
+            raise UserInputError(f"--noloco-payload must be sparse or dense, got {self.noloco_payload!r}")
         if self.aggregation not in ("selectors", "mean"):
             raise UserInputError(f"--aggregation must be selectors or mean, got {self.aggregation!r}")
         if overlap and overlap not in Hyperparameters.OVERLAPS:
@@ -149,7 +154,7 @@ class SimFlags:
             n_full=self.full, rounds=self.rounds, model=self.model, inner_steps=self.inner_steps,
             batch_size=self.batch_size, seq_len=self.seq_len, round_deadline_s=self.deadline,
             min_deadline_s=min(1.0, self.deadline), max_deadline_s=max(30.0, self.deadline), seed=self.seed,
-            outer=self.outer, threads=self.threads, cache_dir=self.cache_dir, aggregation=self.aggregation,
+            outer=self.outer, noloco_payload=self.noloco_payload, threads=self.threads, cache_dir=self.cache_dir, aggregation=self.aggregation,
             clip_median=self.clip, small_tensors=self.small_tensors, overlap=self.overlap,
             wan_delay_ms=self.wan_delay_ms, wan_mbps=self.wan_mbps, n_stages=self.stages, n_swarms=self.swarms,
             micro_batches=self.micro_batches, codec=self.codec, codec_k=self.codec_k,

@@ -32,7 +32,10 @@ def progress_table(records: dict[str, list[dict[str, Any]]], rounds: int) -> Tab
             table.add_row(name, f"0/{rounds}", "-", "starting", "-", "-", "-")
             continue
         last = recs[-1]
-        ours = "accepted" if last.get("accepted") else ("left out" if last.get("contributed") else "weight 0")
+        if "paired" in last:  # a NoLoCo round: whether its partner's message came in time
+            ours = "paired" if last["paired"] else "alone"
+        else:
+            ours = "accepted" if last.get("accepted") else ("left out" if last.get("contributed") else "weight 0")
         val = last.get("val_loss")
         table.add_row(name, f"{len(recs)}/{rounds}", f"{val:.4f}" if val is not None else "-", ours,
                       "yes" if last.get("in_sync", True) else "no", f"{last['bytes_sent']:,}",
@@ -44,7 +47,8 @@ def summary_table(report: dict[str, Any]) -> Table:
     """Per round: members, validation loss, checksum agreement, bytes and the time split."""
     table = Table(title=f"{report['rounds_completed']} rounds completed", title_justify="left")
     dense = report.get("config", {}).get("outer") == "diloco"
-    agree_col = "states agree" if dense else "checksums equal"
+    pairs = report.get("config", {}).get("outer") == "noloco"
+    agree_col = "paired" if pairs else "states agree" if dense else "checksums equal"
     swarms = any(r.get("swarm_val_loss") or any(n.startswith("sw") for n in r["bytes_sent"]) for r in report["rounds"])
     val_cols = ("full val", "swarm val") if swarms else ("val loss",)
     for col in ("round", "members", *val_cols, agree_col, "sent B/peer", "recv B/peer", "compute s",
@@ -61,7 +65,8 @@ def summary_table(report: dict[str, Any]) -> Table:
             vals = [f"{r['val_loss']:.4f}" if r["val_loss"] is not None else "-"]
         table.add_row(
             str(r["round"]), str(r["members"]), *vals,
-            ("yes" if r["checksums_equal"] else "to fp rounding" if r["states_agree"] else "[red]NO[/]"), f"{sum(sent) / len(sent):,.0f}",
+            (f"{r.get('paired', 0)}/{r['peers']}" if pairs else "yes" if r["checksums_equal"]
+             else "to fp rounding" if r["states_agree"] else "[red]NO[/]"), f"{sum(sent) / len(sent):,.0f}",
             f"{sum(recv) / len(recv):,.0f}", f"{r['compute_s']:.2f}", f"{r['comm_s']:.2f}", f"{r['wait_s']:.2f}",
             f"{util:.1%}" if util is not None else "-",
         )
@@ -101,20 +106,27 @@ def simulate(flags: SimFlags) -> None:
     (work / REPORT_JSON).write_text(json.dumps(report, indent=1), encoding="utf-8")
     if report["rounds"]:
         out_console.print(f"report with plots: {write_report(work / REPORT_JSON)} (hlbp report redraws it)")
-    if report["rounds_completed"] < rounds or not all(report["states_agree"]):
+    # a NoLoCo run's replicas never agree bit for bit: its failure is an unfinished run, not differing states
+    if report["rounds_completed"] < rounds or ("noloco" not in report and not all(report["states_agree"])):
         raise typer.Exit(1)
 
 
 def print_report(out_console: Console, report: dict[str, Any], rounds: int) -> None:
     """The summary table, then one line each on completion, time split, validation loss and bytes on the wire."""
     dense = report.get("config", {}).get("outer") == "diloco"
+    pairs = report.get("noloco")
     out_console.print(summary_table(report))
     t = report["time_s"]
     util = report["utilization"]
     out_console.print(f"rounds completed: {report['rounds_completed']}/{rounds}"
                       + ("  [red](timed out)[/]" if report["timed_out"] else "")
-                      + f"; checksums equal after every round: {all(report['checksums_equal'])}"
+                      + ("" if pairs else f"; checksums equal after every round: {all(report['checksums_equal'])}")
                       + (f"; states agree to float rounding: {all(report['states_agree'])}" if dense else ""))
+    if pairs:
+        spread = f"{pairs['spread']:.3g}" if pairs["spread"] is not None else "-"
+        out_console.print(f"noloco: {pairs['paired']:.0%} of the replicas' rounds paired, {pairs['bounded']} partner "
+                          f"tensors bounded, spread of the replicas' outer weights {spread} (final checkpoints; "
+                          "replicas never agree bit for bit, so there are no checksums to compare)")
     out_console.print(f"time per round and peer: compute {t['compute'] / max(1, len(report['rounds'])):.2f} s, "
                       f"comm {t['comm'] / max(1, len(report['rounds'])):.2f} s, "
                       f"wait {t['wait'] / max(1, len(report['rounds'])):.2f} s; "
@@ -139,11 +151,12 @@ def print_report(out_console: Console, report: dict[str, Any], rounds: int) -> N
                           f"({report['n_params']:,} params x 4 B) = "
                           + ("n/a" if not ratio else f"{ratio:,.2f}x the all-reduce's bytes (analytic: "
                              "2(N-1)/N x 4 B x params per member)" if dense else
-                             f"{ratio:,.0f}x the measured SparseLoCo bytes"))
+                             f"{ratio:,.0f}x the measured {'NoLoCo' if pairs else 'SparseLoCo'} bytes"))
         if not dense and report.get("allreduce_ratio"):
             out_console.print(f"a dense fp32 all-reduce among {report['dense_allreduce_members']} replicas "
                               f"(hlbp simulate --outer diloco) moves {report['dense_allreduce_bytes_per_peer_round']:,}"
-                              f" B per peer each way: {report['allreduce_ratio']:,.0f}x the SparseLoCo traffic")
+                              f" B per peer each way: {report['allreduce_ratio']:,.0f}x the "
+                              f"{'NoLoCo' if pairs else 'SparseLoCo'} traffic")
     rpr = report.get("records_per_peer_round")
     if rpr:
         out_console.print(f"round records per peer and round: received {rpr['received']:,.1f} (pushed to it or "

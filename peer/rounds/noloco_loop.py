@@ -75,6 +75,8 @@ class NoLoCoRound:
     bytes_received: int
     bounded: int  # the partner's tensors scaled down to the bounds this round
     seconds: float
+    compute_s: float = 0.0  # the inner phase
+    comm_s: float = 0.0  # the rest of the round beside the wait: encoding, the partner's message, the step
 
 
 class NoLoCoRunner:
@@ -200,6 +202,7 @@ class NoLoCoRunner:
             if self.stop.is_set():
                 return None
             losses.append(self.trainer.train_step())
+        compute_s = time.perf_counter() - t0
         theta = {n: p.detach() for n, p in self.trainer.model.named_parameters()}
         mine = message(self.state, theta, self.cfg)
         blob = message_to_bytes(mine, self.cfg, self.me, self.run_id, r)
@@ -214,9 +217,11 @@ class NoLoCoRunner:
             step(self.state, mine, theirs, self.cfg)
             self.round = r + 1
         self._load_model()
+        exchange_s = time.perf_counter() - t0 - compute_s
         val = self.evaluate(self.state.phi) if self.evaluate is not None else None
         done = NoLoCoRound(r, len(losses), partner, theirs is not None, sum(losses) / max(1, len(losses)), val,
-                           wait_s, len(blob), received, self.state.bounded - before, time.perf_counter() - t0)
+                           wait_s, len(blob), received, self.state.bounded - before, time.perf_counter() - t0,
+                           compute_s, max(0.0, exchange_s - wait_s))
         self.metrics.write(event="round", **{k: v for k, v in done.__dict__.items()})
         if self.on_round is not None:
             self.on_round(done)

@@ -79,6 +79,7 @@ def summarize(records: dict[str, Sequence[dict[str, Any]]], n_params: int | None
             "peers": n,
             "members": max(p.get("members", 0) for p in peers.values()),
             "accepted": sorted(name for name, p in peers.items() if p.get("accepted")),
+            "paired": sum(1 for p in peers.values() if p.get("paired")),  # NoLoCo: replicas whose partner answered
             "val_loss": sum(vals) / len(vals) if vals else None,
             "full_val_loss": sum(full_vals) / len(full_vals) if full_vals else None,
             "swarm_val_loss": swarm_vals,  # per swarm driver (it scores the swarm's whole model through its chain)
@@ -174,14 +175,15 @@ def audit_summary(audits: Sequence[dict[str, Any]], stage_busy_s: float) -> dict
             "wall_share": wall / stage_busy_s if stage_busy_s > 0 else None}
 
 
-def count_params(checkpoint: Path) -> int:
-    """Parameters in a replica checkpoint (its ``anchor.*`` tensors: the model as the rounds agree on it)."""
+def count_params(checkpoint: Path, prefix: str = "anchor.") -> int:
+    """Parameters in a replica checkpoint (its ``anchor.*`` tensors: the model as the rounds agree on it; a NoLoCo
+    replica's ``phi.*``)."""
     from safetensors import safe_open
 
     total = 0
     with safe_open(str(checkpoint), framework="pt") as f:
         for key in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-            if key.startswith("anchor."):
+            if key.startswith(prefix):
                 shape = f.get_slice(key).get_shape()
                 n = 1
                 for d in shape:

@@ -34,6 +34,24 @@ def _audits(paths: dict[str, Path | None]) -> tuple[list[dict[str, Any]], float]
     return audits, busy
 
 
+def noloco_summary(records: dict[str, list[dict[str, Any]]], paths: dict[str, Path | None]) -> dict[str, Any]:
+    """A NoLoCo run's own numbers: how often a replica's round was paired, how often a partner's message had to
+    be bounded, and the spread of the replicas' outer weights in their final checkpoints."""
+    from hlbp.peer.rounds.noloco import spread
+    from hlbp.peer.train.checkpoint import load_checkpoint
+
+    rows = [r for recs in records.values() for r in recs]
+    phis = []
+    for path in paths.values():
+        ckpt = None if path is None else path.parent / "checkpoint.safetensors"
+        if ckpt is not None and ckpt.exists():
+            tensors, _ = load_checkpoint(ckpt)
+            phis.append({n[4:]: t for n, t in tensors.items() if n.startswith("phi.")})
+    return {"paired": sum(1 for r in rows if r.get("paired")) / len(rows) if rows else 0.0,
+            "bounded": sum(int(r.get("bounded", 0)) for r in rows),
+            "spread": spread(phis) if len(phis) > 1 else None, "checkpoints": len(phis)}
+
+
 def run_simulation(cfg: SimConfig, workdir: Path, timeout_s: float,
                    on_progress: Callable[[dict[str, list[dict[str, Any]]]], None] | None = None) -> dict[str, Any]:
     """Start a bootstrap and ``cfg.n_full`` replicas, wait until each has run ``cfg.rounds`` rounds or left (or
@@ -86,9 +104,12 @@ def run_simulation(cfg: SimConfig, workdir: Path, timeout_s: float,
     n_params = None
     for path in paths.values():
         if path is not None and (path.parent / "checkpoint.safetensors").exists():
-            n_params = count_params(path.parent / "checkpoint.safetensors")
+            n_params = count_params(path.parent / "checkpoint.safetensors",
+                                    "phi." if cfg.outer == "noloco" else "anchor.")
             break
     report = summarize(records, n_params, cfg.rounds)
+    if cfg.outer == "noloco":
+        report["noloco"] = noloco_summary(records, paths)
     report["audits"] = audit_summary(*_audits(paths))
     report.update(config={k: (str(v) if isinstance(v, Path) else v) for k, v in vars(cfg).items()},
                   seconds=round(time.monotonic() - started, 1), timed_out=timed_out, exit_codes=exits, wan=wan,
