@@ -32,8 +32,9 @@ MODEL_FILE = "model.json"  # beside a checkpoint: the model's shape, the run and
 TOKENIZER_FILE = "tokenizer.json"  # beside a checkpoint: the run's tokenizer (a `tokenizers` JSON file)
 CHECKPOINT_FILE = "checkpoint.safetensors"
 # where a checkpoint keeps the model's parameters: a replica's global ones (the anchor, hlbp.peer.rounds.persist),
-# or the model of `hlbp train` (hlbp.peer.train.trainer)
-PREFIXES = ("anchor.", "model.")
+# the model of `hlbp train` (hlbp.peer.train.trainer), or a NoLoCo replica's outer weights
+# (hlbp.peer.rounds.noloco_loop)
+PREFIXES = ("anchor.", "model.", "phi.")
 MAX_MODEL_FILE = 64 * 1024
 
 

@@ -9,6 +9,8 @@ started afterwards loads one replica's outer weights and takes part from the run
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +25,7 @@ from hlbp.peer.train.metricslog import read_metrics
 pytestmark = pytest.mark.slow
 
 TIMEOUT_S = 240.0
+HLBP = (sys.executable, "-m", "hlbp.cli.main")
 
 
 def _records(peer: Replica) -> list[dict[str, Any]]:
@@ -49,6 +52,15 @@ def test_four_replicas_pair_by_the_seed_learn_and_stay_close(tmp_path: Path, pay
         recs = {p.name: _records(p) for p in peers}
         ids = {p.name: p.proc.find(r"connected as (\S+)")[0].group(1) for p in peers}
         phis = [_phi(p) for p in peers]
+        # any replica's outer weights are a model: it exports and generates as a round-based replica's does
+        exported = tmp_path / "exported"
+        done = subprocess.run([*HLBP, "export", str(peers[0].metrics_path().parent), str(exported)],
+                              env=sw.env, capture_output=True, text=True, timeout=120, check=False)
+        assert done.returncode == 0, done.stderr[-2000:]
+        sample = subprocess.run([*HLBP, "generate", str(peers[0].metrics_path().parent), "--prompt", "The",
+                                 "--max-tokens", "5", "--temperature", "0"], env=sw.env, capture_output=True,
+                                text=True, timeout=120, check=False)
+        assert sample.returncode == 0 and sample.stdout.strip(), sample.stderr[-2000:]
     assert all(p.proc.popen.returncode == 0 for p in peers), {n: o[-2000:] for n, o in outputs.items()}
     by_id = {v: k for k, v in ids.items()}
     for name, rows in recs.items():
