@@ -14,7 +14,7 @@ One round r of a replica (the outer step itself: :mod:`hlbp.peer.rounds.noloco`)
 5. The outer step; the inner phase of round r + 1 starts from the new φ.
 
 What replaces a run's invariants: replicas never agree bit for bit, so there are no checksums to vote on. A joiner
-loads the outer weights of one online replica (``noloco/s``, whatever round it is at) and takes up that round; a
+loads the outer weights of one online replica (``s/noloco``, whatever round it is at) and takes up that round; a
 restarted replica resumes its checkpoint (φ, momentum, error feedback) and takes up the current round of the
 replica it asks. Spread, not agreement, is what a run reports (its peers' final checkpoints).
 """
@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from hlbp.peer.net.transport import BlobTransport, TransportError
+from hlbp.peer.net.transport import STATE_PREFIX, BlobTransport, TransportError
 from hlbp.peer.rounds.contribution import contribution_from_bytes, contribution_to_bytes
 from hlbp.peer.rounds.noloco import (
     NoLoCoConfig,
@@ -52,7 +52,9 @@ from hlbp.protocol.envelope import unpack
 
 logger = logging.getLogger(__name__)
 
-STATE_NAME = "noloco/s"
+# under the state prefix, so requests for it are rate-limited like any state shard's (a flood of them would make us
+# encode the whole model again and again)
+STATE_NAME = f"{STATE_PREFIX}noloco"
 FAIL_ROUNDS = 4  # a partner whose message broke the protocol is skipped (stepped alone) this many rounds
 
 
@@ -101,7 +103,8 @@ class NoLoCoRunner:
         self.history: list[NoLoCoRound] = []
         self._lock = threading.Lock()  # the served state is read between two steps, never during one
         n_params = sum(t.numel() for t in params.values())
-        self.max_message_bytes = 16 * n_params + (1 << 20)  # two fp32 tensors of the model, plus headers
+        # dense: two fp32 tensors of the model; sparse: SparseLoCo's bound (6 B a value) and φ at its positions
+        self.max_message_bytes = (8 if cfg.sparse else 16) * n_params + (1 << 20)
         self.transport.put_lazy(STATE_NAME, self._state_blob)
 
     # -- start ---------------------------------------------------------------------------------------------------
