@@ -138,7 +138,10 @@ def test_status_shows_each_peers_reachability(lab: NatLab, swarm: Swarm) -> None
 
     def all_announced() -> bool:
         nonlocal report
-        report = _status(lab, swarm)
+        try:
+            report = _status(lab, swarm)
+        except subprocess.TimeoutExpired:  # one slow `hlbp status` on a loaded box: ask again until the deadline
+            return False
         return set(ids.values()) <= {p["peer_id"] for p in report["peers"] if p["online"]}
 
     poll(all_announced, ROUND_TIMEOUT_S, "the four replicas in `hlbp status`", interval=1.0)
