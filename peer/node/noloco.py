@@ -68,6 +68,8 @@ def run_noloco(ctx: Any, options: Any, trainer: Any, transport: Any, metrics: An
                           hp.inner_steps, hp.round_deadline_s, ctx.stop,
                           checkpoint=ctx.out_dir / "checkpoint.safetensors", metrics=metrics, evaluate=evaluate,
                           on_round=on_round)
+    if options.faults is not None:
+        options.faults(runner)  # a fault test wraps the runner's parts (tests/peer/rounds/faulty_peer.py)
     start = time.perf_counter()
     how = runner.start()
     echo(f"replica: noloco ({cfg.label}), {how}; starting at round {runner.round}")

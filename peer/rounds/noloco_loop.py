@@ -37,6 +37,7 @@ from hlbp.peer.rounds.contribution import contribution_from_bytes, contribution_
 from hlbp.peer.rounds.noloco import (
     NoLoCoConfig,
     NoLoCoState,
+    PairMessage,
     message,
     message_from_bytes,
     message_to_bytes,
@@ -60,6 +61,18 @@ FAIL_ROUNDS = 4  # a partner whose message broke the protocol is skipped (steppe
 
 def message_name(round_: int) -> str:
     return f"noloco/m/{round_}"
+
+
+@dataclass
+class MessageEncoder:
+    """Our message for a round as the wire carries it (the part a fault test wraps to send a lie)."""
+
+    cfg: NoLoCoConfig
+    me: str
+    run_id: str
+
+    def encode(self, r: int, msg: PairMessage) -> bytes:
+        return message_to_bytes(msg, self.cfg, self.me, self.run_id, r)
 
 
 @dataclass
@@ -101,6 +114,7 @@ class NoLoCoRunner:
         self.round = 0
         self.failed: dict[str, int] = {}  # partner -> the round until which it is skipped
         self.history: list[NoLoCoRound] = []
+        self.encoder = MessageEncoder(cfg, me, run_id)
         self._lock = threading.Lock()  # the served state is read between two steps, never during one
         n_params = sum(t.numel() for t in params.values())
         # dense: two fp32 tensors of the model; sparse: SparseLoCo's bound (6 B a value) and φ at its positions
@@ -208,7 +222,7 @@ class NoLoCoRunner:
         compute_s = time.perf_counter() - t0
         theta = {n: p.detach() for n, p in self.trainer.model.named_parameters()}
         mine = message(self.state, theta, self.cfg)
-        blob = message_to_bytes(mine, self.cfg, self.me, self.run_id, r)
+        blob = self.encoder.encode(r, mine)
         self.transport.put(message_name(r), blob)
         self.transport.drop([message_name(r - 2)])
         partner = partners(self.peers() | {self.me}, self.seed, r).get(self.me)

@@ -291,6 +291,23 @@ class Flood:
                   f"{self.refused} refused", flush=True)
 
 
+class LyingPartner(_Delegate):
+    """A NoLoCo replica whose messages are poison within the protocol: its progress and its outer weights' offset
+    from where it trained scaled by ``factor`` (finite, well-formed, the right shapes)."""
+
+    def __init__(self, inner: Any, factor: float) -> None:
+        super().__init__(inner)
+        self.factor = factor
+
+    def encode(self, r: int, msg: Any) -> bytes:
+        from hlbp.peer.rounds.noloco import PairMessage
+        from hlbp.protocol.sparse import SparseTensor
+
+        grow = scaled(self.factor)
+        progress = {n: grow(t) if isinstance(t, SparseTensor) else t * self.factor for n, t in msg.progress.items()}
+        return self.inner.encode(r, PairMessage(progress, {n: v * self.factor for n, v in msg.phi.items()}))
+
+
 def no_dht_notices(from_round: int) -> Callable[[str], bool]:
     """Never store contribution notices of round ``from_round`` on in the DHT: the others learn of them only from
     our pushes."""
@@ -346,6 +363,7 @@ FAULTS: dict[str, Callable[[Any, str], None]] = {
     "usurper": lambda runner, arg: setattr(runner, "closer", UsurpingCloser(runner.closer, arg == "empty")),
     "flood": lambda runner, arg: setattr(runner, "flood", Flood(runner)),
     "gather-breaker": _gather_breaker,
+    "noloco-liar": lambda runner, arg: setattr(runner, "encoder", LyingPartner(runner.encoder, float(arg or 1e3))),
 }
 
 

@@ -110,3 +110,27 @@ def test_a_dead_partner_is_not_waited_for_and_a_joiner_takes_up_the_current_roun
     # the joiner took up the run's round (not round 0) and its loss is the run's, not a fresh model's
     assert joined[0]["round"] > killed_at, (joined[0], killed_at)
     assert joined[0]["val_loss"] < survivors["peer0"][0]["val_loss"]
+
+
+def test_a_lying_partner_is_bounded_and_poisons_nobody(tmp_path: Path) -> None:
+    """One of four replicas sends its progress and its outer weights scaled by 1000 every round: whoever it is
+    paired with bounds both (the records say how many tensors), nobody exits, every honest loss falls."""
+    from faulty_peer import program
+
+    cfg = SimConfig(n_stages=1, inner_steps=5, batch_size=4, seq_len=64, seed=9, run_id="noloco-liar",
+                    outer="noloco", rounds=6, round_deadline_s=10.0, ttl_s=8.0)
+    with Swarm(cfg, tmp_path) as sw:
+        sw.start()
+        honest = [sw.add(f"peer{i}", "--wait-replicas", "4") for i in range(3)]
+        liar = sw.add("liar", "--wait-replicas", "4", program=program("noloco-liar:1000"))
+        poll(lambda: all(p.proc.popen.poll() is not None for p in honest), TIMEOUT_S, "the honest replicas' rounds")
+        recs = {p.name: _records(p) for p in honest}
+        liar_id = liar.proc.find(r"connected as (\S+)")[0].group(1)
+        outputs = {p.name: p.proc.output for p in honest}
+    assert all(p.proc.popen.returncode == 0 for p in honest), {n: o[-2000:] for n, o in outputs.items()}
+    met = [r for rows in recs.values() for r in rows if r["partner"] == liar_id and r["paired"]]
+    assert met, recs  # the seed paired the liar with honest replicas
+    assert all(r["bounded"] > 0 for r in met)  # and every time its message was cut to the bounds
+    assert all(r["bounded"] == 0 for rows in recs.values() for r in rows if r["partner"] != liar_id)
+    for name, rows in recs.items():
+        assert len(rows) == cfg.rounds and rows[-1]["val_loss"] < rows[0]["val_loss"], (name, rows)
