@@ -46,9 +46,9 @@ class SimFlags:
     outer: str = flag("sparseloco", "--outer", env="SIM_OUTER",
                       help="Outer step: sparseloco (sparse rounds), diloco (dense rounds through hivemind's stock "
                            "DecentralizedAverager, the baseline) or noloco (seeded pairs, no all-reduce).")
-    noloco_payload: str = flag("sparse", "--noloco-payload", env="SIM_NOLOCO_PAYLOAD",
-                               help="--outer noloco: what partners swap, SparseLoCo's payload (sparse) or the "
-                                    "paper's dense outer weights and progress (dense).")
+    noloco_payload: str = flag("dense", "--noloco-payload", env="SIM_NOLOCO_PAYLOAD",
+                               help="--outer noloco: what partners swap, the paper's dense outer weights and progress "
+                                    "(dense) or SparseLoCo's payload (sparse).")
     aggregation: str = flag("selectors", "--aggregation", env="SIM_AGGREGATION",
                             help="SparseLoCo aggregation: selectors (mean over the replicas that chose a value) or "
                                  "mean (1/R, zero where not chosen).")
@@ -105,7 +105,7 @@ class SimFlags:
         if outer not in Hyperparameters.OUTERS:
             raise UserInputError(f"--outer must be one of {', '.join(Hyperparameters.OUTERS)}, got {outer!r}")
         if self.noloco_payload not in Hyperparameters.NOLOCO_PAYLOADS:
-            raise UserInputError(f"--noloco-payload must be sparse or dense, got {self.noloco_payload!r}")
+            raise UserInputError(f"--noloco-payload must be dense or sparse, got {self.noloco_payload!r}")
         if self.aggregation not in ("selectors", "mean"):
             raise UserInputError(f"--aggregation must be selectors or mean, got {self.aggregation!r}")
         if overlap and overlap not in Hyperparameters.OVERLAPS:

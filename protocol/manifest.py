@@ -85,7 +85,9 @@ class Hyperparameters:
     # sparseloco (our sparse rounds), diloco (dense, hivemind's stock all-reduce) or noloco (seeded pairs, no
     # all-reduce and no coordinator; full replicas only)
     outer: str = "sparseloco"
-    noloco_payload: str = "sparse"  # NoLoCo: SparseLoCo's payload between partners, or the paper's "dense" one
+    # NoLoCo: the paper's "dense" outer weights and progress between partners, or SparseLoCo's "sparse" payload
+    # (measured: its replicas drift apart, docs/results.md "NoLoCo")
+    noloco_payload: str = "dense"
     outer_lr: float = 0.7  # DiLoCo: Nesterov outer learning rate
     momentum: float = 0.9  # DiLoCo: Nesterov momentum
     aggregation: str = "selectors"  # SparseLoCo: mean over the replicas that selected a value, or the 1/R "mean"
@@ -100,7 +102,7 @@ class Hyperparameters:
     # replicas and swarm drivers alike); 0: 1000 rounds of H
 
     OUTERS = ("sparseloco", "diloco", "noloco")
-    NOLOCO_PAYLOADS = ("sparse", "dense")
+    NOLOCO_PAYLOADS = ("dense", "sparse")
     AGGREGATIONS = ("selectors", "mean")
     WEIGHTINGS = ("equal", "tokens")
     SMALL_TENSORS = SMALL_TENSOR_RULES

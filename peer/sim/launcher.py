@@ -64,7 +64,7 @@ class SimConfig:
     min_deadline_s: float = 1.0
     max_deadline_s: float = 30.0
     outer: str = "sparseloco"  # sparseloco, diloco (dense rounds through hivemind's all-reduce) or noloco (pairs)
-    noloco_payload: str = "sparse"  # noloco: SparseLoCo's payload between partners, or "dense"
+    noloco_payload: str = "dense"  # noloco: the paper's dense outer weights and progress, or SparseLoCo's "sparse"
     min_contributors: int = 1  # a round with fewer accepted contributions by max_deadline_s closes empty
     gather: int = 0  # F: contributions per shard a round accepts (0: every one)
     reserves: int = 0  # R: further contributions the coordinator checks to replace failed ones

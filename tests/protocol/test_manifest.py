@@ -238,8 +238,8 @@ def test_overlap_defaults_to_eager_for_sparseloco_and_none_for_diloco():
     assert _manifest(hparams=Hyperparameters(overlap="naive")).to_body()["hparams"]["overlap"] == "naive"
     assert _manifest().to_body()["hparams"]["overlap"] == "eager"
     assert Hyperparameters.from_body({"outer": "noloco"}).overlap == "none"
-    assert Hyperparameters.from_body({"outer": "noloco"}).noloco_payload == "sparse"
-    assert Hyperparameters.from_body({"outer": "noloco", "noloco_payload": "dense"}).noloco_payload == "dense"
+    assert Hyperparameters.from_body({"outer": "noloco"}).noloco_payload == "dense"
+    assert Hyperparameters.from_body({"outer": "noloco", "noloco_payload": "sparse"}).noloco_payload == "sparse"
     for bad in ({"outer": "diloco", "overlap": "eager"}, {"outer": "diloco", "overlap": "naive"},
                 {"overlap": "lazy"}, {"overlap": ""}, {"outer": "noloco", "overlap": "eager"},
                 {"outer": "noloco", "gather": 2}, {"outer": "noloco", "noloco_payload": "half"}):
