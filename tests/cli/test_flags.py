@@ -56,7 +56,9 @@ def test_sim_flags_become_one_sim_config():
 
 
 @pytest.mark.parametrize(("changes", "message"), [
-    ({"outer": "adam"}, "--outer must be sparseloco or diloco, got 'adam'"),
+    ({"outer": "adam"}, "--outer must be one of sparseloco, diloco, noloco, got 'adam'"),
+    ({"outer": "noloco", "noloco_payload": "half"}, "--noloco-payload must be dense or sparse, got 'half'"),
+    ({"outer": "noloco", "swarms": 1}, "pipeline swarms take part in sparseloco rounds only"),
     ({"overlap": "eager", "outer": "diloco"}, "--overlap works with --outer sparseloco only"),
     ({"full": 0}, "--full and --swarms must be >= 0, and together start at least one peer"),
     ({"swarms": 1, "stages": 1}, "--stages must be >= 1, and >= 2 for pipeline swarms"),
