@@ -56,9 +56,10 @@ class NoLoCoConfig:
     small_tensors: str = "topk"
     # a partner's say, per tensor, against our own progress's norm: its progress at most this many times it (honest
     # pairs measured at most 2.7x on tiny), the pull toward its weights at most this many times it (honest: 3.4x
-    # with 4 replicas over 12 rounds, 11x with 8 replicas in their sixth round, as the replicas spread early on)
+    # with 4 replicas over 12 rounds, 11x with 8 replicas in their sixth round, as the replicas spread early on; a
+    # bound above that let a partner lying about its weights take honest losses from 8.8 to 25, docs/security.md)
     progress_bound: float = 4.0
-    pull_bound: float = 32.0
+    pull_bound: float = 8.0
 
     def validate(self) -> None:
         if not 0 <= self.momentum < 1:

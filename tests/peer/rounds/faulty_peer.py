@@ -292,12 +292,12 @@ class Flood:
 
 
 class LyingPartner(_Delegate):
-    """A NoLoCo replica whose messages are poison within the protocol: its progress and its outer weights' offset
-    from where it trained scaled by ``factor`` (finite, well-formed, the right shapes)."""
+    """A NoLoCo replica whose messages are poison within the protocol: its progress scaled by ``factor`` and, with
+    ``weights``, its outer weights too (finite, well-formed, the right shapes)."""
 
-    def __init__(self, inner: Any, factor: float) -> None:
+    def __init__(self, inner: Any, factor: float, weights: bool = False) -> None:
         super().__init__(inner)
-        self.factor = factor
+        self.factor, self.weights = factor, weights
 
     def encode(self, r: int, msg: Any) -> bytes:
         from hlbp.peer.rounds.noloco import PairMessage
@@ -305,7 +305,8 @@ class LyingPartner(_Delegate):
 
         grow = scaled(self.factor)
         progress = {n: grow(t) if isinstance(t, SparseTensor) else t * self.factor for n, t in msg.progress.items()}
-        return self.inner.encode(r, PairMessage(progress, {n: v * self.factor for n, v in msg.phi.items()}))
+        phi = {n: v * self.factor for n, v in msg.phi.items()} if self.weights else msg.phi
+        return self.inner.encode(r, PairMessage(progress, phi))
 
 
 def no_dht_notices(from_round: int) -> Callable[[str], bool]:
@@ -364,6 +365,8 @@ FAULTS: dict[str, Callable[[Any, str], None]] = {
     "flood": lambda runner, arg: setattr(runner, "flood", Flood(runner)),
     "gather-breaker": _gather_breaker,
     "noloco-liar": lambda runner, arg: setattr(runner, "encoder", LyingPartner(runner.encoder, float(arg or 1e3))),
+    "noloco-weights-liar": lambda runner, arg: setattr(runner, "encoder",
+                                                       LyingPartner(runner.encoder, float(arg or 1e3), weights=True)),
 }
 
 

