@@ -161,7 +161,7 @@ def judge(found: PeerAudit, stage: int, blind: bool, liars: AbstractSet[str]) ->
     if found.stale is not None:  # honest, late: its work and its chain's is not the round's
         return {p: Refusal(f"round-{r} work of stage {stage} ({peer[:16]}) was computed on other weights than the "
                            "round's anchor", ban=False) for p in (peer, *sorted(found.neighbours))}
-    if not blind and not any(v.result.finding is Finding.CLEAN for v in found.verdicts):
+    if not blind and not any(v.result.finding is Finding.CLEAN and v.result.inner == 0 for v in found.verdicts):
         return {peer: Refusal(f"none of its round-{r} frames of the phase's first step could be checked",
                               ban=False)}
     return {}

@@ -3,7 +3,9 @@
 Right after a round is applied, every holder of a shard has the same weights (the checksummed anchor), and a full
 replica holds every stage's. So the frames a stage peer exchanged in the first step of a phase are checkable
 exactly by anyone holding the anchor. Those of later steps are not: the stage's weights have moved by a few inner
-steps, which early in a run changes what it computes as much as a lie would (:class:`Tolerance`).
+steps, which early in a run changes what it computes as much as a lie would. But every micro-batch of one step went
+through the same weights, so at the anchor they all drift alike: a later step's frame is judged against the frames
+of its own step, its siblings (:func:`judge_step`, :class:`Tolerance`).
 
 The evidence of one micro-batch attempt at stage s (every frame signed by its sender, :mod:`hlbp.peer.swarm.
 transcript`):
@@ -16,15 +18,17 @@ transcript`):
 
 :func:`audit` recomputes the stage at the anchor on ``x`` (and ``g_out``), passes the results through the run's
 codec as the peer would have, and compares with ``y`` (and ``g_in``): the relative L2 distance, cosine and norm
-ratio of the decoded tensors, judged at the phase's first step only (:class:`Tolerance`). It is a pure
-function of its arguments (torch on this process's device), so the same evidence gives every auditor the same
+ratio of the decoded tensors, judged exactly at the phase's first step; a later step's finding is
+:attr:`Finding.UNJUDGED` until :func:`judge_step` weighs it against its siblings. Both are pure functions of their
+arguments (torch on this process's device), so the same evidence gives every auditor the same
 finding.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
 from enum import Enum
 
 import torch
@@ -42,7 +46,7 @@ class Finding(Enum):
     """What an audit of one micro-batch attempt found."""
 
     CLEAN = "clean"  # what it sent is its stage's output for what it received, within the tolerance
-    UNJUDGED = "unjudged"  # a step after the phase's first: compared and reported, not judged (Tolerance)
+    UNJUDGED = "unjudged"  # a step after the phase's first that its siblings cannot judge (Tolerance.later)
     STALE = "stale"  # near its stage's output at the anchor but not it: computed on other weights (a peer that had
     # not loaded the round's result when it served the step); its work is not the round's, but no lie is shown
     FORWARD = "forward"  # the activations it sent are not its stage's output for its input
@@ -61,21 +65,33 @@ class Finding(Enum):
 class Tolerance:
     """What an honest stage peer's frame may show against a recomputation at the anchor.
 
-    Only the phase's first step (``inner`` 0) is judged: the peer's weights are then the anchor, so its frame must
-    equal the recomputation up to float reduction order, codec rounding and a GPU's bf16 autocast, a relative error
-    of at most ``exact``. After k inner steps its weights have moved, early in a run by far more than one would guess:
-    measured on honest peers of a subspace-B run in its first rounds, stage 0's output grew 8-15x in norm over 5-7
-    AdamW steps and the last stage's input gradient shrank 4x (cosine with the anchor's down to 0.14), which is what
-    a liar's scale, flip or noise looks like. So later steps are compared and reported, never judged
-    (docs/security.md, "Pipeline swarms: commitments and audits")."""
+    The phase's first step (``inner`` 0): the peer's weights are the anchor, so its frame must equal the
+    recomputation up to float reduction order, codec rounding and a GPU's bf16 autocast, a relative error of at most
+    ``exact``. After k inner steps its weights have moved, early in a run by far more than one would guess: measured
+    on honest peers of a subspace-B run in its first rounds, stage 0's output grew 8-15x in norm over 5-7 AdamW steps
+    and the last stage's input gradient shrank 4x (cosine with the anchor's down to 0.14), which is what a liar's
+    scale, flip or noise looks like. No fixed band tells them apart.
+
+    A later step is judged against its siblings (:meth:`later`): the other micro-batches of the same step went
+    through the same weights, so their frames drift from the anchor's alike. Compared per token (the median over the
+    frame's rows of each row's cosine and log norm ratio, :class:`Comparison`), honest siblings of one step differed
+    by at most 0.20 in cosine and a factor 1.4 in norm (a 3-stage tiny model, 8 steps at learning rates 3e-3 and
+    1e-2, every micro-batch of every step); a lie on one micro-batch showed 0.81-0.94 (noise), 1.35-1.44 (flip) and a
+    factor 9.6-9.8 (x10). A frame is a lie when it is further than ``later_cosine`` in cosine or ``later_ratio`` in
+    norm from every sibling that still says something: one whose per-token cosine with the anchor's is at least
+    ``informative`` (when drift has taken every sibling further than that, the step is not judged).
+    docs/security.md, "Pipeline swarms: commitments and audits", has the measurements."""
 
     exact: float = 0.02
     stale_cosine: float = 0.5
     stale_ratio: float = 3.0
+    informative: float = 0.5
+    later_cosine: float = 0.4
+    later_ratio: float = 3.0
 
     def passes(self, c: Comparison, inner: int) -> bool | None:
-        """Whether a frame of inner step ``inner`` that compares as ``c`` is honest; None: not judged (a later
-        step)."""
+        """Whether a frame of inner step ``inner`` that compares as ``c`` is honest; None: a later step, which only
+        its siblings can judge (:meth:`later`)."""
         return c.error <= self.exact if inner == 0 else None
 
     def stale(self, c: Comparison) -> bool:
@@ -85,6 +101,21 @@ class Tolerance:
         0.95-0.995 and ratio 0.99-1.19; a lie of scale 10, a flip or noise shows ratio 10, cosine -1 or about 0.
         Such work is refused like a lie's, but its sender is not banned."""
         return c.cosine >= self.stale_cosine and 1 / self.stale_ratio <= c.ratio <= self.stale_ratio
+
+    def later(self, c: Comparison, siblings: Sequence[Comparison]) -> bool | None:
+        """Whether a later step's frame that compares as ``c`` is honest, judged against the same step's other
+        frames (``siblings``, the same direction); None when no sibling is informative."""
+        refs = [s for s in siblings if s.token_cosine >= self.informative and math.isfinite(s.token_ratio)
+                and s.token_ratio > 0]
+        if not refs:
+            return None
+        return not all(self._far(c, s) for s in refs)
+
+    def _far(self, c: Comparison, ref: Comparison) -> bool:
+        if not (math.isfinite(c.token_cosine) and math.isfinite(c.token_ratio) and c.token_ratio > 0):
+            return True
+        return (c.token_cosine < ref.token_cosine - self.later_cosine
+                or abs(math.log(c.token_ratio / ref.token_ratio)) > math.log(self.later_ratio))
 
 
 @dataclass(frozen=True)
@@ -109,22 +140,33 @@ class AuditResult:
 @dataclass(frozen=True)
 class Comparison:
     """How a frame a peer sent compares with the recomputed one: the relative L2 distance, the cosine and the
-    ratio of norms (sent over recomputed), each in float64 and per micro-batch."""
+    ratio of norms (sent over recomputed) of the whole micro-batch, and per token the median over the frame's rows
+    (its last dimension is one token's vector) of each row's cosine and norm ratio, each in float64. The whole
+    micro-batch's numbers are dominated by its few largest rows; the per-token medians are what siblings of one
+    step share (:meth:`Tolerance.later`)."""
 
     error: float
     cosine: float
     ratio: float
+    token_cosine: float = 1.0
+    token_ratio: float = 1.0
 
 
 def compare(sent: torch.Tensor, mine: torch.Tensor) -> Comparison:
-    """:class:`Comparison` of two tensors (a frame of zeros against a zero recomputation is no error)."""
-    a, b = sent.double().flatten(), mine.double().flatten()
-    na, nb = float(a.norm()), float(b.norm())
-    diff = float((a - b).norm())
-    error = diff / nb if nb > 0 else (0.0 if diff == 0 else float("inf"))
-    cosine = float(a @ b) / (na * nb) if na > 0 and nb > 0 else (1.0 if na == nb else 0.0)
-    ratio = na / nb if nb > 0 else (1.0 if na == 0 else float("inf"))
-    return Comparison(error, cosine, ratio)
+    """:class:`Comparison` of two tensors of one shape (a frame of zeros against a zero recomputation is no error)."""
+    rows_a = sent.double().reshape(-1, sent.shape[-1] if sent.dim() else 1)
+    rows_b = mine.double().reshape(-1, mine.shape[-1] if mine.dim() else 1)
+    ra, rb, dots = rows_a.norm(dim=1), rows_b.norm(dim=1), (rows_a * rows_b).sum(dim=1)
+    na, nb, dot = float(ra.pow(2).sum().sqrt()), float(rb.pow(2).sum().sqrt()), float(dots.sum())
+    diff = float((rows_a - rows_b).norm())
+    error = diff / nb if nb > 0 else (0.0 if diff == 0 else math.inf)
+    cosine = dot / (na * nb) if na > 0 and nb > 0 else (1.0 if na == nb else 0.0)
+    ratio = na / nb if nb > 0 else (1.0 if na == 0 else math.inf)
+    both = (ra > 0) & (rb > 0)
+    cos = torch.where(both, dots / (ra * rb).clamp_min(1e-300), (ra == rb).double())
+    ratios = torch.where(rb > 0, ra / rb.clamp_min(1e-300),
+                         torch.where(ra == 0, torch.ones_like(ra), torch.full_like(ra, math.inf)))
+    return Comparison(error, cosine, ratio, float(cos.median()), float(ratios.median()))
 
 
 def _labels(msg: StageMessage) -> tuple[int, int, int, int, int, int, float]:
@@ -179,7 +221,7 @@ def audit(stage: Stage, codec: ActivationCodec, vocab_size: int, evidence: Evide
     except _Unsigned as exc:
         return AuditResult(Finding.BAD_FRAME, inner, detail=str(exc))
     if inner > 0:
-        return AuditResult(Finding.UNJUDGED, inner, fwd, bwd)
+        return AuditResult(Finding.UNJUDGED, inner, fwd, bwd)  # judged against its siblings: judge_step
     off = [(c, f) for c, f in ((fwd, Finding.FORWARD), (bwd, Finding.BACKWARD))
            if c is not None and not tolerance.passes(c, inner)]
     if not off:
@@ -246,3 +288,34 @@ def _backward_error(codec: ActivationCodec, g: torch.Tensor, g_in: Frame | None)
     mine = codec.decode_backward(codec.encode_backward(g.float().cpu())).tensor
     return compare(sent, mine)
 
+
+
+def judge_step(results: Sequence[AuditResult], tolerance: Tolerance = Tolerance()) -> list[AuditResult]:
+    """The findings on frames of one peer in one round (``results``, as :func:`audit` returned them), those of a
+    later step each judged against the others of the same inner step (:meth:`Tolerance.later`), in the same order.
+
+    Every micro-batch of a step went through the same weights, so frames that are not alike cannot all be that
+    stage's output: one far from every informative sibling convicts its sender. Which of them was the lie is not
+    always clear (two frames scaled alike against one honest one make the honest one the odd one out), but that
+    the step's frames are not one stage's output is, and they are all signed by the peer. A result that is not
+    :attr:`Finding.UNJUDGED` (a first step, a relabelled or undecodable frame) is returned as it is."""
+    out = []
+    for i, r in enumerate(results):
+        if r.finding is not Finding.UNJUDGED:
+            out.append(r)
+            continue
+        verdicts = []
+        for name, finding in (("forward", Finding.FORWARD), ("backward", Finding.BACKWARD)):
+            c = getattr(r, name)
+            siblings = [getattr(o, name) for j, o in enumerate(results)
+                        if j != i and o.inner == r.inner and getattr(o, name) is not None]
+            if c is not None and siblings:
+                verdicts.append((tolerance.later(c, siblings), finding))
+        wrong = [f for ok, f in verdicts if ok is False]
+        if wrong:
+            out.append(replace(r, finding=wrong[0], detail="not alike the other frames of its step"))
+        elif any(ok for ok, _ in verdicts):
+            out.append(replace(r, finding=Finding.CLEAN))
+        else:
+            out.append(r)
+    return out

@@ -6,8 +6,8 @@ other peers (``audit/i/<r>``, :mod:`hlbp.protocol.transcript`). What P *sent* is
 it signed by P, so P cannot keep a micro-batch out of the sample by leaving it out of its own index; what P
 *received* it must show from its own transcript, signed by the neighbour that sent it. The micro-batch attempts to
 check are drawn from a seed the auditor chooses after the traffic, so no stage peer knew, when it computed, which
-ones would be looked at; they are attempts of the phase's first step, where the peer's weights are exactly the
-anchor (later steps can be compared and reported, :class:`~hlbp.peer.swarm.audit.Tolerance`).
+ones would be looked at: attempts of the phase's first step, where the peer's weights are exactly the anchor, and
+a few attempts of one later step, judged against each other (:func:`~hlbp.peer.swarm.audit.judge_step`).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import torch
 
 from hlbp.peer.model.codec import ActivationCodec
 from hlbp.peer.model.decoder import Stage
-from hlbp.peer.swarm.audit import AuditResult, Evidence, Finding, Frame, Tolerance, audit
+from hlbp.peer.swarm.audit import AuditResult, Evidence, Finding, Frame, Tolerance, audit, judge_step
 from hlbp.protocol import ProtocolError
 from hlbp.protocol.transcript import FrameKey, IndexEntry, decode_index, decode_kept, index_name
 
@@ -75,8 +75,8 @@ class PeerAudit:
 
 @dataclass(frozen=True)
 class AuditConfig:
-    samples: int = 2  # micro-batch attempts of the phase's first step judged per stage peer and round
-    later: int = 0  # micro-batch attempts of later steps compared and reported (not judged) per peer and round
+    samples: int = 1  # micro-batch attempts of the phase's first step judged per stage peer and round
+    later: int = 2  # micro-batch attempts of one later step, judged against each other, per peer and round
     timeout_s: float = 3.0  # per fetch: a peer that does not answer within it shows nothing (inconclusive)
     budget_s: float = 15.0  # most seconds a coordinator spends auditing one round (a round's close waits for it)
     tolerance: Tolerance = field(default_factory=Tolerance)
@@ -84,13 +84,21 @@ class AuditConfig:
 
 def choose(sent: dict[MicroBatchKey, int], count: int, seed: int, later: int = 0) -> list[MicroBatchKey]:
     """``count`` of the micro-batch attempts in ``sent`` (each with the inner step it belongs to) of the phase's
-    first step, the only ones an audit judges, and ``later`` of later steps (compared and reported only), drawn by
-    ``seed``."""
+    first step, and ``later`` attempts of one later step (judged against each other, so a step with at least two
+    is drawn where there is one), all drawn by ``seed``."""
     rng = random.Random(seed)
     keys = sorted(sent)
-    first = [k for k in keys if sent[k] == 0]
-    rest = [k for k in keys if sent[k] != 0]
-    return rng.sample(first, min(len(first), count)) + rng.sample(rest, min(len(rest), later))
+    picked = rng.sample([k for k in keys if sent[k] == 0], min(sum(1 for k in keys if sent[k] == 0), count))
+    if later:
+        steps: dict[tuple[int, int], list[MicroBatchKey]] = {}
+        for k in keys:
+            if sent[k] != 0:
+                steps.setdefault((k[0], k[1]), []).append(k)
+        groups = [g for g in steps.values() if len(g) >= 2] or list(steps.values())
+        if groups:
+            group = groups[rng.randrange(len(groups))]
+            picked += rng.sample(group, min(len(group), later))
+    return picked
 
 
 class Auditor:
@@ -144,7 +152,7 @@ class Auditor:
                     mb = e.key.micro_batch()
                     holders[(e.key.op, mb)] = (peer, e.key)
                     sent.setdefault(mb, e.inner)
-        verdicts = []
+        found: list[tuple[MicroBatchKey, AuditResult, dict[str, str]]] = []
         compute_s = 0.0
         count = self.cfg.samples if samples is None else samples
         for mb in choose(sent, count, seed, self.cfg.later if count else 0):
@@ -166,5 +174,7 @@ class Auditor:
             compute_s += time.perf_counter() - t0
             if result.finding is Finding.INCONCLUSIVE and not stage.is_first and evidence.x is None:
                 result = AuditResult(Finding.INCONCLUSIVE, detail="it did not show the input it passed on")
-            verdicts.append(Verdict(accused, r, mb, result, held))
+            found.append((mb, result, held))
+        judged = judge_step([res for _, res, _ in found], self.cfg.tolerance)
+        verdicts = [Verdict(accused, r, mb, res, held) for (mb, _, held), res in zip(found, judged)]
         return PeerAudit(accused, r, verdicts, frozenset(neighbours - {accused}), compute_s)

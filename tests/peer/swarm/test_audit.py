@@ -11,7 +11,17 @@ from hlbp.peer.model.codec import CodecConfig
 from hlbp.peer.model.decoder import load_from_full, preset, split
 from hlbp.peer.model.pipeline import initial_state
 from hlbp.peer.model.subspace import make_codec
-from hlbp.peer.swarm.audit import Comparison, Evidence, Finding, Tolerance, audit, compare
+from hlbp.peer.swarm.audit import (
+    AuditResult,
+    Comparison,
+    Evidence,
+    Finding,
+    Tolerance,
+    audit,
+    compare,
+    judge_step,
+)
+from hlbp.peer.swarm.auditor import choose
 from hlbp.peer.train.trainer import skeleton
 from hlbp.protocol.stagewire import StageMessage, encode_targets
 
@@ -109,3 +119,63 @@ def test_only_the_phases_first_step_is_judged_and_there_exactly() -> None:
     c = compare(torch.tensor([3.0, 4.0]), torch.tensor([3.0, 4.0]) * 2)
     assert (c.error, c.cosine, c.ratio) == (0.5, 1.0, 0.5)
     assert compare(torch.zeros(3), torch.zeros(3)) == Comparison(0.0, 1.0, 1.0)
+
+
+def test_per_token_numbers_are_medians_over_rows_so_one_large_row_does_not_decide() -> None:
+    mine = torch.ones(5, 4)
+    sent = mine.clone()
+    sent[0] = -100.0  # one row, flipped and huge: it dominates the whole micro-batch's cosine
+    c = compare(sent, mine)
+    assert c.cosine < 0 and c.ratio > 20
+    assert (c.token_cosine, c.token_ratio) == (1.0, 1.0)
+    noise = compare(torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 0.0]]), torch.tensor([[0.0, 2.0]] * 3))
+    assert (noise.token_cosine, noise.token_ratio) == (0.0, 0.5)
+    zero = compare(torch.zeros(2, 3), torch.zeros(2, 3))
+    assert (zero.token_cosine, zero.token_ratio) == (1.0, 1.0)
+
+
+def later_result(cos: float, ratio: float, inner: int = 2, backward: Comparison | None = None) -> AuditResult:
+    return AuditResult(Finding.UNJUDGED, inner, Comparison(1.0, cos, ratio, cos, ratio), backward)
+
+
+def test_a_later_frame_is_judged_by_its_informative_siblings_of_the_same_step() -> None:
+    t = Tolerance()
+    honest = [Comparison(1.0, 0.9, 1.2, 0.9, 1.2), Comparison(1.0, 0.75, 1.5, 0.75, 1.5)]
+    assert t.later(Comparison(1.0, 0.6, 1.7, 0.6, 1.7), honest)  # drift alike: within 0.4 and 3x of one
+    for lie in ((0.02, 1.3), (-0.85, 1.3), (0.9, 12.0), (0.9, 0.1), (float("nan"), 1.0), (0.9, float("inf"))):
+        assert t.later(Comparison(1.0, lie[0], lie[1], *lie), honest) is False, lie
+    assert t.later(Comparison(1.0, 0.9, 1.2, 0.9, 1.2), []) is None
+    # siblings drifted too far to say anything (or are lies themselves): the frame is not judged
+    assert t.later(Comparison(1.0, 0.02, 1.3, 0.02, 1.3), [Comparison(1.0, 0.3, 3.0, 0.3, 3.0)]) is None
+    assert t.later(Comparison(1.0, 0.9, 1.2, 0.9, 1.2), [Comparison(1.0, 0.0, 1.0, 0.0, 1.0)]) is None
+
+
+def test_judge_step_convicts_the_odd_frame_of_a_step_and_leaves_other_findings_alone() -> None:
+    step = [later_result(0.9, 1.2), later_result(0.85, 1.3), later_result(0.0, 1.25), later_result(0.88, 1.1)]
+    first = AuditResult(Finding.CLEAN, 0, Comparison(0.0, 1.0, 1.0), None)
+    other = later_result(0.0, 1.0, inner=3)  # alone in its step: nothing to judge it against
+    out = judge_step([first, *step, other])
+    assert out[0] is first and out[-1] == other
+    assert [r.finding for r in out[1:5]] == [Finding.CLEAN, Finding.CLEAN, Finding.FORWARD, Finding.CLEAN]
+    assert out[3].detail and out[3].forward == step[2].forward
+    # a backward lie in a frame whose forward is honest
+    b_ok, b_lie = Comparison(1.0, 0.95, 1.1, 0.95, 1.1), Comparison(1.0, 0.95, 10.4, 0.95, 10.4)
+    pair = [later_result(0.9, 1.2, backward=b_ok), later_result(0.9, 1.2, backward=b_lie),
+            later_result(0.9, 1.2, backward=b_ok)]
+    assert [r.finding for r in judge_step(pair)] == [Finding.CLEAN, Finding.BACKWARD, Finding.CLEAN]
+    # the first step's findings are never siblings of a later step's
+    assert judge_step([AuditResult(Finding.FORWARD, 0, Comparison(9.0, 1.0, 10.0, 1.0, 10.0), None),
+                       later_result(1.0, 10.0)])[1].finding is Finding.UNJUDGED
+
+
+def test_choose_draws_first_step_attempts_and_a_group_from_one_later_step() -> None:
+    sent = {(1, 0, mb, 0): 0 for mb in range(4)} | {(1, 1, mb, 0): 1 for mb in range(4)}
+    sent |= {(1, 2, 0, 0): 2}  # a later step with one attempt only: never the drawn group
+    for seed in range(20):
+        picked = choose(sent, 2, seed, later=3)
+        assert len(picked) == 5 and len(set(picked)) == 5
+        assert sum(sent[k] == 0 for k in picked) == 2
+        assert {k[1] for k in picked if sent[k]} == {1}
+        assert picked == choose(sent, 2, seed, later=3)  # the seed decides
+    assert choose(sent, 2, 0) == choose(sent, 2, 0, later=0) and len(choose(sent, 2, 0)) == 2
+    assert len(choose({(1, 2, 0, 0): 2}, 2, 0, later=3)) == 1  # no step of two: the lone attempt is still compared
