@@ -167,7 +167,8 @@ def print_report(out_console: Console, report: dict[str, Any], rounds: int) -> N
         wall = audits.get("wall_share")
         found = ", ".join(f"{n} {k}" for k, n in sorted(audits["findings"].items()))
         out_console.print(f"pipeline audits: {audits['audits']} stage peers audited, {audits['guilty']} convicted "
-                          f"(samples: {found or 'none'}); recomputing took "
+                          f"(samples: {found or 'none'}; marked by the screen: {audits.get('flagged', 0)}); "
+                          f"recomputing took "
                           f"{'n/a' if share is None else f'{100 * share:.2f} %'} of the stage peers' compute, "
                           f"{'n/a' if wall is None else f'{100 * wall:.1f} %'} with fetching the frames")
 

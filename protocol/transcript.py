@@ -5,7 +5,8 @@ frame_commitment`), and its receiver keeps the whole message for a while. An aud
 peer's blob transport:
 
 - ``audit/i/<round>``: the index of round ``round``, a canonical msgpack list of ``[sender, op, session, step, mb,
-  attempt, inner]`` entries, one per kept frame (:func:`decode_index`);
+  attempt, inner, flagged]`` entries, one per kept frame (``flagged``: 1 when the holder's screen found the frame
+  an outlier, :mod:`hlbp.peer.swarm.screen`; else 0) (:func:`decode_index`);
 - ``audit/f/<sender>/<op>/<session>/<step>/<mb>/<attempt>``: one kept frame, ``[sender, message bytes]``
   (:func:`decode_kept`), whose signature the auditor checks against ``sender`` before it believes a byte.
 
@@ -29,7 +30,7 @@ AUDIT_PREFIX = "audit/"  # every name an auditor fetches from a stage peer
 INDEX_PREFIX = "audit/i/"
 FRAME_PREFIX = "audit/f/"
 MAX_INDEX_ENTRIES = 1 << 16
-_ENTRY_BYTES = 200  # a bound on one encoded entry (a 52-character peer id, an op and five integers)
+_ENTRY_BYTES = 200  # a bound on one encoded entry (a 52-character peer id, an op and six integers)
 _PEER = re.compile(r"[1-9A-HJ-NP-Za-km-z]{1,128}")
 
 
@@ -56,10 +57,12 @@ class FrameKey:
 
 @dataclass(frozen=True)
 class IndexEntry:
-    """One kept frame of a round, as its holder lists it: the key and the step's place in the round's phase."""
+    """One kept frame of a round, as its holder lists it: the key, the step's place in the round's phase, and whether
+    the holder's screen found it an outlier (a hint of where to look, never evidence)."""
 
     key: FrameKey
     inner: int
+    flagged: bool = False
 
 
 def index_name(r: int) -> str:
@@ -67,7 +70,7 @@ def index_name(r: int) -> str:
 
 
 def encode_index(entries: list[IndexEntry]) -> bytes:
-    rows = [[e.key.sender, e.key.op, e.key.session, e.key.step, e.key.mb, e.key.attempt, e.inner]
+    rows = [[e.key.sender, e.key.op, e.key.session, e.key.step, e.key.mb, e.key.attempt, e.inner, int(e.flagged)]
             for e in entries[:MAX_INDEX_ENTRIES]]
     return msgpack.packb(rows, use_bin_type=True)
 
@@ -85,8 +88,8 @@ def decode_index(data: bytes, max_entries: int = MAX_INDEX_ENTRIES) -> list[Inde
         raise ProtocolError(f"an audit index must be a list of at most {max_entries} entries")
     out = []
     for row in rows:
-        if not isinstance(row, list) or len(row) != 7:
-            raise ProtocolError("an audit index entry must be a list of 7 fields")
+        if not isinstance(row, list) or len(row) != 8:
+            raise ProtocolError("an audit index entry must be a list of 8 fields")
         sender, op = row[0], row[1]
         if not isinstance(sender, str) or not _PEER.fullmatch(sender):
             raise ProtocolError("an audit index entry names no peer")
@@ -94,7 +97,7 @@ def decode_index(data: bytes, max_entries: int = MAX_INDEX_ENTRIES) -> list[Inde
             raise ProtocolError("an audit index entry names an op that is not kept")
         key = FrameKey(sender, op, _nat(row[2], 2**63 - 1), _nat(row[3], 2**40), _nat(row[4], 1 << 16),
                        _nat(row[5], 1 << 16))
-        out.append(IndexEntry(key, _nat(row[6], 1 << 20)))
+        out.append(IndexEntry(key, _nat(row[6], 1 << 20), bool(_nat(row[7], 1))))
     return out
 
 

@@ -129,7 +129,7 @@ class PipelineAudits:
                            stage, guilty.result.finding.value)
         self.metrics.write(event="audit", round=found.round, peer=found.accused, stage=stage,
                            guilty=guilty is not None, samples=samples, neighbours=sorted(found.neighbours),
-                           seconds=round(seconds, 4), compute_s=round(found.compute_s, 4))
+                           seconds=round(seconds, 4), compute_s=round(found.compute_s, 4), flagged=found.flagged)
 
 
 def judge(found: PeerAudit, stage: int, blind: bool, liars: AbstractSet[str]) -> dict[str, Refusal]:

@@ -162,7 +162,8 @@ def audit_summary(audits: Sequence[dict[str, Any]], stage_busy_s: float) -> dict
     """What the pipeline audits of a run found and cost (``audits``: the coordinators' ``audit`` events,
     hlbp.peer.node.audits; ``stage_busy_s``: the stage peers' compute seconds over the run). ``compute_share`` is the
     recomputation's seconds over the stage peers' compute; ``wall_share`` adds fetching the frames (on the
-    coordinator, inside its round close)."""
+    coordinator, inside its round close); ``flagged``: the audited peers' micro-batch attempts a receiver's screen
+    marked."""
     findings: dict[str, int] = {}
     for a in audits:
         for sample in a.get("samples", []):
@@ -170,6 +171,7 @@ def audit_summary(audits: Sequence[dict[str, Any]], stage_busy_s: float) -> dict
     wall = sum(float(a.get("seconds", 0.0)) for a in audits)
     compute = sum(float(a.get("compute_s", 0.0)) for a in audits)
     return {"audits": len(audits), "guilty": sum(1 for a in audits if a.get("guilty")), "findings": findings,
+            "flagged": sum(int(a.get("flagged", 0)) for a in audits),
             "seconds": wall, "compute_s": compute, "stage_busy_s": stage_busy_s,
             "compute_share": compute / stage_busy_s if stage_busy_s > 0 else None,
             "wall_share": wall / stage_busy_s if stage_busy_s > 0 else None}

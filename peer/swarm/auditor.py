@@ -16,6 +16,7 @@ import logging
 import random
 import time
 from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 
 import torch
@@ -61,6 +62,7 @@ class PeerAudit:
     verdicts: list[Verdict]
     neighbours: frozenset[str]
     compute_s: float = 0.0  # seconds spent recomputing (the rest of an audit's time is fetching frames)
+    flagged: int = 0  # micro-batch attempts of the accused that a receiver's screen marked in the round
 
     @property
     def guilty(self) -> Verdict | None:
@@ -82,22 +84,33 @@ class AuditConfig:
     tolerance: Tolerance = field(default_factory=Tolerance)
 
 
-def choose(sent: dict[MicroBatchKey, int], count: int, seed: int, later: int = 0) -> list[MicroBatchKey]:
+def choose(sent: dict[MicroBatchKey, int], count: int, seed: int, later: int = 0,
+           flagged: AbstractSet[MicroBatchKey] = frozenset()) -> list[MicroBatchKey]:
     """``count`` of the micro-batch attempts in ``sent`` (each with the inner step it belongs to) of the phase's
     first step, and ``later`` attempts of one later step (judged against each other, so a step with at least two
-    is drawn where there is one), all drawn by ``seed``."""
+    is drawn where there is one), all drawn by ``seed``. Attempts a receiver's screen marked (``flagged``,
+    :mod:`hlbp.peer.swarm.screen`) come first: of the first step's, and the later step drawn is one with a marked
+    attempt where there is one, its marked attempts among those drawn."""
     rng = random.Random(seed)
     keys = sorted(sent)
-    picked = rng.sample([k for k in keys if sent[k] == 0], min(sum(1 for k in keys if sent[k] == 0), count))
+    first = [k for k in keys if sent[k] == 0]
+    marked = [k for k in first if k in flagged]
+    rest = [k for k in first if k not in flagged]
+    picked = rng.sample(marked, min(len(marked), count))
+    picked += rng.sample(rest, min(len(rest), count - len(picked)))
     if later:
         steps: dict[tuple[int, int], list[MicroBatchKey]] = {}
         for k in keys:
             if sent[k] != 0:
                 steps.setdefault((k[0], k[1]), []).append(k)
         groups = [g for g in steps.values() if len(g) >= 2] or list(steps.values())
+        hot = [g for g in groups if any(k in flagged for k in g)]
         if groups:
-            group = groups[rng.randrange(len(groups))]
-            picked += rng.sample(group, min(len(group), later))
+            group = (hot or groups)[rng.randrange(len(hot or groups))]
+            marked = [k for k in group if k in flagged]
+            take = rng.sample(marked, min(len(marked), max(later - 1, 1)))
+            others = [k for k in group if k not in take]
+            picked += take + rng.sample(others, min(len(others), later - len(take)))
     return picked
 
 
@@ -140,6 +153,7 @@ class Auditor:
         received = {(e.key.op, e.key.micro_batch()): e.key for e in own}
         neighbours = {e.key.sender for e in own}
         sent: dict[MicroBatchKey, int] = {}
+        flagged: set[MicroBatchKey] = set()  # what a receiver's screen marked
         holders: dict[tuple[str, MicroBatchKey], tuple[str, FrameKey]] = {}
         # whoever sent it frames holds what it sent back to them: asked even when it is not in ``swarm`` (a peer
         # that joined mid-round and contributed nothing yet still holds the frames it exchanged with the accused)
@@ -152,10 +166,12 @@ class Auditor:
                     mb = e.key.micro_batch()
                     holders[(e.key.op, mb)] = (peer, e.key)
                     sent.setdefault(mb, e.inner)
+                    if e.flagged:
+                        flagged.add(mb)
         found: list[tuple[MicroBatchKey, AuditResult, dict[str, str]]] = []
         compute_s = 0.0
         count = self.cfg.samples if samples is None else samples
-        for mb in choose(sent, count, seed, self.cfg.later if count else 0):
+        for mb in choose(sent, count, seed, self.cfg.later if count else 0, flagged):
             frames: dict[str, Frame | None] = {}
             held: dict[str, str] = {}
             for name, op in (("y", "fwd"), ("g_in", "bwd")):
@@ -177,4 +193,4 @@ class Auditor:
             found.append((mb, result, held))
         judged = judge_step([res for _, res, _ in found], self.cfg.tolerance)
         verdicts = [Verdict(accused, r, mb, res, held) for (mb, _, held), res in zip(found, judged)]
-        return PeerAudit(accused, r, verdicts, frozenset(neighbours - {accused}), compute_s)
+        return PeerAudit(accused, r, verdicts, frozenset(neighbours - {accused}), compute_s, len(flagged))

@@ -363,6 +363,8 @@ class Driver:
         except ProtocolError as exc:
             self._on_bad(event.conn.peer, str(exc))
             return
+        if self.notary is not None:
+            self.notary.observe(event.conn.peer, msg, grad)
         t0 = time.perf_counter()
         self.worker.backward(msg.mb, msg.attempt, grad)
         m.done, m.loss = True, msg.loss

@@ -145,7 +145,7 @@ class StageServer:
                 self._upstream = conn
             self._put(FORWARD, lambda: self._forward(conn, msg, body))
         elif msg.op == "bwd":
-            self._put(BACKWARD, lambda: self._backward(msg, body))
+            self._put(BACKWARD, lambda: self._backward(conn.peer, msg, body))
         elif msg.op == "finish":
             fault = finish_fault(msg.lr, msg.opt_step, msg.max_norm, self.worker.optim)
             if fault is not None:  # not run, not passed down: its sender is banned and told why
@@ -229,6 +229,8 @@ class StageServer:
         frame, targets_bytes = split_body(body, self.vocab_size)
         received = self.codec.decode_forward(frame)
         shape = (received.tensor.shape[0], received.tensor.shape[1])
+        if self.notary is not None and msg.op == "fwd":
+            self.notary.observe(conn.peer, msg, received.tensor)
         if msg.op == "eval":
             self._eval(conn, msg, received, targets_bytes, shape)
             return
@@ -283,7 +285,7 @@ class StageServer:
             return
         down.send(encode_message(replace(msg, route=msg.route[1:]), data + targets_bytes))
 
-    def _backward(self, msg: StageMessage, body: bytes) -> None:
+    def _backward(self, sender: str, msg: StageMessage, body: bytes) -> None:
         start = time.perf_counter()
         if (msg.session, msg.step) != (self.worker.session, self.worker.step):
             raise StageStateError(f"backward of step {msg.step}, this stage is at step {self.worker.step}")
@@ -292,6 +294,8 @@ class StageServer:
             raise StageStateError(f"no forward of micro-batch {msg.mb} attempt {msg.attempt} is stored")
         shape = (saved.out.shape[0], saved.out.shape[1])
         grad = self.codec.decode_backward(body, shape).tensor
+        if self.notary is not None:
+            self.notary.observe(sender, msg, grad)
         grad_in = self.worker.backward(msg.mb, msg.attempt, grad)
         assert grad_in is not None
         data = self.codec.encode_backward(grad_in, msg.mb)

@@ -18,6 +18,9 @@ import threading
 from collections import OrderedDict
 from dataclasses import replace
 
+import torch
+
+from hlbp.peer.swarm.screen import FrameScreen
 from hlbp.protocol.identity import Identity, verify_signature
 from hlbp.protocol.stagewire import SIGNED_OPS, StageMessage, encode_message, frame_commitment
 from hlbp.protocol.transcript import (
@@ -39,6 +42,7 @@ class Transcript:
     def __init__(self, max_bytes: int = DEFAULT_MAX_BYTES) -> None:
         self.max_bytes = max_bytes
         self._frames: OrderedDict[FrameKey, tuple[int, int, bytes]] = OrderedDict()  # key -> (round, inner, message)
+        self._flagged: set[FrameKey] = set()  # kept frames the screen found outlying
         self._bytes = 0
         self.dropped = 0
         self._lock = threading.Lock()
@@ -51,12 +55,21 @@ class Transcript:
             old = self._frames.pop(key, None)
             if old is not None:
                 self._bytes -= len(old[2])
+                self._flagged.discard(key)
             self._frames[key] = (msg.round, msg.inner, message)
             self._bytes += len(message)
             while self._bytes > self.max_bytes and self._frames:
-                _, (_, _, gone) = self._frames.popitem(last=False)
+                gone_key, (_, _, gone) = self._frames.popitem(last=False)
                 self._bytes -= len(gone)
+                self._flagged.discard(gone_key)
                 self.dropped += 1
+
+    def flag(self, key: FrameKey) -> None:
+        """Mark a kept frame as one the screen found outlying (listed so in the index; a frame not kept is not
+        marked)."""
+        with self._lock:
+            if key in self._frames:
+                self._flagged.add(key)
 
     def frame(self, key: FrameKey) -> bytes | None:
         """The kept frame ``key`` as served (:func:`~hlbp.protocol.transcript.encode_kept`), or None."""
@@ -67,7 +80,7 @@ class Transcript:
     def index(self, r: int) -> list[IndexEntry]:
         """The kept frames of round ``r``."""
         with self._lock:
-            return [IndexEntry(k, inner) for k, (rr, inner, _) in self._frames.items() if rr == r]
+            return [IndexEntry(k, inner, k in self._flagged) for k, (rr, inner, _) in self._frames.items() if rr == r]
 
     def resolve(self, name: str) -> bytes | None:
         """The bytes served under blob name ``name`` (an index or a frame), or None: the data plane's answer to an
@@ -87,11 +100,13 @@ class Transcript:
 
 
 class Notary:
-    """Seals what this peer sends on its stage streams and checks and keeps what it receives."""
+    """Seals what this peer sends on its stage streams, checks and keeps what it receives, and screens what it
+    decoded of it (:meth:`observe`)."""
 
-    def __init__(self, identity: Identity, transcript: Transcript | None = None) -> None:
+    def __init__(self, identity: Identity, transcript: Transcript | None = None, screen: FrameScreen | None = None) -> None:
         self.identity = identity
         self.transcript = transcript if transcript is not None else Transcript()
+        self.screen = screen if screen is not None else FrameScreen()
 
     def seal(self, msg: StageMessage, body: bytes) -> StageMessage:
         """``msg`` signed by this peer for ``body`` (ops that are not signed pass unchanged)."""
@@ -110,6 +125,20 @@ class Notary:
             return f"a {msg.op} whose signature does not verify"
         self.transcript.keep(sender, msg, body)
         return None
+
+
+    def observe(self, sender: str, msg: StageMessage, tensor: torch.Tensor) -> set[FrameKey]:
+        """Screen the decoded tensor of a frame received and kept from ``sender``; the outliers found (this frame,
+        or at a boundary's warm-up end any of its first frames) are marked in the transcript, so auditors draw them
+        first. Returns the frames marked."""
+        if msg.op not in SIGNED_OPS:
+            return set()
+        key = FrameKey(sender, msg.op, msg.session, msg.step, msg.mb, msg.attempt)
+        found = self.screen.observe(sender, msg.op, tensor, key)
+        marked = {k for k in found if isinstance(k, FrameKey)}
+        for k in marked:
+            self.transcript.flag(k)
+        return marked
 
 
 def sealed(notary: Notary | None, msg: StageMessage, body: bytes = b"") -> bytes:

@@ -179,3 +179,13 @@ def test_choose_draws_first_step_attempts_and_a_group_from_one_later_step() -> N
         assert picked == choose(sent, 2, seed, later=3)  # the seed decides
     assert choose(sent, 2, 0) == choose(sent, 2, 0, later=0) and len(choose(sent, 2, 0)) == 2
     assert len(choose({(1, 2, 0, 0): 2}, 2, 0, later=3)) == 1  # no step of two: the lone attempt is still compared
+
+
+def test_choose_draws_what_a_screen_marked_first_and_a_sibling_beside_it() -> None:
+    sent = {(1, s, mb, 0): s for s in range(4) for mb in range(4)}
+    for seed in range(20):
+        picked = choose(sent, 1, seed, later=2, flagged={(1, 0, 3, 0), (1, 2, 1, 0)})
+        assert picked[0] == (1, 0, 3, 0) and picked[1] == (1, 2, 1, 0)
+        assert len(picked) == 3 and picked[2][1] == 2 and picked[2] != picked[1]  # a sibling of the marked one
+    both = {(1, 3, 0, 0), (1, 3, 2, 0)}
+    assert set(choose(sent, 1, 5, later=3, flagged=both)[1:]) >= both  # room left for one unmarked sibling

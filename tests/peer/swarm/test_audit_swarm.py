@@ -176,3 +176,22 @@ def test_a_liar_on_one_micro_batch_in_ten_is_found_guilty_on_each_lie_and_nothin
         else:
             assert v.result.finding is Finding.CLEAN, v
     assert any(v.result.inner > 0 and v.guilty for v in verdicts)
+
+
+@pytest.mark.parametrize(("where", "how"), [("forward", "noise"), ("forward", "scale"), ("backward", "noise"),
+                                            ("backward", "scale")])
+def test_a_rare_lie_the_receivers_screen_marked_is_drawn_by_every_audit(network: Any, where: str, how: str) -> None:
+    """Default audits (one first-step attempt, two of one later step) of a liar on one micro-batch in ten: its
+    neighbour's screen marks the later lie (the first one falls in the screen's warm-up), so every draw holds it."""
+    verdicts, lied = run_swarm(network, (where, how, 10), samples=1, later=2, seeds=tuple(range(6)))
+    later_lie = lied[1]
+    assert later_lie[1] > 1  # a step after the first
+    per_seed = [verdicts[i:i + 3] for i in range(0, len(verdicts), 3)]
+    assert len(per_seed) == 6
+    for draw in per_seed:
+        found = {v.micro_batch: v for v in draw}
+        assert later_lie in found, draw
+        assert found[later_lie].result.finding is (Finding.FORWARD if where == "forward" else Finding.BACKWARD)
+        # the first step is judged exactly; of a later step's two frames that are not alike either could be the lie
+        # (a x10 frame makes its honest sibling as far from it): both convict the peer that signed them
+        assert all(v.result.finding is Finding.CLEAN for v in draw if v.result.inner == 0 and v.micro_batch not in lied)

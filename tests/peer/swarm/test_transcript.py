@@ -68,6 +68,9 @@ def test_a_served_frame_decodes_to_the_frame_received_and_an_index_lists_it_by_r
     assert body == BODY and (msg.weight, msg.round, msg.inner, msg.sig) == (0.25, 5, 2, sealed.sig)
     assert decode_index(receiver.transcript.resolve(index_name(5)) or b"") == [IndexEntry(key, 2)]
     assert decode_index(receiver.transcript.resolve(index_name(4)) or b"") == []
+    receiver.transcript.flag(key)  # its screen found it an outlier: listed so, and nothing else changes
+    receiver.transcript.flag(replace(key, mb=9))  # a frame not kept is not marked
+    assert decode_index(receiver.transcript.resolve(index_name(5)) or b"") == [IndexEntry(key, 2, flagged=True)]
     for name in ("audit/i/x", "audit/f/a/b", f"audit/f/{ALICE.peer_id}/fwd/7/3/1/9", "audit/f/../fwd/1/2/3/4",
                  "audit/i/" + "9" * 40, "elsewhere"):
         assert receiver.transcript.resolve(name) is None
@@ -94,10 +97,12 @@ def test_a_kept_frame_that_lies_about_what_it_is_proves_nothing() -> None:
 
 def test_an_index_from_a_hostile_holder_raises_one_error_type() -> None:
     entry = IndexEntry(FrameKey(ALICE.peer_id, "bwd", 1, 2, 3, 4), 0)
-    assert decode_index(encode_index([entry])) == [entry]
-    for rows in ([[ALICE.peer_id, "ping", 1, 2, 3, 4, 0]], [[ALICE.peer_id, "fwd", -1, 2, 3, 4, 0]],
-                 [["not/a peer", "fwd", 1, 2, 3, 4, 0]], [[ALICE.peer_id, "fwd", 1, 2, 3, 4]], {"a": 1},
-                 [[ALICE.peer_id, "fwd", True, 2, 3, 4, 0]]):
+    marked = IndexEntry(FrameKey(ALICE.peer_id, "fwd", 1, 2, 3, 4), 5, flagged=True)
+    assert decode_index(encode_index([entry, marked])) == [entry, marked]
+    for rows in ([[ALICE.peer_id, "ping", 1, 2, 3, 4, 0, 0]], [[ALICE.peer_id, "fwd", -1, 2, 3, 4, 0, 0]],
+                 [["not/a peer", "fwd", 1, 2, 3, 4, 0, 0]], [[ALICE.peer_id, "fwd", 1, 2, 3, 4, 0]], {"a": 1},
+                 [[ALICE.peer_id, "fwd", True, 2, 3, 4, 0, 0]], [[ALICE.peer_id, "fwd", 1, 2, 3, 4, 0, 2]],
+                 [[ALICE.peer_id, "fwd", 1, 2, 3, 4, 0, 0, 0]]):
         with pytest.raises(ProtocolError):
             decode_index(msgpack.packb(rows, use_bin_type=True))
     with pytest.raises(ProtocolError):

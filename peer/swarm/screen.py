@@ -1,0 +1,181 @@
+"""A cheap screen of a stage boundary: moving statistics of what each neighbour sends, so that audits look at the
+outliers first.
+
+An audit recomputes a few sampled micro-batches (:mod:`hlbp.peer.swarm.auditor`); a peer that lies on one
+micro-batch in ten is found only when a sample falls on its lie. Every receiver, though, sees every frame its
+neighbours send it. A :class:`FrameScreen` keeps, per sender and direction (``fwd``: activations, ``bwd``: gradients),
+exponential moving averages of three statistics of the frames (:func:`frame_stats`):
+
+- the scale: the median over the frame's token rows of each row's RMS (a lie x10 moves it 10x);
+- the spread: the standard deviation over the token rows of the log of each row's RMS (a model's tokens differ in
+  size; Gaussian noise of any scale has a spread of about 1/sqrt(2 d) for d channels);
+- the per-channel mean over the frame's tokens, in units of its RMS (a flipped frame turns it around).
+
+A frame far from its sender's averages on any of them is an :class:`Outlier`, and its receiver marks it in the
+transcript it serves to auditors (:meth:`hlbp.peer.swarm.transcript.Transcript.flag`); the auditor then draws the
+marked micro-batches first. A mark is never a verdict: it only chooses which frames an exact or sibling audit
+recomputes, so a receiver that marks honest frames costs nobody anything but its own swarm's audit draw, and one
+that hides a lie's mark leaves the draw as it was. An outlier enters the averages clamped to the band's edge, so
+honest drift is followed and a rare liar cannot drag them; the averages start from the medians of the first
+frames (the warm-up), so a lie among those cannot set them either.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import threading
+from collections import OrderedDict
+from collections.abc import Hashable
+from dataclasses import dataclass
+from enum import Enum
+
+import torch
+
+
+class Outlier(Enum):
+    """Which statistic of a frame is far from its sender's moving average."""
+
+    SCALE = "scale"
+    SPREAD = "spread"
+    SIGN = "sign"
+
+
+@dataclass(frozen=True)
+class FrameStats:
+    """The statistics of one frame (:func:`frame_stats`)."""
+
+    log_scale: float  # log of the median per-token RMS
+    log_spread: float  # log of the standard deviation over tokens of the log per-token RMS
+    mean: torch.Tensor  # per-channel mean over tokens, in units of the frame's RMS (float32)
+
+
+def frame_stats(t: torch.Tensor) -> FrameStats | None:
+    """The screen's statistics of a frame whose last dimension is one token's vector; None for a frame that has
+    none (fewer than two tokens, a zero token, or not finite: nothing to compare)."""
+    if t.dim() < 1 or t.numel() == 0 or t.shape[-1] == 0:
+        return None
+    rows = t.detach().float().reshape(-1, t.shape[-1])
+    if rows.shape[0] < 2 or not bool(torch.isfinite(rows).all()):
+        return None
+    rms = rows.pow(2).mean(dim=1).sqrt()
+    if not bool((rms > 0).all()):
+        return None
+    spread = float(rms.log().std())
+    whole = float(rows.pow(2).mean().sqrt())
+    return FrameStats(math.log(float(rms.median())), math.log(max(spread, 1e-6)), rows.mean(dim=0) / whole)
+
+
+@dataclass(frozen=True)
+class ScreenConfig:
+    """When a frame is an outlier against its sender's averages (measured: docs/security.md, "Pipeline swarms:
+    commitments and audits")."""
+
+    warmup: int = 4  # frames of a sender and direction taken into the averages before any is judged
+    decay: float = 0.8  # weight of the past in each average, per frame taken in
+    scale: float = 3.0  # a frame whose scale is beyond this factor of the average's
+    spread: float = 2.5  # a frame whose spread is below the average's divided by this
+    sign: float = -0.5  # a frame whose mean's cosine with the average mean is below this, when both means say
+    mean_floor: float = 0.1  # something: their norms are at least this (in units of the frame's RMS)
+    max_senders: int = 256  # boundaries tracked, the least recently seen dropped first
+
+
+def _cos(a: torch.Tensor, b: torch.Tensor) -> float:
+    na, nb = float(a.norm()), float(b.norm())
+    return float(a @ b) / (na * nb) if na > 0 and nb > 0 else 0.0
+
+
+def _clamp(x: float, lo: float, hi: float) -> float:
+    return min(max(x, lo), hi)
+
+
+class BoundaryScreen:
+    """Moving statistics of what one sender sends in one direction, and whether a frame is an outlier."""
+
+    def __init__(self, cfg: ScreenConfig) -> None:
+        self.cfg = cfg
+        self.seen = 0
+        self.log_scale = 0.0
+        self.log_spread = 0.0
+        self.mean: torch.Tensor | None = None
+        self._first: list[tuple[Hashable, FrameStats]] = []  # the warm-up's frames, until the averages start
+
+    def judge(self, s: FrameStats) -> frozenset[Outlier]:
+        """Which statistics of ``s`` are far from the averages (none before they start, after the warm-up)."""
+        if self.mean is None:
+            return frozenset()
+        out = set()
+        if abs(s.log_scale - self.log_scale) > math.log(self.cfg.scale):
+            out.add(Outlier.SCALE)
+        if s.log_spread < self.log_spread - math.log(self.cfg.spread):
+            out.add(Outlier.SPREAD)
+        floor = self.cfg.mean_floor
+        if (s.mean.shape == self.mean.shape and float(self.mean.norm()) >= floor and float(s.mean.norm()) >= floor
+                and _cos(s.mean, self.mean) < self.cfg.sign):
+            out.add(Outlier.SIGN)
+        return frozenset(out)
+
+    def observe(self, t: torch.Tensor, tag: Hashable = None) -> dict[Hashable, frozenset[Outlier]]:
+        """Judge a frame (``tag`` names it), then take it into the averages (an outlier clamped to the bands'
+        edges). Returns the outliers found by this call, by tag: this frame's, or at the warm-up's end any of the
+        warm-up's frames."""
+        s = frame_stats(t)
+        if s is None:
+            return {}
+        if self.mean is None or self.mean.shape != s.mean.shape:
+            self._first = [(g, f) for g, f in self._first if f.mean.shape == s.mean.shape] + [(tag, s)]
+            self.seen = len(self._first)
+            if self.seen < self.cfg.warmup:
+                return {}
+            first = self._first
+            self._start()
+            found = {g: self.judge(f) for g, f in first}
+            return {g: o for g, o in found.items() if o}
+        outliers = self.judge(s)
+        self._take(s, outliers)
+        return {tag: outliers} if outliers else {}
+
+    def _take(self, s: FrameStats, found: frozenset[Outlier]) -> None:
+        d, cfg = self.cfg.decay, self.cfg
+        assert self.mean is not None
+        band = math.log(cfg.scale)
+        scale = _clamp(s.log_scale, self.log_scale - band, self.log_scale + band)
+        spread = max(s.log_spread, self.log_spread - math.log(cfg.spread))
+        self.log_scale = d * self.log_scale + (1 - d) * scale
+        self.log_spread = d * self.log_spread + (1 - d) * spread
+        if Outlier.SIGN not in found:
+            self.mean = d * self.mean + (1 - d) * s.mean
+        self.seen += 1
+
+    def _start(self) -> None:
+        """Averages from the warm-up's frames: the medians of scale and spread, and the mean of the frames whose
+        scale is within the band of the median's (a frame x10 among them sets nothing)."""
+        first = [f for _, f in self._first]
+        self._first = []
+        self.log_scale = statistics.median(f.log_scale for f in first)
+        self.log_spread = statistics.median(f.log_spread for f in first)
+        near = [f.mean for f in first if abs(f.log_scale - self.log_scale) <= math.log(self.cfg.scale)]
+        self.mean = torch.stack(near).mean(dim=0)
+
+
+class FrameScreen:
+    """A :class:`BoundaryScreen` per (sender, direction) this peer receives from; thread-safe."""
+
+    def __init__(self, cfg: ScreenConfig | None = None) -> None:
+        self.cfg = cfg or ScreenConfig()
+        self._boundaries: OrderedDict[tuple[str, str], BoundaryScreen] = OrderedDict()
+        self._lock = threading.Lock()
+        self.flagged = 0  # frames found outlying, for the summary
+
+    def observe(self, sender: str, op: str, t: torch.Tensor, tag: Hashable = None) -> dict[Hashable, frozenset[Outlier]]:
+        """Judge a frame ``sender`` sent as ``op`` (``tag`` names it) and take it into that boundary's averages; the
+        outliers found, by tag (:meth:`BoundaryScreen.observe`)."""
+        with self._lock:
+            key = (sender, op)
+            screen = self._boundaries.pop(key, None) or BoundaryScreen(self.cfg)
+            self._boundaries[key] = screen
+            while len(self._boundaries) > self.cfg.max_senders:
+                self._boundaries.popitem(last=False)
+            found = screen.observe(t, tag)
+            self.flagged += len(found)
+            return found
