@@ -4,11 +4,13 @@ outliers first.
 An audit recomputes a few sampled micro-batches (:mod:`hlbp.peer.swarm.auditor`); a peer that lies on one
 micro-batch in ten is found only when a sample falls on its lie. Every receiver, though, sees every frame its
 neighbours send it. A :class:`FrameScreen` keeps, per sender and direction (``fwd``: activations, ``bwd``: gradients),
-exponential moving averages of three statistics of the frames (:func:`frame_stats`):
+exponential moving averages of four statistics of the frames (:func:`frame_stats`):
 
 - the scale: the median over the frame's token rows of each row's RMS (a lie x10 moves it 10x);
 - the spread: the standard deviation over the token rows of the log of each row's RMS (a model's tokens differ in
   size; Gaussian noise of any scale has a spread of about 1/sqrt(2 d) for d channels);
+- the coherence: the mean over the tokens of each token's cosine with the frame's mean token (a model's
+  activations share directions; Gaussian noise over n tokens has about 1/sqrt(n));
 - the per-channel mean over the frame's tokens, in units of its RMS (a flipped frame turns it around).
 
 A frame far from its sender's averages on any of them is an :class:`Outlier`, and its receiver marks it in the
@@ -38,6 +40,7 @@ class Outlier(Enum):
 
     SCALE = "scale"
     SPREAD = "spread"
+    COHERENCE = "coherence"
     SIGN = "sign"
 
 
@@ -47,6 +50,7 @@ class FrameStats:
 
     log_scale: float  # log of the median per-token RMS
     log_spread: float  # log of the standard deviation over tokens of the log per-token RMS
+    log_coherence: float  # log of the mean over tokens of each token's cosine with the frame's mean token
     mean: torch.Tensor  # per-channel mean over tokens, in units of the frame's RMS (float32)
 
 
@@ -63,7 +67,10 @@ def frame_stats(t: torch.Tensor) -> FrameStats | None:
         return None
     spread = float(rms.log().std())
     whole = float(rows.pow(2).mean().sqrt())
-    return FrameStats(math.log(float(rms.median())), math.log(max(spread, 1e-6)), rows.mean(dim=0) / whole)
+    mean = rows.mean(dim=0)
+    coherence = float((rows @ mean).div(rms * math.sqrt(rows.shape[1]) * mean.norm().clamp_min(1e-30)).mean())
+    return FrameStats(math.log(float(rms.median())), math.log(max(spread, 1e-6)), math.log(max(coherence, 1e-3)),
+                      mean / whole)
 
 
 @dataclass(frozen=True)
@@ -75,6 +82,7 @@ class ScreenConfig:
     decay: float = 0.8  # weight of the past in each average, per frame taken in
     scale: float = 3.0  # a frame whose scale is beyond this factor of the average's
     spread: float = 2.5  # a frame whose spread is below the average's divided by this
+    coherence: float = 2.0  # a frame whose coherence is below the average's divided by this
     sign: float = -0.5  # a frame whose mean's cosine with the average mean is below this, when both means say
     mean_floor: float = 0.1  # something: their norms are at least this (in units of the frame's RMS)
     max_senders: int = 256  # boundaries tracked, the least recently seen dropped first
@@ -97,6 +105,7 @@ class BoundaryScreen:
         self.seen = 0
         self.log_scale = 0.0
         self.log_spread = 0.0
+        self.log_coherence = 0.0
         self.mean: torch.Tensor | None = None
         self._first: list[tuple[Hashable, FrameStats]] = []  # the warm-up's frames, until the averages start
 
@@ -109,6 +118,8 @@ class BoundaryScreen:
             out.add(Outlier.SCALE)
         if s.log_spread < self.log_spread - math.log(self.cfg.spread):
             out.add(Outlier.SPREAD)
+        if s.log_coherence < self.log_coherence - math.log(self.cfg.coherence):
+            out.add(Outlier.COHERENCE)
         floor = self.cfg.mean_floor
         if (s.mean.shape == self.mean.shape and float(self.mean.norm()) >= floor and float(s.mean.norm()) >= floor
                 and _cos(s.mean, self.mean) < self.cfg.sign):
@@ -141,8 +152,10 @@ class BoundaryScreen:
         band = math.log(cfg.scale)
         scale = _clamp(s.log_scale, self.log_scale - band, self.log_scale + band)
         spread = max(s.log_spread, self.log_spread - math.log(cfg.spread))
+        coherence = max(s.log_coherence, self.log_coherence - math.log(cfg.coherence))
         self.log_scale = d * self.log_scale + (1 - d) * scale
         self.log_spread = d * self.log_spread + (1 - d) * spread
+        self.log_coherence = d * self.log_coherence + (1 - d) * coherence
         if Outlier.SIGN not in found:
             self.mean = d * self.mean + (1 - d) * s.mean
         self.seen += 1
@@ -154,6 +167,7 @@ class BoundaryScreen:
         self._first = []
         self.log_scale = statistics.median(f.log_scale for f in first)
         self.log_spread = statistics.median(f.log_spread for f in first)
+        self.log_coherence = statistics.median(f.log_coherence for f in first)
         near = [f.mean for f in first if abs(f.log_scale - self.log_scale) <= math.log(self.cfg.scale)]
         self.mean = torch.stack(near).mean(dim=0)
 
