@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -43,6 +43,7 @@ from hlbp.peer.net.transport import P2PBlobTransport
 from hlbp.peer.node.replica import contributors_counter, round_settings
 from hlbp.peer.rounds.sparseloco import RoundRunner, RoundStats
 from hlbp.peer.swarm.gate import RoundGate
+from hlbp.peer.swarm.transcript import Notary
 from hlbp.peer.swarm.worker import StageWorker
 
 logger = logging.getLogger(__name__)
@@ -114,10 +115,20 @@ def serve_phase(runner: RoundRunner, gate: RoundGate, worker: StageWorker, stop:
     return phase
 
 
+def chain_tainted(notary: Notary) -> Callable[[int, Sequence[str]], bool]:
+    """``tainted(r, banned)``: whether this stage received frames in round ``r`` from one of ``banned``."""
+
+    def tainted(r: int, banned: Sequence[str]) -> bool:
+        return bool(set(banned) & {e.key.sender for e in notary.transcript.index(r)})
+
+    return tainted
+
+
 def make_stage_rounds(ctx: Any, worker: StageWorker, config: Any, phase: Callable[[int], tuple[int, int]],
                       metrics: Any, checkpoint_every_s: float, evaluate: Callable[[Any], float | None] | None = None,
                       on_round: Callable[[Any, float | None], None] | None = None,
-                      codec: ActivationCodec | None = None, driven: bool = False) -> tuple[RoundRunner, Any]:
+                      codec: ActivationCodec | None = None, driven: bool = False,
+                      notary: Notary | None = None) -> tuple[RoundRunner, Any]:
     """The round loop of this stage peer (``ctx``: its join context) and the blob transport it serves its
     payloads and shard state on; the caller closes both. ``driven``: a stage server, whose phase is its driver's
     steps and so is never sat out after a state sync (the driver decides whether the swarm trains that round; a
@@ -126,7 +137,11 @@ def make_stage_rounds(ctx: Any, worker: StageWorker, config: Any, phase: Callabl
 
     ``codec``: the stage's activation codec. In a B or A+drift run its table is rebuilt from the synchronized
     embedding after every round, and a stage after the first follows shard 0 for it, starting from the seed's
-    initial parameters (the whole model is built once more for them)."""
+    initial parameters (the whole model is built once more for them).
+
+    ``notary``: what keeps the frames this stage received; a round that bans a peer it received frames from in that
+    round, and leaves out this peer's contribution, finds the contribution tainted: it is dropped, and the stage's
+    AdamW moments are forgotten (:meth:`StageWorker.forget_moments`)."""
     peer = ctx.peer
     m = peer.manifest.manifest
     bounds = [tuple(s) for s in m.stages]
@@ -169,7 +184,8 @@ def make_stage_rounds(ctx: Any, worker: StageWorker, config: Any, phase: Callabl
                          ctx.stop, checkpoint=ctx.out_dir / "rounds.safetensors", metrics=metrics,
                          expected=expected, on_round=reported, evaluate=evaluate, protect=peer.plane.protect,
                          held=[peer.role.stage], shapes=shapes, train=phase, follow=follow, on_load=load_table,
-                         sit_out=not driven)
+                         sit_out=not driven, tainted=None if notary is None else chain_tainted(notary),
+                         forget=worker.forget_moments)
     box.append(runner)
     return runner, transport
 

@@ -82,3 +82,6 @@ class RoundStats:
     copies: list[dict[str, Any]] = field(default_factory=list)  # evidence of copied contributions (rounds/copies.py)
     refused: str = ""  # why the round was refused as a whole (nobody's parameters moved), if it was
     banned: list[str] = field(default_factory=list)  # peers the round's accepted set says are banned
+    # a stage peer's contribution left out because it was computed with frames from a peer banned in this round: it
+    # was dropped, not kept in the error-feedback buffer, and the stage's AdamW moments were forgotten
+    tainted: bool = False

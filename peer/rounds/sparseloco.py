@@ -29,7 +29,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -66,12 +66,17 @@ class RoundRunner(ReplicaBase):
     ``follow``: shards this peer does not hold but keeps a bit-identical copy of, by their initial parameters
     (:mod:`hlbp.peer.rounds.follow`; a stage peer of a B or A+drift run follows the embedding's shard).
     ``screen``: what a coordinator checks admitted contributions with beyond their bytes (a full replica: audits of
-    the stage peers' pipeline traffic, hlbp.peer.node.audits).
+    the stage peers' pipeline traffic, hlbp.peer.node.audits). ``tainted(r, banned)``: whether this peer's round-r
+    work was computed with frames from one of the ``banned`` peers (a stage peer whose neighbour was caught lying);
+    such a contribution, when left out, is dropped instead of kept for a later round, and ``forget()`` clears what
+    the inner optimizer learned from it.
     """
 
     def __init__(self, *args: Any, follow: Mapping[int, Mapping[str, torch.Tensor]] | None = None,
-                 screen: Screen | None = None, **kwargs: Any) -> None:
+                 screen: Screen | None = None, tainted: Callable[[int, Sequence[str]], bool] | None = None,
+                 forget: Callable[[], None] | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self.tainted, self.forget = tainted, forget
         self.state.anchor.update(follow_anchor(self.shards, self.shapes, self.held, follow or {}))
         self.follower = Follower(sorted(follow or {}), self.shards, self.shapes, self.me, self.transport, self.cfg,
                                  self.outer_cfg)
@@ -212,7 +217,14 @@ class RoundRunner(ReplicaBase):
                 stats.refused = str(outcome)
             stats.guard = dict(self.applier.last_ratios)
             stats.copies = list(self.applier.last_copies) if isinstance(outcome, Applied) else []
-        if mine and not stats.accepted:
+        if mine and not stats.accepted and self.tainted is not None and stats.banned and self.tainted(r, stats.banned):
+            # poisoned by a neighbour caught lying: kept, it would come back in a later round's contribution
+            logger.warning("round %d: our contribution was computed with frames from a peer banned for lying; "
+                           "dropping it and the inner optimizer's moments", r)
+            stats.tainted = True
+            if self.forget is not None:
+                self.forget()
+        elif mine and not stats.accepted:
             crowded = accepted is not None and not stats.refused and self.closer.full_without(accepted, mine.keys())
             if not (crowded and self.cfg.unselected == "drop"):
                 for s, c in mine.items():

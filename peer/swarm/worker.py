@@ -167,6 +167,11 @@ class StageWorker:
         self.reset()
         return ok
 
+    def forget_moments(self) -> None:
+        """Clear AdamW's state (its moments and step count), as a fresh standby's: what it learned from a phase whose
+        gradients came through a peer caught lying must not steer the next steps."""
+        self.optimizer.state.clear()
+
     def parameters(self) -> dict[str, nn.Parameter]:
         return dict(self.stage.named_parameters())
 

@@ -82,6 +82,11 @@ def test_a_lying_middle_stage_is_caught_banned_and_its_swarms_work_never_accepte
         for name in ("s0", "s1", "s2"):
             assert not any(r["accepted"] for r in _records(sw.replicas[name], "round") if r["round"] >= detected)
         assert any(ids["s1"] in r["banned"] for r in rounds), rounds
+        # its neighbours' work of that round was computed with its frames: dropped, not kept for a later round
+        for name in ("s0", "s2"):
+            rec = _wait(sw, lambda n=name: next((r for r in _records(sw.replicas[n], "round")
+                                                 if r["round"] == detected), None), f"{name}'s record of the round")
+            assert rec["tainted"] and not rec["accepted"], rec
         if lie != "forward:noise":
             return
 

@@ -90,6 +90,30 @@ def test_stored_micro_batches_are_bounded() -> None:
     assert list(w.saved) == [2, 3, 4] and w.dropped == 2
 
 
+def test_forgotten_moments_step_like_a_fresh_adamw() -> None:
+    """After a phase whose gradients came through a liar, the stage forgets AdamW's state: its next step is the one
+    a fresh optimizer takes from the same weights and gradient."""
+    w, fresh = _workers()[1], _workers()[1]
+    x, g = torch.randn(1, 2, CONFIG.d_model), torch.randn(1, 2, CONFIG.d_model)
+    for step in range(3):  # moments learned from gradients x1000
+        w.begin(1, step)
+        w.forward(0, 0, x)
+        w.backward(0, 0, g * 1000)
+        assert w.apply(1e-3, 1.0)
+    assert w.optimizer.state
+    w.forget_moments()
+    assert not w.optimizer.state
+    with torch.no_grad():
+        for n, p in fresh.parameters().items():
+            p.copy_(w.parameters()[n])
+    for worker in (w, fresh):
+        worker.begin(2, 0)
+        worker.forward(0, 0, x)
+        worker.backward(0, 0, g)
+        assert worker.apply(1e-3, 1.0)
+    assert all(torch.equal(p, fresh.parameters()[n]) for n, p in w.parameters().items())
+
+
 def test_a_non_finite_gradient_steps_nothing() -> None:
     w = _workers()[1]
     before = {n: p.detach().clone() for n, p in w.parameters().items()}
