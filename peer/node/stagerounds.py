@@ -115,13 +115,18 @@ def serve_phase(runner: RoundRunner, gate: RoundGate, worker: StageWorker, stop:
     return phase
 
 
-def chain_tainted(notary: Notary) -> Callable[[int, Sequence[str]], bool]:
-    """``tainted(r, banned)``: whether this stage received frames in round ``r`` from one of ``banned``."""
+class ChainTaint:
+    """A stage's :class:`~hlbp.peer.rounds.sparseloco.Taint`: its round's work is tainted when it received frames
+    in that round from a banned peer (its transcript says from whom), and forgetting clears its AdamW state."""
 
-    def tainted(r: int, banned: Sequence[str]) -> bool:
-        return bool(set(banned) & {e.key.sender for e in notary.transcript.index(r)})
+    def __init__(self, notary: Notary, worker: StageWorker) -> None:
+        self.notary, self.worker = notary, worker
 
-    return tainted
+    def tainted(self, r: int, banned: Sequence[str]) -> bool:
+        return bool(set(banned) & {e.key.sender for e in self.notary.transcript.index(r)})
+
+    def forget(self) -> None:
+        self.worker.forget_moments()
 
 
 def make_stage_rounds(ctx: Any, worker: StageWorker, config: Any, phase: Callable[[int], tuple[int, int]],
@@ -184,8 +189,7 @@ def make_stage_rounds(ctx: Any, worker: StageWorker, config: Any, phase: Callabl
                          ctx.stop, checkpoint=ctx.out_dir / "rounds.safetensors", metrics=metrics,
                          expected=expected, on_round=reported, evaluate=evaluate, protect=peer.plane.protect,
                          held=[peer.role.stage], shapes=shapes, train=phase, follow=follow, on_load=load_table,
-                         sit_out=not driven, tainted=None if notary is None else chain_tainted(notary),
-                         forget=worker.forget_moments)
+                         sit_out=not driven, taint=None if notary is None else ChainTaint(notary, worker))
     box.append(runner)
     return runner, transport
 

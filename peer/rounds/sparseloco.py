@@ -29,8 +29,8 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
 
 import torch
 
@@ -58,6 +58,20 @@ logger = logging.getLogger(__name__)
 
 
 
+class Taint(Protocol):
+    """A stage peer's check that its round's work is poisoned: computed with frames from a peer the round bans (a
+    neighbour caught lying). Such a contribution, when the round leaves it out, is dropped instead of kept in the
+    error-feedback buffer for a later round, and what the inner optimizer learned from it is forgotten."""
+
+    def tainted(self, r: int, banned: Sequence[str]) -> bool:
+        """Whether this peer's round-``r`` work was computed with frames from one of ``banned``."""
+        ...
+
+    def forget(self) -> None:
+        """Clear what the inner optimizer learned from the tainted phase."""
+        ...
+
+
 class RoundRunner(ReplicaBase):
     """A full replica's SparseLoCo rounds: payloads on the blob transport, an accepted set in the DHT.
 
@@ -66,17 +80,14 @@ class RoundRunner(ReplicaBase):
     ``follow``: shards this peer does not hold but keeps a bit-identical copy of, by their initial parameters
     (:mod:`hlbp.peer.rounds.follow`; a stage peer of a B or A+drift run follows the embedding's shard).
     ``screen``: what a coordinator checks admitted contributions with beyond their bytes (a full replica: audits of
-    the stage peers' pipeline traffic, hlbp.peer.node.audits). ``tainted(r, banned)``: whether this peer's round-r
-    work was computed with frames from one of the ``banned`` peers (a stage peer whose neighbour was caught lying);
-    such a contribution, when left out, is dropped instead of kept for a later round, and ``forget()`` clears what
-    the inner optimizer learned from it.
+    the stage peers' pipeline traffic, hlbp.peer.node.audits). ``taint``: how a stage peer tells that its round's
+    work was computed with frames from a peer the round bans (:class:`Taint`).
     """
 
     def __init__(self, *args: Any, follow: Mapping[int, Mapping[str, torch.Tensor]] | None = None,
-                 screen: Screen | None = None, tainted: Callable[[int, Sequence[str]], bool] | None = None,
-                 forget: Callable[[], None] | None = None, **kwargs: Any) -> None:
+                 screen: Screen | None = None, taint: Taint | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.tainted, self.forget = tainted, forget
+        self.taint = taint
         self.state.anchor.update(follow_anchor(self.shards, self.shapes, self.held, follow or {}))
         self.follower = Follower(sorted(follow or {}), self.shards, self.shapes, self.me, self.transport, self.cfg,
                                  self.outer_cfg)
@@ -217,13 +228,12 @@ class RoundRunner(ReplicaBase):
                 stats.refused = str(outcome)
             stats.guard = dict(self.applier.last_ratios)
             stats.copies = list(self.applier.last_copies) if isinstance(outcome, Applied) else []
-        if mine and not stats.accepted and self.tainted is not None and stats.banned and self.tainted(r, stats.banned):
+        if mine and not stats.accepted and self.taint is not None and stats.banned and self.taint.tainted(r, stats.banned):
             # poisoned by a neighbour caught lying: kept, it would come back in a later round's contribution
             logger.warning("round %d: our contribution was computed with frames from a peer banned for lying; "
                            "dropping it and the inner optimizer's moments", r)
             stats.tainted = True
-            if self.forget is not None:
-                self.forget()
+            self.taint.forget()
         elif mine and not stats.accepted:
             crowded = accepted is not None and not stats.refused and self.closer.full_without(accepted, mine.keys())
             if not (crowded and self.cfg.unselected == "drop"):

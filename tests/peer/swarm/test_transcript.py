@@ -9,7 +9,7 @@ from dataclasses import replace
 import msgpack
 import pytest
 
-from hlbp.peer.node.stagerounds import chain_tainted
+from hlbp.peer.node.stagerounds import ChainTaint
 from hlbp.peer.swarm.transcript import Notary, Transcript
 from hlbp.protocol import ProtocolError
 from hlbp.protocol.identity import Identity
@@ -124,6 +124,6 @@ def test_the_transcript_keeps_at_most_its_bytes_dropping_the_oldest_first() -> N
 def test_a_stage_is_tainted_in_a_round_by_a_banned_peer_it_received_frames_from_then() -> None:
     receiver = Notary(BOB)
     receiver.receive(ALICE.peer_id, Notary(ALICE).seal(FWD, BODY), BODY)  # round 5
-    tainted = chain_tainted(receiver)
+    tainted = ChainTaint(receiver, None).tainted  # type: ignore[arg-type]
     assert tainted(5, [ALICE.peer_id]) and tainted(5, ["someone", ALICE.peer_id])
     assert not tainted(5, [BOB.peer_id]) and not tainted(4, [ALICE.peer_id]) and not tainted(5, [])
