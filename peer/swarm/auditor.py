@@ -79,18 +79,22 @@ class PeerAudit:
 class AuditConfig:
     samples: int = 1  # micro-batch attempts of the phase's first step judged per stage peer and round
     later: int = 2  # micro-batch attempts of one later step, judged against each other, per peer and round
+    # the chance that they are drawn for a peer none of whose later frames a receiver's screen marked (a marked one
+    # is always drawn): the screen raises the audit rate of what looks odd, and the rest costs half
+    later_chance: float = 0.5
     timeout_s: float = 3.0  # per fetch: a peer that does not answer within it shows nothing (inconclusive)
     budget_s: float = 15.0  # most seconds a coordinator spends auditing one round (a round's close waits for it)
     tolerance: Tolerance = field(default_factory=Tolerance)
 
 
 def choose(sent: dict[MicroBatchKey, int], count: int, seed: int, later: int = 0,
-           flagged: AbstractSet[MicroBatchKey] = frozenset()) -> list[MicroBatchKey]:
+           flagged: AbstractSet[MicroBatchKey] = frozenset(), later_chance: float = 1.0) -> list[MicroBatchKey]:
     """``count`` of the micro-batch attempts in ``sent`` (each with the inner step it belongs to) of the phase's
     first step, and ``later`` attempts of one later step (judged against each other, so a step with at least two
     is drawn where there is one), all drawn by ``seed``. Attempts a receiver's screen marked (``flagged``,
     :mod:`hlbp.peer.swarm.screen`) come first: of the first step's, and the later step drawn is one with a marked
-    attempt where there is one, its marked attempts among those drawn."""
+    attempt where there is one, its marked attempts among those drawn; with none marked, a later step is drawn with
+    probability ``later_chance``."""
     rng = random.Random(seed)
     keys = sorted(sent)
     first = [k for k in keys if sent[k] == 0]
@@ -105,7 +109,7 @@ def choose(sent: dict[MicroBatchKey, int], count: int, seed: int, later: int = 0
                 steps.setdefault((k[0], k[1]), []).append(k)
         groups = [g for g in steps.values() if len(g) >= 2] or list(steps.values())
         hot = [g for g in groups if any(k in flagged for k in g)]
-        if groups:
+        if groups and (hot or rng.random() < later_chance):
             group = (hot or groups)[rng.randrange(len(hot or groups))]
             marked = [k for k in group if k in flagged]
             take = rng.sample(marked, min(len(marked), max(later - 1, 1)))
@@ -171,7 +175,7 @@ class Auditor:
         found: list[tuple[MicroBatchKey, AuditResult, dict[str, str]]] = []
         compute_s = 0.0
         count = self.cfg.samples if samples is None else samples
-        for mb in choose(sent, count, seed, self.cfg.later if count else 0, flagged):
+        for mb in choose(sent, count, seed, self.cfg.later if count else 0, flagged, self.cfg.later_chance):
             frames: dict[str, Frame | None] = {}
             held: dict[str, str] = {}
             for name, op in (("y", "fwd"), ("g_in", "bwd")):

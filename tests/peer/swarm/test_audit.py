@@ -189,3 +189,12 @@ def test_choose_draws_what_a_screen_marked_first_and_a_sibling_beside_it() -> No
         assert len(picked) == 3 and picked[2][1] == 2 and picked[2] != picked[1]  # a sibling of the marked one
     both = {(1, 3, 0, 0), (1, 3, 2, 0)}
     assert set(choose(sent, 1, 5, later=3, flagged=both)[1:]) >= both  # room left for one unmarked sibling
+
+
+def test_an_unmarked_peers_later_step_is_drawn_with_the_configured_chance_a_marked_one_always() -> None:
+    sent = {(1, s, mb, 0): s for s in range(4) for mb in range(4)}
+    drawn = [len(choose(sent, 1, seed, later=2, later_chance=0.5)) == 3 for seed in range(200)]
+    assert 70 < sum(drawn) < 130  # about half, decided by the seed
+    assert all(len(choose(sent, 1, seed, later=2, later_chance=0.0)) == 1 for seed in range(20))
+    marked = {(1, 2, 1, 0)}
+    assert all((1, 2, 1, 0) in choose(sent, 1, seed, later=2, flagged=marked, later_chance=0.0) for seed in range(20))

@@ -100,6 +100,8 @@ def test_a_lying_middle_stage_is_caught_banned_and_its_swarms_work_never_accepte
         assert ids["s1"] not in audits and not any(a["guilty"] for a in audits.values()), audits
         last = audits[ids["s2"]]
         assert last["neighbours"] == [honest_id] and last["samples"], last
-        assert all(s["finding"] == "clean" for s in last["samples"]), last
+        # the first step exactly clean; a later step clean, or unjudged where drift left no informative sibling
+        assert [s["finding"] for s in last["samples"] if s["inner"] == 0] == ["clean"], last
+        assert all(s["finding"] in ("clean", "unjudged") for s in last["samples"]), last
         losses = [r["val_loss"] for r in _records(full, "round") if r.get("val_loss") is not None]
         assert losses[-1] < losses[0], losses

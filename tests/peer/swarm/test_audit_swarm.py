@@ -89,7 +89,7 @@ def network() -> Iterator[tuple[list[hivemind.DHT], list[Identity]]]:
 
 def run_swarm(network: tuple[list[hivemind.DHT], list[Identity]], lie: tuple[str, str, int] | None,
               wire: str = "fp32", samples: int = 2, seeds: tuple[int, ...] = (0,),
-              later: int = 0) -> tuple[list[Any], list[Any]]:
+              later: int = 0, later_chance: float = 1.0) -> tuple[list[Any], list[Any]]:
     """STEPS steps of a 3-stage swarm in round 0 (stage 1 lying as ``lie`` says), then the verdicts of an audit
     of stage 1 per seed with ``samples`` samples of the phase's first step (and ``later`` of one later step), and
     the micro-batch attempts it lied on."""
@@ -115,7 +115,7 @@ def run_swarm(network: tuple[list[hivemind.DHT], list[Identity]], lie: tuple[str
             x = torch.randint(0, CONFIG.vocab_size, (8, 17))
             driver.train_step(x[:, :-1], x[:, 1:], step, lr_at(step, OPTIM), round_r=0, inner=step)
         auditor = Auditor(transports[3].fetch, codec(wire), CONFIG.vocab_size, body,
-                          AuditConfig(samples=samples, later=later))
+                          AuditConfig(samples=samples, later=later, later_chance=later_chance))
         # round 0's anchor: the run's initial weights, run through a skeleton of the stage (no parameter memory)
         anchor = initial_state(CONFIG, 0)
         swarm = [driver.peer_id, *(s.peer_id for s in servers)]
@@ -183,7 +183,8 @@ def test_a_liar_on_one_micro_batch_in_ten_is_found_guilty_on_each_lie_and_nothin
 def test_a_rare_lie_the_receivers_screen_marked_is_drawn_by_every_audit(network: Any, where: str, how: str) -> None:
     """Default audits (one first-step attempt, two of one later step) of a liar on one micro-batch in ten: its
     neighbour's screen marks the later lie (the first one falls in the screen's warm-up), so every draw holds it."""
-    verdicts, lied = run_swarm(network, (where, how, 10), samples=1, later=2, seeds=tuple(range(6)))
+    verdicts, lied = run_swarm(network, (where, how, 10), samples=1, later=2, seeds=tuple(range(6)),
+                               later_chance=AuditConfig().later_chance)
     later_lie = lied[1]
     assert later_lie[1] > 1  # a step after the first
     per_seed = [verdicts[i:i + 3] for i in range(0, len(verdicts), 3)]
