@@ -15,7 +15,8 @@ pytestmark = pytest.mark.slow
 def test_simulate_noloco_reports_pairs_spread_and_bytes(tmp_path: Path) -> None:
     out = tmp_path / "noloco.json"
     proc = subprocess.run([sys.executable, "-m", "hlbp.cli.main", "simulate", "--outer", "noloco", "--noloco-payload", "sparse", "--full", "3",
-                           "--rounds", "2", "--inner-steps", "3", "--out", str(out)],
+                           "--rounds", "2", "--inner-steps", "3", "--out", str(out),
+                           "--deadline", "30"],  # a partner's message is waited for up to 30 s (a loaded box)
                           capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-3000:]
     report = json.loads(out.read_text())
