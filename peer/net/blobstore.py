@@ -10,6 +10,8 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterable
 
+MAX_READERS = 1024  # readers remembered per blob
+
 Maker = Callable[[], "bytes | None"]
 """Makes a lazy blob's bytes when it is requested; None: it has nothing to serve any more."""
 Resolver = Callable[[str], "bytes | None"]
@@ -28,6 +30,7 @@ class BlobStore:
         self._lazy: dict[str, Maker] = {}
         self._prefixes: dict[str, Resolver] = {}
         self._sharing: dict[str, int] = {}  # name -> our fetches of it under way
+        self._readers: dict[str, set[str]] = {}  # a held blob's name -> the peers it was sent to
         self._lock = threading.Lock()
 
     def lookup(self, name: str) -> tuple[bytes | None, bool, Maker | None]:
@@ -58,7 +61,22 @@ class BlobStore:
         with self._lock:
             self._blobs[name] = bytes(data)
             self._lazy.pop(name, None)
+            self._readers.pop(name, None)
             return name in self._sharing
+
+    def note_read(self, name: str, peer: str) -> None:
+        """``name`` was sent whole to ``peer`` (kept only for blobs held as bytes, at most :data:`MAX_READERS`
+        peers each: requesters are untrusted and many)."""
+        with self._lock:
+            if name in self._blobs:
+                readers = self._readers.setdefault(name, set())
+                if len(readers) < MAX_READERS:
+                    readers.add(peer)
+
+    def readers(self, name: str) -> frozenset[str]:
+        """The peers the blob ``name`` (as last put) was sent to whole."""
+        with self._lock:
+            return frozenset(self._readers.get(name, ()))
 
     def put_lazy(self, name: str, make: Maker) -> None:
         """Serve ``name`` by calling ``make`` when it is requested, instead of holding its bytes."""
@@ -81,12 +99,14 @@ class BlobStore:
             for name in list(names):
                 self._blobs.pop(name, None)
                 self._lazy.pop(name, None)
+                self._readers.pop(name, None)
 
     def drop_prefix(self, prefix: str) -> None:
         with self._lock:
             for name in [n for n in [*self._blobs, *self._lazy] if n.startswith(prefix)]:
                 self._blobs.pop(name, None)
                 self._lazy.pop(name, None)
+                self._readers.pop(name, None)
 
     def names(self) -> list[str]:
         with self._lock:

@@ -97,6 +97,8 @@ class BlobTransport(Protocol):
 
     def drop(self, names: Iterable[str]) -> None: ...
 
+    def readers(self, name: str) -> frozenset[str]: ...
+
     def drop_prefix(self, prefix: str) -> None: ...
 
     def sharing(self, name: str) -> AbstractContextManager[None]: ...
@@ -292,6 +294,7 @@ class P2PBlobTransport:
             await writer.drain()
             if data is not None:
                 self.bytes_served += len(data)
+                self.store.note_read(name, requester)
         except (TimeoutError, ProtocolError, asyncio.IncompleteReadError, ConnectionError, struct.error) as e:
             logger.debug("blob request from %s failed: %s", getattr(info, "peer_id", "?"), e)
         finally:
@@ -334,6 +337,10 @@ class P2PBlobTransport:
 
     def drop_prefix(self, prefix: str) -> None:
         self.store.drop_prefix(prefix)
+
+    def readers(self, name: str) -> frozenset[str]:
+        """The peers our blob ``name`` was sent to whole (as far as our writes went: not proof it arrived)."""
+        return self.store.readers(name)
 
     def names(self) -> list[str]:
         return self.store.names()

@@ -201,15 +201,34 @@ class NoLoCoRunner:
     # -- rounds --------------------------------------------------------------------------------------------------
 
     def run(self, max_rounds: int | None = None) -> list[NoLoCoRound]:
-        """Rounds until stopped or ``max_rounds`` are done; the checkpoint is saved at the end whatever happens."""
+        """Rounds until stopped or ``max_rounds`` are done; the checkpoint is saved at the end whatever happens.
+        After the last of ``max_rounds`` our message stays served until the partner has fetched it (see
+        :meth:`linger`)."""
         try:
             while not self.stop.is_set() and (max_rounds is None or len(self.history) < max_rounds):
                 done = self.run_round()
                 if done is not None:
                     self.history.append(done)
+            if self.history and not self.stop.is_set():
+                self.linger(self.history[-1])
         finally:
             self.save()
         return self.history
+
+    def linger(self, last: NoLoCoRound) -> bool:
+        """Keep serving our message of the ``last`` round until its partner has been sent it, for at most a round's
+        window: a replica that leaves the moment it has stepped would leave its partner, still fetching, to step
+        alone. Returns whether the partner fetched it (True too when there was nobody to wait for)."""
+        partner = last.partner
+        if partner is None or self.failed.get(partner, -1) >= last.round:
+            return True
+        deadline = time.monotonic() + self.window_s
+        name = message_name(last.round)
+        while partner not in self.transport.readers(name):
+            left = deadline - time.monotonic()
+            if left <= 0 or self.stop.wait(min(0.1, left)):
+                return False
+        return True
 
     def run_round(self) -> NoLoCoRound | None:
         """One round (see the module docstring); None when stopped mid-phase (the steps stay in the model)."""

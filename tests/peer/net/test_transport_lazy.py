@@ -18,7 +18,7 @@ import pytest
 import torch
 from control_helpers import transport_pair
 
-from hlbp.peer.net.blobstore import BlobStore
+from hlbp.peer.net.blobstore import MAX_READERS, BlobStore
 from hlbp.peer.net.transport import P2PBlobTransport, TransportError
 from hlbp.peer.rounds.statesync import ServedState, encode_state, parse_state
 
@@ -34,6 +34,25 @@ def test_the_store_serves_a_lazy_name_until_it_is_dropped_or_put_as_bytes() -> N
     store.put_lazy("s/2/0", lambda: None)
     store.drop_prefix("s/")
     assert store.names() == [] and store.lookup("s/2/0") == (None, False, None)
+
+
+def test_the_store_remembers_whom_a_held_blob_was_sent_to_until_it_changes() -> None:
+    store = BlobStore()
+    store.put("m/1", b"ours")
+    store.note_read("m/1", "peerA")
+    store.note_read("m/1", "peerA")
+    store.note_read("absent", "peerB")  # not held: nothing to remember
+    store.put_lazy("lazy", lambda: b"made")
+    store.note_read("lazy", "peerB")  # made on request: not remembered (its requesters are many)
+    assert store.readers("m/1") == {"peerA"} and store.readers("absent") == set() == store.readers("lazy")
+    for i in range(MAX_READERS + 10):  # requesters are untrusted: a flood of names is bounded
+        store.note_read("m/1", f"p{i}")
+    assert len(store.readers("m/1")) == MAX_READERS
+    store.put("m/1", b"new bytes")  # a new blob under the name: nobody has it yet
+    assert store.readers("m/1") == set()
+    store.note_read("m/1", "peerA")
+    store.drop(["m/1"])
+    assert store.readers("m/1") == set()
 
 
 def test_served_state_lives_as_long_as_the_rounds_tensors() -> None:
@@ -94,3 +113,17 @@ def test_a_maker_with_nothing_or_failing_is_not_here_and_the_transport_goes_on(p
             asker.fetch(holder.peer_id, name, 1 << 20, 10.0)
     holder.put("plain", b"still serving")
     assert asker.fetch(holder.peer_id, "plain", 1 << 20, 10.0) == b"still serving"
+
+
+@pytest.mark.slow
+def test_the_holder_knows_who_was_sent_a_blob(pair) -> None:
+    holder, asker = pair
+    holder.put("ours/1", b"message")
+    assert holder.readers("ours/1") == set()
+    with pytest.raises(TransportError, match="has no"):
+        asker.fetch(holder.peer_id, "ours/2", 1 << 20, 10.0)
+    assert asker.fetch(holder.peer_id, "ours/1", 1 << 20, 10.0) == b"message"
+    deadline = time.monotonic() + 10  # the holder notes it after its write, on its own event loop
+    while holder.readers("ours/1") != {asker.peer_id} and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert holder.readers("ours/1") == {asker.peer_id} and holder.readers("ours/2") == set()
