@@ -13,7 +13,10 @@ TORCH_INDEX ?=
 PY := $(VENV)/bin/python
 HLBP := $(VENV)/bin/hlbp
 
-.PHONY: setup demo test lint clean
+IMAGE ?= hlbp:latest
+TORCH_WHEELS ?= /opt/wheels
+
+.PHONY: setup demo test lint clean image image-test constraints
 
 setup: $(VENV)/.hlbp-installed
 
@@ -52,6 +55,26 @@ demo: setup
 
 test: setup
 	$(PY) -m pytest -q -p no:cacheprovider --durations=20
+
+# the container image (Dockerfile), built with docker, podman or buildah, whichever this machine has. Build
+# arguments through the environment: BASE=IMAGE|local (local: a Debian base made here with debootstrap, no
+# registry), TORCH_INDEX=URL|local (local: a torch wheel from TORCH_WHEELS); see docker/image.sh
+image:
+	IMAGE=$(IMAGE) TORCH_WHEELS=$(TORCH_WHEELS) sh docker/image.sh
+
+# the image built from a local Debian base, then a bootstrap and two replicas run as containers (docker/image_test.py):
+# rounds with equal checksums, a stop within Docker's 10 s grace with the checkpoint written, a resume. Not part of
+# `make test`: building torch into an image takes longer than the suite
+image-test: setup
+	IMAGE=$(IMAGE) BASE=$${BASE:-local} TORCH_WHEELS=$(TORCH_WHEELS) \
+	  TORCH_INDEX=$${TORCH_INDEX:-$(if $(wildcard $(TORCH_WHEELS)/torch-$(TORCH_VERSION)*-cp311-*.whl),local,)} sh docker/image.sh
+	$(PY) docker/image_test.py --image $(IMAGE)
+
+# docker/constraints.txt: the versions this virtualenv holds (the ones the tests passed with), for the image
+constraints: setup
+	{ echo "# The versions of hlbp's dependencies (and theirs) that the test suite passed with, as the image installs them"; \
+	  echo "# (pip install -c). Made by 'make constraints' from the project's virtualenv; torch is pinned by the Dockerfile."; \
+	  $(PY) -m pip freeze --exclude-editable | grep -v -E '^(hlbp|torch)=='; } > docker/constraints.txt
 
 lint: setup
 	$(VENV)/bin/ruff check .
