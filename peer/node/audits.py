@@ -4,8 +4,9 @@ A coordinator that holds every shard checks, before it accepts a stage peer's co
 the micro-batches that peer passed on during round r's phase (:class:`hlbp.peer.swarm.auditor.Auditor`): it fetches
 the signed frames from the peers that hold them and recomputes the stage at the anchor it holds itself, the one the
 swarm started the phase from. A peer whose own signed frames convict it is banned and its contribution refused;
-the contributions of the peers it exchanged frames with in that round are refused too (their gradients and
-activations were computed from what it sent), without a ban. A peer whose frames are near but not equal to its
+the contributions of every peer joined to it through the round's frame exchanges are refused too, without a ban:
+its neighbours computed their gradients and activations from what it sent, and the peers beyond them from what its
+neighbours sent on (:func:`chain_of`: in a swarm of four or more stages a lie reaches peers two hops away). A peer whose frames are near but not equal to its
 stage's output at the anchor computed on other weights (it had not loaded the round's result when it served the
 step): its work and its chain's are left out of the round, and nobody is banned. Work nothing of which could be
 checked (no frame of the phase's first step shown, or the audits' time budget for the round spent) is left out
@@ -85,6 +86,7 @@ class PipelineAudits:
         if "embed.weight" in anchor:
             self.codec.rebuild_table(anchor["embed.weight"])  # B, A+drift: the table the swarm's phase used
         refused: dict[str, Refusal] = {}
+        exchanged: dict[str, set[str]] = {}  # audited peer -> the peers it exchanged frames with in round r
         swarm = sorted(stage_peers)
         # in an order no peer can predict, within the round's budget: peers that answer slowly (or not at all, each
         # fetch waits out its timeout) can cost the close at most the budget, and cannot always starve the same ones
@@ -113,8 +115,13 @@ class PipelineAudits:
             if found.guilty is not None:
                 self.caught.append((r, peer))
                 self.liars.add(peer)
+            exchanged[peer] = set(found.neighbours)
             for p, refusal in judge(found, s, blind, self.liars).items():
                 refused.setdefault(p, refusal)
+        for p, liar in chain_of(self.liars, exchanged).items():
+            if p in stage_peers:
+                refused.setdefault(p, Refusal(f"its round-{r} work was computed in a chain with {liar[:16]}, caught "
+                                              "lying", ban=False))
         return refused
 
     def _record(self, found: PeerAudit, stage: int, seconds: float) -> None:
@@ -130,6 +137,27 @@ class PipelineAudits:
         self.metrics.write(event="audit", round=found.round, peer=found.accused, stage=stage,
                            guilty=guilty is not None, samples=samples, neighbours=sorted(found.neighbours),
                            seconds=round(seconds, 4), compute_s=round(found.compute_s, 4), flagged=found.flagged)
+
+
+def chain_of(liars: AbstractSet[str], exchanged: Mapping[str, AbstractSet[str]]) -> dict[str, str]:
+    """The peers joined to one of ``liars`` through a round's frame exchanges, each with the liar it is joined to
+    (pure). ``exchanged``: each audited peer's neighbours of the round as its transcripts show them; an exchange is
+    taken both ways (a neighbour need not have been audited itself). The liars themselves are not in the result."""
+    links: dict[str, set[str]] = {}
+    for peer, neighbours in exchanged.items():
+        for other in neighbours:
+            links.setdefault(peer, set()).add(other)
+            links.setdefault(other, set()).add(peer)
+    reached: dict[str, str] = {}
+    for liar in sorted(liars & links.keys()):
+        frontier = [liar]
+        while frontier:
+            here = frontier.pop()
+            for other in sorted(links.get(here, ())):
+                if other not in liars and other not in reached:
+                    reached[other] = liar
+                    frontier.append(other)
+    return reached
 
 
 def judge(found: PeerAudit, stage: int, blind: bool, liars: AbstractSet[str]) -> dict[str, Refusal]:

@@ -103,6 +103,10 @@ class SwarmView:
                     logger.debug("reading the swarm's peers failed: %s", exc)
             return dict(self._peers)
 
+    def members(self) -> frozenset[str]:
+        """The peers announcing this swarm, at any stage."""
+        return frozenset(p for p, a in self.peers().items() if a.role == "stage" and a.swarm == self.swarm)
+
     def at_stage(self, stage: int) -> list[tuple[str, float]]:
         return sorted((p, a.throughput) for p, a in self.peers().items()
                       if a.role == "stage" and a.swarm == self.swarm and a.stage == stage)
@@ -284,7 +288,7 @@ def _serve(ctx: TrainContext, options: StageOptions, worker: StageWorker, codec:
     notary = Notary(ctx.peer.plane.identity)  # the frames this stage receives, signed, served to auditors
     runner, transport = make_stage_rounds(ctx, worker, config, lambda r: phase[0](r), metrics,
                                           options.checkpoint_every_s, on_round=_round_echo(echo, stage), codec=codec,
-                                          driven=True, notary=notary)
+                                          driven=True, notary=notary, swarm_mates=view.members)
     transport.put_lazy_prefix(AUDIT_PREFIX, notary.transcript.resolve)
     phase.append(serve_phase(runner, gate, worker, ctx.stop, dead_step_s=30.0))
 
@@ -416,7 +420,8 @@ def _drive(ctx: TrainContext, options: StageOptions, worker: StageWorker, codec:
 
     runner, transport = make_stage_rounds(ctx, worker, config, phase, metrics, options.checkpoint_every_s,
                                           evaluate=driving.score if driving.val else None,
-                                          on_round=_round_echo(echo, 0), codec=codec, notary=driving.driver.notary)
+                                          on_round=_round_echo(echo, 0), codec=codec, notary=driving.driver.notary,
+                                          swarm_mates=view.members)
     if driving.driver.notary is not None:  # the frames the driver receives, signed, served to auditors
         transport.put_lazy_prefix(AUDIT_PREFIX, driving.driver.notary.transcript.resolve)
     echo(f"driving swarm {peer.role.swarm}: {len(m.stages)} stages, {options.micro_batches} micro-batches per "

@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 import torch
@@ -116,14 +117,19 @@ def serve_phase(runner: RoundRunner, gate: RoundGate, worker: StageWorker, stop:
 
 
 class ChainTaint:
-    """A stage's :class:`~hlbp.peer.rounds.sparseloco.Taint`: its round's work is tainted when it received frames
-    in that round from a banned peer (its transcript says from whom), and forgetting clears its AdamW state."""
+    """A stage's :class:`~hlbp.peer.rounds.sparseloco.Taint`: its round's work is tainted when the round bans a peer
+    it received frames from in that round (its transcript says from whom) or a peer of its own swarm (the
+    announcements say who: a lie two hops up or down the chain reached it through an honest neighbour, who is not
+    banned), and forgetting clears its AdamW state. ``swarm_mates()``: the peers announcing our swarm."""
 
-    def __init__(self, notary: Notary, worker: StageWorker) -> None:
-        self.notary, self.worker = notary, worker
+    def __init__(self, notary: Notary, worker: StageWorker,
+                 swarm_mates: Callable[[], AbstractSet[str]] = frozenset) -> None:
+        self.notary, self.worker, self.swarm_mates = notary, worker, swarm_mates
 
     def tainted(self, r: int, banned: Sequence[str]) -> bool:
-        return bool(set(banned) & {e.key.sender for e in self.notary.transcript.index(r)})
+        if not banned:
+            return False
+        return bool(set(banned) & ({e.key.sender for e in self.notary.transcript.index(r)} | self.swarm_mates()))
 
     def forget(self) -> None:
         self.worker.forget_moments()
@@ -133,7 +139,8 @@ def make_stage_rounds(ctx: Any, worker: StageWorker, config: Any, phase: Callabl
                       metrics: Any, checkpoint_every_s: float, evaluate: Callable[[Any], float | None] | None = None,
                       on_round: Callable[[Any, float | None], None] | None = None,
                       codec: ActivationCodec | None = None, driven: bool = False,
-                      notary: Notary | None = None) -> tuple[RoundRunner, Any]:
+                      notary: Notary | None = None,
+                      swarm_mates: Callable[[], AbstractSet[str]] = frozenset) -> tuple[RoundRunner, Any]:
     """The round loop of this stage peer (``ctx``: its join context) and the blob transport it serves its
     payloads and shard state on; the caller closes both. ``driven``: a stage server, whose phase is its driver's
     steps and so is never sat out after a state sync (the driver decides whether the swarm trains that round; a
@@ -146,7 +153,8 @@ def make_stage_rounds(ctx: Any, worker: StageWorker, config: Any, phase: Callabl
 
     ``notary``: what keeps the frames this stage received; a round that bans a peer it received frames from in that
     round, and leaves out this peer's contribution, finds the contribution tainted: it is dropped, and the stage's
-    AdamW moments are forgotten (:meth:`StageWorker.forget_moments`)."""
+    AdamW moments are forgotten (:meth:`StageWorker.forget_moments`); so does a round that bans one of
+    ``swarm_mates()`` (the peers announcing this stage's swarm) and leaves out this peer's contribution."""
     peer = ctx.peer
     m = peer.manifest.manifest
     bounds = [tuple(s) for s in m.stages]
@@ -189,7 +197,7 @@ def make_stage_rounds(ctx: Any, worker: StageWorker, config: Any, phase: Callabl
                          ctx.stop, checkpoint=ctx.out_dir / "rounds.safetensors", metrics=metrics,
                          expected=expected, on_round=reported, evaluate=evaluate, protect=peer.plane.protect,
                          held=[peer.role.stage], shapes=shapes, train=phase, follow=follow, on_load=load_table,
-                         sit_out=not driven, taint=None if notary is None else ChainTaint(notary, worker))
+                         sit_out=not driven, taint=None if notary is None else ChainTaint(notary, worker, swarm_mates))
     box.append(runner)
     return runner, transport
 

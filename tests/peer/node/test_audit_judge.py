@@ -1,10 +1,11 @@
 """What one stage peer's audit does to a round's contributions (``judge``, pure): a conviction bans the liar and
 leaves out its chain, a liar banned earlier taints who still trades frames with it, stale work leaves out its chain
-without a ban, and work that could not be checked is not taken unless its stage cannot be recomputed at all."""
+without a ban, and work that could not be checked is not taken unless its stage cannot be recomputed at all; a
+liar's whole chain of frame exchanges in the round is left out (``chain_of``), not its neighbours alone."""
 
 from __future__ import annotations
 
-from hlbp.peer.node.audits import judge
+from hlbp.peer.node.audits import chain_of, judge
 from hlbp.peer.swarm.audit import AuditResult, Comparison, Finding
 from hlbp.peer.swarm.auditor import PeerAudit, Verdict
 
@@ -38,3 +39,15 @@ def test_work_that_could_not_be_checked_is_not_taken_unless_its_stage_cannot_be_
         assert set(out) == {"p"} and not out["p"].ban
         assert judge(nothing, 0, True, set()) == {}  # stage 0 without token ids in its frames: nothing to check
     assert judge(audit(Finding.CLEAN, Finding.INCONCLUSIVE), 1, False, set()) == {}
+
+
+def test_a_liar_taints_every_peer_its_frames_reached_through_the_chain_and_no_other_swarm() -> None:
+    # a 5-stage swarm s0..s4 (s2 lies; s3 took over from s3old mid-phase) and a second swarm t0..t1
+    exchanged = {"s0": {"s1"}, "s1": {"s0", "s2"}, "s3": {"s2", "s4"}, "s4": {"s3"}, "s3old": {"s2"},
+                 "t0": {"t1"}, "t1": {"t0"}}
+    reached = chain_of({"s2"}, exchanged)  # s2 itself was not audited: its neighbours' transcripts name it
+    assert reached == {p: "s2" for p in ("s0", "s1", "s3", "s3old", "s4")}
+    assert chain_of(set(), exchanged) == {} and chain_of({"nobody"}, exchanged) == {}
+    # two liars in one chain: nobody is reached through a liar as if it were honest, and no liar is "reached"
+    both = chain_of({"s1", "s3"}, exchanged)
+    assert set(both) == {"s0", "s2", "s3old", "s4"} and both["s0"] == "s1" and both["s4"] == "s3"
