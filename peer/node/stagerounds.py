@@ -120,16 +120,19 @@ class ChainTaint:
     """A stage's :class:`~hlbp.peer.rounds.sparseloco.Taint`: its round's work is tainted when the round bans a peer
     it received frames from in that round (its transcript says from whom) or a peer of its own swarm (the
     announcements say who: a lie two hops up or down the chain reached it through an honest neighbour, who is not
-    banned), and forgetting clears its AdamW state. ``swarm_mates()``: the peers announcing our swarm."""
+    banned; only a mate the round newly banned counts), and forgetting clears its AdamW state. ``swarm_mates()``: the peers announcing our swarm."""
 
     def __init__(self, notary: Notary, worker: StageWorker,
                  swarm_mates: Callable[[], AbstractSet[str]] = frozenset) -> None:
         self.notary, self.worker, self.swarm_mates = notary, worker, swarm_mates
+        self.banned_before: frozenset[str] = frozenset()  # the bans in force after the last round asked about
 
     def tainted(self, r: int, banned: Sequence[str]) -> bool:
-        if not banned:
-            return False
-        return bool(set(banned) & ({e.key.sender for e in self.notary.transcript.index(r)} | self.swarm_mates()))
+        fresh, self.banned_before = frozenset(banned) - self.banned_before, frozenset(banned)
+        if set(banned) & {e.key.sender for e in self.notary.transcript.index(r)}:
+            return True
+        # a mate banned in an earlier round was left behind then: only this round's convictions reach our work
+        return bool(fresh and fresh & self.swarm_mates())
 
     def forget(self) -> None:
         self.worker.forget_moments()

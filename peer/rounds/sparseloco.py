@@ -64,7 +64,9 @@ class Taint(Protocol):
     error-feedback buffer for a later round, and what the inner optimizer learned from it is forgotten."""
 
     def tainted(self, r: int, banned: Sequence[str]) -> bool:
-        """Whether this peer's round-``r`` work was computed with frames from one of ``banned``."""
+        """Whether this peer's round-``r`` work was computed with frames from one of ``banned`` (the bans in force
+        that round's accepted set carries). Asked once for every round that closed, in order, so an implementation
+        can tell the bans the round added from those it carried over."""
         ...
 
     def forget(self) -> None:
@@ -228,12 +230,13 @@ class RoundRunner(ReplicaBase):
                 stats.refused = str(outcome)
             stats.guard = dict(self.applier.last_ratios)
             stats.copies = list(self.applier.last_copies) if isinstance(outcome, Applied) else []
-        if mine and not stats.accepted and self.taint is not None and stats.banned and self.taint.tainted(r, stats.banned):
+        taint = self.taint if accepted is not None else None  # asked about every round that closed
+        if taint is not None and taint.tainted(r, stats.banned) and mine and not stats.accepted:
             # poisoned by a neighbour caught lying: kept, it would come back in a later round's contribution
             logger.warning("round %d: our contribution was computed with frames from a peer banned for lying; "
                            "dropping it and the inner optimizer's moments", r)
             stats.tainted = True
-            self.taint.forget()
+            taint.forget()
         elif mine and not stats.accepted:
             crowded = accepted is not None and not stats.refused and self.closer.full_without(accepted, mine.keys())
             if not (crowded and self.cfg.unselected == "drop"):

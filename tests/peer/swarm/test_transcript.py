@@ -129,10 +129,12 @@ def test_a_stage_is_tainted_in_a_round_by_a_banned_peer_it_received_frames_from_
     assert not tainted(5, [BOB.peer_id]) and not tainted(4, [ALICE.peer_id]) and not tainted(5, [])
 
 
-def test_a_stage_is_tainted_by_a_banned_peer_of_its_own_swarm_it_never_traded_frames_with() -> None:
-    receiver = Notary(BOB)  # received nothing in round 5: the liar sat two hops up its chain
+def test_a_stage_is_tainted_by_a_peer_of_its_own_swarm_the_round_newly_banned() -> None:
+    receiver = Notary(BOB)  # received nothing: the liar sat two hops up its chain
     mates = frozenset({"liar", "upstream"})
     tainted = ChainTaint(receiver, None, lambda: mates).tainted  # type: ignore[arg-type]
-    assert tainted(5, ["liar"]) and tainted(4, ["someone", "liar"])
-    assert not tainted(5, ["other-swarm's liar"]) and not tainted(5, [])
+    assert not tainted(3, [])
+    assert tainted(4, ["someone", "liar"])  # the round that banned it
+    assert not tainted(5, ["someone", "liar"])  # its ban carried over: left behind in round 4, not in round 5's chain
+    assert not tainted(6, ["other-swarm's liar", "liar"])
     assert not ChainTaint(receiver, None).tainted(5, ["liar"])  # type: ignore[arg-type]
