@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from hlbp.peer.model.codec import ActivationCodec
+from hlbp.peer.model.codec import ActivationCodec, DenseCodec
 from hlbp.peer.model.decoder import ModelConfig, Stage
 from hlbp.peer.rounds.admission import Refusal
 from hlbp.peer.swarm.audit import Finding
@@ -105,11 +105,11 @@ class PipelineAudits:
             if any(name not in anchor for name, _ in stage.named_parameters()):
                 continue  # a shard this coordinator does not hold (it is a stage peer itself)
             t0 = time.perf_counter()
-            # stage 0's input is its token ids: without them in its frames (dense, subspace A) nothing is recomputed,
-            # and only who its neighbours were is read
-            blind = stage.is_first and self.codec.forward_spec.id_size == 0
-            found = self.auditor.audit_peer(r, peer, stage, swarm, seed=secrets.randbits(64), params=anchor,
-                                            samples=0 if blind else None)
+            # stage 0's input is its token ids: without them in its frames (dense, subspace A) they are rebuilt from
+            # its output frame and targets (audit.first_ids); where a subspace codec cannot tell its first tokens
+            # apart, the sample is inconclusive, and that alone does not refuse its work
+            blind = stage.is_first and self.codec.forward_spec.id_size == 0 and not isinstance(self.codec, DenseCodec)
+            found = self.auditor.audit_peer(r, peer, stage, swarm, seed=secrets.randbits(64), params=anchor)
             self.audited += 1
             self._record(found, s, time.perf_counter() - t0)
             if found.guilty is not None:
@@ -126,6 +126,7 @@ class PipelineAudits:
 
     def _record(self, found: PeerAudit, stage: int, seconds: float) -> None:
         samples = [{"finding": v.result.finding.value, "inner": v.result.inner, "step": v.micro_batch[1],
+                    **({"detail": v.result.detail[:200]} if v.result.detail else {}),
                     "mb": v.micro_batch[2], "holders": sorted(v.holders),
                     **{k: [c.error, c.cosine, c.ratio] for k, c in (("forward", v.result.forward),
                                                                    ("backward", v.result.backward)) if c is not None}}
@@ -167,7 +168,8 @@ def judge(found: PeerAudit, stage: int, blind: bool, liars: AbstractSet[str]) ->
     - it exchanged frames with a peer convicted earlier (``liars``): it is left out;
     - its first step was computed on other weights than the anchor (stale): it and its chain are left out;
     - nothing of its first step could be checked (it showed none of it, or its neighbours did not), unless its
-      stage cannot be recomputed by construction (``blind``: stage 0 without token ids in its frames): it is left
+      stage may not be recomputable by construction (``blind``: stage 0 under a subspace codec without token ids,
+      whose first tokens its frames may not tell apart, :func:`hlbp.peer.swarm.audit.first_ids`): it is left
       out, since work that cannot be checked is not taken (an honest standby switched in after the first step
       loses that round's work);
     - else nothing."""
