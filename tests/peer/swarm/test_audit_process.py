@@ -105,3 +105,33 @@ def test_a_lying_middle_stage_is_caught_banned_and_its_swarms_work_never_accepte
         assert all(s["finding"] in ("clean", "unjudged") for s in last["samples"]), last
         losses = [r["val_loss"] for r in _records(full, "round") if r.get("val_loss") is not None]
         assert losses[-1] < losses[0], losses
+
+
+def test_a_lying_driver_is_caught_from_its_rebuilt_input_and_its_whole_chain_drops_the_round(tmp_path: Path) -> None:
+    """Stage 0 (the swarm's driver) sends its activations x10. The run's dense codec carries no token ids: the
+    auditor rebuilds the driver's input from its output frame and targets, convicts it, and refuses the round's work
+    of its neighbour and of the last stage two hops away, which drop it too (the last stage never received a frame
+    from the liar: it drops its work because the round banned a peer of its own swarm)."""
+    cfg = SimConfig(n_stages=3, inner_steps=H, batch_size=4, seq_len=64, seed=5, run_id="audit-driver", ttl_s=8.0,
+                    micro_batches=2)
+    with Swarm(cfg, tmp_path) as sw:
+        sw.start()
+        sw.add_stage("s1", 1).proc.wait_for("^announced", 60)
+        sw.add_stage("s2", 2).proc.wait_for("^announced", 60)
+        full = sw.add("peer0", "--wait-replicas", "4", rounds=1000)
+        sw.add_stage("s0", 0, "--micro-batches", "2", "--eval-every", "0", program=program("forward:scale"))
+        ids = {n: _peer_id(sw.replicas[n]) for n in ("s0", "s1", "s2", "peer0")}
+        caught = _wait(sw, lambda: next((a for a in _records(full, "audit") if a["guilty"]), None),
+                       "the full replica to catch the lying driver")
+        assert caught["peer"] == ids["s0"] and caught["stage"] == 0 and caught["neighbours"] == [ids["s1"]], caught
+        assert [s["finding"] for s in caught["samples"] if s["inner"] == 0] == ["forward"], caught
+        detected = caught["round"]
+        _wait(sw, lambda: [r for r in _records(full, "round") if r["round"] >= detected + 1] or None,
+              "a further round of the full replica")
+        rounds = [r for r in _records(full, "round") if r["round"] >= detected]
+        assert all(r["members"] == 1 and r["accepted"] for r in rounds), rounds
+        assert ids["s0"] in rounds[0]["banned"], rounds[0]
+        for name in ("s1", "s2"):  # the neighbour and the stage two hops away
+            rec = _wait(sw, lambda n=name: next((r for r in _records(sw.replicas[n], "round")
+                                                 if r["round"] == detected), None), f"{name}'s record of the round")
+            assert rec["contributed"] and rec["tainted"] and not rec["accepted"], (name, rec)
