@@ -126,7 +126,11 @@ def test_sigkill_of_a_stage_peer_mid_round_with_a_standby(tmp_path: Path) -> Non
         assert _round(stands, r)["accepted"] and _round(drives, r)["accepted"], (r, audits.get((r, standby_id)), logs)
         assert _round(fulls, r)["members"] == 3, (r, _round(fulls, r))
     assert any(p == standby_id and r > killed_in for r, p in audits), audits  # its work was audited
-    assert all(x["finding"] == "clean" for a in audits.values() for x in a["samples"]), audits
+    # the first step's samples exactly clean; a later step's clean, or unjudged where the stage's drift left no
+    # informative sibling (stage 0's embedding and first block drift fastest)
+    assert all(x["finding"] == "clean" or (x["finding"] == "unjudged" and x["inner"] > 0)
+               for a in audits.values() for x in a["samples"]), audits
+    assert all(x["finding"] == "clean" for a in audits.values() for x in a["samples"] if x["inner"] == 0), audits
     assert not any(a["guilty"] for a in audits.values()), audits  # honest peers, never convicted
 
 
