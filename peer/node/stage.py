@@ -288,7 +288,8 @@ def _serve(ctx: TrainContext, options: StageOptions, worker: StageWorker, codec:
     notary = Notary(ctx.peer.plane.identity)  # the frames this stage receives, signed, served to auditors
     runner, transport = make_stage_rounds(ctx, worker, config, lambda r: phase[0](r), metrics,
                                           options.checkpoint_every_s, on_round=_round_echo(echo, stage), codec=codec,
-                                          driven=True, notary=notary, swarm_mates=view.members)
+                                          driven=True, notary=notary,
+                                          swarm_mates=lambda: view.members() - {ctx.peer.plane.peer_id})
     transport.put_lazy_prefix(AUDIT_PREFIX, notary.transcript.resolve)
     phase.append(serve_phase(runner, gate, worker, ctx.stop, dead_step_s=30.0))
 
@@ -421,7 +422,7 @@ def _drive(ctx: TrainContext, options: StageOptions, worker: StageWorker, codec:
     runner, transport = make_stage_rounds(ctx, worker, config, phase, metrics, options.checkpoint_every_s,
                                           evaluate=driving.score if driving.val else None,
                                           on_round=_round_echo(echo, 0), codec=codec, notary=driving.driver.notary,
-                                          swarm_mates=view.members)
+                                          swarm_mates=lambda: view.members() - {ctx.peer.plane.peer_id})
     if driving.driver.notary is not None:  # the frames the driver receives, signed, served to auditors
         transport.put_lazy_prefix(AUDIT_PREFIX, driving.driver.notary.transcript.resolve)
     echo(f"driving swarm {peer.role.swarm}: {len(m.stages)} stages, {options.micro_batches} micro-batches per "

@@ -120,7 +120,8 @@ class ChainTaint:
     """A stage's :class:`~hlbp.peer.rounds.sparseloco.Taint`: its round's work is tainted when the round bans a peer
     it received frames from in that round (its transcript says from whom) or a peer of its own swarm (the
     announcements say who: a lie two hops up or down the chain reached it through an honest neighbour, who is not
-    banned; only a mate the round newly banned counts), and forgetting clears its AdamW state. ``swarm_mates()``: the peers announcing our swarm."""
+    banned; only a mate the round newly banned counts), and forgetting clears its AdamW state. ``swarm_mates()``:
+    the other peers announcing our swarm (our own ban, for a contribution we did not deliver, taints nothing)."""
 
     def __init__(self, notary: Notary, worker: StageWorker,
                  swarm_mates: Callable[[], AbstractSet[str]] = frozenset) -> None:
