@@ -53,14 +53,33 @@ MIN_FOR_MEDIAN = 3  # contributions a shard needs before the median says what an
 LOSS_WINDOW = 8  # committed rounds whose guard-batch losses a slow climb is measured against
 
 
+CHUNK = 1 << 18  # elements summed in float64 at a time: 2 MiB of temporaries, whatever the parameter's size
+
+
+def _square_sum(t: torch.Tensor, minus: torch.Tensor | None = None) -> float:
+    """Σ (t − minus)² in float64 (inf if a value is not finite), a chunk of :data:`CHUNK` elements at a time: a
+    whole parameter's float64 copy was 8 bytes per element, and during a round that overlaps training such
+    temporaries left the heap holding many times the model (docs/design.md, "Memory per parameter")."""
+    flat = t.detach().reshape(-1)
+    other = minus.detach().reshape(-1) if minus is not None else None
+    total = 0.0
+    for i in range(0, flat.numel(), CHUNK):
+        d = flat[i:i + CHUNK].double()
+        if other is not None:
+            d.sub_(other[i:i + CHUNK])
+        if not bool(torch.isfinite(d).all()):
+            return math.inf
+        total += float(d.square_().sum())
+    return total
+
+
 def norm(tensors: Mapping[str, torch.Tensor]) -> float:
     """The float64 Euclidean norm over every tensor; inf if any value is not finite."""
     total = 0.0
     for t in tensors.values():
-        d = t.detach().double()
-        if not bool(torch.isfinite(d).all()):
+        total += _square_sum(t)
+        if not math.isfinite(total):
             return math.inf
-        total += float(d.pow(2).sum())
     return math.sqrt(total)
 
 
@@ -106,10 +125,9 @@ def update_ratio(old: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor
     time: the shard's update is never held whole (docs/design.md, "Memory per parameter")."""
     total = 0.0
     for n in old:
-        d = new[n].detach().double() - old[n].detach().double()
-        if not bool(torch.isfinite(d).all()):
+        total += _square_sum(new[n], old[n])
+        if not math.isfinite(total):
             return math.inf
-        total += float(d.pow(2).sum())
     return math.sqrt(total) / scale(old)
 
 

@@ -48,12 +48,12 @@ def shard_checksum(
     for name in sorted(names):
         t = params[name].detach().to("cpu", torch.float32).contiguous()
         h.update(f"{name}|{tuple(t.shape)}|".encode())
-        h.update(t.numpy().tobytes())
+        h.update(t.numpy())  # the tensor's buffer itself: no copy of its bytes
     public = public_outer_state(outer_state or {})
     for key in sorted(public):
         t = public[key].detach().to("cpu", torch.float32).contiguous()
         h.update(f"o.{key}|{tuple(t.shape)}|".encode())
-        h.update(t.numpy().tobytes())
+        h.update(t.numpy())  # the tensor's buffer itself: no copy of its bytes
     return h.hexdigest()
 
 
