@@ -13,6 +13,7 @@ from hlbp.cli.control_cmds import register as register_control_commands
 from hlbp.cli.model_cmds import register as register_model_commands
 from hlbp.cli.options import make_console, opt, run_app
 from hlbp.cli.simulate import register as register_simulate
+from hlbp.peer.common import memory
 
 app = typer.Typer(
     name="hlbp",
@@ -90,7 +91,9 @@ def train(
 
 
 def main() -> None:
-    """Console entry point: user and protocol errors become one line on stderr and exit status 2."""
+    """Console entry point: user and protocol errors become one line on stderr and exit status 2. One malloc
+    arena for the process, set before any thread starts (:func:`hlbp.peer.common.memory.limit_arenas`)."""
+    memory.limit_arenas()
     run_app(app, console)
 
 

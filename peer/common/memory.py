@@ -69,7 +69,8 @@ def peak_device_bytes() -> int:
     return int(torch.cuda.max_memory_allocated())
 
 
-M_MMAP_THRESHOLD = -3  # glibc mallopt parameter
+M_MMAP_THRESHOLD = -3  # glibc mallopt parameters
+M_ARENA_MAX = -8
 MAP_LARGE_BYTES = 1 << 20
 
 
@@ -97,6 +98,21 @@ def map_large_allocations(threshold: int = MAP_LARGE_BYTES) -> bool:
     if libc is None or not hasattr(libc, "mallopt"):
         return False
     return bool(libc.mallopt(M_MMAP_THRESHOLD, threshold))
+
+
+def limit_arenas(arenas: int = 1) -> bool:
+    """Have glibc serve every thread from at most ``arenas`` heaps; returns whether that was set. Call it first
+    thing in a process, before a second thread allocates (a thread keeps the arena it was given).
+
+    glibc gives threads that allocate at once their own arenas, and memory freed in one is never reused by
+    another. A full replica's exchange thread builds a round's new parameters while the training thread runs
+    steps, so each held its own model-sized free space: measured on the small model through 3 overlapped rounds,
+    a full replica peaked 3-4 bytes per parameter lower with one arena, at the same inner step speed (``hlbp
+    train`` on the small model: 13.3-13.6 s for 40 steps either way)."""
+    libc = _glibc()
+    if libc is None or not hasattr(libc, "mallopt"):
+        return False
+    return bool(libc.mallopt(M_ARENA_MAX, arenas))
 
 
 def trim() -> bool:

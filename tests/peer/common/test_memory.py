@@ -50,3 +50,30 @@ def test_large_allocations_mapped_on_their_own_go_back_when_freed() -> None:
         return
     assert _held_after_free(False) == "None True"
     assert _held_after_free(True) == "True False"
+
+
+def _reused_across_threads(limited: bool) -> str:
+    """In a fresh process: a second thread allocates 8 MiB and frees it below a live small tensor (after a 16 MiB
+    buffer raised glibc's adaptive threshold, so both live in a heap); then the main thread allocates 6 MiB. Print
+    whether the arenas were limited and whether that 6 MiB took new memory (the thread's hole was not reused)."""
+    import subprocess
+
+    code = ("from hlbp.peer.common import memory; import torch, threading;"
+            f"ok = memory.limit_arenas() if {limited} else None;"
+            "a = torch.ones(4 << 20); del a; keep = [];"
+            "t = threading.Thread(target=lambda: (keep.append(torch.ones(2 << 20)), keep.append(torch.ones(1 << 16)),"
+            " keep.pop(0))); t.start(); t.join();"
+            "before = memory.current_host_bytes(); c = torch.ones(3 << 19);"
+            "print(ok, memory.current_host_bytes() - before > 3 << 20)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    return " ".join(out.stdout.split()[-2:])
+
+
+def test_one_arena_lets_a_thread_reuse_what_another_freed() -> None:
+    """What every hlbp process sets at start: memory the exchange thread freed serves the training thread's next
+    allocation, where by default each thread's arena keeps its own free space (the control)."""
+    if not sys.platform.startswith("linux"):
+        assert _reused_across_threads(True) == "False False"
+        return
+    assert _reused_across_threads(False) == "None True"
+    assert _reused_across_threads(True) == "True False"
