@@ -13,7 +13,6 @@ from hlbp.cli.control_cmds import register as register_control_commands
 from hlbp.cli.model_cmds import register as register_model_commands
 from hlbp.cli.options import make_console, opt, run_app
 from hlbp.cli.simulate import register as register_simulate
-from hlbp.peer.common import memory
 
 app = typer.Typer(
     name="hlbp",
@@ -91,9 +90,7 @@ def train(
 
 
 def main() -> None:
-    """Console entry point: user and protocol errors become one line on stderr and exit status 2. One malloc
-    arena for the process, set before any thread starts (:func:`hlbp.peer.common.memory.limit_arenas`)."""
-    memory.limit_arenas()
+    """Console entry point: user and protocol errors become one line on stderr and exit status 2."""
     run_app(app, console)
 
 

@@ -83,10 +83,14 @@ def parse_flags(flags: type[F], args: list[str], prog_name: str) -> F:
 
 
 def run_app(app: typer.Typer, console: Console) -> None:
-    """Run a typer app; user and protocol errors become one line on stderr and exit status 2, never a traceback."""
+    """Run a typer app; user and protocol errors become one line on stderr and exit status 2, never a traceback.
+    Every hlbp process runs one malloc arena, set here before any thread starts
+    (:func:`hlbp.peer.common.memory.limit_arenas`)."""
+    from hlbp.peer.common import memory
     from hlbp.peer.common.errors import UserInputError
     from hlbp.protocol import ProtocolError
 
+    memory.limit_arenas()
     try:
         app()
     except (UserInputError, ProtocolError) as exc:
