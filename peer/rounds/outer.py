@@ -23,6 +23,7 @@ from typing import Literal
 import torch
 
 from hlbp.peer.common.errors import UserInputError
+from hlbp.peer.train.adamw import STATE_DTYPES
 from hlbp.protocol.sparse import SMALL_TENSOR_RULES, SparseTensor, compress, decompress, tensor_k
 
 Tensors = Mapping[str, torch.Tensor]
@@ -49,6 +50,9 @@ class OuterConfig:
     # the buffer over m and clears those positions' whole backlog, so it moves the model as one phase does but
     # carries all m; "sum" sends the top-k of the buffer as it is (m phases' worth of step; docs/algorithms.md §1)
     backlog: Literal["average", "sum"] = "average"
+    # how this peer stores its error-feedback buffer (its own state, never sent or checksummed): "bf16" halves it
+    # (2 bytes per parameter instead of 4); each round's arithmetic runs in float32 on one parameter at a time
+    ef_dtype: Literal["fp32", "bf16"] = "fp32"
     # DiLoCo
     outer_lr: float = 0.7  # Nesterov SGD learning rate
     momentum: float = 0.9  # Nesterov momentum
@@ -71,6 +75,8 @@ class OuterConfig:
             raise UserInputError(f"aggregation must be mean or selectors, got {self.aggregation!r}")
         if self.wire_dtype not in ("fp32", "bf16"):
             raise UserInputError(f"wire dtype must be fp32 or bf16, got {self.wire_dtype!r}")
+        if self.ef_dtype not in STATE_DTYPES:
+            raise UserInputError(f"error-feedback dtype must be one of {', '.join(STATE_DTYPES)}, got {self.ef_dtype!r}")
 
 
 @dataclass
@@ -141,7 +147,8 @@ class SparseLoCo(OuterOptimizer):
     def __init__(self, config: OuterConfig) -> None:
         config.validate()
         self.config = config
-        self.ef: dict[str, torch.Tensor] = {}  # error-feedback buffer per parameter, float32 on CPU
+        self.ef: dict[str, torch.Tensor] = {}  # error-feedback buffer per parameter, on CPU in config.ef_dtype
+        self._store = STATE_DTYPES[config.ef_dtype]
         self.phases = 0  # inner phases in the buffer since our last contribution that was taken
         self._taken: tuple[int, Contribution] | None = None  # the last contribution and the phases it carried
 
@@ -152,13 +159,13 @@ class SparseLoCo(OuterOptimizer):
         for name in anchor:  # one tensor at a time: the transient buffers are one parameter's, not the model's
             delta = anchor[name].detach().float().cpu() - local[name].detach().float().cpu()
             e = self.ef.get(name)
-            e = delta if e is None else e.mul_(self.config.beta).add_(delta)
+            e = delta if e is None else e.float().mul_(self.config.beta).add_(delta)  # float32: in place
             k = tensor_k(tuple(e.shape), self.config.k, self.config.small_tensors)
             s = compress(e / m if m > 1 else e, k, self.config.quant_bits)
             # whatever was not sent (including quantisation error) stays for later rounds; after a backlog of m
             # phases, the positions sent give up all m phases' mass for one phase's step
             e.sub_(decompress(s) * m if m > 1 else decompress(s))
-            self.ef[name] = e
+            self.ef[name] = e.to(self._store)
             sent[name] = s
         c = Contribution(sender, tokens, sent)
         self._taken, self.phases = (m, c), 0
@@ -240,7 +247,7 @@ class SparseLoCo(OuterOptimizer):
         return {f"ef.{n}": t for n, t in self.ef.items()}
 
     def load_state(self, tensors: Tensors) -> None:
-        self.ef = {n[3:]: t.float().clone() for n, t in tensors.items() if n.startswith("ef.")}
+        self.ef = {n[3:]: t.to(self._store, copy=True) for n, t in tensors.items() if n.startswith("ef.")}
 
 
 class DiLoCo(OuterOptimizer):

@@ -142,3 +142,23 @@ def test_diloco_nesterov_step():
     torch.testing.assert_close(new2, new - 0.5 * 2.71)
     bf = make_outer(OuterConfig(kind="diloco", wire_dtype="bf16")).contribute(anchor, {"w": -torch.ones(10)})
     assert bf.tensors["w"].dtype == torch.bfloat16
+
+
+def test_bf16_error_feedback_is_half_the_bytes_and_keeps_the_identity_to_its_rounding():
+    """A peer may keep its error feedback in bfloat16: e_new + Δ̂ = β·e_old + Δ holds to bf16's rounding of e_new,
+    the sent payload is computed in float32 as before, and a saved buffer loads back in the same dtype."""
+    opt = SparseLoCo(OuterConfig(k=64, beta=0.95, ef_dtype="bf16"))
+    ref = SparseLoCo(OuterConfig(k=64, beta=0.95))
+    anchor = _params(0)
+    local = {n: t - 0.01 * torch.randn_like(t) for n, t in anchor.items()}
+    c, c_ref = opt.contribute(anchor, local), ref.contribute(anchor, local)
+    for n in anchor:
+        assert opt.ef[n].dtype == torch.bfloat16 and opt.ef[n].element_size() == 2
+        assert torch.equal(decompress(c.tensors[n]), decompress(c_ref.tensors[n]))  # the first round sends the same
+        torch.testing.assert_close(opt.ef[n].float(), ref.ef[n], rtol=2 ** -8, atol=0)
+    opt.contribute(anchor, {n: t - 0.01 * torch.randn_like(t) for n, t in anchor.items()})
+    again = SparseLoCo(OuterConfig(k=64, ef_dtype="bf16"))
+    again.load_state(opt.state_tensors())
+    assert all(torch.equal(again.ef[n], opt.ef[n]) and again.ef[n].dtype == torch.bfloat16 for n in anchor)
+    opt.withdraw(c)  # a withdrawn contribution goes back into the bf16 buffer
+    assert all(opt.ef[n].dtype == torch.bfloat16 for n in anchor)
