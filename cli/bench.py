@@ -49,6 +49,10 @@ def convergence(
                        help="NoLoCo (pairs instead of rounds), dense and sparse (k = 64), beside DiLoCo, SparseLoCo and "
                             "the single AdamW run: 40 rounds of H = 15, the replicas' mean loss and their spread "
                             "(--quick: a smoke run)."),
+    state: bool = opt(False, "--state", env="BENCH_STATE",
+                      help="A peer's own state in bfloat16: SparseLoCo with float32 error feedback and AdamW moments, "
+                           "with bf16 error feedback, and with both in bf16, beside DiLoCo and the single AdamW run "
+                           "(40 rounds of H = 15; --quick: a smoke run)."),
     ablations: bool = opt(False, "--ablations", env="BENCH_ABLATIONS",
                           help="--long: also the small-tensor rule (per k) and median-norm clipping against their "
                                "defaults, 3 runs more."),
@@ -70,9 +74,11 @@ def convergence(
 
     if threads:
         torch.set_num_threads(threads)
-    if long + overlap + noloco > 1:
-        raise UserInputError("--long, --overlap and --noloco are separate sweeps: choose one")
-    if noloco:
+    if long + overlap + noloco + state > 1:
+        raise UserInputError("--long, --overlap, --noloco and --state are separate sweeps: choose one")
+    if state:
+        cfg = ConvergenceBenchConfig.state(quick=quick)
+    elif noloco:
         cfg = ConvergenceBenchConfig.noloco(quick=quick)
     elif overlap:
         cfg = ConvergenceBenchConfig.overlap(quick=quick)

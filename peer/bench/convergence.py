@@ -121,6 +121,18 @@ class ConvergenceBenchConfig:
             base = dataclasses.replace(base, rounds=3, inner_steps=3, seq_len=64, eval_batches=4, print_every=1)
         return dataclasses.replace(base, **overrides)
 
+    @classmethod
+    def state(cls, quick: bool = False, **overrides: Any) -> ConvergenceBenchConfig:
+        """A peer's own state in bfloat16: SparseLoCo (k = 64) with float32 error feedback and AdamW moments, with
+        bf16 error feedback, and with both in bf16, beside DiLoCo and the single AdamW run: 40 rounds of H = 15
+        with R = 4, warm-up over 5 % then cosine to 0.1x (the NoLoCo sweep's horizon). ``quick``: 3 rounds of
+        H = 3."""
+        base = cls(rounds=40, inner_steps=15, batch_size=4, seq_len=128, warmup_frac=0.05, eval_batches=16,
+                   sweep="state", ks=(64,), aggregations=("selectors",), print_every=5)
+        if quick:
+            base = dataclasses.replace(base, rounds=3, inner_steps=3, seq_len=64, eval_batches=4, print_every=1)
+        return dataclasses.replace(base, **overrides)
+
     @property
     def warmup_steps(self) -> int:
         """Warm-up steps of the inner schedule (from ``warmup_frac`` when it is set)."""
@@ -141,6 +153,7 @@ class Method:
     family: str = "sparseloco"
     overlap: str = "none"  # rounds overlapped with the next inner phase (hlbp.peer.rounds.overlap)
     noloco: NoLoCoConfig | None = None  # pairs instead of rounds (hlbp.peer.rounds.noloco)
+    moments: str = "fp32"  # how each replica's inner AdamW stores its moments (OptimConfig.moments)
 
 
 def _sparseloco(cfg: ConvergenceBenchConfig, k: int, agg: str, alpha: float | None = None, beta: float | None = None,
@@ -193,6 +206,15 @@ def methods(cfg: ConvergenceBenchConfig) -> list[Method]:
         out.append(Method("noloco dense", None, family="noloco", noloco=NoLoCoConfig()))
         out.append(Method(f"noloco sparse k={cfg.ks[0]}", None, family="noloco",
                           noloco=NoLoCoConfig(sparse=True, k=cfg.ks[0], small_tensors=cfg.small_tensors)))
+    elif cfg.sweep == "state":
+        # the same SparseLoCo with the peer's own state (error feedback, AdamW's moments) in float32 and in bf16
+        out.append(Method("diloco", OuterConfig(kind="diloco", outer_lr=cfg.diloco_lr, momentum=cfg.diloco_momentum),
+                          family="diloco"))
+        k, agg = cfg.ks[0], cfg.aggregations[0]
+        out.append(Method(f"sparseloco k={k} fp32 state", _sparseloco(cfg, k, agg)))
+        out.append(Method(f"sparseloco k={k} ef bf16", _sparseloco(cfg, k, agg, ef_dtype="bf16")))
+        out.append(Method(f"sparseloco k={k} ef+moments bf16", _sparseloco(cfg, k, agg, ef_dtype="bf16"),
+                          moments="bf16"))
     elif cfg.sweep == "overlap":
         # each outer method without overlap, with a naive one-round delay and with eager updates, same tokens
         dl = OuterConfig(kind="diloco", outer_lr=cfg.diloco_lr, momentum=cfg.diloco_momentum)
@@ -323,7 +345,7 @@ def run_method(
     device = pick_device(cfg.device)
     data = prepare_data(cfg.data, cfg.cache_dir, vocab_size=cfg.vocab_size)
     model = preset(cfg.model, vocab_size=data.vocab_size, max_seq_len=max(cfg.seq_len, 8))
-    optim = OptimConfig(lr=cfg.lr * m.lr_mult, warmup_steps=cfg.warmup_steps)
+    optim = OptimConfig(lr=cfg.lr * m.lr_mult, warmup_steps=cfg.warmup_steps, moments=m.moments)
     sim = EngineConfig(
         model=model, outer=m.outer or OuterConfig(), optim=optim, replicas=cfg.replicas, rounds=cfg.rounds,
         inner_steps=cfg.inner_steps, batch_size=cfg.batch_size, seq_len=cfg.seq_len, seed=cfg.seed,
