@@ -1,0 +1,174 @@
+"""The anchor: the global parameters every in-sync replica agrees on, replaced one parameter at a time, with
+snapshots of earlier versions kept as undo records instead of whole copies.
+
+A round's result replaces the anchor while other parts still read the parameters it replaces: under eager overlap
+the inner phase under way started from them (``EagerStart``), a preview or the round report reads them, and a
+refused round must put them back. Holding the old tensors for them kept two anchors, 4 bytes per parameter more
+at every round's peak (docs/design.md, "Memory per parameter"). Here a round replaces each parameter as soon as its
+new value is computed, and the old tensor goes at once; a :class:`Snapshot` taken before reads the old value back
+from an undo record: the positions that changed and their old values (a SparseLoCo round changes about
+contributors x 1.6 % of them), or the old tensor itself where most changed (DiLoCo). Records are kept only while a
+snapshot that needs them lives.
+
+Tensors are replaced, never changed in place, so a tensor read from the anchor stays that version's for as long as
+the reader holds it; reads and replacements may come from different threads.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
+
+import torch
+
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+DENSE_FRACTION = 1 / 3  # above this fraction of positions changed, an undo record keeps the old tensor instead
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s bit patterns (so that -0.0 differs from 0.0, and a NaN equals itself)."""
+    return t.detach().view(_BITS[t.element_size()])
+
+
+@dataclass(frozen=True)
+class Undo:
+    """How to take one parameter back from the value written at ``version`` to the one before: ``values`` at the
+    flat ``positions`` (None: ``values`` is the whole old tensor)."""
+
+    version: int
+    values: torch.Tensor
+    positions: torch.Tensor | None = None
+
+    @staticmethod
+    def between(version: int, old: torch.Tensor, new: torch.Tensor) -> Undo:
+        """The record that turns ``new`` back into ``old`` bit for bit."""
+        if old.shape != new.shape or old.dtype != new.dtype:
+            return Undo(version, old)
+        changed = (_bits(old) != _bits(new)).reshape(-1)
+        count = int(changed.sum())
+        if count > DENSE_FRACTION * changed.numel():
+            return Undo(version, old)
+        positions = changed.nonzero().reshape(-1)
+        return Undo(version, old.detach().reshape(-1)[positions].clone(), positions)
+
+
+class Anchor(Mapping[str, torch.Tensor]):
+    """The current global parameters (name -> tensor), written with :meth:`__setitem__` / :meth:`update`, read
+    as now or as at an earlier :meth:`snapshot`."""
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]] = ()) -> None:
+        self._now: dict[str, torch.Tensor] = dict(tensors)
+        self._lock = threading.RLock()
+        self._version = 0
+        self._undo: dict[str, list[Undo]] = {}
+        self._held: weakref.WeakSet[Snapshot] = weakref.WeakSet()
+
+    @property
+    def version(self) -> int:
+        """How many parameter writes the anchor has had."""
+        return self._version
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self._now[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(list(self._now))
+
+    def __len__(self) -> int:
+        return len(self._now)
+
+    def __setitem__(self, name: str, value: torch.Tensor) -> None:
+        """Replace one parameter; the old tensor is kept (as an undo record) only for the snapshots that need it."""
+        with self._lock:
+            self._version += 1
+            old = self._now.get(name)
+            if old is not None and self._oldest_held() < self._version:
+                self._undo.setdefault(name, []).append(Undo.between(self._version, old, value))
+            self._now[name] = value
+
+    def update(self, other: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]] = ()) -> None:
+        """Replace each given parameter in turn (:meth:`__setitem__`)."""
+        for name, value in (other.items() if isinstance(other, Mapping) else other):
+            self[name] = value
+
+    def snapshot(self) -> Snapshot:
+        """The parameters as they are now, readable after later writes (one parameter at a time when read)."""
+        with self._lock:
+            snap = Snapshot(self, self._version, tuple(self._now))
+            self._held.add(snap)
+            weakref.finalize(snap, self._prune)
+            return snap
+
+    def restore(self, snap: Snapshot) -> None:
+        """Put back every parameter written since ``snap`` was taken (a refused round)."""
+        for name in snap:
+            if self._undo_since(name, snap.version):
+                self[name] = snap[name]
+
+    def read(self, name: str, version: int) -> torch.Tensor:
+        """Parameter ``name`` as it was at ``version`` (the current tensor itself when unchanged since)."""
+        with self._lock:
+            t = self._now[name]
+            records = self._undo_since(name, version)
+        value, owned = t, False
+        for record in reversed(records):  # newest first, each back to the value before its write
+            if record.positions is None:
+                value, owned = record.values, False
+            else:
+                if not owned:
+                    value, owned = value.detach().clone(memory_format=torch.contiguous_format), True
+                value.view(-1)[record.positions] = record.values
+        return value
+
+    def _undo_since(self, name: str, version: int) -> list[Undo]:
+        with self._lock:
+            return [u for u in self._undo.get(name, ()) if u.version > version]
+
+    def _oldest_held(self) -> float:
+        versions = [s.version for s in list(self._held)]
+        return min(versions) if versions else float("inf")
+
+    def _prune(self) -> None:
+        """Drop the undo records no live snapshot needs (a record is needed by snapshots older than its write)."""
+        with self._lock:
+            oldest = self._oldest_held()
+            for name in list(self._undo):
+                kept = [u for u in self._undo[name] if u.version > oldest]
+                if kept:
+                    self._undo[name] = kept
+                else:
+                    del self._undo[name]
+
+    def held_records(self) -> int:
+        """Undo records kept (for tests and the memory report)."""
+        with self._lock:
+            return sum(len(v) for v in self._undo.values())
+
+
+class Snapshot(Mapping[str, torch.Tensor]):
+    """The anchor as it was at one version; each read makes that parameter's value (the current tensor when it has
+    not been written since, else a copy with the undo records applied)."""
+
+    def __init__(self, anchor: Anchor, version: int, names: tuple[str, ...]) -> None:
+        self._anchor, self.version, self._names = anchor, version, names
+        self._known = frozenset(names)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self._known:
+            raise KeyError(name)
+        return self._anchor.read(name, self.version)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._known
+
+    # a snapshot is one handle on one version: compared by identity (a Mapping would compare every tensor)
+    __eq__ = object.__eq__
+    __hash__ = object.__hash__

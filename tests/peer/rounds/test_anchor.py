@@ -1,0 +1,78 @@
+"""The anchor store: per-parameter replacement, snapshots read back bit for bit from undo records, and the old
+tensors released at once."""
+
+import gc
+import weakref
+
+import torch
+
+from hlbp.peer.rounds.anchor import Anchor
+
+
+def _params(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {"w": torch.randn(64, 48, generator=g), "b": torch.randn(100, generator=g)}
+
+
+def _sparse_step(t: torch.Tensor, seed: int, frac: float = 0.02) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    mask = torch.rand(t.shape, generator=g) < frac
+    return torch.where(mask, t - 0.01 * torch.randn(t.shape, generator=g), t)
+
+
+def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a.view(torch.int32), b.view(torch.int32))
+
+
+def test_a_snapshot_reads_each_earlier_version_bit_for_bit_after_sparse_and_dense_writes():
+    start = _params(0)
+    start["b"][3] = 0.0
+    anchor = Anchor(start)
+    v0 = anchor.snapshot()
+    one = {n: _sparse_step(t, 1) for n, t in start.items()}
+    one["b"] = one["b"].clone()
+    one["b"][3] = -0.0  # equal as a float, different bits: the record keeps it
+    anchor.update(one)
+    v1 = anchor.snapshot()
+    two = {"w": start["w"] * 2.0, "b": _sparse_step(one["b"], 2)}  # a dense write, then a sparse one
+    anchor.update(two)
+    for n in start:
+        assert _bits_equal(v0[n], start[n]) and _bits_equal(v1[n], one[n]) and _bits_equal(anchor[n], two[n])
+        assert anchor[n] is two[n]  # the current tensor itself, no copy
+    assert list(v0) == list(start) and len(v1) == 2 and "w" in v1
+
+
+def test_undo_records_live_only_while_a_snapshot_needs_them():
+    anchor = Anchor(_params(0))
+    anchor.update({n: _sparse_step(t, 1) for n, t in anchor.items()})
+    assert anchor.held_records() == 0  # nobody held the old version: nothing kept
+    snap = anchor.snapshot()
+    anchor.update({n: _sparse_step(t, 2) for n, t in anchor.items()})
+    assert anchor.held_records() == 2
+    del snap
+    gc.collect()
+    assert anchor.held_records() == 0
+
+
+def test_a_sparse_write_releases_the_old_tensor_even_while_a_snapshot_of_it_lives():
+    """The memory point: the replaced tensor is freed; the snapshot keeps only the changed positions."""
+    start = _params(0)
+    anchor = Anchor(start)
+    snap = anchor.snapshot()
+    old = weakref.ref(start["w"])
+    new_w = _sparse_step(start["w"], 1)
+    del start
+    anchor["w"] = new_w
+    gc.collect()
+    assert old() is None
+    assert not _bits_equal(snap["w"], new_w)  # still readable
+
+
+def test_restore_puts_back_what_was_written_since_a_snapshot():
+    start = _params(0)
+    anchor = Anchor(start)
+    before = anchor.snapshot()
+    anchor.update({n: _sparse_step(t, 1) for n, t in start.items()})
+    anchor["w"] = start["w"] + 1.0
+    anchor.restore(before)
+    assert all(_bits_equal(anchor[n], start[n]) for n in start)
