@@ -9,6 +9,7 @@ outcome differ (:class:`~hlbp.peer.rounds.outcome.Failed`, and it resyncs).
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from concurrent.futures import ThreadPoolExecutor
@@ -22,6 +23,7 @@ from hlbp.peer.rounds.bans import RoundBans
 from hlbp.peer.rounds.config import RoundConfig
 from hlbp.peer.rounds.outcome import Applied, Failed, Refused, RoundOutcome
 from hlbp.peer.rounds.outer import Contribution
+from hlbp.peer.rounds.overlap import Subset
 from hlbp.peer.rounds.payloads import BadPayload, Payloads, error_text
 from hlbp.peer.rounds.state import ReplicaState
 from hlbp.protocol import ProtocolError
@@ -96,7 +98,9 @@ class Applier:
         for _sender, s, c in sorted(got, key=lambda g: (g[1], g[0])):
             if s in per_shard:
                 per_shard[s].append(c)  # type: ignore[arg-type]
-        new: dict[str, torch.Tensor] = {}
+        # each parameter is replaced as soon as its new value is made (the old tensor goes at once: no second anchor
+        # at the round's peak); a refused round puts back what it wrote since this snapshot (rounds/anchor.py)
+        before = state.anchor.snapshot()
         ratios = {"contribution": 0.0, "update": 0.0}  # the largest of the round, reported to measure the bounds
         for s, contributions in per_shard.items():
             names = self.shards[s]
@@ -110,24 +114,26 @@ class Applier:
             if far:  # the coordinator drops these before it accepts: only a lying one lets one through
                 return self._refuse(r, {p: f"shard {s}'s contribution norm is {v:.3g}x the round's median"
                                         for p, v in far.items()}, "a contribution is far above the round's others")
-            old = {n: state.anchor[n] for n in names}
-            shard_new = state.outers[s].apply(old, contributions)
-            ratio = guard.update_ratio(old, shard_new)
+            shard = Subset(state.anchor, list(names))
+            scale = guard.scale(shard)
+            moved = 0.0  # ‖θ_s(t+1) − θ_s(t)‖², a parameter at a time
+            for n, value in state.outers[s].applying(shard, contributions):
+                moved += guard.squared_change(value, state.anchor[n])
+                state.anchor[n] = value
+            ratio = math.sqrt(moved) / scale if math.isfinite(moved) else math.inf
             ratios["update"] = max(ratios["update"], ratio)
             self.last_ratios = ratios
             reason = guard.refuse_reason(ratio, self.guard)
             if reason:
+                state.anchor.restore(before)
                 blamed = guard.culprits(norms)
                 return self._refuse(r, {p: f"largest contribution to shard {s}" for p in blamed},
                                     f"shard {s}: {reason}")
-            new.update(shard_new)
-        old = {n: state.anchor[n] for n in new}
-        state.anchor.update(new)
         if self.loss_of is not None:
             loss = self.loss_of(state.anchor)
             reason = guard.loss_reason(state.guard_losses, loss, self.guard)
             if reason:
-                state.anchor.update(old)
+                state.anchor.restore(before)
                 self.on_restore()
                 norms = {c.sender: guard.contribution_norm(c) for cs in per_shard.values() for c in cs}
                 return self._refuse(r, {p: "largest contribution of a round whose loss exploded"

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from hlbp.peer.net.transport import TransportError
+from hlbp.peer.rounds.anchor import Anchor
 from hlbp.peer.rounds.outer import make_outer
 from hlbp.peer.rounds.rules import majority_checksums
 from hlbp.peer.rounds.statesync import fetch_state, shard_checksum
@@ -84,7 +85,7 @@ class Follower:
         self.transport, self.cfg, self.outer_cfg = transport, cfg, outer_cfg
         self.fetches = 0  # followed shards fetched from their holders because our copy differed
 
-    def check(self, r: int, anchor: dict[str, torch.Tensor], outers: dict[int, Any],
+    def check(self, r: int, anchor: Anchor, outers: dict[int, Any],
               latest_checks: Callable[[], list[ShardChecks]]) -> tuple[bool, int]:
         """After round r: fetch each followed shard whose checksum differs from its holders' majority from those
         holders (verified against it) into ``anchor`` and ``outers``. Returns whether any was fetched (the loop

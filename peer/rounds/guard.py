@@ -120,6 +120,13 @@ def outliers(norms: Mapping[str, float], cfg: GuardConfig) -> dict[str, float]:
     return out
 
 
+def squared_change(new: torch.Tensor, old: torch.Tensor) -> float:
+    """‖new − old‖² of one parameter in float64 (inf if ``new`` holds a non-finite value): a round's update
+    measured one parameter at a time, as it replaces each (``update_ratio`` is its square root over a shard,
+    divided by the shard's :func:`scale`)."""
+    return _square_sum(new, old)
+
+
 def update_ratio(old: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor]) -> float:
     """‖new − old‖ / ‖old‖ over a shard (inf if ``new`` holds a non-finite value), one parameter's difference at a
     time: the shard's update is never held whole (docs/design.md, "Memory per parameter")."""

@@ -126,8 +126,14 @@ class OuterOptimizer(ABC):
         """This replica's contribution for the round (updates internal state such as the EF buffer)."""
 
     @abstractmethod
+    def applying(self, anchor: Tensors, contributions: Sequence[Contribution]) -> Iterator[tuple[str, torch.Tensor]]:
+        """The next global parameters (float32, CPU) from the accepted contributions, in the given order, one
+        parameter at a time as they are made (``anchor[name]`` is read when that parameter's turn comes, so the
+        caller may replace each one as it is yielded)."""
+
     def apply(self, anchor: Tensors, contributions: Sequence[Contribution]) -> dict[str, torch.Tensor]:
         """Next global parameters (float32, CPU) from the accepted contributions, in the given order."""
+        return dict(self.applying(anchor, contributions))
 
     def withdraw(self, contribution: Contribution) -> None:
         """The round closed without ``contribution``; by default nothing is kept."""
@@ -224,11 +230,13 @@ class SparseLoCo(OuterOptimizer):
                 delta = torch.where(den > 0, num / den.clamp(min=1e-30), torch.zeros_like(num))
             yield name, delta.view(ref.shape)
 
-    def apply(self, anchor: Tensors, contributions: Sequence[Contribution]) -> dict[str, torch.Tensor]:
+    def applying(self, anchor: Tensors, contributions: Sequence[Contribution]) -> Iterator[tuple[str, torch.Tensor]]:
         if not contributions:
-            return {n: t.detach().float().cpu().clone() for n, t in anchor.items()}
-        return {n: anchor[n].detach().float().cpu() - self.config.alpha * delta
-                for n, delta in self.aggregated(contributions, list(anchor))}
+            for n in anchor:
+                yield n, anchor[n].detach().float().cpu().clone()
+            return
+        for n, delta in self.aggregated(contributions, list(anchor)):
+            yield n, anchor[n].detach().float().cpu() - self.config.alpha * delta
 
     def applied(self, anchor: Tensors, contributions: Sequence[Contribution], name: str,
                 weights: Sequence[float] | None = None) -> torch.Tensor:
@@ -262,22 +270,23 @@ class DiLoCo(OuterOptimizer):
         dtype = torch.bfloat16 if self.config.wire_dtype == "bf16" else torch.float32
         return Contribution(sender, tokens, {n: d.to(dtype) for n, d in pseudo_gradient(anchor, local).items()})
 
-    def apply(self, anchor: Tensors, contributions: Sequence[Contribution]) -> dict[str, torch.Tensor]:
+    def applying(self, anchor: Tensors, contributions: Sequence[Contribution]) -> Iterator[tuple[str, torch.Tensor]]:
         if not contributions:
-            return {n: t.detach().float().cpu().clone() for n, t in anchor.items()}
+            for n in anchor:
+                yield n, anchor[n].detach().float().cpu().clone()
+            return
         w = _weights(contributions, self.config.token_weighted, self.config.max_tokens)
         total = sum(w)
         mu, lr = self.config.momentum, self.config.outer_lr
-        out = {}
-        for name, a in anchor.items():
+        for name in anchor:
+            a = anchor[name]
             mean = torch.zeros(a.shape, dtype=torch.float32)
             for wi, c in zip(w, contributions):
                 mean.add_(c.tensors[name].float(), alpha=wi / total)
             m = self.momentum.get(name)
             m = mean.clone() if m is None else m.mul_(mu).add_(mean)
             self.momentum[name] = m
-            out[name] = a.detach().float().cpu() - lr * (mean + mu * m)
-        return out
+            yield name, a.detach().float().cpu() - lr * (mean + mu * m)
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         return {f"momentum.{n}": t for n, t in self.momentum.items()}

@@ -40,6 +40,7 @@ from typing import Any
 
 import torch
 
+from hlbp.peer.rounds.anchor import Snapshot
 from hlbp.peer.rounds.outer import Contribution, OuterConfig
 from hlbp.protocol.manifest import Hyperparameters
 from hlbp.protocol.sparse import SparseTensor, decompress
@@ -57,6 +58,12 @@ def _scale(cfg: OuterConfig, replicas: int) -> float:
     return cfg.outer_lr * (1.0 + cfg.momentum) / replicas
 
 
+def _held(params: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
+    """What a view keeps of the parameters it reads: an anchor snapshot as it is (it reads its version back after
+    later rounds), any other mapping copied (its tensors, not its later changes)."""
+    return params if isinstance(params, Snapshot) else dict(params)
+
+
 def _dense(t: torch.Tensor | SparseTensor) -> torch.Tensor:
     return (decompress(t) if isinstance(t, SparseTensor) else t).detach().float().cpu()
 
@@ -71,12 +78,13 @@ class EagerStart(Mapping[str, torch.Tensor]):
     """Eager's start, ``late global - proxy step``, made one parameter at a time when it is read.
 
     A phase's start is read three times (loaded into the model, subtracted for the pseudo-gradient, and at each
-    landing), so holding it costs a whole copy of the parameters; this holds the late global tensors (which the
-    round loop replaces, never changes in place) and our own sparse contribution instead (docs/design.md,
-    "Memory"). Each read gives bit for bit what subtracting the proxy step in place gave."""
+    landing), so holding it costs a whole copy of the parameters; this holds the late global parameters (a snapshot
+    of the anchor, :mod:`hlbp.peer.rounds.anchor`, read back after the round in flight replaces them; a plain
+    mapping is copied) and our own sparse contribution instead (docs/design.md, "Memory"). Each read gives bit for
+    bit what subtracting the proxy step in place gave."""
 
     def __init__(self, late_global: Mapping[str, torch.Tensor], own: Contribution, scale: float) -> None:
-        self._late, self._own, self._scale = dict(late_global), own.tensors, scale
+        self._late, self._own, self._scale = _held(late_global), own.tensors, scale
 
     def __getitem__(self, name: str) -> torch.Tensor:
         start = self._late[name].detach().float().cpu()
@@ -100,8 +108,8 @@ class Previewed(Mapping[str, torch.Tensor]):
 
     def __init__(self, anchor: Mapping[str, torch.Tensor], parts: list[tuple[Any, list[Contribution], list[str]]]
                  ) -> None:
-        self._anchor = dict(anchor)
-        self._parts = [(outer, contributions, {n: self._anchor[n] for n in names}) for outer, contributions, names
+        self._anchor = _held(anchor)
+        self._parts = [(outer, contributions, Subset(self._anchor, list(names))) for outer, contributions, names
                        in parts]
         self._part = {n: i for i, (_, _, shard) in enumerate(self._parts) for n in shard}
         self._weights: dict[int, list[float]] = {}  # per part, decided at its first read (over its every name)
@@ -175,10 +183,10 @@ def phase_start(
     round late under overlap) and its own contribution to the round in flight (None: it has none, as after a
     restart or when it was left out; the start is then the late global parameters).
 
-    No copy is made: the late global tensors are shared (the round loop replaces them, never changes them in
-    place), and eager's start is an :class:`EagerStart` over them."""
+    No copy is made: ``late_global`` is a snapshot of the anchor, which reads its version back after the round in
+    flight replaces it (:mod:`hlbp.peer.rounds.anchor`), and eager's start is an :class:`EagerStart` over it."""
     if overlap not in OVERLAPS:
         raise ValueError(f"overlap must be one of {OVERLAPS}, got {overlap!r}")
     if overlap == "eager" and own is not None:
         return EagerStart(late_global, own, _scale(cfg, replicas))
-    return dict(late_global)
+    return _held(late_global)

@@ -156,7 +156,7 @@ class OverlapLoop:
         if run.cfg.overlap != "eager" or f is None or f.round != r or not f.mine:
             return
         if final:
-            params = dict(run.state.anchor)  # its tensors are replaced, never changed in place: a safe snapshot
+            params = run.state.anchor.snapshot()  # this version, read back after later rounds replace it
         else:
             if run.outer_cfg.kind != "sparseloco" or run.outer_cfg.aggregation != "selectors":
                 return
@@ -168,7 +168,7 @@ class OverlapLoop:
             if not senders or senders == f.previewed:
                 return
             f.previewed = senders
-            params = Previewed(run.state.anchor, [(run.state.outers[s], [own, *(got[p][s] for p in sorted(senders))],
+            params = Previewed(run.state.anchor.snapshot(), [(run.state.outers[s], [own, *(got[p][s] for p in sorted(senders))],
                                                     run.shards[s]) for s, own in f.mine.items()])
         with self._lock:
             self._offer = (r, params, final)
@@ -207,7 +207,7 @@ class OverlapLoop:
             return
         if f.landed is None:
             f.landed = run.trainer.step - f.step0
-            anchor = dict(run.state.anchor)
+            anchor = run.state.anchor.snapshot()
             run.trainer.shift_params(landing_shift(self.base, anchor))
             self.base = anchor
         self._landed.landed_after = f.landed
@@ -226,7 +226,7 @@ class OverlapLoop:
         if f is not None and finished is not None:  # joined at the phase's end: what landed before it still counts
             finished.landed_after, finished.previews = f.landed, list(f.previews)
         self._landed = None
-        snapshot = dict(run.state.anchor)  # the anchor's tensors are replaced, never changed in place: a safe snapshot
+        snapshot = run.state.anchor.snapshot()  # read back as it is now while the next exchange replaces it
         t1 = time.perf_counter()
         base = self.base if self.base is not None else run.state.anchor
         if self.stale:
@@ -238,7 +238,7 @@ class OverlapLoop:
         run.save_if_due()
         mine: dict[int, Contribution] = run.contribute(r, stats, steps, tokens, base)
         own = self._own(mine)
-        self.base = phase_start(run.cfg.overlap, run.outer_cfg, run.state.anchor, own, self._expected())
+        self.base = phase_start(run.cfg.overlap, run.outer_cfg, run.state.anchor.snapshot(), own, self._expected())
         run.trainer.load_params(self.base)
         run.overlapping = True  # from here the exchange thread must not touch the model
         run.state.round = r + 1  # the main thread owns the round counter (a resync in the exchange may move it further)

@@ -20,6 +20,7 @@ import torch
 
 from hlbp.peer.common.errors import UserInputError
 from hlbp.peer.common.files import remove_stale_temps
+from hlbp.peer.rounds.anchor import Anchor
 from hlbp.peer.rounds.state import ReplicaState
 from hlbp.peer.train.checkpoint import load_checkpoint, save_checkpoint
 from hlbp.protocol.roundwire import MAX_RECORD_BYTES
@@ -154,7 +155,7 @@ class Checkpoints:
         if saved is None:
             return False
         self.trainer.load_state(saved.tensors, saved.header)
-        state.anchor = saved.anchor
+        state.anchor = Anchor(saved.anchor)
         for s, o in state.outers.items():
             o.load_state(saved.outers[s])
         state.round = saved.round

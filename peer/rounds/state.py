@@ -5,8 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
-import torch
-
+from hlbp.peer.rounds.anchor import Anchor
 from hlbp.peer.rounds.gather import GatherRule, Standing
 from hlbp.peer.rounds.outer import OuterOptimizer
 
@@ -18,11 +17,12 @@ class ReplicaState:
     whether our state is the agreed one, and the guard batch's losses after the last committed rounds.
 
     One thread owns it at a time: without overlap the round loop's; under overlap the exchange thread changes the
-    anchor and outer optimizers of the round in flight while the main thread only reads the anchor's tensors,
-    which are replaced, never changed in place (``hlbp.peer.rounds.overlap_loop``). Checkpoints and state sync
-    read and replace it as a whole (``persist.py``, the loop's ``sync``)."""
+    anchor and outer optimizers of the round in flight while the main thread reads snapshots of the anchor
+    (:class:`~hlbp.peer.rounds.anchor.Anchor`: tensors are replaced one parameter at a time, never changed in
+    place, and a snapshot reads its version back). Checkpoints and state sync read and replace it as a whole
+    (``persist.py``, the loop's ``sync``). Given as a plain mapping, the anchor is made an :class:`Anchor`."""
 
-    anchor: dict[str, torch.Tensor]
+    anchor: Anchor
     outers: dict[int, OuterOptimizer]
     round: int = 0
     in_sync: bool = True
@@ -36,6 +36,10 @@ class ReplicaState:
     # who was selected when, as the accepted sets taken show (rounds/gather.py): the gather rule's input, kept in
     # checkpoints so that a peer resuming its current state checks and coordinates capped rounds at once
     standing: Standing = field(default_factory=lambda: Standing(GatherRule().memory))
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.anchor, Anchor):
+            self.anchor = Anchor(self.anchor)
 
 
 class StartKind(Enum):

@@ -140,3 +140,23 @@ def test_eager_landing_mid_phase_recovers_the_delay(builtin_data: PreparedData) 
         torch.set_num_threads(before)
     assert one_landed["final_val_loss"] == one_none["final_val_loss"]
     assert sum(left) / len(left) < 0.66, left
+
+
+def test_eager_start_and_preview_over_an_anchor_snapshot_read_the_late_version_after_the_round_replaced_it() -> None:
+    """What an overlapped phase holds while its round's exchange replaces the anchor parameter by parameter: a
+    snapshot, read back bit for bit, instead of the old tensors (rounds/anchor.py)."""
+    from hlbp.peer.rounds.anchor import Anchor
+
+    cfg = OuterConfig(k=64, alpha=1.0, aggregation="selectors")
+    late, own = _own(cfg)
+    _, other = _own(OuterConfig(k=32, alpha=1.0, aggregation="selectors"))
+    anchor = Anchor({n: t.clone() for n, t in late.items()})
+    start = phase_start("eager", cfg, anchor.snapshot(), own, 2)
+    preview = Previewed(anchor.snapshot(), [(make_outer(cfg), [own, other], list(late))])
+    expected_start = {n: phase_start("eager", cfg, late, own, 2)[n] for n in late}
+    expected_preview = {n: Previewed(late, [(make_outer(cfg), [own, other], list(late))])[n] for n in late}
+    for n, value in make_outer(cfg).applying(anchor, [own, other]):  # the round lands, one parameter at a time
+        anchor[n] = value
+    assert not torch.equal(anchor["w"], late["w"])
+    for n in late:
+        assert torch.equal(start[n], expected_start[n]) and torch.equal(preview[n], expected_preview[n])
