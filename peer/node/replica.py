@@ -69,6 +69,9 @@ class ReplicaOptions:
     device: str = "auto"
     wait_replicas: int = 0  # fresh run: before round 0, wait until this many replicas (us included) are announced
     wait_replicas_timeout_s: float = 120.0  # ... but start anyway after this long
+    # how this peer stores its own optimizer state, never sent or checksummed: AdamW's moments and SparseLoCo's error
+    # feedback ("bf16": 6 bytes per parameter less than "fp32"; docs/design.md, "Memory per parameter")
+    state_dtype: str = "bf16"
     # a fault test's change to the runner's parts before it starts (it wraps them: tests/peer/rounds/faulty_peer.py);
     # production: None
     faults: Callable[[Any], None] | None = None
@@ -131,11 +134,13 @@ def replica_model(m: Any, vocab_size: int) -> tuple[ModelConfig, Stage, Subspace
     return config, model, constraint
 
 
-def inner_schedule(lr: float, total_steps: int) -> OptimConfig:
+def inner_schedule(lr: float, total_steps: int, moments: str = "fp32") -> OptimConfig:
     """The inner AdamW schedule of a run: peak ``lr``, warm-up over a tenth of the schedule (at most 30 steps), then
     cosine. Every full replica and swarm driver builds it from the manifest (``lr``, ``schedule_total``), so the
-    replicas of one round train at the same learning rate (a driver sends each step's rate down its chain)."""
-    return OptimConfig(lr=lr, warmup_steps=min(30, max(1, total_steps // 10)), total_steps=total_steps)
+    replicas of one round train at the same learning rate (a driver sends each step's rate down its chain).
+    ``moments``: how this peer stores AdamW's moments (its own choice, ``OptimConfig.moments``)."""
+    return OptimConfig(lr=lr, warmup_steps=min(30, max(1, total_steps // 10)), total_steps=total_steps,
+                       moments=moments)
 
 
 class ParamScorer:
@@ -160,16 +165,17 @@ class ParamScorer:
             return evaluate_params(self._shell, params, batches, self.device)
 
 
-def round_settings(m: Any, checkpoint_every_s: float) -> tuple[OuterConfig, RoundConfig]:
+def round_settings(m: Any, checkpoint_every_s: float, ef_dtype: str = "fp32") -> tuple[OuterConfig, RoundConfig]:
     """The outer optimizer and round protocol settings of run manifest ``m``: the same on every peer of the run,
-    full replica or stage peer."""
+    full replica or stage peer, but for ``ef_dtype``, how this peer stores its own error feedback."""
     hp = m.hparams
     outer = OuterConfig(kind=hp.outer, k=hp.k, beta=hp.beta, alpha=hp.alpha,  # type: ignore[arg-type]
                         outer_lr=hp.outer_lr, momentum=hp.momentum, clip_median=hp.clip_median,
                         aggregation=hp.aggregation,  # type: ignore[arg-type]
                         small_tensors=hp.small_tensors,
                         token_weighted=hp.weighting == "tokens",
-                        max_tokens=hp.inner_steps * hp.batch_size * hp.seq_len)
+                        max_tokens=hp.inner_steps * hp.batch_size * hp.seq_len,
+                        ef_dtype=ef_dtype)  # type: ignore[arg-type]
     rcfg = RoundConfig(run_id=m.run_id, inner_steps=hp.inner_steps, deadline_s=hp.round_deadline_s,
                        min_deadline_s=hp.min_deadline_s, max_deadline_s=hp.max_deadline_s,
                        min_contributors=hp.min_contributors, checkpoint_every_s=checkpoint_every_s,
@@ -235,11 +241,11 @@ def run_replica(ctx: TrainContext, options: ReplicaOptions, echo: Any = print) -
     shards = [[n for n, _ in s.named_parameters()] for s in stages]
     rank = data_rank(peer.plane.peer_id)
     stream = TokenStream(data.train, hp.seq_len, hp.batch_size, seed=m.seed, rank=rank)
-    optim = inner_schedule(hp.lr, hp.schedule_total)
+    optim = inner_schedule(hp.lr, hp.schedule_total, options.state_dtype)
     trainer = InnerTrainer(model, optim, micro_batches(stream, 1), device, constraint=constraint)
     val = val_batches(data.val, hp.seq_len, hp.batch_size, options.eval_batches) if options.eval_batches else []
     guard_batch = val_batches(data.val, hp.seq_len, hp.batch_size, 1)  # the same on every peer of the run
-    outer, rcfg = round_settings(m, options.checkpoint_every_s)
+    outer, rcfg = round_settings(m, options.checkpoint_every_s, options.state_dtype)
     # behind NAT: say so in our notices, so that a dialable peer coordinates (hlbp.peer.rounds.rules)
     rcfg = dataclasses.replace(rcfg, dialable=peer.reachability is not Reachability.CLIENT)
     scorer = ParamScorer(trainer, device, separate=rcfg.overlap != "none")

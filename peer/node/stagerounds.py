@@ -144,7 +144,8 @@ def make_stage_rounds(ctx: Any, worker: StageWorker, config: Any, phase: Callabl
                       on_round: Callable[[Any, float | None], None] | None = None,
                       codec: ActivationCodec | None = None, driven: bool = False,
                       notary: Notary | None = None,
-                      swarm_mates: Callable[[], AbstractSet[str]] = frozenset) -> tuple[RoundRunner, Any]:
+                      swarm_mates: Callable[[], AbstractSet[str]] = frozenset,
+                      ef_dtype: str = "fp32") -> tuple[RoundRunner, Any]:
     """The round loop of this stage peer (``ctx``: its join context) and the blob transport it serves its
     payloads and shard state on; the caller closes both. ``driven``: a stage server, whose phase is its driver's
     steps and so is never sat out after a state sync (the driver decides whether the swarm trains that round; a
@@ -154,6 +155,8 @@ def make_stage_rounds(ctx: Any, worker: StageWorker, config: Any, phase: Callabl
     ``codec``: the stage's activation codec. In a B or A+drift run its table is rebuilt from the synchronized
     embedding after every round, and a stage after the first follows shard 0 for it, starting from the seed's
     initial parameters (the whole model is built once more for them).
+
+    ``ef_dtype``: how this peer stores its error feedback (its own choice, ``OuterConfig.ef_dtype``).
 
     ``notary``: what keeps the frames this stage received; a round that bans a peer it received frames from in that
     round, and leaves out this peer's contribution, finds the contribution tainted: it is dropped, and the stage's
@@ -166,7 +169,7 @@ def make_stage_rounds(ctx: Any, worker: StageWorker, config: Any, phase: Callabl
         stages = split(config, len(bounds), bounds)
     shards = [[n for n, _ in s.named_parameters()] for s in stages]
     shapes = [{n: tuple(p.shape) for n, p in s.named_parameters()} for s in stages]
-    outer, rcfg = round_settings(m, checkpoint_every_s)
+    outer, rcfg = round_settings(m, checkpoint_every_s, ef_dtype)
     if rcfg.overlap != "none":
         # a swarm scores the anchor through its chain, whose stage weights the overlapped phase is training: not
         # built yet, so stage peers take part in an overlapped run's rounds without overlapping their own phase

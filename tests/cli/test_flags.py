@@ -20,6 +20,9 @@ def test_join_flags_become_the_plan_of_one_peer(monkeypatch):
     assert plan.join.probe_bytes == 2 << 20 and plan.join.role == "replica" and plan.join.out_dir == Path("runs/join")
     assert plan.replica.rounds == 3 and plan.replica.threads == 2 and plan.stage.threads == 2
     assert plan.stage.micro_batches == 4 and plan.local_only
+    assert plan.replica.state_dtype == plan.stage.state_dtype == "bf16"  # the default: 6 bytes per parameter less
+    fp32 = join_plan(["--state-dtype", "fp32"])
+    assert fp32.replica.state_dtype == fp32.stage.state_dtype == "fp32"
 
 
 @pytest.mark.parametrize(("changes", "message"), [
@@ -30,6 +33,7 @@ def test_join_flags_become_the_plan_of_one_peer(monkeypatch):
     ({"stage_deadline": 0.0}, "--stage-deadline > 0"),
     ({"rounds": -1}, "--rounds, --checkpoint-every, --wait-replicas and --wait-replicas-timeout must be >= 0"),
     ({"wait_replicas_timeout": -1.0}, "--wait-replicas-timeout must be >= 0"),
+    ({"state_dtype": "fp8"}, "--state-dtype must be fp32 or bf16, got 'fp8'"),
 ])
 def test_join_flags_refuse_values_no_peer_runs_with(changes, message):
     with pytest.raises(UserInputError, match=message.replace(".", r"\.")):
