@@ -20,6 +20,8 @@ def memory(
     rounds: int | None = opt(None, "--rounds", env="BENCH_ROUNDS", help="Outer rounds (default 3; quick 2)."),
     overlap: str | None = opt(None, "--overlap", env="BENCH_OVERLAP",
                               help="Round overlap of the runs: none, naive or eager (default eager)."),
+    state_dtype: str | None = opt(None, "--state-dtype", env="BENCH_STATE_DTYPE",
+                                  help="Every peer's --state-dtype: fp32 or bf16 (default: hlbp join's, bf16)."),
     workdir: Path | None = opt(None, "--workdir", env="BENCH_WORKDIR",
                                help="Keep the runs' logs and metrics here (default: a temporary directory)."),
 ) -> None:
@@ -33,13 +35,15 @@ def memory(
     changes: dict = {"workdir": workdir}
     if presets:
         changes["presets"] = tuple(p.strip() for p in presets.split(",") if p.strip())
-    for name, value in (("stages", stages), ("rounds", rounds), ("overlap", overlap)):
+    for name, value in (("stages", stages), ("rounds", rounds), ("overlap", overlap), ("state_dtype", state_dtype)):
         if value is not None:
             changes[name] = value
     cfg = dataclasses.replace(cfg, **changes)
     unknown = [p for p in cfg.presets if p not in PRESETS]
     if unknown or not cfg.presets:
         raise UserInputError(f"--presets must name presets of {', '.join(PRESETS)}; got {presets!r}")
-    if cfg.stages < 2 or cfg.rounds < 1 or cfg.overlap not in ("none", "naive", "eager"):
-        raise UserInputError("--stages must be >= 2, --rounds >= 1, --overlap one of none, naive, eager")
+    if cfg.stages < 2 or cfg.rounds < 1 or cfg.overlap not in ("none", "naive", "eager") \
+            or cfg.state_dtype not in (None, "fp32", "bf16"):
+        raise UserInputError("--stages must be >= 2, --rounds >= 1, --overlap one of none, naive, eager, "
+                             "--state-dtype fp32 or bf16")
     run_memory_bench(cfg, out, console)

@@ -43,6 +43,7 @@ class MemoryBenchConfig:
     batch_size: int = 4
     seq_len: int = 64
     overlap: str = "eager"
+    state_dtype: str | None = None  # every peer's --state-dtype (None: hlbp join's default, bf16)
     seed: int = 0
     timeout_s: float = 1800.0
     workdir: Path | None = None
@@ -90,7 +91,7 @@ def preset_run(cfg: MemoryBenchConfig, preset: str, workdir: Path) -> dict[str, 
     sim = SimConfig(n_full=cfg.full, n_swarms=1, n_stages=cfg.stages, model=preset, rounds=cfg.rounds,
                     inner_steps=cfg.inner_steps, batch_size=cfg.batch_size, seq_len=cfg.seq_len, overlap=cfg.overlap,
                     seed=cfg.seed, threads=1, run_id=f"memory-{preset}", startup_timeout_s=600.0,
-                    max_deadline_s=120.0, round_deadline_s=30.0, checkpoint_every_s=0.0)
+                    max_deadline_s=120.0, round_deadline_s=30.0, checkpoint_every_s=0.0, state_dtype=cfg.state_dtype)
     report = run_simulation(sim, workdir, cfg.timeout_s)
     memory = peak_memory(report["rounds"])
     return {
@@ -155,7 +156,8 @@ def run_memory_bench(cfg: MemoryBenchConfig, out: Path | None = None,
                          b["peak_device_bytes_per_param"] if b["peak_device_bytes"] else "-",
                          f"{r['rounds_agreed']}/{r['rounds']}"])
     print_table(console, f"memory: peak above the pre-model baseline, {cfg.rounds} rounds of H={cfg.inner_steps}, "
-                         f"overlap {cfg.overlap}, batch {cfg.batch_size}x{cfg.seq_len}",
+                         f"overlap {cfg.overlap}, batch {cfg.batch_size}x{cfg.seq_len}, "
+                         f"own state {cfg.state_dtype or 'bf16'}",
                 ["preset", "role", "params trained", "baseline GiB", "peak GiB", "host B/param", "device B/param",
                  "rounds agreed"], rows)
     projection = project(runs, cfg.projected)

@@ -99,6 +99,7 @@ class SimConfig:
     swarm_wan_mbps: float | None = None
     schedule_steps: int | None = None  # the inner lr schedule's length on every peer (None: rounds x H, the run)
     checkpoint_every_s: float | None = None  # every peer's --checkpoint-every (None: join's default; 0: every round)
+    state_dtype: str | None = None  # every peer's --state-dtype (None: join's default)
 
     @property
     def schedule_total(self) -> int:
@@ -326,6 +327,8 @@ class Swarm:
                 "--out-dir", str(out_dir), "--ttl", str(self.cfg.ttl_s), *role_flags]
         if self.cfg.checkpoint_every_s is not None:
             args += ["--checkpoint-every", str(self.cfg.checkpoint_every_s)]
+        if self.cfg.state_dtype is not None:
+            args += ["--state-dtype", self.cfg.state_dtype]
         peer = Replica(name, identity, out_dir, self._spawn(name, args, program), old.peer_id if old else "")
         self.replicas[name] = peer
         return peer
