@@ -211,44 +211,67 @@ class SparseLoCo(OuterOptimizer):
         """:meth:`aggregate` one parameter at a time: the weights (and median clipping) are decided over every
         name first (:meth:`weights`; given: decided before over the shard), then each dense Δ is made when it is
         asked for, so the caller holds one parameter's Δ at a time, not the model's (docs/design.md, "Memory")."""
+        for name, (positions, values) in self._sparse_aggregated(contributions, names, weights):
+            shape = contributions[0].tensors[name].shape
+            delta = torch.zeros(math.prod(shape), dtype=torch.float32)
+            delta[positions] = values
+            yield name, delta.view(shape)
+
+    def _sparse_aggregated(self, contributions: Sequence[Contribution], names: Sequence[str],
+                           weights: Sequence[float] | None = None
+                           ) -> Iterator[tuple[str, tuple[torch.Tensor, torch.Tensor]]]:
+        """Per name, the aggregate Δ at the flat positions some contribution selected (sorted), and nowhere else
+        (it is zero there): the sums run over those positions only, contribution after contribution in the given
+        order, so each value is bit for bit what a dense sum gives, with temporaries as large as the positions
+        sent rather than the parameter (several parameter-sized buffers each round, before)."""
         cfg = self.config
         w = list(weights) if weights is not None else self.weights(contributions, names)
         total = sum(_weights(contributions, cfg.token_weighted, cfg.max_tokens))
         for name in names:
-            ref = contributions[0].tensors[name]
-            numel = math.prod(ref.shape)
-            num = torch.zeros(numel, dtype=torch.float32)
-            den = torch.zeros(numel, dtype=torch.float32)
-            for wi, c, v in zip(w, contributions, self._values(contributions, name)):
-                idx = c.tensors[name].flat_indices()
-                num.index_add_(0, idx, v * wi)
+            picked = [c.tensors[name].flat_indices() for c in contributions]
+            positions, where = torch.unique(torch.cat(picked), sorted=True, return_inverse=True)
+            num = torch.zeros(positions.numel(), dtype=torch.float32)
+            den = torch.zeros(positions.numel(), dtype=torch.float32)
+            start = 0
+            for wi, idx, v in zip(w, picked, self._values(contributions, name)):
+                at = where[start:start + idx.numel()]
+                start += idx.numel()
+                num.index_add_(0, at, v * wi)
                 if cfg.aggregation == "selectors":
-                    den.index_add_(0, idx, torch.full((idx.numel(),), wi, dtype=torch.float32))
+                    den.index_add_(0, at, torch.full((idx.numel(),), wi, dtype=torch.float32))
             if cfg.aggregation == "mean":
                 delta = num / total
             else:
                 delta = torch.where(den > 0, num / den.clamp(min=1e-30), torch.zeros_like(num))
-            yield name, delta.view(ref.shape)
+            yield name, (positions, delta)
+
+    def _stepped(self, t: torch.Tensor, positions: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+        """``t - alpha * Δ`` for a Δ that is zero but at ``positions``: a copy of ``t`` changed there (elsewhere
+        ``x - alpha * 0`` is ``x`` bit for bit)."""
+        out = t.detach().float().cpu().clone(memory_format=torch.contiguous_format)
+        flat = out.view(-1)
+        flat[positions] = flat[positions] - self.config.alpha * delta
+        return out
 
     def applying(self, anchor: Tensors, contributions: Sequence[Contribution]) -> Iterator[tuple[str, torch.Tensor]]:
         if not contributions:
             for n in anchor:
                 yield n, anchor[n].detach().float().cpu().clone()
             return
-        for n, delta in self.aggregated(contributions, list(anchor)):
-            yield n, anchor[n].detach().float().cpu() - self.config.alpha * delta
+        for n, (positions, delta) in self._sparse_aggregated(contributions, list(anchor)):
+            yield n, self._stepped(anchor[n], positions, delta)
 
     def applied(self, anchor: Tensors, contributions: Sequence[Contribution], name: str,
                 weights: Sequence[float] | None = None) -> torch.Tensor:
         """One parameter of :meth:`apply`'s result, bit for bit, for a view that makes the result one parameter at
         a time (``hlbp.peer.rounds.overlap.Previewed``). ``weights``: :meth:`weights` over ``anchor``'s names,
         decided once by the caller; without them they are decided here, over every name, for this one read."""
-        t = anchor[name].detach().float().cpu()
+        t = anchor[name]
         if not contributions:
-            return t.clone()
+            return t.detach().float().cpu().clone()
         w = weights if weights is not None else self.weights(contributions, list(anchor))
-        for _, delta in self.aggregated(contributions, [name], weights=w):
-            return t - self.config.alpha * delta
+        for _, (positions, delta) in self._sparse_aggregated(contributions, [name], weights=w):
+            return self._stepped(t, positions, delta)
         raise KeyError(name)
 
     def state_tensors(self) -> dict[str, torch.Tensor]:

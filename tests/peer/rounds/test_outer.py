@@ -1,5 +1,6 @@
 """Outer optimizers: the error-feedback identity, aggregation modes, withdrawal, DiLoCo's Nesterov step."""
 
+import pytest
 import torch
 
 from hlbp.peer.rounds.outer import DiLoCo, OuterConfig, SparseLoCo, make_outer
@@ -162,3 +163,39 @@ def test_bf16_error_feedback_is_half_the_bytes_and_keeps_the_identity_to_its_rou
     assert all(torch.equal(again.ef[n], opt.ef[n]) and again.ef[n].dtype == torch.bfloat16 for n in anchor)
     opt.withdraw(c)  # a withdrawn contribution goes back into the bf16 buffer
     assert all(opt.ef[n].dtype == torch.bfloat16 for n in anchor)
+
+
+def _dense_reference(opt, anchor, contributions):
+    """The round's result summed over whole dense buffers, the way the aggregation was first written."""
+    cfg = opt.config
+    w = opt.weights(contributions, list(anchor))
+    total = sum(c.tokens if cfg.token_weighted else 1.0 for c in contributions)
+    out = {}
+    for name, a in anchor.items():
+        num, den = torch.zeros(a.numel()), torch.zeros(a.numel())
+        for wi, c, v in zip(w, contributions, opt._values(contributions, name)):
+            idx = c.tensors[name].flat_indices()
+            num.index_add_(0, idx, v * wi)
+            den.index_add_(0, idx, torch.full((idx.numel(),), wi))
+        delta = num / total if cfg.aggregation == "mean" else \
+            torch.where(den > 0, num / den.clamp(min=1e-30), torch.zeros_like(num))
+        out[name] = a - cfg.alpha * delta.view(a.shape)
+    return out
+
+
+@pytest.mark.parametrize("aggregation", ["mean", "selectors"])
+@pytest.mark.parametrize("clip", [False, True])
+def test_the_sparse_aggregation_is_the_dense_sum_bit_for_bit(aggregation, clip):
+    """The round's result is summed over the positions sent only (temporaries as large as those, not the parameter),
+    and every peer's checksum depends on its bits: they must be a dense sum's exactly."""
+    anchor = _params(0, {"w": (300, 500), "b": (77,), "e": (1000, 64)})
+    contributions = []
+    for i in range(4):
+        local = {n: t - 0.01 * torch.randn_like(t) for n, t in anchor.items()}
+        contributions.append(SparseLoCo(OuterConfig(k=64)).contribute(anchor, local, f"p{i}", 100 + 10 * i))
+    opt = SparseLoCo(OuterConfig(k=64, aggregation=aggregation, clip_median=clip, alpha=0.8))
+    want = _dense_reference(opt, anchor, contributions)
+    got = opt.apply(anchor, contributions)
+    for n in anchor:
+        assert torch.equal(got[n].view(torch.int32), want[n].view(torch.int32))
+        assert torch.equal(opt.applied(anchor, contributions, n).view(torch.int32), want[n].view(torch.int32))
