@@ -20,7 +20,7 @@ from torch import nn
 
 from hlbp.peer.common.errors import UserInputError
 from hlbp.peer.model.subspace import SubspaceConstraint
-from hlbp.peer.train.adamw import STATE_DTYPES, CompactAdamW
+from hlbp.peer.train.adamw import MOMENT_LAYOUTS, CompactAdamW
 from hlbp.peer.train.checkpoint import optimizer_from_tensors, optimizer_to_tensors
 
 
@@ -37,7 +37,7 @@ class OptimConfig:
     beta2: float = 0.95
     grad_clip: float = 1.0  # max global grad norm; 0 disables clipping
     grad_accum: int = 1  # micro-batches per optimizer step
-    moments: str = "fp32"  # how AdamW's two moments are stored between steps: fp32, or bf16 (CompactAdamW)
+    moments: str = "fp32"  # how AdamW's moments are stored between steps: fp32, v-bf16 or bf16 (MOMENT_LAYOUTS)
 
     def validate(self) -> None:
         if not (self.lr > 0 and math.isfinite(self.lr)):
@@ -50,8 +50,9 @@ class OptimConfig:
             raise UserInputError(f"--grad-accum must be >= 1, got {self.grad_accum}")
         if self.grad_clip < 0 or self.weight_decay < 0:
             raise UserInputError("--grad-clip and --weight-decay must be >= 0")
-        if self.moments not in STATE_DTYPES:
-            raise UserInputError(f"AdamW moments must be stored as one of {', '.join(STATE_DTYPES)}, got {self.moments!r}")
+        if self.moments not in MOMENT_LAYOUTS:
+            raise UserInputError(f"AdamW moments must be stored as one of {', '.join(MOMENT_LAYOUTS)}, "
+                                 f"got {self.moments!r}")
 
 
 def lr_at(step: int, cfg: OptimConfig) -> float:
@@ -89,12 +90,12 @@ def make_adamw(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
 
     The fused kernel (CPU and CUDA) updates each tensor in one pass; the multi-tensor ("foreach") one allocates
     temporaries as large as all parameters together, 4 bytes per parameter at the step's peak (docs/design.md,
-    "Memory"). ``cfg.moments`` "bf16" keeps the moments in bfloat16 between steps (:class:`CompactAdamW`)."""
+    "Memory"). ``cfg.moments`` other than "fp32" keeps moments in bfloat16 between steps (:class:`CompactAdamW`)."""
     decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     if cfg.moments != "fp32":
-        return CompactAdamW(groups, moment_dtype=STATE_DTYPES[cfg.moments], lr=cfg.lr, betas=(cfg.beta1, cfg.beta2))
+        return CompactAdamW(groups, layout=cfg.moments, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2))
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=True)
 
 

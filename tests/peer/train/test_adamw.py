@@ -27,19 +27,21 @@ def test_with_float32_moments_it_is_torch_adamw_bit_for_bit(builtin_data):
     """The per-parameter stepping itself changes nothing: stored in float32 it equals the fused AdamW exactly."""
     ref, compact = _trainer(builtin_data), _trainer(builtin_data)
     groups = [{"params": g["params"], "weight_decay": g["weight_decay"]} for g in compact.optimizer.param_groups]
-    compact.optimizer = CompactAdamW(groups, moment_dtype=torch.float32, lr=3e-3, betas=(0.9, 0.95))
+    compact.optimizer = CompactAdamW(groups, layout="fp32", lr=3e-3, betas=(0.9, 0.95))
     assert _steps(ref, 6) == _steps(compact, 6)
     for a, b in zip(ref.model.parameters(), compact.model.parameters()):
         assert torch.equal(a, b)
 
 
-def test_bf16_moments_halve_the_state_and_train_like_float32(builtin_data):
-    ref, compact = _trainer(builtin_data), _trainer(builtin_data, "bf16")
+@pytest.mark.parametrize(("layout", "per_param"), [("bf16", 4), ("v-bf16", 6)])
+def test_bf16_moments_shrink_the_state_and_train_like_float32(builtin_data, layout, per_param):
+    ref, compact = _trainer(builtin_data), _trainer(builtin_data, layout)
     losses_ref, losses = _steps(ref, 30), _steps(compact, 30)
     states = list(compact.optimizer.state.values())
-    assert states and all(s[k].dtype == torch.bfloat16 for s in states for k in ("exp_avg", "exp_avg_sq"))
+    assert states and all(s["exp_avg_sq"].dtype == torch.bfloat16 for s in states)
+    assert all(s["exp_avg"].dtype == (torch.bfloat16 if layout == "bf16" else torch.float32) for s in states)
     held = sum(s[k].numel() * s[k].element_size() for s in states for k in ("exp_avg", "exp_avg_sq"))
-    assert held == 4 * sum(p.numel() for p in compact.model.parameters())  # 2 x 2 bytes per parameter
+    assert held == per_param * sum(p.numel() for p in compact.model.parameters())
     assert losses[-1] < losses[0] - 1.0
     assert abs(losses[-1] - losses_ref[-1]) < 0.02 * losses_ref[-1]  # the same training, to the moments' rounding
 
