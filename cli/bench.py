@@ -51,8 +51,9 @@ def convergence(
                             "(--quick: a smoke run)."),
     state: bool = opt(False, "--state", env="BENCH_STATE",
                       help="A peer's own state in bfloat16: SparseLoCo with float32 error feedback and AdamW moments, "
-                           "with bf16 error feedback, and with both in bf16, beside DiLoCo and the single AdamW run "
-                           "(40 rounds of H = 15; --quick: a smoke run)."),
+                           "with bf16 error feedback, with it and AdamW's second moment in bf16, and with both moments "
+                           "in bf16, beside DiLoCo and the single AdamW run (40 rounds of H = 15; --quick: a smoke "
+                           "run)."),
     ablations: bool = opt(False, "--ablations", env="BENCH_ABLATIONS",
                           help="--long: also the small-tensor rule (per k) and median-norm clipping against their "
                                "defaults, 3 runs more."),

@@ -124,9 +124,9 @@ class ConvergenceBenchConfig:
     @classmethod
     def state(cls, quick: bool = False, **overrides: Any) -> ConvergenceBenchConfig:
         """A peer's own state in bfloat16: SparseLoCo (k = 64) with float32 error feedback and AdamW moments, with
-        bf16 error feedback, and with both in bf16, beside DiLoCo and the single AdamW run: 40 rounds of H = 15
-        with R = 4, warm-up over 5 % then cosine to 0.1x (the NoLoCo sweep's horizon). ``quick``: 3 rounds of
-        H = 3."""
+        bf16 error feedback, with it and AdamW's second moment in bf16, and with it and both moments in bf16,
+        beside DiLoCo and the single AdamW run: 40 rounds of H = 15 with R = 4, warm-up over 5 % then cosine to
+        0.1x (the NoLoCo sweep's horizon). ``quick``: 3 rounds of H = 3."""
         base = cls(rounds=40, inner_steps=15, batch_size=4, seq_len=128, warmup_frac=0.05, eval_batches=16,
                    sweep="state", ks=(64,), aggregations=("selectors",), print_every=5)
         if quick:
@@ -213,6 +213,8 @@ def methods(cfg: ConvergenceBenchConfig) -> list[Method]:
         k, agg = cfg.ks[0], cfg.aggregations[0]
         out.append(Method(f"sparseloco k={k} fp32 state", _sparseloco(cfg, k, agg)))
         out.append(Method(f"sparseloco k={k} ef bf16", _sparseloco(cfg, k, agg, ef_dtype="bf16")))
+        out.append(Method(f"sparseloco k={k} ef+v bf16", _sparseloco(cfg, k, agg, ef_dtype="bf16"),
+                          moments="v-bf16"))
         out.append(Method(f"sparseloco k={k} ef+moments bf16", _sparseloco(cfg, k, agg, ef_dtype="bf16"),
                           moments="bf16"))
     elif cfg.sweep == "overlap":

@@ -200,3 +200,21 @@ def test_noloco_sweep_runs_dense_and_sparse_pairs_beside_the_round_methods(tmp_p
     v = doc["result"]["noloco"]
     assert v["noloco dense"]["against"] == "diloco" and v["noloco sparse k=64"]["against"] == "sparseloco k=64"
     assert out.with_suffix(".png").stat().st_size > 10_000
+
+
+def test_state_sweep_runs_sparseloco_with_its_own_state_in_float32_and_in_bf16(tmp_path: Path,
+                                                                             builtin_data: object) -> None:
+    """`hlbp bench convergence --state --quick`: the same SparseLoCo with the peer's own state (error feedback,
+    AdamW's moments) stored in float32 and in bf16, on equal tokens; the bf16 runs train, and differ from float32."""
+    out = tmp_path / "state.json"
+    proc = _bench("--state", "--quick", "--rounds", "2", "--jobs", "2", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    runs = json.loads(out.read_text())["result"]["runs"]
+    sl = ["sparseloco k=64 fp32 state", "sparseloco k=64 ef bf16", "sparseloco k=64 ef+v bf16",
+          "sparseloco k=64 ef+moments bf16"]
+    assert set(runs) == {"adamw (1 replica, R x batch)", "diloco", *sl}
+    assert len({res["tokens"] for res in runs.values()}) == 1
+    for label in sl:
+        h = runs[label]["history"]
+        assert h[-1]["val_loss"] < h[0]["val_loss"], label
+    assert runs[sl[3]]["final_val_loss"] != runs[sl[0]]["final_val_loss"]  # the moments really were rounded
