@@ -21,7 +21,8 @@ def memory(
     overlap: str | None = opt(None, "--overlap", env="BENCH_OVERLAP",
                               help="Round overlap of the runs: none, naive or eager (default eager)."),
     state_dtype: str | None = opt(None, "--state-dtype", env="BENCH_STATE_DTYPE",
-                                  help="Every peer's --state-dtype: fp32 or bf16 (default: hlbp join's, bf16)."),
+                                  help="Every peer's --state-dtype: fp32, bf16, bf16-v or bf16-all (default: hlbp join's, "
+                                       "bf16)."),
     workdir: Path | None = opt(None, "--workdir", env="BENCH_WORKDIR",
                                help="Keep the runs' logs and metrics here (default: a temporary directory)."),
 ) -> None:
@@ -43,7 +44,7 @@ def memory(
     if unknown or not cfg.presets:
         raise UserInputError(f"--presets must name presets of {', '.join(PRESETS)}; got {presets!r}")
     if cfg.stages < 2 or cfg.rounds < 1 or cfg.overlap not in ("none", "naive", "eager") \
-            or cfg.state_dtype not in (None, "fp32", "bf16"):
+            or cfg.state_dtype not in (None, "fp32", "bf16", "bf16-v", "bf16-all"):
         raise UserInputError("--stages must be >= 2, --rounds >= 1, --overlap one of none, naive, eager, "
-                             "--state-dtype fp32 or bf16")
+                             "--state-dtype fp32, bf16, bf16-v or bf16-all")
     run_memory_bench(cfg, out, console)

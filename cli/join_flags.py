@@ -66,8 +66,10 @@ class JoinFlags:
                             help="Full replica trains alone with the inner trainer, without outer rounds.")
     threads: int | None = flag(None, "--threads", env="THREADS", help="torch CPU threads.")
     state_dtype: str = flag("bf16", "--state-dtype", env="STATE_DTYPE",
-                            help="How this peer keeps its own optimizer state, never sent: AdamW's moments and "
-                                 "SparseLoCo's error feedback. bf16 holds 6 bytes per parameter less than fp32.")
+                            help="How this peer keeps its own optimizer state, never sent: bf16 keeps SparseLoCo's error "
+                                 "feedback in bf16 (2 bytes per parameter less than fp32, loss unchanged); bf16-v also "
+                                 "AdamW's second moment, bf16-all both moments (2 and 4 bytes more, at a measured "
+                                 "loss cost).")
     checkpoint_every: float = flag(300.0, "--checkpoint-every", env="CHECKPOINT_EVERY",
                                    help="Full replica: save the checkpoint at most every this many seconds (0: every "
                                         "round); it is always saved on SIGTERM and at the end.")
@@ -97,8 +99,8 @@ class JoinFlags:
                            help="Stage 0: validation loss through the pipeline every this many steps (0: never).")
 
     def __post_init__(self) -> None:
-        if self.state_dtype not in ("fp32", "bf16"):
-            raise UserInputError(f"--state-dtype must be fp32 or bf16, got {self.state_dtype!r}")
+        if self.state_dtype not in ("fp32", "bf16", "bf16-v", "bf16-all"):
+            raise UserInputError(f"--state-dtype must be fp32, bf16, bf16-v or bf16-all, got {self.state_dtype!r}")
         if self.probe_mb <= 0 or self.max_steps is not None and self.max_steps < 0:
             raise UserInputError("--probe-mb must be > 0 and --max-steps >= 0")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:

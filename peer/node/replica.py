@@ -69,8 +69,7 @@ class ReplicaOptions:
     device: str = "auto"
     wait_replicas: int = 0  # fresh run: before round 0, wait until this many replicas (us included) are announced
     wait_replicas_timeout_s: float = 120.0  # ... but start anyway after this long
-    # how this peer stores its own optimizer state, never sent or checksummed: AdamW's moments and SparseLoCo's error
-    # feedback ("bf16": 6 bytes per parameter less than "fp32"; docs/design.md, "Memory per parameter")
+    # how this peer stores its own optimizer state, never sent or checksummed (a key of STATE_LAYOUTS)
     state_dtype: str = "bf16"
     # a fault test's change to the runner's parts before it starts (it wraps them: tests/peer/rounds/faulty_peer.py);
     # production: None
@@ -132,6 +131,18 @@ def replica_model(m: Any, vocab_size: int) -> tuple[ModelConfig, Stage, Subspace
     model = initial_model(config, m.seed)
     constraint = SubspaceConstraint(dict(model.named_parameters()), config) if config.subspace_rank else None
     return config, model, constraint
+
+
+STATE_LAYOUTS = {
+    "fp32": ("fp32", "fp32"),
+    "bf16": ("bf16", "fp32"),
+    "bf16-v": ("bf16", "v-bf16"),
+    "bf16-all": ("bf16", "bf16"),
+}
+"""``hlbp join --state-dtype``: how a peer stores its own optimizer state, never sent or checksummed, as (SparseLoCo's
+error feedback, AdamW's moments: ``MOMENT_LAYOUTS``). "bf16" (the default) keeps the error feedback in bf16, 2 bytes
+per parameter less than "fp32" at an unchanged loss; "bf16-v" also AdamW's second moment (2 more) and "bf16-all"
+both moments (4 more), each at a measured loss cost (docs/results.md, "Memory per parameter")."""
 
 
 def inner_schedule(lr: float, total_steps: int, moments: str = "fp32") -> OptimConfig:
@@ -241,11 +252,12 @@ def run_replica(ctx: TrainContext, options: ReplicaOptions, echo: Any = print) -
     shards = [[n for n, _ in s.named_parameters()] for s in stages]
     rank = data_rank(peer.plane.peer_id)
     stream = TokenStream(data.train, hp.seq_len, hp.batch_size, seed=m.seed, rank=rank)
-    optim = inner_schedule(hp.lr, hp.schedule_total, options.state_dtype)
+    ef_dtype, moments = STATE_LAYOUTS[options.state_dtype]
+    optim = inner_schedule(hp.lr, hp.schedule_total, moments)
     trainer = InnerTrainer(model, optim, micro_batches(stream, 1), device, constraint=constraint)
     val = val_batches(data.val, hp.seq_len, hp.batch_size, options.eval_batches) if options.eval_batches else []
     guard_batch = val_batches(data.val, hp.seq_len, hp.batch_size, 1)  # the same on every peer of the run
-    outer, rcfg = round_settings(m, options.checkpoint_every_s, options.state_dtype)
+    outer, rcfg = round_settings(m, options.checkpoint_every_s, ef_dtype)
     # behind NAT: say so in our notices, so that a dialable peer coordinates (hlbp.peer.rounds.rules)
     rcfg = dataclasses.replace(rcfg, dialable=peer.reachability is not Reachability.CLIENT)
     scorer = ParamScorer(trainer, device, separate=rcfg.overlap != "none")

@@ -39,7 +39,7 @@ from hlbp.peer.model.pipeline import initial_stage, initial_tensors, run_model_c
 from hlbp.peer.model.subspace import make_codec
 from hlbp.peer.node.join import TrainContext, data_rank
 from hlbp.peer.node.rebalance import Rebalancer
-from hlbp.peer.node.replica import codec_config, inner_schedule  # shared with full replicas
+from hlbp.peer.node.replica import STATE_LAYOUTS, codec_config, inner_schedule  # shared with full replicas
 from hlbp.peer.node.roles import Role
 from hlbp.peer.node.stagerounds import PhaseStopped, make_stage_rounds, serve_phase
 from hlbp.peer.rounds.config import RoundStats
@@ -81,7 +81,7 @@ class StageOptions:
     rebalance_period_s: float | None = None  # a move needs the same proposal twice this far apart (None: the
     # announcement lifetime, at least 30 s; 0: never move)
     faults: Callable[[StageWorker], Any] | None = None  # a fault test's wrapper of the built worker (a liar)
-    state_dtype: str = "bf16"  # this peer's own AdamW moments and error feedback (ReplicaOptions.state_dtype)
+    state_dtype: str = "bf16"  # this peer's own AdamW moments and error feedback (replica.STATE_LAYOUTS)
 
 
 class SwarmView:
@@ -143,7 +143,7 @@ def _build(ctx: TrainContext, options: StageOptions) -> tuple[Any, StageWorker, 
         initial_tensors(config, m.seed, ["embed.weight"])["embed.weight"]
     table = fixed_table(config.vocab_size, config.d_model, config.subspace_seed, config.subspace_table_std) \
         if config.subspace_rank else None
-    optim = inner_schedule(m.hparams.lr, m.hparams.schedule_total, options.state_dtype)
+    optim = inner_schedule(m.hparams.lr, m.hparams.schedule_total, STATE_LAYOUTS[options.state_dtype][1])
     worker = StageWorker(stage, optim, device)
     codec = make_codec(cc, config.d_model, config.vocab_size, config.max_seq_len, table, embed,
                        max_tokens=m.hparams.batch_size * m.hparams.seq_len).to(device)
@@ -289,7 +289,7 @@ def _serve(ctx: TrainContext, options: StageOptions, worker: StageWorker, codec:
     notary = Notary(ctx.peer.plane.identity)  # the frames this stage receives, signed, served to auditors
     runner, transport = make_stage_rounds(ctx, worker, config, lambda r: phase[0](r), metrics,
                                           options.checkpoint_every_s, on_round=_round_echo(echo, stage), codec=codec,
-                                          driven=True, notary=notary, ef_dtype=options.state_dtype,
+                                          driven=True, notary=notary, ef_dtype=STATE_LAYOUTS[options.state_dtype][0],
                                           swarm_mates=lambda: view.members() - {ctx.peer.plane.peer_id})
     transport.put_lazy_prefix(AUDIT_PREFIX, notary.transcript.resolve)
     phase.append(serve_phase(runner, gate, worker, ctx.stop, dead_step_s=30.0))
@@ -423,7 +423,7 @@ def _drive(ctx: TrainContext, options: StageOptions, worker: StageWorker, codec:
     runner, transport = make_stage_rounds(ctx, worker, config, phase, metrics, options.checkpoint_every_s,
                                           evaluate=driving.score if driving.val else None,
                                           on_round=_round_echo(echo, 0), codec=codec, notary=driving.driver.notary,
-                                          ef_dtype=options.state_dtype,
+                                          ef_dtype=STATE_LAYOUTS[options.state_dtype][0],
                                           swarm_mates=lambda: view.members() - {ctx.peer.plane.peer_id})
     if driving.driver.notary is not None:  # the frames the driver receives, signed, served to auditors
         transport.put_lazy_prefix(AUDIT_PREFIX, driving.driver.notary.transcript.resolve)

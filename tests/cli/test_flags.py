@@ -20,7 +20,7 @@ def test_join_flags_become_the_plan_of_one_peer(monkeypatch):
     assert plan.join.probe_bytes == 2 << 20 and plan.join.role == "replica" and plan.join.out_dir == Path("runs/join")
     assert plan.replica.rounds == 3 and plan.replica.threads == 2 and plan.stage.threads == 2
     assert plan.stage.micro_batches == 4 and plan.local_only
-    assert plan.replica.state_dtype == plan.stage.state_dtype == "bf16"  # the default: 6 bytes per parameter less
+    assert plan.replica.state_dtype == plan.stage.state_dtype == "bf16"  # the default: bf16 error feedback
     fp32 = join_plan(["--state-dtype", "fp32"])
     assert fp32.replica.state_dtype == fp32.stage.state_dtype == "fp32"
 
@@ -33,7 +33,7 @@ def test_join_flags_become_the_plan_of_one_peer(monkeypatch):
     ({"stage_deadline": 0.0}, "--stage-deadline > 0"),
     ({"rounds": -1}, "--rounds, --checkpoint-every, --wait-replicas and --wait-replicas-timeout must be >= 0"),
     ({"wait_replicas_timeout": -1.0}, "--wait-replicas-timeout must be >= 0"),
-    ({"state_dtype": "fp8"}, "--state-dtype must be fp32 or bf16, got 'fp8'"),
+    ({"state_dtype": "fp8"}, "--state-dtype must be fp32, bf16, bf16-v or bf16-all, got 'fp8'"),
 ])
 def test_join_flags_refuse_values_no_peer_runs_with(changes, message):
     with pytest.raises(UserInputError, match=message.replace(".", r"\.")):
@@ -74,3 +74,18 @@ def test_sim_flags_refuse_values_no_simulation_runs_with(changes, message):
 
     with pytest.raises(UserInputError, match=message.replace(".", r"\.")):
         SimFlags(**changes)
+
+
+def test_every_state_dtype_join_takes_names_a_layout_the_peer_can_build():
+    """``--state-dtype`` is checked without importing torch; each value it allows maps to an error-feedback dtype
+    and an AdamW moment layout the round loop and the trainer accept, and nothing else is allowed."""
+    from hlbp.peer.node.replica import STATE_LAYOUTS, inner_schedule
+    from hlbp.peer.rounds.outer import OuterConfig
+
+    for name, (ef, moments) in STATE_LAYOUTS.items():
+        JoinFlags(state_dtype=name)
+        OuterConfig(ef_dtype=ef).validate()  # type: ignore[arg-type]
+        inner_schedule(1e-3, 10, moments).validate()
+    with pytest.raises(UserInputError):
+        JoinFlags(state_dtype="bf16-x")
+    assert set(STATE_LAYOUTS) == {"fp32", "bf16", "bf16-v", "bf16-all"}
