@@ -154,7 +154,7 @@ def make_stage_rounds(ctx: Any, worker: StageWorker, config: Any, phase: Callabl
 
     ``codec``: the stage's activation codec. In a B or A+drift run its table is rebuilt from the synchronized
     embedding after every round, and a stage after the first follows shard 0 for it, starting from the seed's
-    initial parameters (the whole model is built once more for them).
+    initial parameters of that shard (drawn alone, :func:`~hlbp.peer.model.pipeline.initial_tensors`).
 
     ``ef_dtype``: how this peer stores its error feedback (its own choice, ``OuterConfig.ef_dtype``).
 
