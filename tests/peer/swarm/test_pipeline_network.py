@@ -88,8 +88,10 @@ def _run(tmp: Path, codec: str, k: int, data: PreparedData) -> tuple[dict[str, t
                                                                     SimConfig]:
     # a 1000-step schedule (30 warm-up steps) keeps the learning rate of these 8 steps small: AdamW turns the
     # last-bit differences of the micro-batch sum order into differences that grow with the learning rate
+    # the servers' trained parameters are read back as anchor - error feedback: the buffer stays float32 here
+    # (bf16, the default, rounds it to 8 significant bits, 2e-3 of the update)
     cfg = SimConfig(n_full=0, n_stages=3, batch_size=8, seq_len=32, seed=5, run_id=f"pipe-{codec}", ttl_s=10.0,
-                    codec=codec, codec_k=k, codec_dtype="fp32", schedule_steps=1000)
+                    codec=codec, codec_k=k, codec_dtype="fp32", schedule_steps=1000, state_dtype="fp32")
     with Swarm(cfg, tmp) as sw:
         _start(sw, [("s1", 1), ("s2", 2)], ["--eval-every", "4"], STEPS, None)
         _finish(sw, "s0", ["s1", "s2"])
