@@ -216,19 +216,19 @@ class NoLoCoRunner:
         return self.history
 
     def linger(self, last: NoLoCoRound) -> bool:
-        """Keep serving our message of the ``last`` round until its partner has been sent it, for at most a round's
-        window: a replica that leaves the moment it has stepped would leave its partner, still fetching, to step
-        alone. Returns whether the partner fetched it (True too when there was nobody to wait for)."""
+        """Stay in the run for a round's window after the ``last`` round, announced and serving our message of it:
+        a replica that left the moment it had stepped would leave its partner, still fetching, to step alone, and
+        a replica still starting that round would read a run without it and pair differently from those that read
+        it with it (seen under a busy loop: asymmetric pairs in a run's last round). Returns whether the partner
+        was sent our message (True too when there was nobody to wait for)."""
         partner = last.partner
-        if partner is None or self.failed.get(partner, -1) >= last.round:
-            return True
         deadline = time.monotonic() + self.window_s
         name = message_name(last.round)
-        while partner not in self.transport.readers(name):
-            left = deadline - time.monotonic()
-            if left <= 0 or self.stop.wait(min(0.1, left)):
-                return False
-        return True
+        while (left := deadline - time.monotonic()) > 0 and not self.stop.wait(min(0.1, left)):
+            pass
+        if partner is None or self.failed.get(partner, -1) >= last.round:
+            return True
+        return partner in self.transport.readers(name)
 
     def run_round(self) -> NoLoCoRound | None:
         """One round (see the module docstring); None when stopped mid-phase (the steps stay in the model)."""
