@@ -142,7 +142,7 @@ class Anchor(Mapping[str, torch.Tensor]):
                     del self._undo[name]
 
     def held_records(self) -> int:
-        """Undo records kept (for tests and the memory report)."""
+        """How many undo records are kept now (what snapshots still need)."""
         with self._lock:
             return sum(len(v) for v in self._undo.values())
 

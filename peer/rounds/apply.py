@@ -9,7 +9,6 @@ outcome differ (:class:`~hlbp.peer.rounds.outcome.Failed`, and it resyncs).
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Callable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from concurrent.futures import ThreadPoolExecutor
@@ -120,7 +119,7 @@ class Applier:
             for n, value in state.outers[s].applying(shard, contributions):
                 moved += guard.squared_change(value, state.anchor[n])
                 state.anchor[n] = value
-            ratio = math.sqrt(moved) / scale if math.isfinite(moved) else math.inf
+            ratio = guard.ratio_of(moved, scale)
             ratios["update"] = max(ratios["update"], ratio)
             self.last_ratios = ratios
             reason = guard.refuse_reason(ratio, self.guard)

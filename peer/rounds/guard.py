@@ -127,15 +127,16 @@ def squared_change(new: torch.Tensor, old: torch.Tensor) -> float:
     return _square_sum(new, old)
 
 
+def ratio_of(moved: float, shard_scale: float) -> float:
+    """The update ratio from a shard's summed :func:`squared_change` and its :func:`scale` before the round (inf
+    when the sum is not finite): what the applier computes as it replaces each parameter."""
+    return math.sqrt(moved) / shard_scale if math.isfinite(moved) else math.inf
+
+
 def update_ratio(old: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor]) -> float:
     """‖new − old‖ / ‖old‖ over a shard (inf if ``new`` holds a non-finite value), one parameter's difference at a
     time: the shard's update is never held whole (docs/design.md, "Memory per parameter")."""
-    total = 0.0
-    for n in old:
-        total += _square_sum(new[n], old[n])
-        if not math.isfinite(total):
-            return math.inf
-    return math.sqrt(total) / scale(old)
+    return ratio_of(sum(squared_change(new[n], old[n]) for n in old), scale(old))
 
 
 def refuse_reason(ratio: float, cfg: GuardConfig) -> str | None:
