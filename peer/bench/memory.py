@@ -14,6 +14,7 @@ on the meta device: no memory) and adds the measured baseline, to say whether a 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -131,6 +132,26 @@ def project(runs: list[dict[str, Any]], presets: tuple[str, ...]) -> list[dict[s
     return out
 
 
+def marginal(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per role, the bytes each further parameter costs between two measured presets: the growth of the worst
+    peer's peak above its baseline over the growth of its trained parameters, from each preset to the next larger
+    one. It needs no baseline to be right: whatever a process holds whatever its model's size (the runtime's
+    kernels and libraries, the data, the network stack) cancels out."""
+    out = []
+    for role in ("full_replica", "stage_peer"):
+        rows = sorted((r for r in runs if r.get(role)), key=lambda r: r[role]["trained_params"])
+        for a, b in itertools.pairwise(rows):
+            ra, rb = a[role], b[role]
+            extra = rb["trained_params"] - ra["trained_params"]
+            if extra <= 0:
+                continue
+            host = (rb["peak_host_bytes"] - rb["base_host_bytes"]) - (ra["peak_host_bytes"] - ra["base_host_bytes"])
+            out.append({"role": role, "from": a["preset"], "to": b["preset"], "params": extra,
+                        "host_bytes_per_param": host / extra,
+                        "device_bytes_per_param": (rb["peak_device_bytes"] - ra["peak_device_bytes"]) / extra})
+    return out
+
+
 def run_memory_bench(cfg: MemoryBenchConfig, out: Path | None = None,
                      console: Console | None = None) -> dict[str, Any]:
     """Every preset's run, the table, the projection and the JSON (written after each run)."""
@@ -160,10 +181,17 @@ def run_memory_bench(cfg: MemoryBenchConfig, out: Path | None = None,
                          f"own state {cfg.state_dtype or 'bf16'}",
                 ["preset", "role", "params trained", "baseline GiB", "peak GiB", "host B/param", "device B/param",
                  "rounds agreed"], rows)
+    slopes = marginal(runs)
+    if slopes:
+        print_table(console, "bytes each further parameter costs, between two presets (no baseline involved)",
+                    ["role", "from", "to", "host B/param", "device B/param"],
+                    [[m["role"].replace("_", " "), m["from"], m["to"], m["host_bytes_per_param"],
+                      m["device_bytes_per_param"] if m["device_bytes_per_param"] else "-"] for m in slopes])
     projection = project(runs, cfg.projected)
     if projection:
         print_table(console, f"full replica projected from the largest measured preset (host budget {HOST_BUDGET_GIB:g} GiB)",
                     ["preset", "params", "B/param", "host GiB", "fits"],
                     [[p["preset"], p["params"], p["bytes_per_param"], p["host_gib"], "yes" if p["fits_host"] else "no"]
                      for p in projection])
-    return write_result(out, "memory", config, {"runs": runs, "projection": projection, "complete": True})
+    return write_result(out, "memory", config, {"runs": runs, "marginal": slopes, "projection": projection,
+                                                      "complete": True})

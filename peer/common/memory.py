@@ -14,6 +14,7 @@ import ctypes.util
 import os
 import resource
 import sys
+from collections.abc import Callable
 from typing import Any
 
 _baseline: int | None = None
@@ -40,11 +41,12 @@ def peak_host_bytes() -> int:
     return max(_max_rss(), current_host_bytes())
 
 
-def mark_baseline(device: Any = None) -> int:
+def mark_baseline(device: Any = None, warm: Callable[[], None] | None = None) -> int:
     """Remember the resident set now as the baseline the model's state is measured above (the first mark wins:
-    a process builds one model) and return it. On a CUDA ``device`` its context is created first (the CUDA
-    runtime's host memory is a fixed cost of the process, not of the model), and large host allocations are
-    mapped on their own from here (:func:`map_large_allocations`)."""
+    a process builds one model) and return it. On a CUDA ``device`` its context is created first and ``warm``
+    runs (a throwaway step that loads the runtime's kernels and libraries: the CUDA runtime's host memory is a
+    fixed cost of the process, not of the model), and large host allocations are mapped on their own from here
+    (:func:`map_large_allocations`)."""
     global _baseline
     if _baseline is None:
         if getattr(device, "type", None) == "cuda":
@@ -52,6 +54,8 @@ def mark_baseline(device: Any = None) -> int:
 
             map_large_allocations()
             torch.empty(1, device=device)
+            if warm is not None:
+                warm()
         _baseline = current_host_bytes()
     return _baseline
 

@@ -51,6 +51,7 @@ from hlbp.peer.train.trainer import (
     micro_batches,
     pick_device,
     skeleton,
+    warm_runtime,
 )
 
 logger = logging.getLogger(__name__)
@@ -117,6 +118,13 @@ def pipeline_audits(m: Any, config: ModelConfig, model: Stage, transport: P2PBlo
                           max_body_bytes(codec, tokens, config.vocab_size), transport.fetch, anchor, metrics)
 
 
+def replica_config(m: Any, vocab_size: int) -> ModelConfig:
+    """The shape of the model a full replica of run ``m`` trains (see :func:`replica_model`)."""
+    bounds = [tuple(s) for s in m.stages]
+    base = preset(m.model, **dict(m.model_overrides), vocab_size=vocab_size)
+    return run_model_config(base, codec_config(m), len(bounds), bounds)
+
+
 def replica_model(m: Any, vocab_size: int) -> tuple[ModelConfig, Stage, SubspaceConstraint | None]:
     """The whole model a full replica of run ``m`` trains, with the run's initial weights, and its constraint.
 
@@ -125,9 +133,7 @@ def replica_model(m: Any, vocab_size: int) -> tuple[ModelConfig, Stage, Subspace
     :func:`hlbp.peer.model.pipeline.initial_model`'s: bit for bit the ``initial_state`` every stage peer loads its
     stage from. The constraint (variants A only, else None) re-projects after each inner step.
     """
-    bounds = [tuple(s) for s in m.stages]
-    base = preset(m.model, **dict(m.model_overrides), vocab_size=vocab_size)
-    config = run_model_config(base, codec_config(m), len(bounds), bounds)
+    config = replica_config(m, vocab_size)
     model = initial_model(config, m.seed)
     constraint = SubspaceConstraint(dict(model.named_parameters()), config) if config.subspace_rank else None
     return config, model, constraint
@@ -241,7 +247,11 @@ def run_replica(ctx: TrainContext, options: ReplicaOptions, echo: Any = print) -
     hp = m.hparams
     device = pick_device(options.device)
     data = prepare_data(m.data_recipe, ctx.cache_dir, tokenizer_path=peer.tokenizer_path)
-    memory.mark_baseline(device)  # what the model's state costs is measured above this (hlbp bench memory)
+    ef_dtype, moments = STATE_LAYOUTS[options.state_dtype]
+    optim = inner_schedule(hp.lr, hp.schedule_total, moments)
+    # what the model's state costs is measured above this (hlbp bench memory), the GPU runtime's kernels loaded
+    memory.mark_baseline(device, warm=lambda: warm_runtime(replica_config(m, data.vocab_size), optim, device,
+                                                           hp.batch_size, hp.seq_len))
     config, model, constraint = replica_model(m, data.vocab_size)  # every replica: bit-identical initial weights
     # beside the checkpoint, what it does not say: the model's shape and the run's tokenizer (hlbp export, generate)
     write_model_info(ctx.out_dir, ModelInfo(m.run_id, config, data.eot_id, hp.batch_size * hp.seq_len),
@@ -252,8 +262,6 @@ def run_replica(ctx: TrainContext, options: ReplicaOptions, echo: Any = print) -
     shards = [[n for n, _ in s.named_parameters()] for s in stages]
     rank = data_rank(peer.plane.peer_id)
     stream = TokenStream(data.train, hp.seq_len, hp.batch_size, seed=m.seed, rank=rank)
-    ef_dtype, moments = STATE_LAYOUTS[options.state_dtype]
-    optim = inner_schedule(hp.lr, hp.schedule_total, moments)
     trainer = InnerTrainer(model, optim, micro_batches(stream, 1), device, constraint=constraint)
     val = val_batches(data.val, hp.seq_len, hp.batch_size, options.eval_batches) if options.eval_batches else []
     guard_batch = val_batches(data.val, hp.seq_len, hp.batch_size, 1)  # the same on every peer of the run

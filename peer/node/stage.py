@@ -58,7 +58,7 @@ from hlbp.peer.train.checkpoint import (
 )
 from hlbp.peer.train.export import ModelInfo, write_model_info
 from hlbp.peer.train.metricslog import MetricsLog
-from hlbp.peer.train.trainer import lr_at, pick_device
+from hlbp.peer.train.trainer import lr_at, pick_device, warm_runtime
 from hlbp.protocol.transcript import AUDIT_PREFIX
 
 logger = logging.getLogger(__name__)
@@ -137,13 +137,15 @@ def _build(ctx: TrainContext, options: StageOptions) -> tuple[Any, StageWorker, 
     # (and the first stage's fixed table, rebuilt from the seed) whatever stage this is
     start, end = bounds[peer.role.stage]
     device = pick_device(options.device)
-    memory.mark_baseline(device)  # what the stage's state costs is measured above this (hlbp bench memory)
+    optim = inner_schedule(m.hparams.lr, m.hparams.schedule_total, STATE_LAYOUTS[options.state_dtype][1])
+    # what the stage's state costs is measured above this (hlbp bench memory), the GPU runtime's kernels loaded
+    memory.mark_baseline(device, warm=lambda: warm_runtime(config, optim, device, m.hparams.batch_size,
+                                                           m.hparams.seq_len))
     stage = initial_stage(config, m.seed, start, end)
     embed = stage.embed.weight.detach().clone() if stage.is_first else \
         initial_tensors(config, m.seed, ["embed.weight"])["embed.weight"]
     table = fixed_table(config.vocab_size, config.d_model, config.subspace_seed, config.subspace_table_std) \
         if config.subspace_rank else None
-    optim = inner_schedule(m.hparams.lr, m.hparams.schedule_total, STATE_LAYOUTS[options.state_dtype][1])
     worker = StageWorker(stage, optim, device)
     codec = make_codec(cc, config.d_model, config.vocab_size, config.max_seq_len, table, embed,
                        max_tokens=m.hparams.batch_size * m.hparams.seq_len).to(device)

@@ -216,6 +216,38 @@ class InnerTrainer:
             self.constraint.sync()  # later steps keep their changes in span(U) relative to the restored weights
 
 
+def warm_runtime(config: Any, optim: OptimConfig, device: torch.device, batch_size: int, seq_len: int) -> None:
+    """One training step of a one-block model of ``config``'s width on ``device``, thrown away: on CUDA it loads
+    what the runtime loads on first use (the kernels of a forward and backward pass under autocast, cuBLAS, the
+    optimizer's kernels), which costs a few hundred MiB of host memory whatever the model's size (measured on one
+    H200: about 600 MiB on the small and the 125m presets alike). A peer calls it before it marks its memory
+    baseline (:func:`hlbp.peer.common.memory.mark_baseline`), so that the budget per parameter counts what the
+    model's size costs, not the runtime. Nothing happens on the CPU. ``config``: a
+    :class:`hlbp.peer.model.decoder.ModelConfig`."""
+    if device.type != "cuda":
+        return
+    throwaway_step(config, optim, device, batch_size, seq_len)
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+
+
+def throwaway_step(config: Any, optim: OptimConfig, device: torch.device, batch_size: int, seq_len: int) -> float:
+    """One AdamW step of a fresh one-block model of ``config``'s width, on ``device``, on random tokens;
+    returns its loss. Everything it made is dropped on return (:func:`warm_runtime`)."""
+    from hlbp.peer.model.decoder import build_model
+
+    one = config.replace(n_layers=1, subspace_layers=None if config.subspace_layers is None else
+                         min(1, config.subspace_layers))
+    model = build_model(one).to(device)  # built where a run's model is (its seeded tables use CPU generators)
+    opt = make_adamw(model, optim)
+    x = torch.randint(0, one.vocab_size, (batch_size, min(seq_len, one.max_seq_len)), device=device)
+    with torch.enable_grad(), autocast(device):  # also where its caller turned gradients off
+        loss = model.loss(model(x), x)
+        loss.backward()
+    opt.step()
+    return float(loss.detach())
+
+
 @torch.no_grad()
 def skeleton(model: nn.Module) -> nn.Module:
     """A copy of ``model`` that holds no parameter memory: its parameters are on the meta device and its buffers

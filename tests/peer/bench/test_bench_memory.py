@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from hlbp.peer.bench.memory import peak_memory, role_budget
+from hlbp.peer.bench.memory import marginal, peak_memory, role_budget
 
 pytestmark = pytest.mark.slow
 
@@ -27,6 +27,20 @@ def test_the_worst_peer_of_each_role_sets_its_budget() -> None:
     assert full["per_peer"] == {"peer0": 20.0, "peer1": 32.0}
     assert stage["peer"] == "sw0s0" and stage["peak_host_bytes_per_param"] == 10.0
     assert role_budget({"peer0": {"peak_host_bytes": 1, "base_host_bytes": 1, "trained_params": 0}}, False) is None
+
+
+def test_the_marginal_cost_of_a_parameter_ignores_what_every_process_holds() -> None:
+    def role(peak, base, n, device=0):
+        return {"peak_host_bytes": peak, "base_host_bytes": base, "trained_params": n, "peak_device_bytes": device}
+
+    # a fixed 600 bytes above the baseline whatever the model, then 8 bytes per parameter on the host
+    runs = [{"preset": "b", "full_replica": role(1000 + 600 + 8 * 300, 1000, 300, 20 * 300), "stage_peer": None},
+            {"preset": "a", "full_replica": role(900 + 600 + 8 * 100, 900, 100, 20 * 100),
+             "stage_peer": role(10, 5, 50)}]
+    (slope,) = marginal(runs)
+    assert (slope["role"], slope["from"], slope["to"], slope["params"]) == ("full_replica", "a", "b", 200)
+    assert slope["host_bytes_per_param"] == 8.0 and slope["device_bytes_per_param"] == 20.0
+    assert marginal(runs[:1]) == []
 
 
 def test_memory_bench_measures_both_roles_through_agreed_rounds(tmp_path: Path, builtin_data: object) -> None:

@@ -17,6 +17,8 @@ from hlbp.peer.train.trainer import (
     lr_at,
     micro_batches,
     skeleton,
+    throwaway_step,
+    warm_runtime,
 )
 
 
@@ -136,3 +138,20 @@ def test_a_step_leaves_no_gradients_and_a_skeleton_scores_parameters_without_a_c
         for n, p in model.named_parameters():
             p.copy_(params[n])
     assert scored == evaluate(model, batches, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("subspace", [0, 16])
+def test_the_runtime_warm_up_step_runs_a_one_block_model_of_the_run_and_touches_nothing_else(subspace):
+    """The step a CUDA peer takes before its memory baseline builds a one-block model of the run's width (the
+    constrained network too) and trains it one step; on the CPU warm_runtime does nothing at all."""
+    config = preset("tiny", vocab_size=300, max_seq_len=32, subspace_rank=subspace,
+                    subspace_layers=3 if subspace else None)
+    torch.manual_seed(0)
+    before = torch.rand(3)
+    torch.manual_seed(0)
+    with torch.no_grad():  # as a caller may be
+        loss = throwaway_step(config, OptimConfig(lr=1e-3, moments="bf16"), torch.device("cpu"), 2, 64)
+    assert 0 < loss < 20
+    torch.manual_seed(0)
+    warm_runtime(config, OptimConfig(lr=1e-3), torch.device("cpu"), 2, 64)
+    assert torch.equal(torch.rand(3), before)  # not even the global generator moved
