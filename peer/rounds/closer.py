@@ -15,14 +15,13 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from collections.abc import Set as AbstractSet
 from typing import Any
 
 from hlbp.peer.rounds.admission import Admission, Screen
 from hlbp.peer.rounds.bans import RoundBans
-from hlbp.peer.rounds.committee import CommitteeRule, leads, order_checked
+from hlbp.peer.rounds.committee import CommitteeRule, leads
 from hlbp.peer.rounds.config import RoundConfig
-from hlbp.peer.rounds.gather import GatherRule, Standing, breach, candidates, select
+from hlbp.peer.rounds.gather import GatherRule, Standing
 from hlbp.peer.rounds.inbox import Both, DhtPoll
 from hlbp.peer.rounds.payloads import Payloads
 from hlbp.peer.rounds.records import RoundRecords
@@ -39,6 +38,7 @@ from hlbp.peer.rounds.rules import (
     widen_for_late,
 )
 from hlbp.peer.rounds.seating import Seating
+from hlbp.peer.rounds.selection import Selection
 from hlbp.protocol import ProtocolError
 from hlbp.protocol.roundwire import (
     KIND_ACCEPTED,
@@ -100,14 +100,14 @@ class Closer:
         self.first_seen: dict[int, float] = {}  # round -> when we first saw one of its notices (time.monotonic)
         self.announced = UNKNOWN  # the expected contributors as last read (each close reads them anew)
         self._phase_expected: tuple[int, Expected] = (-1, UNKNOWN)  # read once a round by round_closed
-        self.rule = GatherRule(cfg.gather, cfg.reserves)  # the run's cap on a round's contributions (gather.py)
-        # who was selected when, as the sets we took show (the replica's state holds it, and its checkpoints)
-        self.standing = standing if standing is not None else Standing(self.rule.memory)
-        self.breaches: set[tuple[int, str]] = set()  # (round, coordinator) of sets refused for breaking the rule
+        # the run's cap on a round's contributions, and who was selected when as the sets we took show (the replica
+        # state holds the standing, and its checkpoints)
+        rule = GatherRule(cfg.gather, cfg.reserves)
+        self.selection = Selection(n_shards, rule, cfg.allowed_peers, bans, CommitteeRule(cfg.committee), standing)
         # fetching and checking contributions (and, given a screen, auditing their senders' pipeline traffic)
         self.admission = Admission(me, cfg, n_shards, payloads, bans, screen)
         # our seats in the rounds' committees, when the run has one (committee.py, seating.py)
-        self.seating = Seating(me, CommitteeRule(cfg.committee), self.rule, records, self.signed)
+        self.seating = Seating(me, CommitteeRule(cfg.committee), rule, records, self.signed)
         # (round, the peers announced online as read then -> the shards each applies): whom each shard's payload
         # fetch trees span (spread.py); a seat reads the announcements every round, any other peer every ONLINE_EVERY
         self.online: tuple[int, dict[str, frozenset[int]]] = (-ONLINE_EVERY, {})
@@ -145,53 +145,6 @@ class Closer:
     def prior_members(self, r: int) -> frozenset[str]:
         """The members of round r - 1 as we closed it (empty when we did not)."""
         return frozenset(self.prior[1]) if self.prior is not None and self.prior[0] == r - 1 else frozenset()
-
-    def veterans(self, r: int) -> dict[str, int]:
-        """The contributors with standing in round r (:class:`~hlbp.peer.rounds.gather.Standing`); in a closed run
-        every allowed peer has standing from the start, as if last selected ``memory`` rounds ago."""
-        held = self.standing.veterans(r)
-        return {**{p: r - self.rule.memory for p in self.cfg.allowed_peers}, **held}
-
-    def contenders(self, r: int, notices: dict[str, ContribNotice]) -> dict[str, frozenset[int]]:
-        """Round r's contributors that may be selected: not banned, naming shards of the run (peer -> shards)."""
-        return {p: frozenset(n.digests) for p, n in notices.items()
-                if n.digests and set(n.digests) <= set(range(self.n_shards)) and not self.bans.banned(p, r)}
-
-    def likely(self, r: int, notices: dict[str, ContribNotice]) -> dict[str, ContribNotice]:
-        """The notices of the contributions the gather rule selects if all of them pass (all when uncapped): what
-        a member fetches before the accepted set."""
-        if not self.rule.capped:
-            return notices
-        return {p: notices[p] for p in select(r, self.contenders(r, notices), self.veterans(r), self.rule)}
-
-    def keeps_rule(self, r: int, s: AcceptedSet, notices: dict[str, ContribNotice]) -> bool:
-        """Whether accepted set ``s`` keeps the gather rule as far as this peer can tell
-        (:func:`~hlbp.peer.rounds.gather.breach`). Its coordinator, once found breaking it, is banned like a sender
-        of garbage and no longer coordinates while banned: every in-sync peer with the same standing refuses the
-        same set, and the next coordinator in turn takes over."""
-        if not self.rule.capped or not s.members:
-            return True
-        if (r, s.coordinator) in self.breaches:
-            return False
-        members = {p: frozenset(d) for p, _t, d in s.members}
-        seen = self.contenders(r, notices) if order_checked(r, self.seating.rule) else {}
-        found = breach(r, members, seen, self.standing, self.rule, self.veterans(r))
-        if found is None:
-            return True
-        self.breaches = {x for x in self.breaches if x[0] >= r - 2} | {(r, s.coordinator)}
-        self.bans.ban_by_guard(r, s.coordinator, f"its accepted set breaks the gather rule: {found}")
-        return False
-
-    def full_without(self, accepted: AcceptedSet, shards: AbstractSet[int]) -> bool:
-        """Whether ``accepted`` left out a contribution to ``shards`` because the gather set was full (every one of
-        those shards already holds F members), not because it came late."""
-        if not self.rule.capped:
-            return False
-        count: dict[int, int] = {}
-        for _p, _t, d in accepted.members:
-            for s in d:
-                count[s] = count.get(s, 0) + 1
-        return bool(shards) and all(count.get(s, 0) >= self.rule.size for s in shards)
 
     def round_closed(self, r: int, wait: bool = True) -> bool:
         """Whether round r has an accepted set that counts by now (``wait``: read now; else as the phase's poller
@@ -283,7 +236,7 @@ class Closer:
         # only a contributor of the round closes it: its notice is what shows later readers (a restarted peer's
         # sync, rules.round_members) that its set was the round's
         counting = [x for x in sets if not self.bans.refused_by_all(x.coordinator, r) and x.coordinator in notices
-                    and self.keeps_rule(r, x, notices)
+                    and self.selection.keeps_rule(r, x, notices)
                     and set_counts(x, order, prior_known=prior_known, complete=whole,
                                    first_seen=self.first_seen.get(r), now=now, window=self.window,
                                    max_window=self.cfg.max_deadline_s, takeover_s=self.cfg.takeover_s,
@@ -328,7 +281,7 @@ class Closer:
             if not seats or self.me in leads(seats, self.seating.rule):
                 # a seat's view holds its part only, and the others see no notices: what they would guess the gather
                 # rule selects is mostly wrong, so they fetch after the accepted set instead
-                self.payloads.prefetch(r, self.likely(r, notices))
+                self.payloads.prefetch(r, self.selection.likely(r, notices))
             self.on_poll(r)  # e.g. an overlapped phase takes in the round's result as far as it is fetched
             for sender in notices:
                 arrivals.setdefault(sender, now)
@@ -344,7 +297,7 @@ class Closer:
                 self.records.inbox.wait(self.cfg.poll_s)
                 continue
             if accepted is not None:
-                self.standing.record(r, accepted.senders())
+                self.selection.took(r, accepted)
                 self.seating.note(r, set(accepted.senders()))
                 if seats:
                     self.seating.relay(r, seats, accepted, set(notices))
@@ -364,9 +317,7 @@ class Closer:
                 first_seen = first_seen if first_seen is not None else now
                 if self.me in order and self.me in notices:
                     rank = order.index(self.me)
-                    if self.rule.capped and not self.standing.warm(r):
-                        # our standing misses rounds (we joined or resynced lately): the set we would choose breaks
-                        # the order that warm members compute, so we take our turn only after everyone else's
+                    if self.selection.late_turn(r):
                         rank += len(order)
                     due = first_seen + self.window + rank * self.cfg.takeover_s
                     whole = complete(notices, expected, lambda p: self.bans.banned(p, r)) or bool(seats) and \
@@ -379,7 +330,7 @@ class Closer:
                     if ((rank == 0 and whole) or now >= due) and not published \
                             and (whole or not seats or read_all is not None
                                  or self.seating.forwards_in(r, seats, bundled, now, self.cfg.takeover_s)):
-                        admitted = self.choose(r, self.gather(r, notices), notices)
+                        admitted = self.choose(r, self.selection.choose(r, notices, self._admit(r)), notices)
                         verdict = close_verdict(len(admitted), self.cfg.min_contributors, now, first_seen,
                                                 self.cfg.max_deadline_s, rank, self.cfg.takeover_s)
                         if verdict is not Verdict.WAIT:
@@ -420,20 +371,13 @@ class Closer:
         whole = self.seating.part_complete(r, seats, set(notices), expected.peers if expected.count else None)
         called = self.seating.called(r, seats)  # a lead's window passed: it asked for what we hold now
         if whole or called or (r in self.first_seen and now >= self.first_seen[r] + self.window):
-            part = self.contenders(r, {p: notices[p] for p in mine})
-            self.seating.forward(r, seats, part, self.veterans(r), whole, force=called)
+            part = self.selection.contenders(r, {p: notices[p] for p in mine})
+            self.seating.forward(r, seats, part, self.selection.veterans(r), whole, force=called)
 
-    def gather(self, r: int, notices: dict[str, ContribNotice]) -> dict[str, ContribNotice]:
-        """What we accept when we coordinate round r: under the run's gather rule the first F per shard of the
-        first F + R contenders that pass :meth:`admit` (reserves replace selected ones that fail); uncapped, every
-        contribution that passes."""
-        if not self.rule.capped:
-            return self.admission.admit(r, notices, self.window, self.prior_members(r))
-        veterans = self.veterans(r)
-        pool = candidates(r, self.contenders(r, notices), veterans, self.rule)
-        passed = self.admission.admit(r, {p: notices[p] for p in pool}, self.window, self.prior_members(r))
-        chosen = select(r, {p: frozenset(n.digests) for p, n in passed.items()}, veterans, self.rule)
-        return {p: passed[p] for p in chosen}
+    def _admit(self, r: int) -> Callable[[dict[str, ContribNotice]], dict[str, ContribNotice]]:
+        """Round r's admission of the given notices (:class:`~hlbp.peer.rounds.admission.Admission`), for the gather
+        rule's selection to run."""
+        return lambda notices: self.admission.admit(r, notices, self.window, self.prior_members(r))
 
     def evidence(self, r: int, accepted: AcceptedSet) -> dict[str, dict[str, bytes]]:
         """The signed records that show round r's members: ``accepted`` as its coordinator signed it and that

@@ -238,7 +238,7 @@ class RoundRunner(ReplicaBase):
             stats.tainted = True
             taint.forget()
         elif mine and not stats.accepted:
-            crowded = accepted is not None and not stats.refused and self.closer.full_without(accepted, mine.keys())
+            crowded = accepted is not None and not stats.refused and self.closer.selection.full_without(accepted, mine.keys())
             if not (crowded and self.cfg.unselected == "drop"):
                 for s, c in mine.items():
                     # left out, or the round refused: it stays in the error-feedback buffer

@@ -341,8 +341,7 @@ def _lying_coordinator(runner: Any, arg: str) -> None:
 def _gather_breaker(runner: Any, arg: str) -> None:
     """Whenever it coordinates, accepts every contribution that passes, over the run's gather cap: a coordinator
     that picks its members outside the rule, which every member must refuse and ban."""
-    closer = runner.closer
-    closer.gather = lambda r, notices: closer.admission.admit(r, notices, closer.window, closer.prior_members(r))
+    runner.closer.selection.choose = lambda r, notices, admit: admit(notices)
 
 
 FAULTS: dict[str, Callable[[Any, str], None]] = {
