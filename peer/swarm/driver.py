@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from hlbp.peer.model.codec import ActivationCodec
+from hlbp.peer.swarm.chains import CandidatesFn, Chains
 from hlbp.peer.swarm.events import (
     Backward,
     BadPeer,
@@ -44,7 +45,7 @@ from hlbp.peer.swarm.events import (
     decode_answer,
 )
 from hlbp.peer.swarm.links import Conn, StageLinks
-from hlbp.peer.swarm.routing import Bans, Candidate, LatencyTracker, choose_chain
+from hlbp.peer.swarm.routing import LatencyTracker
 from hlbp.peer.swarm.server import max_body_bytes
 from hlbp.peer.swarm.step import (
     Abandon,
@@ -93,9 +94,6 @@ class DriverCounters:
     busy_s: dict[str, float] = field(default_factory=dict)  # compute seconds per stage peer (driver: "driver")
 
 
-CandidatesFn = Callable[[], Sequence[Sequence[Candidate]]]
-
-
 class Driver:
     """Stage 0 of a swarm; ``candidates()`` lists the announced peers of stages 1..S-1 (from the DHT)."""
 
@@ -104,16 +102,13 @@ class Driver:
         if not worker.stage.is_first:
             raise ValueError("the driver holds the first stage")
         self.worker, self.codec, self.vocab_size, self.cfg = worker, codec, vocab_size, cfg
-        self.candidates = candidates
+        self.chains = Chains(candidates, cfg.chain_wait_s, stop)  # the chain in use, its bans and measured rates
         self.stop = stop
         self.notary = notary  # signs the frames this driver sends, checks and keeps those it receives
         self.session = random.SystemRandom().randrange(1, 2**63 - 1)
         self.step_seq = 0
-        self.chain: list[str] = []
-        self.bans = Bans()
         self.latency = LatencyTracker(override_s=cfg.deadline_s, min_s=cfg.min_deadline_s, max_s=cfg.max_deadline_s)
         self.counters = DriverCounters()
-        self.measured: dict[str, float] = {}  # tokens/s per stage peer, from the busy times they report
         self._inbox = EventQueue()
         self.links = StageLinks(dht, self._on_message, self._on_closed, self._on_bad, lambda _peer: False,
                                 max_body_bytes(codec, max_tokens, vocab_size))
@@ -142,34 +137,9 @@ class Driver:
 
     # --- chain ---------------------------------------------------------------------------------------------------
 
-    def _options(self) -> list[list[Candidate]]:
-        return [[Candidate(c.peer, self.measured.get(c.peer) or c.throughput) for c in stage]
-                for stage in self.candidates()]
-
     def has_chain(self, tokens: int = 1) -> bool:
         """Whether a complete chain of unbanned stage peers is announced now (no waiting)."""
-        return choose_chain(self._options(), self.chain, self.bans, time.monotonic(), tokens) is not None
-
-    def _choose(self, tokens: int, give_up: Callable[[], bool] | None = None) -> list[str] | None:
-        """The chain for the next micro-batches; waits up to ``chain_wait_s`` for one (or until ``give_up()``)."""
-        deadline = time.monotonic() + self.cfg.chain_wait_s
-        announced_once = False
-        while True:
-            options = self._options()
-            chain = choose_chain(options, self.chain, self.bans, time.monotonic(), tokens)
-            if chain is not None:
-                if chain != self.chain:
-                    logger.info("pipeline chain: %s", " -> ".join(p[:12] for p in [self.peer_id, *chain]))
-                self.chain = chain
-                return chain
-            if time.monotonic() >= deadline or (self.stop is not None and self.stop.is_set()) \
-                    or (give_up is not None and give_up()):
-                return None
-            if not announced_once:
-                missing = [i + 1 for i, o in enumerate(options) if not o]
-                logger.info("waiting for stage peers (stages without a usable peer: %s)", missing or "banned")
-                announced_once = True
-            time.sleep(0.5)
+        return self.chains.available(tokens)
 
     def wait_ready(self, timeout: float, round_: int = 0) -> bool:
         """Wait (at most ``timeout`` seconds) until no peer of the current chain is exchanging an outer round or
@@ -180,7 +150,7 @@ class Driver:
         the next step's micro-batches would wait there and run into their deadline, so the driver waits here
         instead. Returns whether the chain was ready in time (a silent peer counts as ready: the step finds it).
         Banned peers are not asked: the next step will not use them, and a dead one would cost a ping timeout."""
-        chain = [p for p in self.chain or [] if not self.bans.banned(p, time.monotonic())]
+        chain = self.chains.live()
         deadline = time.monotonic() + timeout
         while chain and time.monotonic() < deadline:
             if self.stop is not None and self.stop.is_set():
@@ -220,10 +190,10 @@ class Driver:
         self.counters.steps_abandoned += 1
         self.counters.microbatches_abandoned += len(step_mbs)
         self.worker.reset()
-        if self.chain:
+        if self.chains.chain:
             try:
-                self.links.dial(self.chain[0], 3).send(encode_message(StageMessage(
-                    "abort", session=self.session, step=self.step_seq, route=tuple(self.chain[1:]),
+                self.links.dial(self.chains.chain[0], 3).send(encode_message(StageMessage(
+                    "abort", session=self.session, step=self.step_seq, route=tuple(self.chains.chain[1:]),
                     reason=reason[:200])))
             except ConnectionError:
                 pass
@@ -247,7 +217,7 @@ class Driver:
         start = time.perf_counter()
         self.step_seq += 1
         mbs = micro_batches(x, y, self.cfg.micro_batches)
-        chain = self._choose(mbs[0].y.numel(), give_up)
+        chain = self.chains.choose(mbs[0].y.numel(), give_up, self.peer_id)
         if chain is None:
             raise self._abandon(mbs, Abandon.NO_CHAIN, "no complete chain of stage peers")
         self.worker.begin(self.session, self.step_seq)
@@ -323,7 +293,7 @@ class Driver:
 
     def _on_bad_peer(self, step: StepState, event: BadPeer) -> PeerFailed | None:
         """A peer sent bytes that did not decode: banned; if it is in the chain, it failed."""
-        self.bans.fail(event.peer, time.monotonic())
+        self.chains.fail(event.peer)
         return PeerFailed(event.peer) if event.peer in step.chain else None
 
     def _on_deadline(self, step: StepState, inflight: list[int], deadline: float) -> PeerFailed | None:
@@ -387,8 +357,7 @@ class Driver:
         self.counters.steps += 1
         self.counters.microbatches += len(step.mbs)
         self.counters.tokens += step.tokens
-        for p in step.chain:
-            self.bans.ok(p)
+        self.chains.served(step.chain)
         return StepResult(step.loss(), time.perf_counter() - step.started, list(step.chain), step.retried)
 
     def _on_failed(self, step: StepState, event: FailReport) -> PeerFailed:
@@ -400,11 +369,11 @@ class Driver:
     def _reroute(self, step: StepState, failed: str) -> None:
         """A stage peer failed: ban it, choose another chain, re-run what went through the old one."""
         self.counters.failures += 1
-        seconds = self.bans.fail(failed, time.monotonic())
+        seconds = self.chains.fail(failed)
         logger.warning("stage peer %s failed; banned for %.0f s", failed[:12], seconds)
         if failed == self.peer_id:
             raise self._abandon(step.mbs, Abandon.NAMED_AS_FAILED, "this driver was named as failed")
-        chain = self._choose(step.mbs[0].y.numel(), step.give_up)
+        chain = self.chains.choose(step.mbs[0].y.numel(), step.give_up, self.peer_id)
         if chain is None:
             raise self._abandon(step.mbs, Abandon.NO_REPLACEMENT, f"no stage peer can replace {failed[:12]}…")
         sent = [m for m in step.mbs if m.attempt >= 0]
@@ -436,15 +405,13 @@ class Driver:
         for peer, seconds in zip(reversed(chain), busy):
             b[peer] = b.get(peer, 0.0) + seconds
             if seconds > 0:
-                rate = tokens / seconds
-                old = self.measured.get(peer)
-                self.measured[peer] = rate if old is None else 0.8 * old + 0.2 * rate
+                self.chains.measure(peer, tokens / seconds)
 
     # --- evaluation -----------------------------------------------------------------------------------------------
 
     def evaluate(self, batches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> float | None:
         """Token-weighted mean loss over ``batches`` through the chain; None if it could not finish."""
-        chain = self._choose(batches[0][1].numel()) if batches else None
+        chain = self.chains.choose(batches[0][1].numel(), me=self.peer_id) if batches else None
         if chain is None:
             return None
         waiting: dict[int, int] = {}

@@ -64,7 +64,7 @@ def _train(dhts: list[hivemind.DHT], with_liar: bool) -> tuple[list[float], dict
         losses = [driver.train_step(x[:, :-1], x[:, 1:], step, lr_at(step, optim)).loss for step in range(STEPS)]
         if liar is not None:
             counts = {"liar_applied": liar.counters.steps_applied, "honest_applied": honest.counters.steps_applied,
-                      "banned": int(driver.bans.banned(liar.peer_id, time.monotonic()))}
+                      "banned": int(driver.chains.bans.banned(liar.peer_id, time.monotonic()))}
         return losses, {n: p.detach().clone() for n, p in workers[0].parameters().items()}, counts
     finally:
         driver.close()

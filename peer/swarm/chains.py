@@ -1,0 +1,82 @@
+"""Which stage peers a driver's micro-batches go through: the chain in use, the peers it banned for failing, and
+the throughput it measured of each.
+
+The rules are pure (:mod:`hlbp.peer.swarm.routing`: the backoff, the least expected finish time, the sticky
+choice); :class:`Chains` holds the driver's state for them and waits, with the clock, for a chain to appear.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from hlbp.peer.swarm.routing import Bans, Candidate, choose_chain
+
+logger = logging.getLogger(__name__)
+
+CandidatesFn = Callable[[], Sequence[Sequence[Candidate]]]
+
+RATE_WEIGHT = 0.2  # weight of the newest step in a stage peer's measured throughput (a moving average)
+
+
+class Chains:
+    """The driver's choice of chain. ``candidates()`` lists the announced peers of stages 1..S-1 (from the DHT);
+    ``wait_s``: how long :meth:`choose` waits for a complete chain; ``stop``: an event that ends the wait."""
+
+    def __init__(self, candidates: CandidatesFn, wait_s: float, stop: Any = None) -> None:
+        self.candidates, self.wait_s, self.stop = candidates, wait_s, stop
+        self.chain: list[str] = []  # the chain in use (empty before the first step)
+        self.bans = Bans()
+        self.measured: dict[str, float] = {}  # tokens/s per stage peer, from the busy times they report
+
+    def options(self) -> list[list[Candidate]]:
+        """Each stage's announced peers, at the throughput measured where there is one."""
+        return [[Candidate(c.peer, self.measured.get(c.peer) or c.throughput) for c in stage]
+                for stage in self.candidates()]
+
+    def available(self, tokens: int = 1) -> bool:
+        """Whether a complete chain of unbanned stage peers is announced now (no waiting)."""
+        return choose_chain(self.options(), self.chain, self.bans, time.monotonic(), tokens) is not None
+
+    def choose(self, tokens: int, give_up: Callable[[], bool] | None = None, me: str = "") -> list[str] | None:
+        """The chain for the next micro-batches of ``tokens`` tokens; waits up to ``wait_s`` for one (or until
+        ``give_up()`` or the stop event). ``me``: the driver's peer id, for the log."""
+        deadline = time.monotonic() + self.wait_s
+        announced_once = False
+        while True:
+            options = self.options()
+            chain = choose_chain(options, self.chain, self.bans, time.monotonic(), tokens)
+            if chain is not None:
+                if chain != self.chain:
+                    logger.info("pipeline chain: %s", " -> ".join(p[:12] for p in [me, *chain]))
+                self.chain = chain
+                return chain
+            if time.monotonic() >= deadline or (self.stop is not None and self.stop.is_set()) \
+                    or (give_up is not None and give_up()):
+                return None
+            if not announced_once:
+                missing = [i + 1 for i, o in enumerate(options) if not o]
+                logger.info("waiting for stage peers (stages without a usable peer: %s)", missing or "banned")
+                announced_once = True
+            time.sleep(0.5)
+
+    def live(self) -> list[str]:
+        """The peers of the chain in use that are not banned now."""
+        now = time.monotonic()
+        return [p for p in self.chain if not self.bans.banned(p, now)]
+
+    def fail(self, peer: str) -> float:
+        """Ban ``peer`` for failing (backoff); returns for how many seconds."""
+        return self.bans.fail(peer, time.monotonic())
+
+    def served(self, peers: Sequence[str]) -> None:
+        """``peers`` served a whole step: their failures are forgiven."""
+        for p in peers:
+            self.bans.ok(p)
+
+    def measure(self, peer: str, rate: float) -> None:
+        """Fold a step's measured throughput of ``peer`` (tokens/s) into its moving average."""
+        old = self.measured.get(peer)
+        self.measured[peer] = rate if old is None else (1 - RATE_WEIGHT) * old + RATE_WEIGHT * rate

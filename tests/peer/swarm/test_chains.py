@@ -1,0 +1,49 @@
+"""The driver's choice of chain (hlbp.peer.swarm.chains): sticky while its peers serve, a failed peer banned and
+replaced, a wait that ends, and throughput measured as a moving average."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from hlbp.peer.swarm.chains import Chains
+from hlbp.peer.swarm.routing import Candidate
+
+
+def test_the_chain_sticks_until_a_peer_fails_then_moves_to_another() -> None:
+    stages = [[Candidate("a1", 100.0), Candidate("a2", 100.0)], [Candidate("b1", 100.0)]]
+    chains = Chains(lambda: stages, wait_s=1.0)
+    assert chains.available()
+    first = chains.choose(64)
+    assert first is not None and first[1] == "b1" and chains.chain == first
+    assert chains.choose(64) == first  # sticky
+    assert chains.fail(first[0]) > 0 and chains.live() == ["b1"]
+    second = chains.choose(64)
+    assert second is not None and second[0] != first[0] and second[1] == "b1"
+    chains.served(second)
+    assert chains.live() == second
+
+
+def test_without_a_complete_chain_the_wait_ends_at_its_limit_or_when_told() -> None:
+    chains = Chains(lambda: [[Candidate("a1", 1.0)], []], wait_s=0.6)
+    assert not chains.available()
+    t0 = time.monotonic()
+    assert chains.choose(64) is None
+    assert 0.5 <= time.monotonic() - t0 < 5
+    stop = threading.Event()
+    stop.set()
+    t0 = time.monotonic()
+    assert Chains(lambda: [[]], wait_s=30.0, stop=stop).choose(64) is None
+    assert Chains(lambda: [[]], wait_s=30.0).choose(64, give_up=lambda: True) is None
+    assert time.monotonic() - t0 < 5
+
+
+def test_measured_throughput_is_a_moving_average_that_routing_prefers() -> None:
+    stages = [[Candidate("slow", 1000.0), Candidate("fast", 10.0)]]
+    chains = Chains(lambda: stages, wait_s=1.0)
+    chains.measure("fast", 5000.0)
+    assert chains.measured["fast"] == 5000.0
+    chains.measure("fast", 0.0)
+    assert chains.measured["fast"] == 4000.0
+    assert [c.throughput for c in chains.options()[0]] == [1000.0, 4000.0]
+    assert chains.choose(64) == ["fast"]
