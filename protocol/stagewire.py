@@ -2,8 +2,8 @@
 
 Each message is ``u32 header length | canonical msgpack header | u32 body length | body`` (big-endian lengths).
 The header says what the message is (:data:`OPS`) and which micro-batch it belongs to; the body of a ``fwd`` or
-``eval`` is an activation frame (:mod:`hlbp.protocol.activations`) followed by the micro-batch's target token ids,
-the body of a ``bwd`` is an activation-gradient frame, and every other message has an empty body.
+``eval`` is an activation frame (:mod:`hlbp.protocol.activations`) followed by the micro-batch's token window (each
+row's first input id and its target ids, :func:`encode_tokens`), the body of a ``bwd`` is an activation-gradient frame, and every other message has an empty body.
 
 The header names the session (one driver's run of the swarm), the step (a counter that also advances over
 abandoned steps), the micro-batch and its attempt, so a retried micro-batch never mixes with an older attempt.
@@ -232,39 +232,53 @@ def decode_message(data: bytes, max_body: int) -> tuple[StageMessage, bytes]:
     return msg, data[8 + n:]
 
 
-# --- target token ids after a frame ---------------------------------------------------------------------------
+# --- the token window after a frame ---------------------------------------------------------------------------
 
 
-def encode_targets(targets: torch.Tensor, vocab_size: int) -> bytes:
-    """Target ids [batch, seq] as little-endian u16 (vocabularies up to 65,536) or u32."""
-    size = 2 if vocab_size <= 1 << 16 else 4
-    return targets.detach().to("cpu", torch.int64).numpy().astype(_ID_DTYPES[size]).tobytes()
+def _id_size(vocab_size: int) -> int:
+    return 2 if vocab_size <= 1 << 16 else 4
 
 
-def targets_size(batch: int, seq: int, vocab_size: int) -> int:
-    """Bytes of the targets of a ``batch`` x ``seq`` micro-batch."""
-    return batch * seq * (2 if vocab_size <= 1 << 16 else 4)
+def encode_tokens(inputs: torch.Tensor, targets: torch.Tensor, vocab_size: int) -> bytes:
+    """A micro-batch's token window [batch, seq + 1] after its frame: each row's first input id, then its targets
+    (the inputs shifted by one), as little-endian u16 (vocabularies up to 65,536) or u32. The last stage needs the
+    targets; the first input ids let an auditor recompute stage 0 from what it signed, whatever the codec carries
+    (the inputs are the window without its last column)."""
+    window = torch.cat([inputs.detach()[:, :1].to("cpu", torch.int64), targets.detach().to("cpu", torch.int64)], 1)
+    return window.numpy().astype(_ID_DTYPES[_id_size(vocab_size)]).tobytes()
+
+
+def tokens_size(batch: int, seq: int, vocab_size: int) -> int:
+    """Bytes of the token window of a ``batch`` x ``seq`` micro-batch."""
+    return batch * (seq + 1) * _id_size(vocab_size)
+
+
+def decode_tokens(data: bytes, shape: tuple[int, int], vocab_size: int) -> torch.Tensor:
+    """Untrusted token window [batch, seq + 1] of a micro-batch of ``shape`` (:func:`encode_tokens`): its targets
+    are ``[:, 1:]``, its inputs ``[:, :-1]``. A wrong length or an id outside the vocabulary raise."""
+    size = _id_size(vocab_size)
+    expected = tokens_size(shape[0], shape[1], vocab_size)
+    if len(data) != expected:
+        raise ProtocolError(f"token window of {len(data)} bytes for a {shape[0]} x {shape[1]} micro-batch "
+                            f"(expected {expected})")
+    ids = np.frombuffer(data, dtype=_ID_DTYPES[size]).astype(np.int64)
+    if ids.size and int(ids.max()) >= vocab_size:
+        raise ProtocolError(f"token id {int(ids.max())} is outside the vocabulary of {vocab_size}")
+    return torch.from_numpy(ids).view(shape[0], shape[1] + 1)
 
 
 def decode_targets(data: bytes, shape: tuple[int, int], vocab_size: int) -> torch.Tensor:
-    """Untrusted target ids of a micro-batch of ``shape``; wrong length or an id outside the vocabulary raise."""
-    size = 2 if vocab_size <= 1 << 16 else 4
-    if len(data) != shape[0] * shape[1] * size:
-        raise ProtocolError(f"targets of {len(data)} bytes for a {shape[0]} x {shape[1]} micro-batch "
-                            f"(expected {shape[0] * shape[1] * size})")
-    ids = np.frombuffer(data, dtype=_ID_DTYPES[size]).astype(np.int64)
-    if ids.size and int(ids.max()) >= vocab_size:
-        raise ProtocolError(f"target id {int(ids.max())} is outside the vocabulary of {vocab_size}")
-    return torch.from_numpy(ids).view(shape)
+    """The targets [batch, seq] of an untrusted token window (:func:`decode_tokens`)."""
+    return decode_tokens(data, shape, vocab_size)[:, 1:]
 
 
 def split_body(body: bytes, vocab_size: int) -> tuple[bytes, bytes]:
-    """(activation frame, targets) of a fwd/eval body; the frame's own header sizes the targets, which
-    :func:`decode_targets` then checks against the decoded frame's shape."""
+    """(activation frame, token window) of a fwd/eval body; the frame's own header sizes the window, which
+    :func:`decode_tokens` then checks against the decoded frame's shape."""
     if len(body) < HEADER_SIZE:
         raise ProtocolError(f"a forward body of {len(body)} bytes cannot hold an activation frame")
     batch, seq = HEADER.unpack_from(body)[6:8]
-    size = targets_size(batch, seq, vocab_size)
-    if size < 1 or size > len(body) - HEADER_SIZE:
-        raise ProtocolError(f"a forward body of {len(body)} bytes cannot hold a {batch} x {seq} frame and its targets")
+    size = tokens_size(batch, seq, vocab_size)
+    if batch < 1 or seq < 1 or size > len(body) - HEADER_SIZE:
+        raise ProtocolError(f"a forward body of {len(body)} bytes cannot hold a {batch} x {seq} frame and its tokens")
     return body[:-size], body[-size:]

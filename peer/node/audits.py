@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from hlbp.peer.model.codec import ActivationCodec, DenseCodec
+from hlbp.peer.model.codec import ActivationCodec
 from hlbp.peer.model.decoder import ModelConfig, Stage
 from hlbp.peer.rounds.admission import Refusal
 from hlbp.peer.swarm.audit import Finding
@@ -105,10 +105,6 @@ class PipelineAudits:
             if any(name not in anchor for name, _ in stage.named_parameters()):
                 continue  # a shard this coordinator does not hold (it is a stage peer itself)
             t0 = time.perf_counter()
-            # stage 0's input is its token ids: without them in its frames (dense, subspace A) they are rebuilt from
-            # its output frame and targets (audit.first_ids); where a subspace codec cannot tell its first tokens
-            # apart, the sample is inconclusive, and that alone does not refuse its work
-            blind = stage.is_first and self.codec.forward_spec.id_size == 0 and not isinstance(self.codec, DenseCodec)
             found = self.auditor.audit_peer(r, peer, stage, swarm, seed=secrets.randbits(64), params=anchor)
             self.audited += 1
             self._record(found, s, time.perf_counter() - t0)
@@ -116,7 +112,7 @@ class PipelineAudits:
                 self.caught.append((r, peer))
                 self.liars.add(peer)
             exchanged[peer] = set(found.neighbours)
-            for p, refusal in judge(found, s, blind, self.liars).items():
+            for p, refusal in judge(found, s, self.liars).items():
                 refused.setdefault(p, refusal)
         for p, liar in chain_of(self.liars, exchanged).items():
             if p in stage_peers:
@@ -161,15 +157,13 @@ def chain_of(liars: AbstractSet[str], exchanged: Mapping[str, AbstractSet[str]])
     return reached
 
 
-def judge(found: PeerAudit, stage: int, blind: bool, liars: AbstractSet[str]) -> dict[str, Refusal]:
+def judge(found: PeerAudit, stage: int, liars: AbstractSet[str]) -> dict[str, Refusal]:
     """Which contributions of ``found.round`` one stage peer's audit leaves out, and why (pure).
 
     - its own signed frames convict it: it is banned, and the peers it exchanged frames with are left out;
     - it exchanged frames with a peer convicted earlier (``liars``): it is left out;
     - its first step was computed on other weights than the anchor (stale): it and its chain are left out;
-    - nothing of its first step could be checked (it showed none of it, or its neighbours did not), unless its
-      stage may not be recomputable by construction (``blind``: stage 0 under a subspace codec without token ids,
-      whose first tokens its frames may not tell apart, :func:`hlbp.peer.swarm.audit.first_ids`): it is left
+    - nothing of its first step could be checked (it showed none of it, or its neighbours did not): it is left
       out, since work that cannot be checked is not taken (an honest standby switched in after the first step
       loses that round's work);
     - else nothing."""
@@ -191,7 +185,7 @@ def judge(found: PeerAudit, stage: int, blind: bool, liars: AbstractSet[str]) ->
     if found.stale is not None:  # honest, late: its work and its chain's is not the round's
         return {p: Refusal(f"round-{r} work of stage {stage} ({peer[:16]}) was computed on other weights than the "
                            "round's anchor", ban=False) for p in (peer, *sorted(found.neighbours))}
-    if not blind and not any(v.result.finding is Finding.CLEAN and v.result.inner == 0 for v in found.verdicts):
+    if not any(v.result.finding is Finding.CLEAN and v.result.inner == 0 for v in found.verdicts):
         return {peer: Refusal(f"none of its round-{r} frames of the phase's first step could be checked",
                               ban=False)}
     return {}

@@ -11,8 +11,7 @@ The evidence of one micro-batch attempt at stage s (every frame signed by its se
 transcript`):
 
 - ``x``: the ``fwd`` the audited peer received (its input, signed by its upstream neighbour; none on stage 0,
-  whose input is token ids: carried by its output frame, or rebuilt from that frame and its targets,
-  :func:`first_ids`);
+  whose input is token ids: carried by its output frame, or by the token window it signed with that frame);
 - ``y``: the ``fwd`` it sent (its output, held by its downstream neighbour; none on the last stage);
 - ``g_out``: the ``bwd`` it received (the gradient of its output; none on the last stage, which computes the loss);
 - ``g_in``: the ``bwd`` it sent (the gradient of its input; none on stage 0).
@@ -28,17 +27,17 @@ finding.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from enum import Enum
 
 import torch
 
-from hlbp.peer.model.codec import ActivationCodec, DenseCodec
+from hlbp.peer.model.codec import ActivationCodec
 from hlbp.peer.model.decoder import Stage
 from hlbp.peer.train.trainer import autocast
 from hlbp.protocol import ProtocolError
-from hlbp.protocol.stagewire import StageMessage, decode_targets, split_body
+from hlbp.protocol.stagewire import StageMessage, decode_targets, decode_tokens, split_body
 
 Frame = tuple[StageMessage, bytes]
 
@@ -175,13 +174,10 @@ def _labels(msg: StageMessage) -> tuple[int, int, int, int, int, int, float]:
 
 
 def audit(stage: Stage, codec: ActivationCodec, vocab_size: int, evidence: Evidence,
-          tolerance: Tolerance = Tolerance(), params: Mapping[str, torch.Tensor] | None = None,
-          vocabulary: dict[str, torch.Tensor] | None = None) -> AuditResult:
+          tolerance: Tolerance = Tolerance(), params: Mapping[str, torch.Tensor] | None = None) -> AuditResult:
     """Recompute ``stage`` at the anchor on the evidence and judge what the peer sent. The anchor is ``params``
     (name -> tensor, run through ``stage`` by ``torch.func.functional_call``, so ``stage`` may be a skeleton
-    holding no parameter memory, :func:`hlbp.peer.train.trainer.skeleton`), or else ``stage``'s own weights.
-    ``vocabulary``: where stage 0's position-0 outputs of the whole vocabulary at this anchor are kept between the
-    audits of one round (:func:`first_ids`; computed once, on the first audit that needs them)."""
+    holding no parameter memory, :func:`hlbp.peer.train.trainer.skeleton`), or else ``stage``'s own weights."""
     first, last = stage.is_first, stage.is_last
     e = evidence
     need_fwd = e.x is not None or first  # the input: a received frame, or token ids carried by the output
@@ -204,13 +200,6 @@ def audit(stage: Stage, codec: ActivationCodec, vocab_size: int, evidence: Evide
 
     try:
         inp, token_ids, targets = _input(stage, codec, vocab_size, e)
-        if first and token_ids is None:  # a codec that carries no token ids: they are rebuilt from the output
-            assert e.y is not None
-            kept = vocabulary if vocabulary is not None else {}
-            if "first" not in kept:
-                with torch.no_grad(), autocast(device):
-                    kept["first"] = vocabulary_outputs(run, codec, vocab_size, device)
-            inp = token_ids = first_ids(kept["first"], codec, vocab_size, e.y[1])
     except ProtocolError as exc:
         return AuditResult(Finding.INCONCLUSIVE, inner, detail=f"its input does not decode: {exc}")
     stage.train(True)
@@ -247,60 +236,23 @@ class _Unsigned(Exception):
 
 def _input(stage: Stage, codec: ActivationCodec, vocab_size: int,
            e: Evidence) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-    """(the stage's input, the token ids that travel with it, the targets on the last stage) from the evidence;
-    stage 0's input is None where its codec carries no token ids."""
-    if stage.is_first:  # its input is token ids: carried by its output frame, or rebuilt (first_ids)
+    """(the stage's input, the token ids that travel with it, the targets on the last stage) from the evidence.
+    Stage 0's input is token ids: its output frame's, where its codec carries them, else the token window it
+    signed with that frame (each row's first input id and its targets, the inputs shifted by one)."""
+    if stage.is_first:
         assert e.y is not None
-        frame, _ = split_body(e.y[1], vocab_size)
+        frame, window = split_body(e.y[1], vocab_size)
         received = codec.decode_forward(frame)
-        return received.token_ids, received.token_ids, None
+        if received.token_ids is not None:
+            return received.token_ids, received.token_ids, None
+        ids = decode_tokens(window, (received.tensor.shape[0], received.tensor.shape[1]), vocab_size)[:, :-1]
+        return ids, ids, None
     assert e.x is not None
     frame, targets_bytes = split_body(e.x[1], vocab_size)
     received = codec.decode_forward(frame)
     shape = (received.tensor.shape[0], received.tensor.shape[1])
     targets = decode_targets(targets_bytes, shape, vocab_size) if stage.is_last else None
     return received.tensor, received.token_ids, targets
-
-
-FIRST_IDS_CHUNK = 4096  # vocabulary entries run through stage 0 at once when rebuilding its first tokens
-
-
-def vocabulary_outputs(run: Callable[[torch.Tensor], torch.Tensor], codec: ActivationCodec, vocab_size: int,
-                       device: torch.device | str = "cpu") -> torch.Tensor:
-    """Stage 0's output at position 0 for every vocabulary entry, as the codec delivers it ([vocab, width]):
-    ``run`` is the stage at the anchor; frames are made no larger than the codec accepts."""
-    per_frame = max(1, min(FIRST_IDS_CHUNK, codec.forward_spec.max_tokens))
-    outs = []
-    for start in range(0, vocab_size, FIRST_IDS_CHUNK):
-        ids = torch.arange(start, min(start + FIRST_IDS_CHUNK, vocab_size)).view(-1, 1)
-        out = run(ids.to(device)).float().cpu()
-        for i in range(0, len(ids), per_frame):
-            part, part_ids = out[i:i + per_frame], ids[i:i + per_frame]
-            outs.append(codec.decode_forward(codec.encode_forward(part, part_ids)).tensor[:, 0].float())
-    return torch.cat(outs)
-
-
-def first_ids(table: torch.Tensor, codec: ActivationCodec, vocab_size: int, body: bytes) -> torch.Tensor:
-    """Stage 0's input token ids, rebuilt from the forward body it sent (its frame and the targets that ride with
-    it) where the codec carries no ids (dense, subspace A). The targets are the input shifted by one, so they give
-    every input token but each row's first; a causal stage's output at position 0 depends on that token alone, so
-    each row's first token is the vocabulary entry whose output at position 0 (``table``,
-    :func:`vocabulary_outputs` at the anchor) is nearest the frame's.
-
-    A frame of the dense codec always has an honest match at distance ~0 and the rest far away: the nearest entry
-    is taken, and a frame that lied at position 0 then fails the recomputation. A subspace codec of few dimensions
-    may leave two entries about as near (or a lie among them): that raises ``ProtocolError`` (inconclusive) rather
-    than accuse on a guessed token."""
-    frame, targets_bytes = split_body(body, vocab_size)
-    sent = codec.decode_forward(frame).tensor
-    rows, seq = sent.shape[0], sent.shape[1]
-    targets = decode_targets(targets_bytes, (rows, seq), vocab_size)
-    at_zero = sent[:, 0].float()
-    near = torch.cdist(at_zero, table).topk(min(2, len(table)), largest=False)
-    best, second = near.values[:, 0], near.values[:, -1]
-    if not isinstance(codec, DenseCodec) and bool((second <= 4 * best + 1e-6 * at_zero.norm(dim=1)).any()):
-        raise ProtocolError("stage 0's first tokens are not told apart by this codec's frames")
-    return torch.cat([near.indices[:, :1], targets[:, :-1]], dim=1)
 
 
 def _forward_error(codec: ActivationCodec, vocab_size: int, out: torch.Tensor, token_ids: torch.Tensor | None,

@@ -173,7 +173,6 @@ class Auditor:
                     if e.flagged:
                         flagged.add(mb)
         found: list[tuple[MicroBatchKey, AuditResult, dict[str, str]]] = []
-        vocabulary: dict[str, torch.Tensor] = {}  # stage 0's outputs of the vocabulary at the anchor (audit.first_ids)
         compute_s = 0.0
         count = self.cfg.samples if samples is None else samples
         for mb in choose(sent, count, seed, self.cfg.later if count else 0, flagged, self.cfg.later_chance):
@@ -191,7 +190,7 @@ class Auditor:
                     held[name] = accused
             evidence = Evidence(frames["x"], frames["y"], frames["g_out"], frames["g_in"])
             t0 = time.perf_counter()
-            result = audit(stage, self.codec, self.vocab_size, evidence, self.cfg.tolerance, params, vocabulary)
+            result = audit(stage, self.codec, self.vocab_size, evidence, self.cfg.tolerance, params)
             compute_s += time.perf_counter() - t0
             if result.finding is Finding.INCONCLUSIVE and not stage.is_first and evidence.x is None:
                 result = AuditResult(Finding.INCONCLUSIVE, detail="it did not show the input it passed on")

@@ -59,7 +59,7 @@ from hlbp.peer.swarm.step import (
 from hlbp.peer.swarm.transcript import Notary, sealed
 from hlbp.peer.swarm.worker import StageWorker, done_fault
 from hlbp.protocol import ProtocolError
-from hlbp.protocol.stagewire import Reason, StageMessage, encode_message, encode_targets
+from hlbp.protocol.stagewire import Reason, StageMessage, encode_message, encode_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -180,7 +180,7 @@ class Driver:
         mb.attempt += 1
         mb.done = False
         out = self.worker.forward(i, mb.attempt, mb.x)
-        data = self.codec.encode_forward(out, mb.x, i) + encode_targets(mb.y, self.vocab_size)
+        data = self.codec.encode_forward(out, mb.x, i) + encode_tokens(mb.x, mb.y, self.vocab_size)
         msg = StageMessage("fwd", session=self.session, step=self.step_seq, mb=i, attempt=mb.attempt,
                            route=tuple(chain[1:]), weight=mb.weight, round=step.round, inner=step.inner)
         mb.sent_at = time.monotonic()
@@ -417,7 +417,7 @@ class Driver:
         waiting: dict[int, int] = {}
         for i, (x, y) in enumerate(batches):
             out = self.worker.forward(i, 0, x, train=False)
-            data = self.codec.encode_forward(out, x, i) + encode_targets(y, self.vocab_size)
+            data = self.codec.encode_forward(out, x, i) + encode_tokens(x, y, self.vocab_size)
             msg = StageMessage("eval", session=self.session, step=self.step_seq, mb=i, route=tuple(chain[1:]))
             try:
                 self.links.dial(chain[0]).send(encode_message(msg, data))

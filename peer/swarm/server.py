@@ -69,8 +69,9 @@ class StageCounters:
 
 
 def max_body_bytes(codec: ActivationCodec, max_tokens: int, vocab_size: int) -> int:
-    """The largest fwd/bwd body this stage accepts: a frame of ``max_tokens`` tokens plus their targets."""
-    return int(codec.frame_bytes(max_tokens)["forward"] * max_tokens) + 4 * max_tokens + 64
+    """The largest fwd/bwd body this stage accepts: a frame of ``max_tokens`` tokens plus their token window (at
+    most two ids of 4 bytes per token: the targets and each row's first input)."""
+    return int(codec.frame_bytes(max_tokens)["forward"] * max_tokens) + 8 * max_tokens + 64
 
 
 class StageServer:
@@ -226,13 +227,13 @@ class StageServer:
 
     def _forward(self, conn: Conn, msg: StageMessage, body: bytes) -> None:
         start = time.perf_counter()
-        frame, targets_bytes = split_body(body, self.vocab_size)
+        frame, window = split_body(body, self.vocab_size)
         received = self.codec.decode_forward(frame)
         shape = (received.tensor.shape[0], received.tensor.shape[1])
         if self.notary is not None and msg.op == "fwd":
             self.notary.observe(conn.peer, msg, received.tensor)
         if msg.op == "eval":
-            self._eval(conn, msg, received, targets_bytes, shape)
+            self._eval(conn, msg, received, window, shape)
             return
         new_step = (msg.session, msg.step) != (self.worker.session, self.worker.step)
         if self.gate is not None and new_step and not self.gate.enter(self.gate_timeout_s, msg.round):
@@ -241,7 +242,7 @@ class StageServer:
         if new_step:
             self._step_round = msg.round  # what the step's apply tells the round gate
         if self.is_last:
-            targets = decode_targets(targets_bytes, shape, self.vocab_size)
+            targets = decode_targets(window, shape, self.vocab_size)
             loss, grad = self.worker.loss_backward(msg.mb, msg.attempt, received.tensor, targets, msg.weight)
             assert grad is not None
             data = self.codec.encode_backward(grad, msg.mb)
@@ -252,7 +253,7 @@ class StageServer:
                                                        attempt=msg.attempt, loss=min(loss, 1e6), busy=(busy,),
                                                        round=msg.round, inner=msg.inner), data))
             return
-        decode_targets(targets_bytes, shape, self.vocab_size)  # check before passing it on
+        decode_targets(window, shape, self.vocab_size)  # check before passing it on
         out = self.worker.forward(msg.mb, msg.attempt, received.tensor)
         data = self.codec.encode_forward(out, received.token_ids, msg.mb)
         self.counters.forwards += 1
@@ -264,11 +265,11 @@ class StageServer:
         except ConnectionError as exc:
             self._fail(nxt, Reason.UNREACHABLE, str(exc))
             return
-        down.send(sealed(self.notary, replace(msg, route=rest), data + targets_bytes))
+        down.send(sealed(self.notary, replace(msg, route=rest), data + window))
 
-    def _eval(self, conn: Conn, msg: StageMessage, received: Any, targets_bytes: bytes,
+    def _eval(self, conn: Conn, msg: StageMessage, received: Any, window: bytes,
               shape: tuple[int, int]) -> None:
-        targets = decode_targets(targets_bytes, shape, self.vocab_size)
+        targets = decode_targets(window, shape, self.vocab_size)
         self.counters.evals += 1
         if self.is_last:
             loss = self.worker.eval_loss(received.tensor, targets)
@@ -283,7 +284,7 @@ class StageServer:
         except ConnectionError as exc:
             self._fail(msg.route[0], Reason.UNREACHABLE, str(exc))
             return
-        down.send(encode_message(replace(msg, route=msg.route[1:]), data + targets_bytes))
+        down.send(encode_message(replace(msg, route=msg.route[1:]), data + window))
 
     def _backward(self, sender: str, msg: StageMessage, body: bytes) -> None:
         start = time.perf_counter()

@@ -27,6 +27,7 @@ from hlbp.protocol.identity import (
 )
 from hlbp.protocol.manifest import (
     KIND_MANIFEST,
+    PROTOCOL_VERSION,
     Artifact,
     Manifest,
     ProtocolVersionMismatch,
@@ -173,8 +174,9 @@ def test_bad_field_values_are_refused():
 
 def test_protocol_version_mismatch_is_its_own_error_with_a_message():
     ident = _identity(11)
-    data = seal(KIND_MANIFEST, {**_manifest().to_body(), "proto": 2}, ident)
-    with pytest.raises(ProtocolVersionMismatch, match="protocol version 2.*speaks version 1"):
+    data = seal(KIND_MANIFEST, {**_manifest().to_body(), "proto": PROTOCOL_VERSION + 1}, ident)
+    with pytest.raises(ProtocolVersionMismatch,
+                       match=f"protocol version {PROTOCOL_VERSION + 1}.*speaks version {PROTOCOL_VERSION}"):
         decode_manifest(data)
     # The envelope itself is valid: a DHT validator can pass it on for the joiner to explain.
     assert open_envelope(data, KIND_MANIFEST, max_bytes=1 << 14).signer == ident.peer_id

@@ -16,8 +16,9 @@ from hlbp.protocol.stagewire import (
     StageMessage,
     decode_message,
     decode_targets,
+    decode_tokens,
     encode_message,
-    encode_targets,
+    encode_tokens,
     header_map,
     split_body,
 )
@@ -32,14 +33,18 @@ def test_round_trip_keeps_every_field_and_the_body() -> None:
     assert set(header_map(done)) == {"op", "session", "step", "sumsq", "scale", "lr", "opt_step"}  # defaults stay off
 
 
-def test_targets_round_trip_and_split() -> None:
+def test_the_token_window_round_trips_and_splits() -> None:
     x = torch.randn(2, 3, 8)
-    y = torch.randint(0, 500, (2, 3))
+    stream = torch.randint(0, 500, (2, 4))
+    inputs, y = stream[:, :-1], stream[:, 1:]
     frame = encode_activations(x, "forward", "fp32")
-    body = frame + encode_targets(y, 500)
-    got_frame, got_targets = split_body(body, 500)
-    assert got_frame == frame
-    assert torch.equal(decode_targets(got_targets, (2, 3), 500), y)
+    body = frame + encode_tokens(inputs, y, 500)
+    got_frame, got_window = split_body(body, 500)
+    assert got_frame == frame and len(got_window) == 2 * 4 * 2  # u16 ids: each row's first input, its targets
+    assert torch.equal(decode_targets(got_window, (2, 3), 500), y)
+    assert torch.equal(decode_tokens(got_window, (2, 3), 500), stream)  # the inputs are its first 3 columns
+    big = encode_tokens(inputs, y, 70_000)  # a vocabulary past u16: u32 ids
+    assert len(big) == 2 * 4 * 4 and torch.equal(decode_tokens(big, (2, 3), 70_000), stream)
 
 
 @pytest.mark.parametrize("header", [
@@ -75,9 +80,11 @@ def test_sizes_are_checked_before_anything_is_read() -> None:
 
 def test_targets_outside_the_vocabulary_or_of_the_wrong_length_are_refused() -> None:
     with pytest.raises(ProtocolError, match="vocabulary"):
-        decode_targets(encode_targets(torch.tensor([[3, 600]]), 1000), (1, 2), 500)
-    with pytest.raises(ProtocolError, match="targets"):
-        decode_targets(b"\0" * 6, (1, 2), 500)
+        decode_targets(encode_tokens(torch.tensor([[7, 3]]), torch.tensor([[3, 600]]), 1000), (1, 2), 500)
+    with pytest.raises(ProtocolError, match="vocabulary"):  # the first input id is checked like a target
+        decode_tokens(encode_tokens(torch.tensor([[600, 3]]), torch.tensor([[3, 4]]), 1000), (1, 2), 500)
+    with pytest.raises(ProtocolError, match="token window"):
+        decode_targets(b"\0" * 4, (1, 2), 500)  # the targets alone, without the first input id
     with pytest.raises(ProtocolError):
         split_body(b"\0" * 10, 500)
 
@@ -86,7 +93,7 @@ def test_structured_fuzz_only_raises_protocol_error() -> None:
     """Mutate inside the msgpack header (re-encoded canonically) and inside the frame and targets."""
     rng = random.Random(0)
     base = {"op": "fwd", "session": 5, "step": 1, "mb": 0, "attempt": 0, "route": ["12D3KooWabc"], "weight": 0.5}
-    body = encode_activations(torch.randn(2, 4, 8), "forward", "fp32") + encode_targets(torch.zeros(2, 4), 100)
+    body = encode_activations(torch.randn(2, 4, 8), "forward", "fp32") + encode_tokens(torch.zeros(2, 4), torch.zeros(2, 4), 100)
     values = [0, -1, 2**64 - 1, -(2**63), 1.5, float("inf"), "", "x" * 300, b"\0", [], {}, None, True, ["12D3KooWabc"] * 40]
     for _ in range(2000):
         header = dict(base)

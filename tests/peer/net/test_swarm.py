@@ -16,7 +16,7 @@ from hlbp.peer.node.join import thresholds_for
 from hlbp.peer.node.roles import Capacity, PeerView, choose_role
 from hlbp.protocol.announcement import KIND_ANNOUNCEMENT, Announcement, encode_announcement, peers_key
 from hlbp.protocol.identity import Identity, seal
-from hlbp.protocol.manifest import KIND_MANIFEST
+from hlbp.protocol.manifest import KIND_MANIFEST, PROTOCOL_VERSION
 
 pytestmark = pytest.mark.slow
 
@@ -170,7 +170,7 @@ def test_a_newer_protocol_manifest_is_refused_with_a_message(swarm: Swarm, spawn
                  "--manifest-signer", future.peer_id, "--manifest-timeout", "10", "--memory-gb", "8",
                  "--throughput", "1", "--bandwidth", "1", "--cache-dir", str(tmp_path))
     assert proc.popen.wait(timeout=60) == 2
-    assert "protocol version 99" in proc.output and "speaks version 1" in proc.output
+    assert "protocol version 99" in proc.output and f"speaks version {PROTOCOL_VERSION}" in proc.output
 
 
 def test_killed_peer_disappears_when_its_record_expires_and_a_leaving_one_at_once(spawn, observer_factory,

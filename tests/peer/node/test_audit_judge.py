@@ -18,27 +18,27 @@ def audit(*findings: Finding, neighbours: tuple[str, ...] = ("up", "down")) -> P
 
 
 def test_a_conviction_bans_the_liar_and_leaves_out_the_chain_it_fed() -> None:
-    out = judge(audit(Finding.CLEAN, Finding.FORWARD), 1, False, set())
+    out = judge(audit(Finding.CLEAN, Finding.FORWARD), 1, set())
     assert out["p"].ban and "forward on step 9 micro-batch 1" in out["p"].reason
     assert {p for p, r in out.items() if not r.ban} == {"up", "down"}
 
 
 def test_a_liar_banned_earlier_taints_whoever_still_trades_frames_with_it() -> None:
-    out = judge(audit(Finding.CLEAN, Finding.CLEAN, neighbours=("liar", "down")), 2, False, {"liar"})
+    out = judge(audit(Finding.CLEAN, Finding.CLEAN, neighbours=("liar", "down")), 2, {"liar"})
     assert set(out) == {"p"} and not out["p"].ban
 
 
 def test_stale_work_leaves_out_its_chain_and_bans_nobody() -> None:
-    out = judge(audit(Finding.CLEAN, Finding.STALE), 1, False, set())
+    out = judge(audit(Finding.CLEAN, Finding.STALE), 1, set())
     assert set(out) == {"p", "up", "down"} and not any(r.ban for r in out.values())
 
 
-def test_work_that_could_not_be_checked_is_not_taken_unless_its_stage_cannot_be_recomputed() -> None:
+def test_work_that_could_not_be_checked_is_not_taken_on_any_stage() -> None:
     for nothing in (audit(), audit(Finding.INCONCLUSIVE, Finding.INCONCLUSIVE), audit(Finding.UNJUDGED)):
-        out = judge(nothing, 1, False, set())
-        assert set(out) == {"p"} and not out["p"].ban
-        assert judge(nothing, 0, True, set()) == {}  # stage 0 without token ids in its frames: nothing to check
-    assert judge(audit(Finding.CLEAN, Finding.INCONCLUSIVE), 1, False, set()) == {}
+        for stage in (0, 1):  # stage 0 too: the token window it signs with its frames makes it recomputable
+            out = judge(nothing, stage, set())
+            assert set(out) == {"p"} and not out["p"].ban
+    assert judge(audit(Finding.CLEAN, Finding.INCONCLUSIVE), 1, set()) == {}
 
 
 def test_a_liar_taints_every_peer_its_frames_reached_through_the_chain_and_no_other_swarm() -> None:

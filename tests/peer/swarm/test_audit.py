@@ -24,7 +24,7 @@ from hlbp.peer.swarm.audit import (
 )
 from hlbp.peer.swarm.auditor import choose
 from hlbp.peer.train.trainer import skeleton
-from hlbp.protocol.stagewire import StageMessage, encode_targets
+from hlbp.protocol.stagewire import StageMessage, encode_tokens
 
 CONFIG = preset("tiny", vocab_size=300, n_layers=3)
 CODEC = make_codec(CodecConfig("dense", wire_dtype="fp32"), CONFIG.d_model, CONFIG.vocab_size, CONFIG.max_seq_len)
@@ -44,7 +44,7 @@ def honest(i: int, lie: float = 1.0) -> tuple[torch.nn.Module, Evidence]:
     s = stage(i)
     x = torch.randn(2, 8, CONFIG.d_model)
     ids = torch.randint(0, CONFIG.vocab_size, (2, 8))
-    targets = encode_targets(ids, CONFIG.vocab_size)
+    targets = encode_tokens(ids, ids, CONFIG.vocab_size)
     leaf = x.clone().requires_grad_(True)
     out = s(leaf)
     x_frame = (LABELS, CODEC.encode_forward(x, ids) + targets)
@@ -100,30 +100,27 @@ def test_a_relabelled_frame_a_broken_signed_frame_and_missing_evidence_get_their
 
 
 def stage_zero(codec: object = CODEC, lie: Callable[[torch.Tensor], torch.Tensor] = lambda h: h,
-               rows: int = 3, seq: int = 8) -> tuple[torch.nn.Module, Evidence]:
+               rows: int = 3, seq: int = 8, first: torch.Tensor | None = None) -> tuple[torch.nn.Module, Evidence]:
     """Stage 0's frames of micro-batch LABELS (its output passed through ``lie``) with a codec that carries no
-    token ids: what an auditor holds is its output frame and the targets that ride with it."""
+    token ids: what an auditor holds is its output frame and the token window it signed with it (``first``: the
+    first input ids it put there, when they are not the ones it computed from)."""
     torch.manual_seed(5)
     s = stage(0)
     stream = torch.randint(0, CONFIG.vocab_size, (rows, seq + 1))
     ids, targets = stream[:, :-1], stream[:, 1:]
     out = s(ids).detach()
-    y = (LABELS, codec.encode_forward(lie(out), ids) + encode_targets(targets, CONFIG.vocab_size))
+    shown = ids if first is None else torch.cat([first.view(-1, 1), ids[:, 1:]], 1)
+    y = (LABELS, codec.encode_forward(lie(out), ids) + encode_tokens(shown, targets, CONFIG.vocab_size))
     g_out = (replace(LABELS, op="bwd", weight=1.0), codec.encode_backward(torch.randn_like(out)))
     return s, Evidence(None, y, g_out, None)
 
 
-def test_stage_zero_is_audited_exactly_from_its_output_frame_and_targets_without_token_ids() -> None:
+def test_stage_zero_is_audited_exactly_from_its_output_frame_and_token_window_without_token_ids() -> None:
     s, e = stage_zero()
-    kept: dict[str, torch.Tensor] = {}
-    honest = audit(s, CODEC, CONFIG.vocab_size, e, vocabulary=kept)
-    assert honest.finding is Finding.CLEAN and honest.forward.error < 1e-5  # the first tokens rebuilt exactly
-    table = kept["first"]  # the vocabulary's outputs at the anchor: one round's audits compute them once
-    assert table.shape == (CONFIG.vocab_size, CONFIG.d_model)
-    assert audit(s, CODEC, CONFIG.vocab_size, e, vocabulary=kept).finding is Finding.CLEAN and kept["first"] is table
+    honest = audit(s, CODEC, CONFIG.vocab_size, e)
+    assert honest.finding is Finding.CLEAN and honest.forward.error < 1e-5  # its inputs read from its window
     assert audit(skeleton(s), CODEC, CONFIG.vocab_size, e, params=dict(s.named_parameters())).finding \
         is Finding.CLEAN
-    # a run's codec accepts frames of one micro-batch's tokens at most: the vocabulary is recomputed in such frames
     small = make_codec(CodecConfig("dense", wire_dtype="bf16"), CONFIG.d_model, CONFIG.vocab_size,
                        CONFIG.max_seq_len, max_tokens=24)
     _, e_small = stage_zero(small)
@@ -133,21 +130,23 @@ def test_stage_zero_is_audited_exactly_from_its_output_frame_and_targets_without
     for lie in (lambda h: h * 10, noise, lambda h: -h):
         _, lying = stage_zero(lie=lie)
         assert audit(s, CODEC, CONFIG.vocab_size, lying).finding is Finding.FORWARD
-    # a lie at position 0 alone, where the first tokens are matched: the frame is not the anchor's, so the work is
-    # refused (here near enough to look computed on other weights: stale, which refuses without a ban)
+    # a lie at position 0 alone: the frame is not the anchor's, so the work is refused (here near enough to look
+    # computed on other weights: stale, which refuses without a ban)
     _, lying = stage_zero(lie=first_only)
+    assert audit(s, CODEC, CONFIG.vocab_size, lying).finding in (Finding.FORWARD, Finding.STALE)
+    # first input ids in its window other than those it computed from: its signed frame and window disagree
+    _, lying = stage_zero(first=torch.tensor([1, 2, 3]))
     assert audit(s, CODEC, CONFIG.vocab_size, lying).finding in (Finding.FORWARD, Finding.STALE)
     assert audit(s, CODEC, CONFIG.vocab_size, replace(e, y=None)).finding is Finding.INCONCLUSIVE
 
 
-def test_stage_zero_under_a_subspace_codec_is_never_accused_on_a_guessed_first_token() -> None:
+def test_stage_zero_under_a_subspace_codec_of_any_rank_is_audited_exactly() -> None:
     s = stage(0)
     for rank in ("1", "2", "1/8"):
         codec = make_codec(CodecConfig("subspace-a", rank=rank, wire_dtype="fp32"), CONFIG.d_model,
                            CONFIG.vocab_size, CONFIG.max_seq_len)
         _, e = stage_zero(codec)
-        found = audit(s, codec, CONFIG.vocab_size, e).finding
-        assert found in (Finding.CLEAN, Finding.INCONCLUSIVE), (rank, found)
+        assert audit(s, codec, CONFIG.vocab_size, e).finding is Finding.CLEAN, rank  # never inconclusive now
 
 
 def test_only_the_phases_first_step_is_judged_and_there_exactly() -> None:

@@ -107,9 +107,10 @@ def test_a_lying_middle_stage_is_caught_banned_and_its_swarms_work_never_accepte
         assert losses[-1] < losses[0], losses
 
 
-def test_a_lying_driver_is_caught_from_its_rebuilt_input_and_its_whole_chain_drops_the_round(tmp_path: Path) -> None:
+def test_a_lying_driver_is_caught_from_its_signed_input_and_its_whole_chain_drops_the_round(tmp_path: Path) -> None:
     """Stage 0 (the swarm's driver) sends its activations x10. The run's dense codec carries no token ids: the
-    auditor rebuilds the driver's input from its output frame and targets, convicts it, and refuses the round's work
+    auditor reads the driver's input from the token window it signed with its output frame, convicts it, and
+    refuses the round's work
     of its neighbour and of the last stage two hops away, which drop it too (the last stage never received a frame
     from the liar: it drops its work because the round banned a peer of its own swarm)."""
     cfg = SimConfig(n_stages=3, inner_steps=H, batch_size=4, seq_len=64, seed=5, run_id="audit-driver", ttl_s=8.0,

@@ -18,7 +18,7 @@ from hlbp.peer.swarm.routing import Candidate
 from hlbp.peer.swarm.server import StageServer
 from hlbp.peer.train.trainer import OptimConfig, lr_at
 from hlbp.protocol.activations import encode_activations
-from hlbp.protocol.stagewire import StageMessage, encode_message, encode_targets
+from hlbp.protocol.stagewire import StageMessage, encode_message, encode_tokens
 
 
 @pytest.fixture
@@ -40,7 +40,7 @@ def test_bad_frames_ban_their_sender_and_change_nothing(dhts: list[hivemind.DHT]
     try:
         before = {n: p.detach().clone() for n, p in workers[1].parameters().items()}
         good = encode_activations(torch.randn(1, 4, CONFIG.d_model), "forward", "fp32") + \
-            encode_targets(torch.zeros(1, 4), CONFIG.vocab_size)
+            encode_tokens(torch.zeros(1, 4), torch.zeros(1, 4), CONFIG.vocab_size)
         fwd = StageMessage("fwd", session=9, step=1, weight=1.0)
 
         # 1. not a member of the swarm: the stream is refused, nothing is computed
@@ -49,7 +49,7 @@ def test_bad_frames_ban_their_sender_and_change_nothing(dhts: list[hivemind.DHT]
         assert server.counters.forwards == 0
         members.add(rogue.peer_id)  # 2. now a member, but it lies
         wrong_width = encode_activations(torch.randn(1, 4, 7), "forward", "fp32") + \
-            encode_targets(torch.zeros(1, 4), CONFIG.vocab_size)
+            encode_tokens(torch.zeros(1, 4), torch.zeros(1, 4), CONFIG.vocab_size)
         rogue.dial(server.peer_id).send(encode_message(fwd, wrong_width))
         poll(lambda: server.counters.frames_refused >= 1, 10, "the bad frame to be refused")
         assert server.bans.banned(rogue.peer_id, time.monotonic())
