@@ -89,10 +89,10 @@ def network() -> Iterator[tuple[list[hivemind.DHT], list[Identity]]]:
 
 def run_swarm(network: tuple[list[hivemind.DHT], list[Identity]], lie: tuple[str, str, int] | None,
               wire: str = "fp32", samples: int = 2, seeds: tuple[int, ...] = (0,),
-              later: int = 0, later_chance: float = 1.0) -> tuple[list[Any], list[Any]]:
+              later: int = 0, later_chance: float = 1.0, audited: int = 1) -> tuple[list[Any], list[Any]]:
     """STEPS steps of a 3-stage swarm in round 0 (stage 1 lying as ``lie`` says), then the verdicts of an audit
-    of stage 1 per seed with ``samples`` samples of the phase's first step (and ``later`` of one later step), and
-    the micro-batch attempts it lied on."""
+    of stage ``audited`` (1, or 0: the driver) per seed with ``samples`` samples of the phase's first step (and
+    ``later`` of one later step), and the micro-batch attempts it lied on."""
     dhts, identities = network
     workers = [StageWorker(s, OPTIM, torch.device("cpu")) for s in stages()]
     middle: Any = workers[1] if lie is None else LyingWorker(workers[1], *lie)
@@ -121,10 +121,12 @@ def run_swarm(network: tuple[list[hivemind.DHT], list[Identity]], lie: tuple[str
         swarm = [driver.peer_id, *(s.peer_id for s in servers)]
         lied = list(getattr(middle, "lied", []))
         verdicts = []
+        accused = servers[0].peer_id if audited == 1 else driver.peer_id
+        chain = {driver.peer_id, servers[1].peer_id} if audited == 1 else {servers[0].peer_id}
         for seed in seeds:
-            found = auditor.audit_peer(0, servers[0].peer_id, skeleton(split(CONFIG, 3)[1]), swarm, seed=seed,
+            found = auditor.audit_peer(0, accused, skeleton(split(CONFIG, 3)[audited]), swarm, seed=seed,
                                        params=anchor)
-            assert found.neighbours == {driver.peer_id, servers[1].peer_id}  # its chain in the round
+            assert found.neighbours == chain  # its chain in the round
             verdicts += found.verdicts
         return verdicts, lied
     finally:
@@ -133,6 +135,17 @@ def run_swarm(network: tuple[list[hivemind.DHT], list[Identity]], lie: tuple[str
         driver.close()
         for s in servers:
             s.close()
+
+
+def test_the_driver_is_recomputed_exactly_from_its_signed_tokens_on_its_first_step_only(network: Any) -> None:
+    """Stage 0's input is read from the token window it signed (the dense codec carries no ids); its later steps
+    are not drawn, since the embedding rows a micro-batch reads drift apart from another's."""
+    verdicts, _ = run_swarm(network, None, samples=MICRO, later=MICRO, seeds=(0, 1), audited=0)
+    assert len(verdicts) == 2 * MICRO
+    for v in verdicts:
+        assert v.result.inner == 0 and v.result.finding is Finding.CLEAN, v
+        assert v.result.forward is not None and v.result.forward.error < 1e-5  # exact: its own tokens, the anchor
+        assert set(v.holders) == {"y", "g_out"}
 
 
 def test_an_honest_middle_stage_passes_every_sample(network: Any) -> None:
