@@ -220,7 +220,7 @@ def warm_runtime(config: Any, optim: OptimConfig, device: torch.device, batch_si
     """One training step of a one-block model of ``config``'s width on ``device``, thrown away: on CUDA it loads
     what the runtime loads on first use (the kernels of a forward and backward pass under autocast, cuBLAS, the
     optimizer's kernels), which costs a few hundred MiB of host memory whatever the model's size (measured on one
-    H200: about 600 MiB on the small and the 125m presets alike). A peer calls it before it marks its memory
+    H200: about 460 MiB on the small and the 125m presets alike). A peer calls it before it marks its memory
     baseline (:func:`hlbp.peer.common.memory.mark_baseline`), so that the budget per parameter counts what the
     model's size costs, not the runtime. Nothing happens on the CPU. ``config``: a
     :class:`hlbp.peer.model.decoder.ModelConfig`."""
