@@ -220,6 +220,10 @@ def audit(stage: Stage, codec: ActivationCodec, vocab_size: int, evidence: Evide
                 bwd = _backward_error(codec, g.detach(), e.g_in)
     except _Unsigned as exc:
         return AuditResult(Finding.BAD_FRAME, inner, detail=str(exc))
+    if e.x is not None and e.y is not None and split_body(e.x[1], vocab_size)[1] != split_body(e.y[1], vocab_size)[1]:
+        # the token window is passed on as received, whatever the step: other targets would poison the last stage's
+        # loss, and its own audit (on what it received) could not tell
+        return AuditResult(Finding.FORWARD, inner, fwd, bwd, detail="it passed on other tokens than it received")
     if inner > 0:
         return AuditResult(Finding.UNJUDGED, inner, fwd, bwd)  # judged against its siblings: judge_step
     off = [(c, f) for c, f in ((fwd, Finding.FORWARD), (bwd, Finding.BACKWARD))

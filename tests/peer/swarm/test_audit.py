@@ -24,7 +24,7 @@ from hlbp.peer.swarm.audit import (
 )
 from hlbp.peer.swarm.auditor import choose
 from hlbp.peer.train.trainer import skeleton
-from hlbp.protocol.stagewire import StageMessage, encode_tokens
+from hlbp.protocol.stagewire import StageMessage, encode_tokens, split_body
 
 CONFIG = preset("tiny", vocab_size=300, n_layers=3)
 CODEC = make_codec(CodecConfig("dense", wire_dtype="fp32"), CONFIG.d_model, CONFIG.vocab_size, CONFIG.max_seq_len)
@@ -113,6 +113,21 @@ def stage_zero(codec: object = CODEC, lie: Callable[[torch.Tensor], torch.Tensor
     y = (LABELS, codec.encode_forward(lie(out), ids) + encode_tokens(shown, targets, CONFIG.vocab_size))
     g_out = (replace(LABELS, op="bwd", weight=1.0), codec.encode_backward(torch.randn_like(out)))
     return s, Evidence(None, y, g_out, None)
+
+
+def test_a_middle_stage_that_passes_on_other_tokens_than_it_received_is_convicted_at_any_step() -> None:
+    s, e = honest(1)
+    assert e.x is not None and e.y is not None
+    window = len(e.y[1]) - len(split_body(e.y[1], CONFIG.vocab_size)[0])
+    stream = torch.randint(0, CONFIG.vocab_size, (2, 9))
+    other = encode_tokens(stream[:, :-1], stream[:, 1:], CONFIG.vocab_size)
+    assert len(other) == window  # a well-formed window, only not the one it received
+    swapped = replace(e, y=(e.y[0], e.y[1][:-window] + other))
+    found = audit(s, CODEC, CONFIG.vocab_size, swapped)
+    assert found.finding is Finding.FORWARD and "tokens" in found.detail
+    later = Evidence(*((replace(f[0], inner=3), f[1]) for f in (swapped.x, swapped.y, swapped.g_out, swapped.g_in)))
+    assert audit(s, CODEC, CONFIG.vocab_size, later).finding is Finding.FORWARD  # exact whatever the drift
+    assert audit(s, CODEC, CONFIG.vocab_size, e).finding is Finding.CLEAN
 
 
 def test_stage_zero_is_audited_exactly_from_its_output_frame_and_token_window_without_token_ids() -> None:
