@@ -9,19 +9,19 @@ sign-flipped, took a live run's validation loss from 8.1 to 125,723 in 12 rounds
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from attack_runs import (
     ATTACKER,
     HONEST,
     assert_as_honest,
-    final_losses,
+    checked_rounds,
     honest_rounds_agree,
     identities,
     start,
 )
 from faulty_peer import program
-from round_records import by_round
 
 from hlbp.peer.sim.launcher import Swarm
 from hlbp.protocol.identity import Identity
@@ -36,12 +36,11 @@ def swarm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Swarm]:
 
 
 def test_a_contribution_just_under_the_bound_is_left_out_and_its_sender_banned(
-        swarm: Swarm, three_honest_losses: dict[str, float]) -> None:
+        swarm: Swarm, three_honest_run: dict[int, dict[str, Any]]) -> None:
     swarm.replicas[ATTACKER].proc.wait_for("near-bound contribution to round 0", 120)
-    losses = final_losses(swarm)
-    rounds = by_round(swarm)
+    rounds = checked_rounds(swarm)
     attacker_id = Identity.from_file_bytes(identities()[ATTACKER]).peer_id
     for r, honest in enumerate(honest_rounds_agree(rounds)):
         assert honest[0]["members"] == len(HONEST), (r, honest)  # the poison is in no round's result
     assert attacker_id in rounds[0]["a"]["banned"], rounds[0]["a"]
-    assert_as_honest(losses, three_honest_losses, rounds)  # the attack moved nothing beyond its absence
+    assert_as_honest(rounds, three_honest_run)  # the attack moved nothing beyond its absence

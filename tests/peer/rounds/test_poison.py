@@ -8,13 +8,16 @@ Two swarms with the same seed, data and honest identities run one after the othe
 - honest: a, b and c alone.
 
 Every honest replica must finish every round (exit status 0), agree on the checksums, ban each attacker, never
-accept one, and end within 1 % of the honest swarm's validation loss.
+accept one, and end each round with exactly the honest swarm's parameters: the same checksums and validation loss.
 
-Both run each round in turn (overlap "none"), so that they differ only by the attackers: under overlap where a
-phase lands the round's result depends on timing, and the poisoned swarm (7 processes on 2 cores) lands later than
-the honest one (3). Measured under eager: every round of both had the same 3 members accepted and nothing refused,
-yet the last validation losses differed by 2.2 %. A third swarm runs the attack under the run's default (eager),
-where the early landing of partial results is new ground for poison: the same checks, bar the loss comparison.
+Both run each round in turn (overlap "none"), so that they differ only by the attackers, and a round in turn is
+deterministic: the same three contributions accepted onto the same state give the same bytes. The collection window
+is 8 to 20 s (a round closes as soon as every announced contribution is in, so the long window costs nothing while
+all keep up): with 2 s, an honest replica a loaded box slowed was left out as a straggler in one swarm and not the
+other, and the comparison measured the straggler, not the attack. Under overlap where a phase lands the round's
+result depends on timing (measured under eager: the same 3 members every round, last validation losses 2.2 % apart),
+so a third swarm runs the attack under the run's default (eager), where the early landing of partial results is new
+ground for poison: the same checks, bar the comparison with the honest swarm.
 """
 
 from __future__ import annotations
@@ -39,8 +42,8 @@ ROUND_TIMEOUT_S = 240.0  # a bound on 6 rounds of 7 processes on 2 busy cores, n
 
 
 def _config(overlap: str) -> SimConfig:
-    return SimConfig(n_full=0, rounds=ROUNDS, inner_steps=6, batch_size=4, seq_len=64, round_deadline_s=4.0,
-                     min_deadline_s=2.0, max_deadline_s=10.0, seed=7, threads=1, run_id="poison-test", ttl_s=10.0,
+    return SimConfig(n_full=0, rounds=ROUNDS, inner_steps=6, batch_size=4, seq_len=64, round_deadline_s=8.0,
+                     min_deadline_s=8.0, max_deadline_s=20.0, seed=7, threads=1, run_id="poison-test", ttl_s=10.0,
                      overlap=overlap)
 
 
@@ -122,12 +125,18 @@ def test_every_attacker_is_banned_and_never_accepted(runs: dict[str, dict[str, A
         assert f"rejected the contribution of {ids[name][:16]}" in logs, name
 
 
-def test_loss_within_one_percent_of_the_honest_swarm(runs: dict[str, dict[str, Any]]) -> None:
+def test_the_poisoned_swarm_ends_each_round_exactly_where_the_honest_swarm_does(
+        runs: dict[str, dict[str, Any]]) -> None:
     poisoned = _by_round(runs["poisoned"]["records"], HONEST)
     honest = _by_round(runs["honest"]["records"], HONEST)
     assert runs["honest"]["exit"] == {x: 0 for x in HONEST}
-    last = ROUNDS - 1
-    for name in HONEST:
-        got, want = poisoned[last][name]["val_loss"], honest[last][name]["val_loss"]
-        print(f"{name}: val loss after round {last}: poisoned swarm {got:.4f}, honest swarm {want:.4f}")
-        assert abs(got - want) <= 0.01 * want, (name, got, want)
+    assert sorted(honest) == sorted(poisoned) == list(range(ROUNDS))
+    for r in range(ROUNDS):
+        for name in HONEST:
+            got, want = poisoned[r][name], honest[r][name]
+            # the premise: both swarms accepted the same three contributions (a straggler would break it, not poison)
+            assert (got["members"], got["accepted"]) == (want["members"], want["accepted"]) == (len(HONEST), True), (
+                r, name, got, want)
+            assert got["checksums"] == want["checksums"] and got["val_loss"] == want["val_loss"], (r, name, got, want)
+    last = honest[ROUNDS - 1]["a"]["val_loss"]
+    print(f"val loss after round {ROUNDS - 1}: poisoned and honest swarms both {last:.4f}")

@@ -9,11 +9,11 @@ verification after each round and in every state sync.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
-from attack_runs import ATTACKER, HONEST, ROUNDS, assert_as_honest, final_losses, start
+from attack_runs import ATTACKER, HONEST, ROUNDS, assert_as_honest, checked_rounds, start
 from faulty_peer import program
-from round_records import by_round
 
 from hlbp.peer.sim.launcher import Swarm, checksums_agree
 
@@ -26,12 +26,11 @@ def swarm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Swarm]:
         yield sw
 
 
-def test_throwaway_keys_never_move_the_members_state(swarm: Swarm, honest_losses: dict[str, float]) -> None:
+def test_throwaway_keys_never_move_the_members_state(swarm: Swarm, honest_run: dict[int, dict[str, Any]]) -> None:
     swarm.replicas[ATTACKER].proc.wait_for("sybil checksums for round 1", 120)
-    losses = final_losses(swarm)
-    rounds = by_round(swarm)
+    rounds = checked_rounds(swarm)
     for r in range(ROUNDS):
         honest = [rounds[r][name] for name in HONEST]
         assert all(rec["in_sync"] and not rec["synced"] and rec["state_round"] is None for rec in honest), (r, honest)
         assert checksums_agree(honest), (r, honest)
-    assert_as_honest(losses, honest_losses, rounds)
+    assert_as_honest(rounds, honest_run)

@@ -10,11 +10,11 @@ agreed before the round opens, so announcing first buys no turn.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
-from attack_runs import ATTACKER, HONEST, ROUNDS, assert_as_honest, final_losses, identities, start
+from attack_runs import ATTACKER, HONEST, ROUNDS, assert_as_honest, checked_rounds, identities, start
 from faulty_peer import program
-from round_records import by_round
 
 from hlbp.peer.sim.launcher import Swarm, checksums_agree
 from hlbp.protocol.identity import Identity
@@ -29,10 +29,9 @@ def swarm(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
         yield sw
 
 
-def test_a_set_published_out_of_turn_is_never_applied(swarm: Swarm, honest_losses: dict[str, float]) -> None:
+def test_a_set_published_out_of_turn_is_never_applied(swarm: Swarm, honest_run: dict[int, dict[str, Any]]) -> None:
     swarm.replicas[ATTACKER].proc.wait_for("usurping round 0", 120)
-    losses = final_losses(swarm)
-    rounds = by_round(swarm)
+    rounds = checked_rounds(swarm)
     honest_ids = {Identity.from_file_bytes(key).peer_id for name, key in identities().items() if name in HONEST}
     for r in range(ROUNDS):
         honest = [rounds[r][name] for name in HONEST]
@@ -40,4 +39,4 @@ def test_a_set_published_out_of_turn_is_never_applied(swarm: Swarm, honest_losse
         assert all(rec["accepted"] and rec["in_sync"] and rec["members"] >= 3 for rec in honest), (r, honest)
         assert checksums_agree(honest), (r, honest)
         assert not set(rounds[r]["a"]["banned"]) & honest_ids, (r, honest)  # the usurper's bans were not taken
-    assert_as_honest(losses, honest_losses, rounds)
+    assert_as_honest(rounds, honest_run)
