@@ -25,7 +25,7 @@ from hlbp.protocol.identity import Identity, open_envelope, public_key_from_peer
 
 MAX_COMMITTEE = 32  # committee seats a manifest may ask for (hlbp.peer.rounds.committee)
 
-PROTOCOL_VERSION = 2  # bumped when peers of different versions can no longer train together
+PROTOCOL_VERSION = 3  # bumped when peers of different versions can no longer train together
 KIND_MANIFEST = "manifest"
 
 MAX_MANIFEST_BYTES = 16 * 1024  # a manifest is a few hundred bytes; the cap bounds what a forger can make us parse

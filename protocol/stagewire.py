@@ -2,8 +2,15 @@
 
 Each message is ``u32 header length | canonical msgpack header | u32 body length | body`` (big-endian lengths).
 The header says what the message is (:data:`OPS`) and which micro-batch it belongs to; the body of a ``fwd`` or
-``eval`` is an activation frame (:mod:`hlbp.protocol.activations`) followed by the micro-batch's token window (each
-row's first input id and its target ids, :func:`encode_tokens`), the body of a ``bwd`` is an activation-gradient frame, and every other message has an empty body.
+``eval`` or ``guard`` is an activation frame (:mod:`hlbp.protocol.activations`) followed by the micro-batch's token
+window (each row's first input id and its target ids, :func:`encode_tokens`), the body of a ``bwd`` is an
+activation-gradient frame, and every other message has an empty body.
+
+A ``guard`` is an ``eval`` at what a round's apply holds under guard: the driver sends the run's guard batch through
+its chain while every stage holds round ``round``'s anchor (``base``) or the result it has computed but not yet
+committed, and the last stage's answer (``gloss``) passes every stage on its way back, so each of them learns the
+loss of the whole model at the round's anchor and at its result before it commits
+(:mod:`hlbp.peer.swarm.guardslot`).
 
 The header names the session (one driver's run of the swarm), the step (a counter that also advances over
 abandoned steps), the micro-batch and its attempt, so a retried micro-batch never mixes with an older attempt.
@@ -33,12 +40,12 @@ from hlbp.protocol.errors import ProtocolError
 from hlbp.protocol.fields import _bool, _float, _int, _str
 from hlbp.protocol.untrusted import unpack_msgpack
 
-OPS = ("fwd", "bwd", "eval", "loss", "finish", "done", "fail", "abort", "ping", "pong")
-"""Message kinds. Downstream (towards the last stage): fwd, eval, finish, abort, ping. Upstream: bwd, loss, done,
-fail, pong."""
-DOWNSTREAM = frozenset({"fwd", "eval", "finish", "abort", "ping"})
+OPS = ("fwd", "bwd", "eval", "loss", "finish", "done", "fail", "abort", "ping", "pong", "guard", "gloss")
+"""Message kinds. Downstream (towards the last stage): fwd, eval, guard, finish, abort, ping. Upstream: bwd, loss,
+gloss, done, fail, pong."""
+DOWNSTREAM = frozenset({"fwd", "eval", "guard", "finish", "abort", "ping"})
 """Ops a stage accepts from its upstream neighbour (the stream it was called on)."""
-UPSTREAM = frozenset({"bwd", "loss", "done", "fail", "pong"})
+UPSTREAM = frozenset({"bwd", "loss", "gloss", "done", "fail", "pong"})
 """Ops a stage accepts from its downstream neighbour (the stream it dialled)."""
 MAX_HEADER = 4096
 """Largest header in bytes."""
@@ -67,6 +74,8 @@ class Reason(IntEnum):
     ALREADY_APPLIED = 5  # fail: the named peer already applied this step; re-running it cannot help
     BAD_DONE = 6  # fail: the named peer sent a done that does not add up (rate, norm or scale); it was not applied
     BAD_FINISH = 7  # fail: the named peer sent a finish off the run's schedule (rate or clipping norm); not run
+    UNSCORED = 8  # gloss: a stage of the chain does not hold what the guard names (a round it passed or never
+    # reached): the guard has no loss
 
 
 @dataclass(frozen=True)
@@ -80,7 +89,7 @@ class StageMessage:
     attempt: int = 0  # retry counter of this micro-batch
     route: tuple[str, ...] = ()  # fwd/eval/finish: peers of the stages after the receiver, in order
     weight: float = 1.0  # fwd: the micro-batch's share of the step's tokens (its loss is scaled by it)
-    loss: float = 0.0  # bwd/loss: the micro-batch's unscaled loss at the last stage
+    loss: float = 0.0  # bwd/loss/gloss: the micro-batch's unscaled loss at the last stage
     sumsq: float = 0.0  # finish: squared gradient norm summed so far; done: the total
     count: int = 0  # finish: micro-batches the step must have accumulated
     lr: float = 0.0  # finish/done: learning rate of this optimizer step
@@ -89,11 +98,14 @@ class StageMessage:
     opt_step: int = 0  # finish/done: index of the optimizer step
     peer: str = ""  # fail: the peer that failed
     reason: str = ""  # fail/abort: why, for the log
-    code: Reason = Reason.NONE  # pong/fail: what happened, as a code the receiver acts on
+    code: Reason = Reason.NONE  # pong/fail/gloss: what happened, as a code the receiver acts on
     busy: tuple[float, ...] = field(default=())  # bwd/loss: seconds each stage computed for this micro-batch
     tokens: int = 0  # finish/done: tokens of the step (what a stage's round contribution is weighted by)
     round_end: bool = False  # finish/done: the swarm's last inner step of the round; stages contribute after it
-    round: int = 0  # fwd/bwd: the outer round whose inner phase the step belongs to (the driver's count)
+    # fwd/bwd: the outer round whose inner phase the step belongs to (the driver's count); guard/gloss: the round
+    # whose anchor or candidate the guard batch runs through
+    round: int = 0
+    base: bool = False  # guard/gloss: the round's anchor is scored (what its candidate is judged against)
     inner: int = 0  # fwd/bwd: steps the swarm applied in that phase before this one (0: weights at the anchor)
     sig: bytes = b""  # fwd/bwd: the sender's Ed25519 signature over :func:`frame_commitment` of this hop
 
@@ -156,6 +168,7 @@ def parse_header(obj: Any) -> StageMessage:
         tokens=_int(obj, "tokens", 0, 1 << 40, 0),
         round_end=_bool(obj, "round_end", False),
         round=_int(obj, "round", 0, 2**40, 0),
+        base=_bool(obj, "base", False),
         inner=_int(obj, "inner", 0, 1 << 20, 0),
         sig=_sig(obj),
     )
@@ -212,7 +225,7 @@ def decode_header(data: bytes) -> StageMessage:
 def body_length(data: bytes, msg: StageMessage, max_body: int) -> int:
     """Body length from its 4 bytes: at most ``max_body`` for ops that carry a frame, 0 for the others."""
     (n,) = LENGTH.unpack(data)
-    limit = max_body if msg.op in ("fwd", "eval", "bwd") else 0
+    limit = max_body if msg.op in ("fwd", "eval", "guard", "bwd") else 0
     if n > limit:
         raise ProtocolError(f"a {msg.op} message with a body of {n} bytes (the limit here is {limit})")
     return n

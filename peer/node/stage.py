@@ -45,6 +45,7 @@ from hlbp.peer.node.stagerounds import PhaseStopped, make_stage_rounds, serve_ph
 from hlbp.peer.rounds.config import RoundStats
 from hlbp.peer.swarm.driver import Driver, DriverConfig
 from hlbp.peer.swarm.gate import RoundGate
+from hlbp.peer.swarm.guardslot import GuardSlot
 from hlbp.peer.swarm.phase import PhaseConfig, StepLimitReached, SwarmPhase, driver_report
 from hlbp.peer.swarm.routing import Candidate
 from hlbp.peer.swarm.server import StageServer
@@ -81,6 +82,7 @@ class StageOptions:
     rebalance_period_s: float | None = None  # a move needs the same proposal twice this far apart (None: the
     # announcement lifetime, at least 30 s; 0: never move)
     faults: Callable[[StageWorker], Any] | None = None  # a fault test's wrapper of the built worker (a liar)
+    round_faults: Callable[[Any], None] | None = None  # a fault test's wrapper of the built round runner's parts
     state_dtype: str = "bf16"  # this peer's own AdamW moments and error feedback (replica.STATE_LAYOUTS)
 
 
@@ -289,10 +291,14 @@ def _serve(ctx: TrainContext, options: StageOptions, worker: StageWorker, codec:
     metrics = MetricsLog(ctx.out_dir / "metrics.jsonl")
     phase: list[Callable[[int], tuple[int, int]]] = []
     notary = Notary(ctx.peer.plane.identity)  # the frames this stage receives, signed, served to auditors
+    slot = GuardSlot()  # the round's candidate while the swarm's driver scores it through the chain
     runner, transport = make_stage_rounds(ctx, worker, config, lambda r: phase[0](r), metrics,
                                           options.checkpoint_every_s, on_round=_round_echo(echo, stage), codec=codec,
                                           driven=True, notary=notary, ef_dtype=STATE_LAYOUTS[options.state_dtype][0],
-                                          swarm_mates=lambda: view.members() - {ctx.peer.plane.peer_id})
+                                          swarm_mates=lambda: view.members() - {ctx.peer.plane.peer_id},
+                                          guard_loss=slot.score)
+    if options.round_faults is not None:
+        options.round_faults(runner)
     transport.put_lazy_prefix(AUDIT_PREFIX, notary.transcript.resolve)
     phase.append(serve_phase(runner, gate, worker, ctx.stop, dead_step_s=30.0))
 
@@ -311,7 +317,7 @@ def _serve(ctx: TrainContext, options: StageOptions, worker: StageWorker, codec:
     server = StageServer(ctx.peer.plane.dht, worker, codec, vocab,
                          lambda p: view.may_call(p, stage),
                          max_tokens=m.hparams.batch_size * m.hparams.seq_len, on_step=on_step, gate=gate,
-                         notary=notary)
+                         notary=notary, slot=slot)
     echo(f"serving stage {stage} as {server.peer_id}")
     thread = threading.Thread(target=rounds, name="hlbp-stage-rounds", daemon=True)
     try:
@@ -393,9 +399,11 @@ def _swarm_phase(ctx: TrainContext, options: StageOptions, worker: StageWorker, 
     phase_cfg = PhaseConfig(inner_steps=m.hparams.inner_steps, step_tokens=step_tokens,
                             eval_every=options.eval_every, checkpoint_every_s=options.checkpoint_every_s,
                             max_steps=ctx.max_steps)
+    # the run's guard batch, the one every full replica scores each round's result on before it commits
+    guard_batch = val_batches(data.val, m.hparams.seq_len, m.hparams.batch_size, 1)[0]
     return SwarmPhase(driver, stream, val, metrics, phase_cfg, lr=lambda step: lr_at(step, optim),
                       save=lambda step: save_stage(ctx, worker, step), round_closed=round_closed, stop=ctx.stop,
-                      echo=echo, start_step=start_step)
+                      echo=echo, start_step=start_step, guard_batch=guard_batch)
 
 
 def _drive(ctx: TrainContext, options: StageOptions, worker: StageWorker, codec: Any, vocab: int, view: SwarmView,
@@ -426,7 +434,10 @@ def _drive(ctx: TrainContext, options: StageOptions, worker: StageWorker, codec:
                                           evaluate=driving.score if driving.val else None,
                                           on_round=_round_echo(echo, 0), codec=codec, notary=driving.driver.notary,
                                           ef_dtype=STATE_LAYOUTS[options.state_dtype][0],
-                                          swarm_mates=lambda: view.members() - {ctx.peer.plane.peer_id})
+                                          swarm_mates=lambda: view.members() - {ctx.peer.plane.peer_id},
+                                          guard_loss=driving.guard)
+    if options.round_faults is not None:
+        options.round_faults(runner)
     if driving.driver.notary is not None:  # the frames the driver receives, signed, served to auditors
         transport.put_lazy_prefix(AUDIT_PREFIX, driving.driver.notary.transcript.resolve)
     echo(f"driving swarm {peer.role.swarm}: {len(m.stages)} stages, {options.micro_batches} micro-batches per "

@@ -145,7 +145,9 @@ def make_stage_rounds(ctx: Any, worker: StageWorker, config: Any, phase: Callabl
                       codec: ActivationCodec | None = None, driven: bool = False,
                       notary: Notary | None = None,
                       swarm_mates: Callable[[], AbstractSet[str]] = frozenset,
-                      ef_dtype: str = "fp32") -> tuple[RoundRunner, Any]:
+                      ef_dtype: str = "fp32",
+                      guard_loss: Callable[[int, Mapping[str, torch.Tensor], bool], float | None] | None = None,
+                      ) -> tuple[RoundRunner, Any]:
     """The round loop of this stage peer (``ctx``: its join context) and the blob transport it serves its
     payloads and shard state on; the caller closes both. ``driven``: a stage server, whose phase is its driver's
     steps and so is never sat out after a state sync (the driver decides whether the swarm trains that round; a
@@ -157,6 +159,10 @@ def make_stage_rounds(ctx: Any, worker: StageWorker, config: Any, phase: Callabl
     initial parameters of that shard (drawn alone, :func:`~hlbp.peer.model.pipeline.initial_tensors`).
 
     ``ef_dtype``: how this peer stores its error feedback (its own choice, ``OuterConfig.ef_dtype``).
+
+    ``guard_loss(r, params, base)``: round r's anchor (``base``) or candidate (this stage's ``params``) scored end
+    to end by the swarm's chain on the run's guard batch (:mod:`hlbp.peer.swarm.guardslot`), judged as a full
+    replica judges its own loss; None from it: the chain did not answer, and the norm bounds alone judge the round.
 
     ``notary``: what keeps the frames this stage received; a round that bans a peer it received frames from in that
     round, and leaves out this peer's contribution, finds the contribution tainted: it is dropped, and the stage's
@@ -204,6 +210,7 @@ def make_stage_rounds(ctx: Any, worker: StageWorker, config: Any, phase: Callabl
                          ctx.stop, checkpoint=ctx.out_dir / "rounds.safetensors", metrics=metrics,
                          expected=expected, on_round=reported, evaluate=evaluate, protect=peer.plane.protect,
                          held=[peer.role.stage], shapes=shapes, train=phase, follow=follow, on_load=load_table,
+                         guard_loss=guard_loss,
                          sit_out=not driven, taint=None if notary is None else ChainTaint(notary, worker, swarm_mates))
     box.append(runner)
     return runner, transport

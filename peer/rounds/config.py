@@ -78,7 +78,9 @@ class RoundStats:
     # under eager overlap: inner steps of the next phase trained before each partial result of this round (ours and
     # the contributions fetched so far) landed in it, ahead of the result itself (rounds/overlap_loop.py)
     previews: list[int] = field(default_factory=list)
-    guard: dict[str, float] = field(default_factory=dict)  # largest contribution and update norm ratios seen
+    # largest contribution and update norm ratios seen, and "loss" ("anchor_loss"): the guard batch's loss of the
+    # result (of the anchor it is judged against), when known
+    guard: dict[str, float] = field(default_factory=dict)
     copies: list[dict[str, Any]] = field(default_factory=list)  # evidence of copied contributions (rounds/copies.py)
     refused: str = ""  # why the round was refused as a whole (nobody's parameters moved), if it was
     banned: list[str] = field(default_factory=list)  # peers the round's accepted set says are banned

@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,6 +39,7 @@ from hlbp.peer.swarm.events import (
     Event,
     EventQueue,
     FailReport,
+    GuardLoss,
     Loss,
     StreamClosed,
     UnexpectedMessage,
@@ -107,6 +108,7 @@ class Driver:
         self.notary = notary  # signs the frames this driver sends, checks and keeps those it receives
         self.session = random.SystemRandom().randrange(1, 2**63 - 1)
         self.step_seq = 0
+        self._stepped_round = -1  # the outer round of the last step the chain finished
         self.latency = LatencyTracker(override_s=cfg.deadline_s, min_s=cfg.min_deadline_s, max_s=cfg.max_deadline_s)
         self.counters = DriverCounters()
         self._inbox = EventQueue()
@@ -358,6 +360,7 @@ class Driver:
         self.counters.microbatches += len(step.mbs)
         self.counters.tokens += step.tokens
         self.chains.served(step.chain)
+        self._stepped_round = step.round  # the round whose guard this chain will score (guard_loss)
         return StepResult(step.loss(), time.perf_counter() - step.started, list(step.chain), step.retried)
 
     def _on_failed(self, step: StepState, event: FailReport) -> PeerFailed:
@@ -433,6 +436,35 @@ class Driver:
                 total += event.msg.loss * n
                 count += n
         return total / count if not waiting and count else None
+
+    def guard_loss(self, r: int, params: Mapping[str, torch.Tensor], batch: tuple[torch.Tensor, torch.Tensor],
+                   timeout_s: float, base: bool = False) -> float | None:
+        """The loss of the guard ``batch`` through the chain that ran round ``r``'s last step, with every stage at
+        what its round loop holds under guard: round r's anchor (``base``) or its candidate result (this stage's
+        are ``params``; each stage peer holds its own in its guard slot, :mod:`hlbp.peer.swarm.guardslot`). None
+        when this driver ran no step of round r, when a stage of the chain answers that it holds no such thing, when
+        the chain's stream closes, or when no answer came within ``timeout_s``."""
+        chain = self.chains.chain
+        if self._stepped_round != r or not chain:
+            return None
+        x, y = batch
+        out = self.worker.forward_at(params, x)
+        data = self.codec.encode_forward(out, x, 0) + encode_tokens(x, y, self.vocab_size)
+        msg = StageMessage("guard", session=self.session, step=self.step_seq, round=r, base=base,
+                           route=tuple(chain[1:]))
+        try:
+            self.links.dial(chain[0]).send(encode_message(msg, data))
+        except ConnectionError:
+            return None
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            event = self._inbox.get(timeout=min(0.5, max(0.01, deadline - time.monotonic())))
+            if isinstance(event, StreamClosed) and event.conn.peer == chain[0]:
+                return None
+            if (isinstance(event, GuardLoss) and event.conn.peer == chain[0] and event.msg.round == r
+                    and event.msg.base == base and event.msg.mb == 0):
+                return None if event.msg.code == Reason.UNSCORED else event.msg.loss
+        return None
 
     def busy_fractions(self, wall_s: float) -> dict[str, float]:
         return {p: s / max(wall_s, 1e-9) for p, s in self.counters.busy_s.items()}

@@ -1,7 +1,7 @@
 """What reaches a swarm's driver, as typed events: decoded once, where a message arrives, so the driver's step
 loop dispatches on types and never on op strings or reason text.
 
-A stage peer answers the driver with ``bwd``, ``loss``, ``done``, ``fail`` and ``pong`` (upstream ops,
+A stage peer answers the driver with ``bwd``, ``loss``, ``gloss``, ``done``, ``fail`` and ``pong`` (upstream ops,
 :data:`hlbp.protocol.stagewire.UPSTREAM`); any other op sent to the driver is :class:`UnexpectedMessage`, a
 :class:`ProtocolError` that bans its sender. A stream that closes and a peer whose bytes did not decode are
 events too, so the step loop learns of them in order with the answers. The :class:`EventQueue` holds them in arrival
@@ -48,6 +48,11 @@ class Loss(Answer):
 
 
 @dataclass(frozen=True)
+class GuardLoss(Answer):
+    """``gloss``: the guard batch's loss at the last stage, through the chain's candidates of ``msg.round``."""
+
+
+@dataclass(frozen=True)
 class Done(Answer):
     """``done``: the last stage's clipping factor; every stage of the chain has queued its step."""
 
@@ -82,7 +87,7 @@ class BadPeer:
     error: str
 
 
-Event = Backward | Loss | Done | FailReport | Pong | StreamClosed | BadPeer
+Event = Backward | Loss | GuardLoss | Done | FailReport | Pong | StreamClosed | BadPeer
 
 
 def decode_answer(conn: Any, msg: StageMessage, body: bytes) -> Answer:
@@ -92,6 +97,8 @@ def decode_answer(conn: Any, msg: StageMessage, body: bytes) -> Answer:
         return Backward(conn, msg, body)
     if msg.op == "loss":
         return Loss(conn, msg)
+    if msg.op == "gloss":
+        return GuardLoss(conn, msg)
     if msg.op == "done":
         return Done(conn, msg)
     if msg.op == "fail":

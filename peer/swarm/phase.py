@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 
 from hlbp.peer.swarm.driver import Driver, StepAbandoned
+from hlbp.peer.swarm.guardslot import GUARD_TIMEOUT_S
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -89,8 +90,9 @@ class SwarmPhase:
     def __init__(self, driver: Driver, stream: BatchSource, val: Sequence[Batch], metrics: MetricsSink,
                  cfg: PhaseConfig, lr: Callable[[int], float], save: Callable[[int], None],
                  round_closed: Callable[[int], bool], stop: threading.Event, echo: Callable[[str], None],
-                 start_step: int = 0) -> None:
+                 start_step: int = 0, guard_batch: Batch | None = None) -> None:
         self.driver, self.stream, self.val, self.metrics, self.cfg = driver, stream, list(val), metrics, cfg
+        self.guard_batch = guard_batch  # the run's fixed guard batch (None: the swarm runs no loss guard)
         self.lr, self.save_stage, self.round_closed = lr, save, round_closed
         self.stop, self.echo = stop, echo
         self.start_step = start_step
@@ -164,6 +166,14 @@ class SwarmPhase:
         are the anchor when the round loop reports (stage peers never overlap), so the chain scores them."""
         self.driver.wait_ready(60.0)
         return self.driver.evaluate(self.val)
+
+    def guard(self, r: int, params: Mapping[str, torch.Tensor], base: bool = False) -> float | None:
+        """The round loop's guard loss: round ``r``'s anchor (``base``) or candidate scored on the guard batch
+        through the chain, this stage at ``params`` and every other at what it holds under guard
+        (:mod:`hlbp.peer.swarm.guardslot`)."""
+        if self.guard_batch is None:
+            return None
+        return self.driver.guard_loss(r, params, self.guard_batch, GUARD_TIMEOUT_S, base)
 
     def validate_first(self) -> None:
         """The validation loss before training, said and kept (if there are validation batches)."""

@@ -12,6 +12,10 @@ the end of a step ``finish`` travels down the chain summing squared gradient nor
 total into the clipping factor and sends ``done`` back up; each stage queues its AdamW step before it passes
 ``done`` on.
 
+A ``guard`` runs the run's guard batch through the stage at what its round loop holds under guard (the round's
+anchor, then its candidate result), in a :class:`~hlbp.peer.swarm.guardslot.GuardSlot` (or waits there for it), and
+its ``gloss`` answer is recorded in the slot as it passes back up.
+
 Failures: a downstream stream that closes with micro-batches still waiting for their backward, or a peer that
 cannot be dialled, becomes a ``fail`` naming that peer, sent upstream to the driver, which re-runs the step's
 micro-batches through another chain. A frame that does not decode bans its sender (with backoff) and is dropped;
@@ -32,6 +36,7 @@ from typing import Any
 
 from hlbp.peer.model.codec import ActivationCodec
 from hlbp.peer.swarm.gate import RoundGate
+from hlbp.peer.swarm.guardslot import MAX_HELD, Delivery, GuardSlot
 from hlbp.peer.swarm.links import Conn, StageLinks
 from hlbp.peer.swarm.routing import Bans
 from hlbp.peer.swarm.transcript import Notary, sealed
@@ -80,8 +85,9 @@ class StageServer:
     def __init__(self, dht: Any, worker: StageWorker, codec: ActivationCodec, vocab_size: int,
                  accept: Callable[[str], bool], max_tokens: int, bans: Bans | None = None,
                  on_step: Callable[[StageMessage, bool], None] | None = None, gate: RoundGate | None = None,
-                 gate_timeout_s: float = 600.0, notary: Notary | None = None) -> None:
+                 gate_timeout_s: float = 600.0, notary: Notary | None = None, slot: GuardSlot | None = None) -> None:
         self.worker, self.codec, self.vocab_size = worker, codec, vocab_size
+        self.slot = slot  # the round's candidate parameters under the swarm's loss guard (None: no guard served)
         self.notary = notary  # signs what this stage sends, checks and keeps what it receives (commitments)
         self.gate, self.gate_timeout_s = gate, gate_timeout_s  # steps wait here while a round is exchanged
         self.max_tokens = max_tokens  # a step has at most this many tokens, whatever its driver claims
@@ -99,6 +105,8 @@ class StageServer:
         self._forwarded: tuple[int, int, float, float, float] | None = None  # the last finish passed down (see _finish)
         self._pending: dict[tuple[int, int], tuple[str, float]] = {}  # (mb, attempt) -> (downstream peer, fwd s)
         self._eval_upstream: dict[tuple[int, int], Conn] = {}
+        # (round, base, mb) -> (where its gloss goes, the peer the guard was passed on to, whose gloss alone counts)
+        self._guard_upstream: dict[tuple[int, bool, int], tuple[Conn, str]] = {}
         self._warned: set[str] = set()
         self._stop = threading.Event()
         self.links = StageLinks(dht, self._on_message, self._on_closed, self._on_bad, self._may_call,
@@ -169,6 +177,20 @@ class StageServer:
             up = self._eval_upstream.pop((msg.mb, msg.attempt), None)
             if up is not None:
                 up.send(encode_message(msg))
+        elif msg.op == "guard":
+            self._guard_arrived(conn, msg, body)
+        elif msg.op == "gloss":
+            with self._lock:  # only the answer to a guard this stage passed on, from the peer it passed it to
+                key = (msg.round, msg.base, msg.mb)
+                up, down = self._guard_upstream.get(key, (None, ""))
+                if up is not None and down == conn.peer:
+                    del self._guard_upstream[key]
+                else:
+                    up = None
+            if up is not None:
+                if self.slot is not None and msg.code != Reason.UNSCORED:
+                    self.slot.record((msg.round, msg.base), msg.mb, msg.loss)
+                up.send(encode_message(msg))
         elif msg.op == "fail":
             self._send_up(msg)
 
@@ -232,6 +254,8 @@ class StageServer:
         shape = (received.tensor.shape[0], received.tensor.shape[1])
         if self.notary is not None and msg.op == "fwd":
             self.notary.observe(conn.peer, msg, received.tensor)
+        if self.slot is not None and msg.op == "fwd":
+            self.slot.served(msg.round)
         if msg.op == "eval":
             self._eval(conn, msg, received, window, shape)
             return
@@ -283,6 +307,66 @@ class StageServer:
             down = self.links.dial(msg.route[0])
         except ConnectionError as exc:
             self._fail(msg.route[0], Reason.UNREACHABLE, str(exc))
+            return
+        down.send(encode_message(replace(msg, route=msg.route[1:]), data + window))
+
+    def _guard_arrived(self, conn: Conn, msg: StageMessage, body: bytes) -> None:
+        """A guard from upstream: queued at once when what it names is held under guard, else kept until it is
+        (:meth:`GuardSlot.deliver`); one this stage will not run is answered with an unscored ``gloss``, so its
+        driver stops waiting and every stage of the chain judges the round by its norms alone."""
+        slot = self.slot
+        if slot is None or msg.mb >= MAX_HELD:
+            self._unscored(conn, msg)
+            return
+
+        def run() -> None:
+            self._put(FORWARD, lambda: self._guard(conn, msg, body))
+
+        outcome = slot.deliver((msg.round, msg.base), run, lambda: self._unscored(conn, msg))
+        if outcome is Delivery.RUN:
+            run()
+        elif outcome is Delivery.REFUSED:
+            self._unscored(conn, msg)
+
+    def _unscored(self, conn: Conn, msg: StageMessage) -> None:
+        conn.send(encode_message(StageMessage("gloss", session=msg.session, step=msg.step, mb=msg.mb,
+                                              round=msg.round, base=msg.base, code=Reason.UNSCORED)))
+
+    def _guard(self, conn: Conn, msg: StageMessage, body: bytes) -> None:
+        """One guard micro-batch through this stage at what it holds under guard: passed on down its route, or, on
+        the last stage, scored, recorded and answered with a ``gloss``."""
+        assert self.slot is not None
+        key = (msg.round, msg.base)
+        params = self.slot.params(key)
+        if params is None:  # decided meanwhile
+            self._unscored(conn, msg)
+            return
+        start = time.perf_counter()
+        frame, window = split_body(body, self.vocab_size)
+        received = self.codec.decode_forward(frame)
+        shape = (received.tensor.shape[0], received.tensor.shape[1])
+        targets = decode_targets(window, shape, self.vocab_size)
+        self.counters.evals += 1
+        if self.is_last:
+            loss = self.worker.eval_loss_at(params, received.tensor, targets)
+            loss = min(loss, 1e6) if math.isfinite(loss) else 1e6  # a non-finite loss travels as the largest
+            self.slot.record(key, msg.mb, loss)
+            conn.send(encode_message(StageMessage("gloss", session=msg.session, step=msg.step, mb=msg.mb,
+                                                  round=msg.round, base=msg.base, loss=loss,
+                                                  busy=(time.perf_counter() - start,))))
+            return
+        if not msg.route:
+            raise ProtocolError("a guard with no route past a stage that is not the last")
+        out = self.worker.forward_at(params, received.tensor)
+        data = self.codec.encode_forward(out, received.token_ids, msg.mb)
+        with self._lock:
+            self._guard_upstream = {k: v for k, v in self._guard_upstream.items() if k[0] >= msg.round}
+            self._guard_upstream[(msg.round, msg.base, msg.mb)] = (conn, msg.route[0])
+        try:
+            down = self.links.dial(msg.route[0])
+        except ConnectionError as exc:
+            logger.info("the guard of round %d could not reach %s: %s", msg.round, msg.route[0][:12], exc)
+            self._unscored(conn, msg)
             return
         down.send(encode_message(replace(msg, route=msg.route[1:]), data + window))
 

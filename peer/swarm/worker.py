@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -122,6 +123,22 @@ class StageWorker:
         self.stage.train(False)
         with autocast(self.device):
             return float(self.stage.loss(self.stage(x.to(self.device)), targets.to(self.device)))
+
+    @torch.no_grad()
+    def forward_at(self, params: Mapping[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        """The stage's output for ``x`` with ``params`` (name -> tensor, e.g. a round's candidate) in place of its
+        own weights, which stay untouched; nothing is kept."""
+        own = {n: params[n].to(device=p.device, dtype=p.dtype) for n, p in self.stage.named_parameters()}
+        self.stage.train(False)
+        with autocast(self.device):
+            return torch.func.functional_call(self.stage, own, (x.to(self.device),)).detach()
+
+    @torch.no_grad()
+    def eval_loss_at(self, params: Mapping[str, torch.Tensor], x: torch.Tensor, targets: torch.Tensor) -> float:
+        """Last stage: the loss of ``x`` against ``targets`` with ``params`` in place of its own weights."""
+        out = self.forward_at(params, x)
+        with autocast(self.device):
+            return float(self.stage.loss(out, targets.to(self.device)))
 
     def backward(self, mb: int, attempt: int, grad_out: torch.Tensor) -> torch.Tensor | None:
         """Backward of micro-batch ``mb`` given dL/d(output); returns dL/d(input) (None on the first stage)."""

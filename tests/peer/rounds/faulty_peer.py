@@ -1,4 +1,5 @@
-"""``hlbp join`` as a misbehaving full replica: the faulty peers of the fault tests, started as real processes.
+"""``hlbp join`` as a misbehaving full replica (or stage peer, ``--role stage``: its round runner is wrapped the same
+way): the faulty peers of the fault tests, started as real processes.
 
 Usage: ``python faulty_peer.py FAULT join ...``, where FAULT is one of :data:`FAULTS` (``name`` or ``name:arg``).
 Each fault wraps one part of the replica's round loop, as torchft's fault injection wraps a process group: the
@@ -388,4 +389,10 @@ if __name__ == "__main__":
     if sys.argv[2:3] != ["join"]:
         sys.exit(f"usage: {sys.argv[0]} FAULT join [FLAGS]")
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    run_join(join_plan(sys.argv[3:]), lambda line: print(line, flush=True), hook(sys.argv[1]))
+    plan, wrap = join_plan(sys.argv[3:]), hook(sys.argv[1])
+    flags = sys.argv[3:]
+    if "--role" in flags and flags[flags.index("--role") + 1:][:1] == ["stage"]:
+        # a stage peer's round runner gets the same wrappers; its worker is left alone
+        run_join(replace(plan, stage=replace(plan.stage, round_faults=wrap)), lambda line: print(line, flush=True))
+    else:
+        run_join(plan, lambda line: print(line, flush=True), wrap)
