@@ -6,11 +6,10 @@ The header says what the message is (:data:`OPS`) and which micro-batch it belon
 window (each row's first input id and its target ids, :func:`encode_tokens`), the body of a ``bwd`` is an
 activation-gradient frame, and every other message has an empty body.
 
-A ``guard`` is an ``eval`` at what a round's apply holds under guard: the driver sends the run's guard batch through
-its chain while every stage holds round ``round``'s anchor (``base``) or the result it has computed but not yet
-committed, and the last stage's answer (``gloss``) passes every stage on its way back, so each of them learns the
-loss of the whole model at the round's anchor and at its result before it commits
-(:mod:`hlbp.peer.swarm.guardslot`).
+A ``guard`` is an ``eval`` at a round's candidate result: the driver sends the run's guard batch through its chain
+while every stage holds the result of round ``round`` that it has computed but not yet committed, and the last
+stage's answer (``gloss``) passes every stage on its way back, so each of them learns the whole model's loss at the
+round's result before it commits (:mod:`hlbp.peer.swarm.guardslot`).
 
 The header names the session (one driver's run of the swarm), the step (a counter that also advances over
 abandoned steps), the micro-batch and its attempt, so a retried micro-batch never mixes with an older attempt.
@@ -74,7 +73,7 @@ class Reason(IntEnum):
     ALREADY_APPLIED = 5  # fail: the named peer already applied this step; re-running it cannot help
     BAD_DONE = 6  # fail: the named peer sent a done that does not add up (rate, norm or scale); it was not applied
     BAD_FINISH = 7  # fail: the named peer sent a finish off the run's schedule (rate or clipping norm); not run
-    UNSCORED = 8  # gloss: a stage of the chain does not hold what the guard names (a round it passed or never
+    UNSCORED = 8  # gloss: a stage of the chain holds no candidate of the guard's round (a round it passed or never
     # reached): the guard has no loss
 
 
@@ -103,9 +102,8 @@ class StageMessage:
     tokens: int = 0  # finish/done: tokens of the step (what a stage's round contribution is weighted by)
     round_end: bool = False  # finish/done: the swarm's last inner step of the round; stages contribute after it
     # fwd/bwd: the outer round whose inner phase the step belongs to (the driver's count); guard/gloss: the round
-    # whose anchor or candidate the guard batch runs through
+    # whose candidate result the guard batch runs through
     round: int = 0
-    base: bool = False  # guard/gloss: the round's anchor is scored (what its candidate is judged against)
     inner: int = 0  # fwd/bwd: steps the swarm applied in that phase before this one (0: weights at the anchor)
     sig: bytes = b""  # fwd/bwd: the sender's Ed25519 signature over :func:`frame_commitment` of this hop
 
@@ -168,7 +166,6 @@ def parse_header(obj: Any) -> StageMessage:
         tokens=_int(obj, "tokens", 0, 1 << 40, 0),
         round_end=_bool(obj, "round_end", False),
         round=_int(obj, "round", 0, 2**40, 0),
-        base=_bool(obj, "base", False),
         inner=_int(obj, "inner", 0, 1 << 20, 0),
         sig=_sig(obj),
     )

@@ -311,7 +311,7 @@ def run_replica(ctx: TrainContext, options: ReplicaOptions, echo: Any = print) -
         peer.plane.dht, peer.plane.identity, transport, trainer, outer, shards, rcfg, ctx.stop,
         checkpoint=ctx.out_dir / "checkpoint.safetensors", metrics=metrics, expected=expected, on_round=on_round,
         evaluate=(lambda params: scorer(params, val)) if val else None,
-        guard_loss=lambda _r, params, _base: scorer(params, guard_batch),
+        guard_loss=lambda _r, params: scorer(params, guard_batch),
         protect=peer.plane.protect, **extra,
     )
     box.append(runner)

@@ -146,7 +146,7 @@ def make_stage_rounds(ctx: Any, worker: StageWorker, config: Any, phase: Callabl
                       notary: Notary | None = None,
                       swarm_mates: Callable[[], AbstractSet[str]] = frozenset,
                       ef_dtype: str = "fp32",
-                      guard_loss: Callable[[int, Mapping[str, torch.Tensor], bool], float | None] | None = None,
+                      guard_loss: Callable[[int, Mapping[str, torch.Tensor]], float | None] | None = None,
                       ) -> tuple[RoundRunner, Any]:
     """The round loop of this stage peer (``ctx``: its join context) and the blob transport it serves its
     payloads and shard state on; the caller closes both. ``driven``: a stage server, whose phase is its driver's
@@ -160,8 +160,8 @@ def make_stage_rounds(ctx: Any, worker: StageWorker, config: Any, phase: Callabl
 
     ``ef_dtype``: how this peer stores its error feedback (its own choice, ``OuterConfig.ef_dtype``).
 
-    ``guard_loss(r, params, base)``: round r's anchor (``base``) or candidate (this stage's ``params``) scored end
-    to end by the swarm's chain on the run's guard batch (:mod:`hlbp.peer.swarm.guardslot`), judged as a full
+    ``guard_loss(r, params)``: round r's candidate (this stage's ``params``) scored end to end by the swarm's chain
+    on the run's guard batch (:mod:`hlbp.peer.swarm.guardslot`) in a round without a full replica, judged as a full
     replica judges its own loss; None from it: the chain did not answer, and the norm bounds alone judge the round.
 
     ``notary``: what keeps the frames this stage received; a round that bans a peer it received frames from in that

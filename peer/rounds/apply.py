@@ -35,13 +35,14 @@ class Applier:
     """Applies the accepted sets of one round loop to its :class:`~hlbp.peer.rounds.state.ReplicaState`.
 
     ``applied``: the shards whose accepted contributions we apply (held and followed); ``held``: those we vouch
-    for (copies are looked for there). ``loss_of(r, params, base)``: the loss on the run's fixed guard batch of round
-    r's anchor (``base``, asked first) or of its candidate result (None: no loss guard; it returning None: not known
-    this round, so the norm bounds alone judge it). ``on_restore()``: called when a refused round's parameters were put back (reload the model)."""
+    for (copies are looked for there). ``loss_of(r, params)``: the loss of ``params`` (round r's anchor or candidate
+    result) on the run's fixed guard batch (None: no loss guard; it returning None: not known this round, so the norm
+    bounds alone judge it). A peer that holds some shards only (a stage peer) asks for its candidate's, scored by its
+    swarm, in rounds without a full replica only. ``on_restore()``: called when a refused round's parameters were put back (reload the model)."""
 
     def __init__(self, me: str, cfg: RoundConfig, shards: Sequence[Sequence[str]], held: Sequence[int],
                  applied: Sequence[int], payloads: Payloads, bans: RoundBans,
-                 loss_of: Callable[[int, Mapping[str, torch.Tensor], bool], float | None] | None, on_restore: Callable[[], None]) -> None:
+                 loss_of: Callable[[int, Mapping[str, torch.Tensor]], float | None] | None, on_restore: Callable[[], None]) -> None:
         self.me, self.cfg, self.shards, self.held, self.applied = me, cfg, shards, held, applied
         self.payloads, self.bans, self.loss_of, self.on_restore = payloads, bans, loss_of, on_restore
         self.guard = cfg.guard
@@ -98,12 +99,10 @@ class Applier:
         for _sender, s, c in sorted(got, key=lambda g: (g[1], g[0])):
             if s in per_shard:
                 per_shard[s].append(c)  # type: ignore[arg-type]
-        # the anchor's loss, what the candidate's is judged against beside the last rounds' (the only one right after
-        # a start or a sync). A stage peer's comes from its chain, which scores the anchor and then the candidate
-        # every round (every stage of it must ask for both, whatever its own window holds)
-        partial = len(self.held) < len(self.shards)
-        ask_base = self.loss_of is not None and bool(per_shard) and (partial or not state.guard_losses)
-        base = self.loss_of(r, state.anchor, True) if ask_base and self.loss_of is not None else None
+        plan = guard.loss_check(len(self.held), len(self.shards), [len(d) for _p, _t, d in accepted.members],
+                                bool(state.guard_losses))
+        loss_of = self.loss_of if plan.score and per_shard else None
+        base = loss_of(r, state.anchor) if loss_of is not None and plan.anchor else None
         # each parameter is replaced as soon as its new value is made (the old tensor goes at once: no second anchor
         # at the round's peak); a refused round puts back what it wrote since this snapshot (rounds/anchor.py)
         before = state.anchor.snapshot()
@@ -135,7 +134,7 @@ class Applier:
                 blamed = guard.culprits(norms)
                 return self._refuse(r, {p: f"largest contribution to shard {s}" for p in blamed},
                                     f"shard {s}: {reason}")
-        loss = None if self.loss_of is None or not per_shard else self.loss_of(r, state.anchor, False)
+        loss = loss_of(r, state.anchor) if loss_of is not None else None
         if loss is not None:
             ratios["loss"] = loss  # reported with the ratios: the guard batch's loss of the round's result
             if base is not None:
@@ -146,12 +145,9 @@ class Applier:
             if reason:
                 state.anchor.restore(before)
                 self.on_restore()
-                # the largest contribution is blamed only by a peer that saw every shard's: a stage peer's loss is
-                # its swarm's, moved by shards it does not hold, so it refuses the round and bans nobody
-                whole = not partial
                 norms = {c.sender: guard.contribution_norm(c) for cs in per_shard.values() for c in cs}
                 return self._refuse(r, {p: "largest contribution of a round whose loss exploded"
-                                        for p in guard.culprits(norms)} if whole else {}, reason)
+                                        for p in guard.culprits(norms)} if plan.blame else {}, reason)
             state.guard_losses = [*state.guard_losses[-guard.LOSS_WINDOW + 1:], loss]
         self.last_copies = self._copies(r, {s: per_shard[s] for s in self.held})
         return Applied()

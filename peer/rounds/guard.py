@@ -148,6 +148,30 @@ def refuse_reason(ratio: float, cfg: GuardConfig) -> str | None:
     return None
 
 
+@dataclass(frozen=True)
+class LossCheck:
+    """How a peer applies the loss guard to one round (:func:`loss_check`)."""
+
+    score: bool  # score the round's result on the guard batch (else the norm bounds alone judge it)
+    anchor: bool  # score the anchor first, what the result is judged against (no last rounds' losses to use)
+    blame: bool  # on a refusal, ban the largest contribution (only a peer that saw every shard's can tell)
+
+
+def loss_check(held: int, n_shards: int, member_shards: Sequence[int], has_window: bool) -> LossCheck:
+    """The loss guard's plan for a peer holding ``held`` of ``n_shards`` shards, in a round whose accepted members
+    contributed ``member_shards`` shards each, with (``has_window``) or without its last rounds' guard losses.
+
+    A peer holding every shard scores the result itself, against the anchor's loss when it has no last rounds'.
+    A stage peer's score is its swarm's (the whole model's, through its chain), asked for only in a round without a
+    full replica: one in the accepted set runs the guard on every shard and its votes decide them, and the rule
+    reads only the accepted set, so every stage of a chain asks or none does; it never scores the anchor (its chain
+    would have to agree on that too) and never blames, since shards it does not hold move the loss as much."""
+    whole = held == n_shards
+    if whole:
+        return LossCheck(score=True, anchor=not has_window, blame=True)
+    return LossCheck(score=not any(n == n_shards for n in member_shards), anchor=False, blame=False)
+
+
 def loss_reason(recent: Sequence[float], loss: float, cfg: GuardConfig) -> str | None:
     """Why a round whose new parameters score ``loss`` on the run's fixed guard batch must be refused, or None.
 

@@ -83,7 +83,7 @@ class ReplicaBase(ABC):
         expected: Callable[[], Expected] | None = None,
         on_round: Callable[[RoundStats, float | None], None] | None = None,
         evaluate: Callable[[Mapping[str, torch.Tensor]], float | None] | None = None,
-        guard_loss: Callable[[int, Mapping[str, torch.Tensor], bool], float | None] | None = None,
+        guard_loss: Callable[[int, Mapping[str, torch.Tensor]], float | None] | None = None,
         protect: Callable[[dict[str, tuple[str, int]]], None] | None = None,
         held: Sequence[int] | None = None,
         shapes: Sequence[dict[str, tuple[int, ...]]] | None = None,
@@ -109,8 +109,8 @@ class ReplicaBase(ABC):
                                       trained=sum(p.numel() for p in trainer.model.parameters()))
         self.expected = expected
         self.on_load = on_load  # called after every load of the anchor into the model (a stage's codec table)
-        # (r, params, base): the loss on the run's fixed guard batch of round r's anchor (base) or candidate result
-        # (rounds/guard.py); None from it: not known this round
+        # (r, params): the loss on the run's fixed guard batch of round r's anchor or candidate result (rounds/guard.py);
+        # None from it: not known this round
         self.guard_loss = guard_loss
         self.window = cfg.deadline_s
         self.last_members = 0

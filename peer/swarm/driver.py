@@ -438,11 +438,11 @@ class Driver:
         return total / count if not waiting and count else None
 
     def guard_loss(self, r: int, params: Mapping[str, torch.Tensor], batch: tuple[torch.Tensor, torch.Tensor],
-                   timeout_s: float, base: bool = False) -> float | None:
+                   timeout_s: float) -> float | None:
         """The loss of the guard ``batch`` through the chain that ran round ``r``'s last step, with every stage at
-        what its round loop holds under guard: round r's anchor (``base``) or its candidate result (this stage's
-        are ``params``; each stage peer holds its own in its guard slot, :mod:`hlbp.peer.swarm.guardslot`). None
-        when this driver ran no step of round r, when a stage of the chain answers that it holds no such thing, when
+        round r's candidate result (this stage's is ``params``; each stage peer holds its own in its guard slot,
+        :mod:`hlbp.peer.swarm.guardslot`). None
+        when this driver ran no step of round r, when a stage of the chain answers that it holds no candidate, when
         the chain's stream closes, or when no answer came within ``timeout_s``."""
         chain = self.chains.chain
         if self._stepped_round != r or not chain:
@@ -450,8 +450,7 @@ class Driver:
         x, y = batch
         out = self.worker.forward_at(params, x)
         data = self.codec.encode_forward(out, x, 0) + encode_tokens(x, y, self.vocab_size)
-        msg = StageMessage("guard", session=self.session, step=self.step_seq, round=r, base=base,
-                           route=tuple(chain[1:]))
+        msg = StageMessage("guard", session=self.session, step=self.step_seq, round=r, route=tuple(chain[1:]))
         try:
             self.links.dial(chain[0]).send(encode_message(msg, data))
         except ConnectionError:
@@ -461,8 +460,7 @@ class Driver:
             event = self._inbox.get(timeout=min(0.5, max(0.01, deadline - time.monotonic())))
             if isinstance(event, StreamClosed) and event.conn.peer == chain[0]:
                 return None
-            if (isinstance(event, GuardLoss) and event.conn.peer == chain[0] and event.msg.round == r
-                    and event.msg.base == base and event.msg.mb == 0):
+            if isinstance(event, GuardLoss) and event.conn.peer == chain[0] and (event.msg.round, event.msg.mb) == (r, 0):
                 return None if event.msg.code == Reason.UNSCORED else event.msg.loss
         return None
 

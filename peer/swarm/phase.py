@@ -167,13 +167,12 @@ class SwarmPhase:
         self.driver.wait_ready(60.0)
         return self.driver.evaluate(self.val)
 
-    def guard(self, r: int, params: Mapping[str, torch.Tensor], base: bool = False) -> float | None:
-        """The round loop's guard loss: round ``r``'s anchor (``base``) or candidate scored on the guard batch
-        through the chain, this stage at ``params`` and every other at what it holds under guard
-        (:mod:`hlbp.peer.swarm.guardslot`)."""
+    def guard(self, r: int, params: Mapping[str, torch.Tensor]) -> float | None:
+        """The round loop's guard loss: round ``r``'s candidate scored on the guard batch through the chain, this
+        stage at ``params`` and every other at the candidate it holds (:mod:`hlbp.peer.swarm.guardslot`)."""
         if self.guard_batch is None:
             return None
-        return self.driver.guard_loss(r, params, self.guard_batch, GUARD_TIMEOUT_S, base)
+        return self.driver.guard_loss(r, params, self.guard_batch, GUARD_TIMEOUT_S)
 
     def validate_first(self) -> None:
         """The validation loss before training, said and kept (if there are validation batches)."""

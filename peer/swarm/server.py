@@ -12,9 +12,9 @@ the end of a step ``finish`` travels down the chain summing squared gradient nor
 total into the clipping factor and sends ``done`` back up; each stage queues its AdamW step before it passes
 ``done`` on.
 
-A ``guard`` runs the run's guard batch through the stage at what its round loop holds under guard (the round's
-anchor, then its candidate result), in a :class:`~hlbp.peer.swarm.guardslot.GuardSlot` (or waits there for it), and
-its ``gloss`` answer is recorded in the slot as it passes back up.
+A ``guard`` runs the run's guard batch through the stage at its round's candidate result, held in a
+:class:`~hlbp.peer.swarm.guardslot.GuardSlot` while the round is being committed (or waits there for it), and its
+``gloss`` answer is recorded in the slot as it passes back up.
 
 Failures: a downstream stream that closes with micro-batches still waiting for their backward, or a peer that
 cannot be dialled, becomes a ``fail`` naming that peer, sent upstream to the driver, which re-runs the step's
@@ -105,8 +105,8 @@ class StageServer:
         self._forwarded: tuple[int, int, float, float, float] | None = None  # the last finish passed down (see _finish)
         self._pending: dict[tuple[int, int], tuple[str, float]] = {}  # (mb, attempt) -> (downstream peer, fwd s)
         self._eval_upstream: dict[tuple[int, int], Conn] = {}
-        # (round, base, mb) -> (where its gloss goes, the peer the guard was passed on to, whose gloss alone counts)
-        self._guard_upstream: dict[tuple[int, bool, int], tuple[Conn, str]] = {}
+        # (round, mb) -> (where its gloss goes, the peer the guard was passed on to, whose gloss alone counts)
+        self._guard_upstream: dict[tuple[int, int], tuple[Conn, str]] = {}
         self._warned: set[str] = set()
         self._stop = threading.Event()
         self.links = StageLinks(dht, self._on_message, self._on_closed, self._on_bad, self._may_call,
@@ -181,7 +181,7 @@ class StageServer:
             self._guard_arrived(conn, msg, body)
         elif msg.op == "gloss":
             with self._lock:  # only the answer to a guard this stage passed on, from the peer it passed it to
-                key = (msg.round, msg.base, msg.mb)
+                key = (msg.round, msg.mb)
                 up, down = self._guard_upstream.get(key, (None, ""))
                 if up is not None and down == conn.peer:
                     del self._guard_upstream[key]
@@ -189,7 +189,7 @@ class StageServer:
                     up = None
             if up is not None:
                 if self.slot is not None and msg.code != Reason.UNSCORED:
-                    self.slot.record((msg.round, msg.base), msg.mb, msg.loss)
+                    self.slot.record(msg.round, msg.mb, msg.loss)
                 up.send(encode_message(msg))
         elif msg.op == "fail":
             self._send_up(msg)
@@ -311,8 +311,8 @@ class StageServer:
         down.send(encode_message(replace(msg, route=msg.route[1:]), data + window))
 
     def _guard_arrived(self, conn: Conn, msg: StageMessage, body: bytes) -> None:
-        """A guard from upstream: queued at once when what it names is held under guard, else kept until it is
-        (:meth:`GuardSlot.deliver`); one this stage will not run is answered with an unscored ``gloss``, so its
+        """A guard from upstream: queued at once when its round's candidate is held under guard, else kept until it
+        is (:meth:`GuardSlot.deliver`); one this stage will not run is answered with an unscored ``gloss``, so its
         driver stops waiting and every stage of the chain judges the round by its norms alone."""
         slot = self.slot
         if slot is None or msg.mb >= MAX_HELD:
@@ -322,7 +322,7 @@ class StageServer:
         def run() -> None:
             self._put(FORWARD, lambda: self._guard(conn, msg, body))
 
-        outcome = slot.deliver((msg.round, msg.base), run, lambda: self._unscored(conn, msg))
+        outcome = slot.deliver(msg.round, run, lambda: self._unscored(conn, msg))
         if outcome is Delivery.RUN:
             run()
         elif outcome is Delivery.REFUSED:
@@ -330,14 +330,13 @@ class StageServer:
 
     def _unscored(self, conn: Conn, msg: StageMessage) -> None:
         conn.send(encode_message(StageMessage("gloss", session=msg.session, step=msg.step, mb=msg.mb,
-                                              round=msg.round, base=msg.base, code=Reason.UNSCORED)))
+                                              round=msg.round, code=Reason.UNSCORED)))
 
     def _guard(self, conn: Conn, msg: StageMessage, body: bytes) -> None:
-        """One guard micro-batch through this stage at what it holds under guard: passed on down its route, or, on
-        the last stage, scored, recorded and answered with a ``gloss``."""
+        """One guard micro-batch through this stage at its round's candidate: passed on down its route, or, on the
+        last stage, scored, recorded and answered with a ``gloss``."""
         assert self.slot is not None
-        key = (msg.round, msg.base)
-        params = self.slot.params(key)
+        params = self.slot.params(msg.round)
         if params is None:  # decided meanwhile
             self._unscored(conn, msg)
             return
@@ -350,9 +349,9 @@ class StageServer:
         if self.is_last:
             loss = self.worker.eval_loss_at(params, received.tensor, targets)
             loss = min(loss, 1e6) if math.isfinite(loss) else 1e6  # a non-finite loss travels as the largest
-            self.slot.record(key, msg.mb, loss)
+            self.slot.record(msg.round, msg.mb, loss)
             conn.send(encode_message(StageMessage("gloss", session=msg.session, step=msg.step, mb=msg.mb,
-                                                  round=msg.round, base=msg.base, loss=loss,
+                                                  round=msg.round, loss=loss,
                                                   busy=(time.perf_counter() - start,))))
             return
         if not msg.route:
@@ -361,7 +360,7 @@ class StageServer:
         data = self.codec.encode_forward(out, received.token_ids, msg.mb)
         with self._lock:
             self._guard_upstream = {k: v for k, v in self._guard_upstream.items() if k[0] >= msg.round}
-            self._guard_upstream[(msg.round, msg.base, msg.mb)] = (conn, msg.route[0])
+            self._guard_upstream[(msg.round, msg.mb)] = (conn, msg.route[0])
         try:
             down = self.links.dial(msg.route[0])
         except ConnectionError as exc:

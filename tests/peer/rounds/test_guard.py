@@ -109,3 +109,15 @@ def test_a_second_undelivered_contribution_within_the_window_bans_its_sender() -
     assert not bans.banned("fake", 4 + MISS_WINDOW)  # the first has left the window
     bans.miss(4 + MISS_WINDOW, "fake")
     assert bans.banned("fake", 5 + MISS_WINDOW)
+
+
+def test_who_scores_a_round_and_whom_a_refusal_blames() -> None:
+    # a full replica scores every round itself, against the anchor's loss right after a start or a sync
+    assert guard.loss_check(4, 4, [4, 1, 1], has_window=True) == guard.LossCheck(score=True, anchor=False, blame=True)
+    assert guard.loss_check(4, 4, [1, 1], has_window=False) == guard.LossCheck(score=True, anchor=True, blame=True)
+    # a stage peer leaves a round with a full replica to that replica's guard and votes; without one its chain
+    # scores the result, whatever its own window holds (every stage of the chain decides alike), and it blames nobody
+    assert guard.loss_check(1, 4, [4, 1, 1, 1, 1], has_window=True).score is False
+    for has_window in (True, False):
+        assert guard.loss_check(1, 4, [1, 1, 1, 1], has_window) == guard.LossCheck(score=True, anchor=False,
+                                                                                      blame=False)

@@ -13,8 +13,8 @@ from hlbp.peer.swarm.guardslot import MAX_HELD, Delivery, GuardSlot
 PARAMS = {"w": torch.ones(2)}
 
 
-def _scoring(slot: GuardSlot, r: int, base: bool, out: list, **kw: float) -> threading.Thread:
-    thread = threading.Thread(target=lambda: out.append(slot.score(r, PARAMS, base, **kw)))
+def _scoring(slot: GuardSlot, r: int, out: list, **kw: float) -> threading.Thread:
+    thread = threading.Thread(target=lambda: out.append(slot.score(r, PARAMS, **kw)))
     thread.start()
     return thread
 
@@ -26,28 +26,28 @@ def _until(fn, timeout_s: float = 10.0) -> None:
         time.sleep(0.01)
 
 
-def test_a_guard_that_comes_early_runs_when_its_key_is_held_and_a_passed_one_is_refused() -> None:
+def test_a_guard_that_comes_early_runs_when_its_candidate_is_held_and_a_passed_round_is_refused() -> None:
     slot = GuardSlot()
     slot.served(5)
     ran: list[str] = []
     held = Delivery.HELD  # nothing under guard yet: kept
-    assert slot.deliver((5, True), lambda: ran.append("base"), lambda: ran.append("no base")) is held
-    assert slot.deliver((5, False), lambda: ran.append("candidate"), lambda: ran.append("no candidate")) is held
-    assert slot.deliver((4, False), lambda: ran.append("old"), lambda: ran.append("no old")) is held
+    assert slot.deliver(5, lambda: ran.append("5"), lambda: ran.append("no 5")) is held
+    assert slot.deliver(6, lambda: ran.append("6"), lambda: ran.append("no 6")) is held
+    assert slot.deliver(4, lambda: ran.append("4"), lambda: ran.append("no 4")) is held
     out: list = []
-    thread = _scoring(slot, 5, True, out, grace_s=5.0, timeout_s=5.0)
-    # the anchor's guard ran once the anchor was held; round 4's was answered unscored; the candidate's waits
-    _until(lambda: ran == ["no old", "base"])
-    assert slot.params((5, True)) is PARAMS and slot.params((5, False)) is None
-    slot.record((5, True), 0, 7.0)
+    thread = _scoring(slot, 5, out, grace_s=5.0, timeout_s=5.0)
+    _until(lambda: ran == ["no 4", "5"])  # round 5's ran, round 4's was answered unscored, round 6's waits
+    assert slot.params(5) is PARAMS and slot.params(6) is None
+    assert slot.deliver(5, lambda: None, lambda: None) is Delivery.RUN  # held now: a further guard of it runs at once
+    slot.record(5, 0, 7.0)
     thread.join(timeout=10)
-    assert out == [7.0] and slot.params((5, True)) is None  # answered, and no longer held
-    assert slot.deliver((5, True), lambda: None, lambda: None) is Delivery.REFUSED  # decided
-    assert slot.deliver((4, False), lambda: None, lambda: None) is Delivery.REFUSED  # passed
-    thread = _scoring(slot, 5, False, out, grace_s=5.0, timeout_s=5.0)
-    _until(lambda: ran == ["no old", "base", "candidate"])
-    assert slot.deliver((5, False), lambda: None, lambda: None) is Delivery.RUN  # held now: run at once
-    slot.record((5, False), 0, 9.0)
+    assert out == [7.0] and slot.params(5) is None  # answered, and no longer held
+    assert slot.deliver(5, lambda: None, lambda: None) is Delivery.REFUSED  # decided
+    assert slot.deliver(4, lambda: None, lambda: None) is Delivery.REFUSED  # passed
+    slot.served(6)
+    thread = _scoring(slot, 6, out, grace_s=5.0, timeout_s=5.0)
+    _until(lambda: ran == ["no 4", "5", "6"])
+    slot.record(6, 0, 9.0)
     thread.join(timeout=10)
     assert out == [7.0, 9.0]
 
@@ -55,45 +55,46 @@ def test_a_guard_that_comes_early_runs_when_its_key_is_held_and_a_passed_one_is_
 def test_a_standby_does_not_wait_and_a_guard_that_never_comes_costs_the_grace() -> None:
     slot = GuardSlot()
     start = time.monotonic()
-    assert slot.score(3, PARAMS, False, grace_s=30.0) is None  # served none of round 3's steps
+    assert slot.score(3, PARAMS, grace_s=30.0) is None  # served none of round 3's steps
     assert time.monotonic() - start < 1.0
-    slot.served(3)
+    slot.served(4)
     start = time.monotonic()
-    assert slot.score(3, PARAMS, False, grace_s=0.5, timeout_s=30.0) is None  # no guard arrived
+    assert slot.score(4, PARAMS, grace_s=0.5, timeout_s=30.0) is None  # no guard arrived
     assert 0.5 <= time.monotonic() - start < 5.0
+    slot.served(5)
     out: list = []
-    thread = _scoring(slot, 3, True, out, grace_s=5.0, timeout_s=0.5)
-    _until(lambda: slot.params((3, True)) is PARAMS)
-    assert slot.deliver((3, True), lambda: None, lambda: None) is Delivery.RUN
+    thread = _scoring(slot, 5, out, grace_s=5.0, timeout_s=0.5)
+    _until(lambda: slot.params(5) is PARAMS)
+    assert slot.deliver(5, lambda: None, lambda: None) is Delivery.RUN
     thread.join(timeout=10)
     assert out == [None]  # it arrived, but no loss came back before the deadline
 
 
-def test_only_the_held_keys_losses_count_and_the_wait_takes_their_mean() -> None:
+def test_only_the_held_rounds_losses_count_and_the_wait_takes_their_mean() -> None:
     slot = GuardSlot()
     slot.served(2)
     out: list = []
-    thread = _scoring(slot, 2, False, out, grace_s=10.0, timeout_s=10.0)
-    _until(lambda: slot.params((2, False)) is PARAMS)
-    assert slot.deliver((2, False), lambda: None, lambda: None) is Delivery.RUN
-    slot.record((2, True), 0, 100.0)  # the anchor's, not the candidate's
-    slot.record((1, False), 0, 100.0)  # another round's
-    slot.record((2, False), MAX_HELD, 100.0)  # a micro-batch past any guard's
-    slot.record((2, False), 0, 3.0)
-    slot.record((2, False), 0, 50.0)  # the first loss of a micro-batch stands
+    thread = _scoring(slot, 2, out, count=2, grace_s=10.0, timeout_s=10.0)
+    _until(lambda: slot.params(2) is PARAMS)
+    assert slot.deliver(2, lambda: None, lambda: None) is Delivery.RUN
+    slot.record(1, 0, 100.0)  # another round's
+    slot.record(2, MAX_HELD, 100.0)  # a micro-batch past any guard's
+    slot.record(2, 0, 3.0)
+    slot.record(2, 0, 50.0)  # the first loss of a micro-batch stands
+    slot.record(2, 1, 5.0)
     thread.join(timeout=10)
-    assert out == [3.0]
+    assert out == [4.0]
 
 
 def test_at_most_max_held_guards_are_kept_and_none_far_ahead() -> None:
     slot = GuardSlot()
     slot.served(1)
     out: list = []
-    _scoring(slot, 1, True, out, grace_s=0.1, timeout_s=0.1).join(timeout=10)
+    _scoring(slot, 1, out, grace_s=0.1, timeout_s=0.1).join(timeout=10)
     ran: list[int] = []
-    outcomes = [slot.deliver((2, True), lambda i=i: ran.append(i), lambda: None) for i in range(MAX_HELD + 4)]
+    outcomes = [slot.deliver(2, lambda i=i: ran.append(i), lambda: None) for i in range(MAX_HELD + 4)]
     assert outcomes == [Delivery.HELD] * MAX_HELD + [Delivery.REFUSED] * 4
-    assert slot.deliver((100, True), lambda: None, lambda: None) is Delivery.REFUSED  # far past this stage's round
+    assert slot.deliver(100, lambda: None, lambda: None) is Delivery.REFUSED  # far past this stage's round
     slot.served(2)
-    _scoring(slot, 2, True, out, grace_s=0.1, timeout_s=0.1).join(timeout=10)
+    _scoring(slot, 2, out, grace_s=0.1, timeout_s=0.1).join(timeout=10)
     assert ran == list(range(MAX_HELD))
