@@ -36,15 +36,18 @@ UNKNOWN = Expected(0)  # the announcements could not be read: no round is comple
 def complete(senders: AbstractSet[str] | Mapping[str, object], expected: Expected,
              banned: Callable[[str], bool] = lambda p: False) -> bool:
     """Whether every expected contributor has announced a contribution: the ``senders`` of the round's notices that
-    are expected (named in ``expected.peers``, when it names them) and not ``banned`` number ``expected.count``.
+    are expected (named in ``expected.peers``, when it names them) and not ``banned`` number ``expected.count``, less
+    the expected peers that are banned (their contributions would be refused: waiting for them only stretched every
+    round to its window once three attackers were banned).
 
     Notices from anyone else never make a round complete: 40 notices under throwaway keys made every round
     "complete" at its first notice, and the coordinator closed it on its own contribution, leaving out honest ones a
     second later."""
     if expected.count <= 0:
         return False
+    need = expected.count - (sum(1 for p in expected.peers if banned(p)) if expected.peers is not None else 0)
     named = [p for p in senders if (expected.peers is None or p in expected.peers) and not banned(p)]
-    return len(named) >= expected.count
+    return len(named) >= max(need, 1)
 
 
 def coordinator_order(round_: int, peers: Sequence[str]) -> list[str]:

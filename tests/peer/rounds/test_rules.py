@@ -346,7 +346,9 @@ def test_a_round_is_complete_only_with_the_expected_contributors() -> None:
     assert not complete({"a": None, **fakes}, expected)  # 40 notices under throwaway keys complete nothing
     assert not complete({"a", "b"}, expected)
     assert complete({"a", "b", "c", "fake1"}, expected)
-    assert not complete({"a", "b", "c"}, expected, banned=lambda p: p == "c")  # a banned sender is not awaited...
+    assert not complete({"a", "c"}, expected, banned=lambda p: p == "c")  # a banned sender's notice counts nothing
+    assert complete({"a", "b"}, expected, banned=lambda p: p == "c")  # ... and a banned peer is not waited for
+    assert not complete(set(), expected, banned=lambda p: True)  # every expected peer banned: one notice still needed
     assert complete({"a", "b", "c"}, Expected(2, frozenset({"a", "b", "c"})), banned=lambda p: p == "c")
     assert complete({"x", "y"}, Expected(2))  # only a count known (the in-process engine): any notice counts
     assert not complete({"a", "b", "c"}, UNKNOWN)  # announcements unread: the window runs out instead
