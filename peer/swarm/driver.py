@@ -39,14 +39,13 @@ from hlbp.peer.swarm.events import (
     Event,
     EventQueue,
     FailReport,
-    GuardLoss,
-    Loss,
     StreamClosed,
     UnexpectedMessage,
     decode_answer,
 )
 from hlbp.peer.swarm.links import Conn, StageLinks
 from hlbp.peer.swarm.routing import LatencyTracker
+from hlbp.peer.swarm.scoring import ChainScorer
 from hlbp.peer.swarm.server import max_body_bytes
 from hlbp.peer.swarm.step import (
     Abandon,
@@ -115,6 +114,7 @@ class Driver:
         self.links = StageLinks(dht, self._on_message, self._on_closed, self._on_bad, lambda _peer: False,
                                 max_body_bytes(codec, max_tokens, vocab_size))
         self.peer_id = self.links.peer_id
+        self.scorer = ChainScorer(worker, codec, vocab_size, self.links, self._inbox)  # eval and guard passes
 
     # --- loop thread: everything goes to the inbox --------------------------------------------------------------
 
@@ -410,59 +410,24 @@ class Driver:
             if seconds > 0:
                 self.chains.measure(peer, tokens / seconds)
 
-    # --- evaluation -----------------------------------------------------------------------------------------------
+    # --- scoring through the chain (scoring.py) ------------------------------------------------------------------
 
     def evaluate(self, batches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> float | None:
         """Token-weighted mean loss over ``batches`` through the chain; None if it could not finish."""
         chain = self.chains.choose(batches[0][1].numel(), me=self.peer_id) if batches else None
         if chain is None:
             return None
-        waiting: dict[int, int] = {}
-        for i, (x, y) in enumerate(batches):
-            out = self.worker.forward(i, 0, x, train=False)
-            data = self.codec.encode_forward(out, x, i) + encode_tokens(x, y, self.vocab_size)
-            msg = StageMessage("eval", session=self.session, step=self.step_seq, mb=i, route=tuple(chain[1:]))
-            try:
-                self.links.dial(chain[0]).send(encode_message(msg, data))
-            except ConnectionError:
-                return None
-            waiting[i] = int(y.numel())
-        total, count = 0.0, 0
-        deadline = time.monotonic() + max(30.0, self.latency.deadline())
-        while waiting and time.monotonic() < deadline:
-            event = self._inbox.get(timeout=0.5)
-            if isinstance(event, Loss) and event.msg.session == self.session and event.msg.mb in waiting:
-                n = waiting.pop(event.msg.mb)
-                total += event.msg.loss * n
-                count += n
-        return total / count if not waiting and count else None
+        return self.scorer.evaluate(chain, self.session, self.step_seq, batches, max(30.0, self.latency.deadline()))
 
     def guard_loss(self, r: int, params: Mapping[str, torch.Tensor], batch: tuple[torch.Tensor, torch.Tensor],
                    timeout_s: float) -> float | None:
         """The loss of the guard ``batch`` through the chain that ran round ``r``'s last step, with every stage at
         round r's candidate result (this stage's is ``params``; each stage peer holds its own in its guard slot,
-        :mod:`hlbp.peer.swarm.guardslot`). None
-        when this driver ran no step of round r, when a stage of the chain answers that it holds no candidate, when
-        the chain's stream closes, or when no answer came within ``timeout_s``."""
-        chain = self.chains.chain
-        if self._stepped_round != r or not chain:
+        :mod:`hlbp.peer.swarm.guardslot`). None when this driver ran no step of round r, or as
+        :meth:`ChainScorer.guard` says."""
+        if self._stepped_round != r or not self.chains.chain:
             return None
-        x, y = batch
-        out = self.worker.forward_at(params, x)
-        data = self.codec.encode_forward(out, x, 0) + encode_tokens(x, y, self.vocab_size)
-        msg = StageMessage("guard", session=self.session, step=self.step_seq, round=r, route=tuple(chain[1:]))
-        try:
-            self.links.dial(chain[0]).send(encode_message(msg, data))
-        except ConnectionError:
-            return None
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            event = self._inbox.get(timeout=min(0.5, max(0.01, deadline - time.monotonic())))
-            if isinstance(event, StreamClosed) and event.conn.peer == chain[0]:
-                return None
-            if isinstance(event, GuardLoss) and event.conn.peer == chain[0] and (event.msg.round, event.msg.mb) == (r, 0):
-                return None if event.msg.code == Reason.UNSCORED else event.msg.loss
-        return None
+        return self.scorer.guard(list(self.chains.chain), self.session, self.step_seq, r, params, batch, timeout_s)
 
     def busy_fractions(self, wall_s: float) -> dict[str, float]:
         return {p: s / max(wall_s, 1e-9) for p, s in self.counters.busy_s.items()}
