@@ -95,17 +95,30 @@ def _cache_dir(cfg: JoinConfig) -> Path:
     return default_cache_dir()
 
 
-def check_reachability(plane: ControlPlane, helpers: list[str]) -> tuple[Reachability, list[str]]:
-    """(whether others can dial us, our addresses) after asking the first helper that answers to dial us."""
+DIALBACK_DEADLINE_S = 60.0  # how long join keeps asking helpers to dial it back before calling itself unknown
+DIALBACK_RETRY_S = 2.0  # the pause between passes over the helpers
+
+
+def check_reachability(plane: ControlPlane, helpers: list[str], deadline_s: float = DIALBACK_DEADLINE_S,
+                       sleep: Callable[[float], None] = time.sleep,
+                       clock: Callable[[], float] = time.monotonic) -> tuple[Reachability, list[str]]:
+    """(whether others can dial us, our addresses) after asking the first helper that answers to dial us.
+
+    A helper that fails to answer (busy, or its stream to us not yet open) is asked again, in turn with the others,
+    until ``deadline_s``: one failed request must not leave a public peer announcing itself as unknown."""
     maddrs = plane.maddrs()
-    for peer_id in helpers:
-        try:
-            reachable, _ = plane.dial_back(peer_id, maddrs)
-        except Exception as exc:  # noqa: BLE001 - a helper that can't help: ask the next one
-            logger.debug("dial-back through %s failed: %s", peer_id, exc)
-            continue
-        return (Reachability.PUBLIC if reachable else Reachability.CLIENT), maddrs
-    return Reachability.UNKNOWN, maddrs
+    deadline = clock() + deadline_s
+    while True:
+        for peer_id in helpers:
+            try:
+                reachable, _ = plane.dial_back(peer_id, maddrs)
+            except Exception as exc:  # noqa: BLE001 - a helper that can't help now: ask the next one
+                logger.debug("dial-back through %s failed: %s", peer_id, exc)
+                continue
+            return (Reachability.PUBLIC if reachable else Reachability.CLIENT), maddrs
+        if not helpers or clock() + DIALBACK_RETRY_S >= deadline:
+            return Reachability.UNKNOWN, maddrs
+        sleep(DIALBACK_RETRY_S)
 
 
 def _port_fix(maddrs: list[str]) -> str:

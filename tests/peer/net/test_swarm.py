@@ -240,3 +240,37 @@ def test_join_without_a_reachable_peer_lists_every_address_tried(tmp_path: Path)
     assert all(a in proc.stderr.replace("\n", "") or a in message for a in addrs)
     assert "Check that" in message and "--connect-timeout" in message
     assert time.monotonic() - started < 40
+
+
+class _FlakyHelper:
+    """The observer's real control plane, whose first ``failures`` dial-back requests fail as a busy helper's do."""
+
+    def __init__(self, plane, failures: int) -> None:
+        self.plane, self.failures, self.asked = plane, failures, 0
+
+    def maddrs(self) -> list[str]:
+        return self.plane.maddrs()
+
+    def dial_back(self, peer_id: str, maddrs: list[str]) -> tuple[list[str], list[str]]:
+        self.asked += 1
+        if self.asked <= self.failures:
+            raise TimeoutError("the helper did not answer in time")
+        return self.plane.dial_back(peer_id, maddrs)
+
+
+def test_a_dial_back_check_asks_again_until_a_helper_answers(swarm: Swarm):
+    from hlbp.peer.net.reach import Reachability
+    from hlbp.peer.node.join import check_reachability
+
+    truth, _ = check_reachability(swarm.observer, [swarm.boot_id])
+    assert truth is not Reachability.UNKNOWN
+    # the bootstrap fails twice (busy): the check goes on past a stranger's id and answers as an idle helper does
+    flaky = _FlakyHelper(swarm.observer, failures=2)
+    stranger = Identity.generate().peer_id
+    assert check_reachability(flaky, [stranger, swarm.boot_id], deadline_s=30)[0] is truth
+    assert flaky.asked == 4  # stranger and bootstrap (both failed), then stranger (unknown) and bootstrap (answered)
+    # a helper that never answers: unknown once the deadline has passed, not before
+    start = time.monotonic()
+    silent = _FlakyHelper(swarm.observer, failures=10**6)
+    assert check_reachability(silent, [swarm.boot_id], deadline_s=5)[0] is Reachability.UNKNOWN
+    assert 3.0 <= time.monotonic() - start < 30 and silent.asked >= 2
