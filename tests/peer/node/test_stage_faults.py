@@ -180,7 +180,10 @@ def test_sigkill_without_a_standby_makes_a_straggler_until_a_joiner_fills_the_st
 
 
 def test_sigterm_of_a_full_replica_and_a_stage_peer_together_then_both_resume(tmp_path: Path) -> None:
-    with Swarm(_cfg("fault-sigterm"), tmp_path) as sw:
+    # windows of at least 8 s: a round closes as soon as every announced contribution is in, so they cost nothing
+    # while all four keep up, and a peer that a loaded box slows for a few seconds after its restart is not left out
+    # as a straggler of the rounds checked here (right in a real run; it would make this test pass by luck)
+    with Swarm(_cfg("fault-sigterm", round_deadline_s=8.0, min_deadline_s=8.0), tmp_path) as sw:
         driver = _start(sw, ["sw0s1"], n_full=2)
         step = _wait(sw, lambda: _mid_round_step(driver, 1), "the driver two steps into round 2")
         leavers = [sw.replicas["peer1"].proc, sw.replicas["sw0s1"].proc]
@@ -218,7 +221,8 @@ def test_sigterm_of_a_full_replica_and_a_stage_peer_together_then_both_resume(tm
     for r in range(first_back, last + 1):
         rows = {n: _round(v, r) for n, v in recs.items()}
         assert all(rows.values()), (r, logs)
-        assert all(x["accepted"] and x["in_sync"] for x in rows.values()), (r, rows)
+        flags = {n: (x["accepted"], x["in_sync"]) for n, x in rows.items()}
+        assert all(a and s for a, s in flags.values()), f"round {r}: (accepted, in sync) {flags}\n{rows}\n{logs}"
         for shard in ("0", "1"):
             assert len({x["checksums"][shard] for x in rows.values() if shard in x["checksums"]}) == 1, (r, rows)
     # the restarted stage peer trained what it contributed: never its own earlier tensors again (as a server whose
