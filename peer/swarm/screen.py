@@ -13,7 +13,9 @@ exponential moving averages of four statistics of the frames (:func:`frame_stats
   activations share directions; Gaussian noise over n tokens has about 1/sqrt(n));
 - the per-channel mean over the frame's tokens, in units of its RMS (a flipped frame turns it around).
 
-A frame far from its sender's averages on any of them is an :class:`Outlier`, and its receiver marks it in the
+Gradients are judged on the first two only: their coherence and mean vary from frame to frame as much as a lie's
+would (``ScreenConfig.gradient_outliers``). A frame far from its sender's averages on any statistic judged is an
+:class:`Outlier`, and its receiver marks it in the
 transcript it serves to auditors (:meth:`hlbp.peer.swarm.transcript.Transcript.flag`); the auditor then draws the
 marked micro-batches first. A mark is never a verdict: it only chooses which frames an exact or sibling audit
 recomputes, so a receiver that marks honest frames costs nobody anything but its own swarm's audit draw, and one
@@ -86,6 +88,10 @@ class ScreenConfig:
     sign: float = -0.5  # a frame whose mean's cosine with the average mean is below this, when both means say
     mean_floor: float = 0.1  # something: their norms are at least this (in units of the frame's RMS)
     max_senders: int = 256  # boundaries tracked, the least recently seen dropped first
+    # what is judged of gradients (``bwd`` frames): their scale and spread. Their coherence and mean carry no sign
+    # of a lie: in make demo's swarm an honest gradient's coherence was 0.03-0.3 (noise's level) and the cosine of
+    # its mean with the average's -0.83 to 0.99, so those two made 33 of its 36 outliers in 20 rounds (all false)
+    gradient_outliers: frozenset[Outlier] = frozenset({Outlier.SCALE, Outlier.SPREAD})
 
 
 def _cos(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -100,13 +106,15 @@ def _clamp(x: float, lo: float, hi: float) -> float:
 class BoundaryScreen:
     """Moving statistics of what one sender sends in one direction, and whether a frame is an outlier."""
 
-    def __init__(self, cfg: ScreenConfig) -> None:
+    def __init__(self, cfg: ScreenConfig, judged: frozenset[Outlier] = frozenset(Outlier)) -> None:
         self.cfg = cfg
+        self.judged = judged  # the statistics that can make a frame an outlier (others are tracked, not judged)
         self.seen = 0
         self.log_scale = 0.0
         self.log_spread = 0.0
         self.log_coherence = 0.0
         self.mean: torch.Tensor | None = None
+        self.mean_norm = 0.0  # moving average of the norms of the means not marked as turned
         self._first: list[tuple[Hashable, FrameStats]] = []  # the warm-up's frames, until the averages start
 
     def judge(self, s: FrameStats) -> frozenset[Outlier]:
@@ -124,7 +132,7 @@ class BoundaryScreen:
         if (s.mean.shape == self.mean.shape and float(self.mean.norm()) >= floor and float(s.mean.norm()) >= floor
                 and _cos(s.mean, self.mean) < self.cfg.sign):
             out.add(Outlier.SIGN)
-        return frozenset(out)
+        return frozenset(out) & self.judged
 
     def observe(self, t: torch.Tensor, tag: Hashable = None) -> dict[Hashable, frozenset[Outlier]]:
         """Judge a frame (``tag`` names it), then take it into the averages (an outlier clamped to the bands'
@@ -156,8 +164,16 @@ class BoundaryScreen:
         self.log_scale = d * self.log_scale + (1 - d) * scale
         self.log_spread = d * self.log_spread + (1 - d) * spread
         self.log_coherence = d * self.log_coherence + (1 - d) * coherence
-        if Outlier.SIGN not in found:
-            self.mean = d * self.mean + (1 - d) * s.mean
+        # a turned mean is taken in too, its norm clamped to what the sender's unturned means average: one flipped
+        # frame in four shrinks the average without turning it, while an honest turn that lasts is followed within a
+        # few frames (a mean left out while marked stayed turned away from every later honest frame, marking each)
+        norm = float(s.mean.norm())
+        if Outlier.SIGN in found:
+            taken = s.mean * (self.mean_norm / norm) if norm > self.mean_norm > 0 else s.mean
+        else:
+            taken = s.mean
+            self.mean_norm = d * self.mean_norm + (1 - d) * norm
+        self.mean = d * self.mean + (1 - d) * taken
         self.seen += 1
 
     def _start(self) -> None:
@@ -170,6 +186,7 @@ class BoundaryScreen:
         self.log_coherence = statistics.median(f.log_coherence for f in first)
         near = [f.mean for f in first if abs(f.log_scale - self.log_scale) <= math.log(self.cfg.scale)]
         self.mean = torch.stack(near).mean(dim=0)
+        self.mean_norm = statistics.median(float(m.norm()) for m in near)
 
 
 class FrameScreen:
@@ -181,12 +198,15 @@ class FrameScreen:
         self._lock = threading.Lock()
         self.flagged = 0  # frames found outlying, for the summary
 
+    def _judged(self, op: str) -> frozenset[Outlier]:
+        return self.cfg.gradient_outliers if op == "bwd" else frozenset(Outlier)
+
     def observe(self, sender: str, op: str, t: torch.Tensor, tag: Hashable = None) -> dict[Hashable, frozenset[Outlier]]:
         """Judge a frame ``sender`` sent as ``op`` (``tag`` names it) and take it into that boundary's averages; the
         outliers found, by tag (:meth:`BoundaryScreen.observe`)."""
         with self._lock:
             key = (sender, op)
-            screen = self._boundaries.pop(key, None) or BoundaryScreen(self.cfg)
+            screen = self._boundaries.pop(key, None) or BoundaryScreen(self.cfg, self._judged(op))
             self._boundaries[key] = screen
             while len(self._boundaries) > self.cfg.max_senders:
                 self._boundaries.popitem(last=False)

@@ -59,6 +59,34 @@ def test_a_scaled_a_noise_and_a_flipped_frame_are_outliers_and_do_not_drag_the_a
             assert outliers(screen, activations(200 + 3 * i + j)) == frozenset()
 
 
+def test_a_mean_that_turns_for_good_is_followed_and_a_flip_in_four_is_marked_each_time() -> None:
+    screen = warmed()
+    # one flipped frame in four: each is marked, and it never turns the average far enough to mark an honest frame
+    for i in range(10):
+        assert Outlier.SIGN in outliers(screen, -activations(300 + i)), i
+        for j in range(3):
+            assert outliers(screen, activations(400 + 3 * i + j)) == frozenset(), (i, j)
+    # the sender's mean turns around and stays turned (honest drift can do that): marked at first, then followed
+    turned = [outliers(screen, -activations(500 + i)) for i in range(30)]
+    assert Outlier.SIGN in turned[0]
+    settled = next(i for i, o in enumerate(turned) if not o)
+    assert settled <= 4 and all(not o for o in turned[settled:]), turned  # measured: 3 marked
+
+
+def test_gradients_are_judged_on_scale_and_spread_only() -> None:
+    screen = FrameScreen()
+    for i in range(6):
+        assert screen.observe("a", "bwd", activations(i), i) == {}
+    honest = activations(50)
+    noise = torch.randn(2, 64, D, generator=torch.Generator().manual_seed(9)) * honest.pow(2).mean().sqrt()
+    assert screen.observe("a", "bwd", honest * 10, "x10") == {"x10": {Outlier.SCALE}}
+    assert screen.observe("a", "bwd", noise, "noise") == {"noise": {Outlier.SPREAD}}
+    assert screen.observe("a", "bwd", -honest, "flip") == {}  # a gradient's mean turns honestly too
+    for i in range(6):
+        assert screen.observe("a", "fwd", activations(i), i) == {}
+    assert screen.observe("a", "fwd", noise, "noise") == {"noise": {Outlier.SPREAD, Outlier.COHERENCE}}
+
+
 def test_the_warm_up_starts_from_medians_and_marks_its_own_outliers_at_its_end() -> None:
     screen = BoundaryScreen(ScreenConfig(warmup=4))
     assert screen.observe(activations(0), 0) == {}
