@@ -80,8 +80,9 @@ class AuditConfig:
     samples: int = 1  # micro-batch attempts of the phase's first step judged per stage peer and round
     later: int = 2  # micro-batch attempts of one later step, judged against each other, per peer and round
     # the chance that they are drawn for a peer none of whose later frames a receiver's screen marked (a marked one
-    # is always drawn): the screen raises the audit rate of what looks odd, and the rest costs half
-    later_chance: float = 0.5
+    # is always drawn): the screen raises the audit rate of what looks odd from this base to 1, and the rest costs a
+    # quarter (docs/security.md: the cost at make demo's settings)
+    later_chance: float = 0.25
     timeout_s: float = 3.0  # per fetch: a peer that does not answer within it shows nothing (inconclusive)
     budget_s: float = 15.0  # most seconds a coordinator spends auditing one round (a round's close waits for it)
     tolerance: Tolerance = field(default_factory=Tolerance)
