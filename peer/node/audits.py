@@ -10,7 +10,9 @@ neighbours sent on (:func:`chain_of`: in a swarm of four or more stages a lie re
 stage's output at the anchor computed on other weights (it had not loaded the round's result when it served the
 step): its work and its chain's are left out of the round, and nobody is banned. Work nothing of which could be
 checked (no frame of the phase's first step shown, or the audits' time budget for the round spent) is left out
-too, without a ban (:func:`judge`). Which micro-batches are checked
+too, without a ban (:func:`judge`), with its chain's. A peer that passed frames on without contributing is audited
+as well, at the stage its neighbours' transcripts place it (:func:`unaudited_neighbours`): a liar that never
+announces a contribution still reaches the work of the peers that do. Which micro-batches are checked
 is drawn from this process's own randomness after the traffic, so no stage peer could know it when it computed.
 
 Every audit is written to ``metrics.jsonl`` (event ``audit``: the round, the peer, each sample's finding, inner step,
@@ -87,12 +89,16 @@ class PipelineAudits:
             self.codec.rebuild_table(anchor["embed.weight"])  # B, A+drift: the table the swarm's phase used
         refused: dict[str, Refusal] = {}
         exchanged: dict[str, set[str]] = {}  # audited peer -> the peers it exchanged frames with in round r
+        unchecked: set[str] = set()  # left out with nothing of theirs cleared: their frames fed their chain unchecked
         swarm = sorted(stage_peers)
         # in an order no peer can predict, within the round's budget: peers that answer slowly (or not at all, each
         # fetch waits out its timeout) can cost the close at most the budget, and cannot always starve the same ones
         order = sorted(stage_peers.items(), key=lambda item: secrets.randbits(64))
+        queued = {p for p, _ in order}
         started = time.monotonic()
-        for i, (peer, s) in enumerate(order):
+        i = 0
+        while i < len(order):
+            peer, s = order[i]
             if time.monotonic() - started > self.auditor.cfg.budget_s:
                 late = [p for p, _ in order[i:]]
                 logger.warning("round %d: the audits' budget of %.0f s is spent; leaving out the contributions of "
@@ -100,7 +106,9 @@ class PipelineAudits:
                 self.metrics.write(event="audit_budget", round=r, unaudited=late)
                 for p in late:
                     refused.setdefault(p, Refusal(f"not audited within round {r}'s audit budget", ban=False))
+                unchecked.update(late)
                 break
+            i += 1
             stage = self._skeleton(s)
             if any(name not in anchor for name, _ in stage.named_parameters()):
                 continue  # a shard this coordinator does not hold (it is a stage peer itself)
@@ -112,13 +120,28 @@ class PipelineAudits:
                 self.caught.append((r, peer))
                 self.liars.add(peer)
             exchanged[peer] = set(found.neighbours)
+            if found.guilty is None and not checked(found):
+                unchecked.add(peer)
             for p, refusal in judge(found, s, self.liars).items():
                 refused.setdefault(p, refusal)
+            # a peer that passed frames on in the chain without contributing is audited too: its lies reached the
+            # work of the peers that did
+            for nxt in unaudited_neighbours(found, s, len(self.bounds), queued):
+                order.append(nxt)
+                queued.add(nxt[0])
         for p, liar in chain_of(self.liars, exchanged).items():
             if p in stage_peers:
                 refused.setdefault(p, Refusal(f"its round-{r} work was computed in a chain with {liar[:16]}, caught "
                                               "lying", ban=False))
-        return refused
+        # the work of a chain whose frames were not all cleared is left out with the peer that could not be checked:
+        # it was computed on what that peer sent (a liar whose frames are not had, or whose audit the budget did not
+        # reach, would otherwise see its neighbours' work taken, poisoned)
+        for p, source in chain_of(unchecked - self.liars, exchanged).items():
+            if p in stage_peers and p not in self.liars:
+                refused.setdefault(p, Refusal(f"its round-{r} work was computed in a chain with {source[:16]}, whose "
+                                              "frames could not be checked", ban=False))
+        # a refusal matters for a contribution of this round, or as a ban (of a liar that did not contribute)
+        return {p: refusal for p, refusal in refused.items() if refusal.ban or p in stage_peers}
 
     def _record(self, found: PeerAudit, stage: int, seconds: float) -> None:
         samples = [{"finding": v.result.finding.value, "inner": v.result.inner, "step": v.micro_batch[1],
@@ -134,6 +157,14 @@ class PipelineAudits:
         self.metrics.write(event="audit", round=found.round, peer=found.accused, stage=stage,
                            guilty=guilty is not None, samples=samples, neighbours=sorted(found.neighbours),
                            seconds=round(seconds, 4), compute_s=round(found.compute_s, 4), flagged=found.flagged)
+
+
+def unaudited_neighbours(found: PeerAudit, stage: int, n_stages: int,
+                         audited: AbstractSet[str]) -> list[tuple[str, int]]:
+    """The peers that ``found`` shows exchanging frames with its accused (of ``stage``) and that are not in
+    ``audited``, each with its own stage, in a fixed order (pure)."""
+    return [(p, stage + side) for p, side in sorted(found.sides.items())
+            if p not in audited and 0 <= stage + side < n_stages]
 
 
 def chain_of(liars: AbstractSet[str], exchanged: Mapping[str, AbstractSet[str]]) -> dict[str, str]:
@@ -185,7 +216,13 @@ def judge(found: PeerAudit, stage: int, liars: AbstractSet[str]) -> dict[str, Re
     if found.stale is not None:  # honest, late: its work and its chain's is not the round's
         return {p: Refusal(f"round-{r} work of stage {stage} ({peer[:16]}) was computed on other weights than the "
                            "round's anchor", ban=False) for p in (peer, *sorted(found.neighbours))}
-    if not any(v.result.finding is Finding.CLEAN and v.result.inner == 0 for v in found.verdicts):
+    if not checked(found):
         return {peer: Refusal(f"none of its round-{r} frames of the phase's first step could be checked",
                               ban=False)}
     return {}
+
+
+def checked(found: PeerAudit) -> bool:
+    """Whether an audit cleared the accused's work of its round: a sample of its phase's first step was recomputed
+    and found clean (pure)."""
+    return any(v.result.finding is Finding.CLEAN and v.result.inner == 0 for v in found.verdicts)

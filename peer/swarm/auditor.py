@@ -63,6 +63,8 @@ class PeerAudit:
     neighbours: frozenset[str]
     compute_s: float = 0.0  # seconds spent recomputing (the rest of an audit's time is fetching frames)
     flagged: int = 0  # micro-batch attempts of the accused that a receiver's screen marked in the round
+    # each neighbour's side: -1 upstream (it sent the accused activations, or got gradients from it), +1 downstream
+    sides: Mapping[str, int] = field(default_factory=dict)
 
     @property
     def guilty(self) -> Verdict | None:
@@ -157,6 +159,7 @@ class Auditor:
         own = self._index(accused, r)
         received = {(e.key.op, e.key.micro_batch()): e.key for e in own}
         neighbours = {e.key.sender for e in own}
+        sides = {e.key.sender: -1 if e.key.op == "fwd" else 1 for e in own}
         sent: dict[MicroBatchKey, int] = {}
         flagged: set[MicroBatchKey] = set()  # what a receiver's screen marked
         holders: dict[tuple[str, MicroBatchKey], tuple[str, FrameKey]] = {}
@@ -168,6 +171,7 @@ class Auditor:
             for e in self._index(peer, r):
                 if e.key.sender == accused:
                     neighbours.add(peer)
+                    sides.setdefault(peer, 1 if e.key.op == "fwd" else -1)
                     mb = e.key.micro_batch()
                     holders[(e.key.op, mb)] = (peer, e.key)
                     sent.setdefault(mb, e.inner)
@@ -202,4 +206,5 @@ class Auditor:
             found.append((mb, result, held))
         judged = judge_step([res for _, res, _ in found], self.cfg.tolerance)
         verdicts = [Verdict(accused, r, mb, res, held) for (mb, _, held), res in zip(found, judged)]
-        return PeerAudit(accused, r, verdicts, frozenset(neighbours - {accused}), compute_s, len(flagged))
+        sides.pop(accused, None)
+        return PeerAudit(accused, r, verdicts, frozenset(neighbours - {accused}), compute_s, len(flagged), sides)

@@ -5,7 +5,7 @@ liar's whole chain of frame exchanges in the round is left out (``chain_of``), n
 
 from __future__ import annotations
 
-from hlbp.peer.node.audits import chain_of, judge
+from hlbp.peer.node.audits import chain_of, checked, judge, unaudited_neighbours
 from hlbp.peer.swarm.audit import AuditResult, Comparison, Finding
 from hlbp.peer.swarm.auditor import PeerAudit, Verdict
 
@@ -51,3 +51,19 @@ def test_a_liar_taints_every_peer_its_frames_reached_through_the_chain_and_no_ot
     # two liars in one chain: nobody is reached through a liar as if it were honest, and no liar is "reached"
     both = chain_of({"s1", "s3"}, exchanged)
     assert set(both) == {"s0", "s2", "s3old", "s4"} and both["s0"] == "s1" and both["s4"] == "s3"
+
+
+def test_the_neighbours_still_to_audit_are_those_not_audited_each_at_its_own_stage() -> None:
+    found = PeerAudit("p", 4, [], frozenset({"up", "down", "done"}), sides={"up": -1, "down": 1, "done": 1})
+    assert unaudited_neighbours(found, 1, 3, {"p", "done"}) == [("down", 2), ("up", 0)]
+    # no stage outside the pipeline: the last stage's "downstream" and the driver's "upstream" do not exist
+    assert unaudited_neighbours(found, 2, 3, {"p"}) == [("up", 1)]
+    assert unaudited_neighbours(found, 0, 3, {"p", "down", "done"}) == []
+
+
+def test_whether_an_audit_cleared_a_peer_is_a_clean_sample_of_its_first_step() -> None:
+    assert checked(audit(Finding.CLEAN, Finding.INCONCLUSIVE))
+    assert not checked(audit()) and not checked(audit(Finding.INCONCLUSIVE))
+    later = PeerAudit("p", 4, [Verdict("p", 4, (1, 9, 0, 0), AuditResult(Finding.CLEAN, 2, CLOSE, CLOSE))],
+                      frozenset())
+    assert not checked(later)  # a later step's siblings agreeing is not the exact check of the first step

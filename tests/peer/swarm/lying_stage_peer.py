@@ -1,11 +1,13 @@
 """``hlbp join`` as a stage peer that lies about what it computed: the liar of the pipeline audit tests, started as a
 real process (or, in process, its :class:`LyingWorker` alone).
 
-Usage: ``python lying_stage_peer.py WHERE:HOW[:EVERY] join ...``: WHERE is ``forward`` (the activations it passes on)
-or ``backward`` (the gradient it passes back), HOW is ``scale`` (x10), ``flip`` (sign) or ``noise`` (Gaussian of the
-same RMS), EVERY = n lies on every n-th micro-batch it computes only. The worker is wrapped from here, through the
-test entry point :func:`hlbp.peer.node.session.run_join`; the protocol's code calls no hook. Tests build the command
-with :func:`program`.
+Usage: ``python lying_stage_peer.py WHERE:HOW[:EVERY][:silent] join ...``: WHERE is ``forward`` (the activations it
+passes on) or ``backward`` (the gradient it passes back), HOW is ``scale`` (x10), ``flip`` (sign) or ``noise``
+(Gaussian of the same RMS), EVERY = n lies on every n-th micro-batch it computes only; ``silent``: it never announces
+a contribution of its own (so no audit of its contribution looks at it), while it serves its swarm's steps. The
+worker and the round runner's records are wrapped from here, through the test entry point
+:func:`hlbp.peer.node.session.run_join`; the protocol's code calls no hook. Tests build the command with
+:func:`program`.
 """
 
 from __future__ import annotations
@@ -55,6 +57,22 @@ class LyingWorker:
         return self._lie(mb, attempt, grad) if self.where == "backward" and grad is not None else grad
 
 
+class SilentNotices:
+    """A stage peer's round records that never store its own contribution notices: it takes part in its swarm's
+    steps and in the rounds, and contributes nothing anyone could audit it by."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def store(self, key: str, body: Any, kind: str, to: Any = frozenset(), only: Any = None) -> bytes:
+        from hlbp.protocol.roundwire import KIND_CONTRIB
+
+        return b"" if kind == KIND_CONTRIB else self.inner.store(key, body, kind, to, only)
+
+
 def program(lie: str) -> list[str]:
     """The command that starts a joined stage peer lying as ``lie`` says (``WHERE:HOW[:EVERY]``)."""
     return [sys.executable, str(Path(__file__).resolve()), lie]
@@ -66,7 +84,14 @@ if __name__ == "__main__":
 
     if sys.argv[2:3] != ["join"]:
         sys.exit(f"usage: {sys.argv[0]} WHERE:HOW[:EVERY] join [FLAGS]")
-    where, how, *every = sys.argv[1].split(":")
+    from dataclasses import replace
+
+    where, how, *rest = sys.argv[1].split(":")
+    silent = rest[-1:] == ["silent"]
+    every = int(rest[0]) if rest[:1] and rest[0] != "silent" else 1
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    run_join(join_plan(sys.argv[3:]), lambda line: print(line, flush=True),
-             lambda worker: LyingWorker(worker, where, how, int(every[0]) if every else 1))
+    plan = join_plan(sys.argv[3:])
+    if silent:
+        plan = replace(plan, stage=replace(plan.stage, round_faults=lambda runner: setattr(
+            runner, "records", SilentNotices(runner.records))))
+    run_join(plan, lambda line: print(line, flush=True), lambda worker: LyingWorker(worker, where, how, every))

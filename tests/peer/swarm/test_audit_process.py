@@ -136,3 +136,38 @@ def test_a_lying_driver_is_caught_from_its_signed_input_and_its_whole_chain_drop
             rec = _wait(sw, lambda n=name: next((r for r in _records(sw.replicas[n], "round")
                                                  if r["round"] == detected), None), f"{name}'s record of the round")
             assert rec["contributed"] and rec["tainted"] and not rec["accepted"], (name, rec)
+
+
+def test_a_liar_that_never_contributes_is_audited_through_its_neighbours_and_its_chain_drops_the_round(
+        tmp_path: Path) -> None:
+    """Stage 1 flips its gradients on every micro-batch and never announces a contribution of its own, so no audit of
+    a contribution looks at it directly, while its neighbours' honest computations on what it sent would pass their
+    own audits. Their transcripts name it: the full replica audits it too, convicts it from its own signed frames,
+    bans it and refuses its neighbours' work of the round, which they drop; the swarm's work is never accepted."""
+    cfg = SimConfig(n_stages=3, inner_steps=H, batch_size=4, seq_len=64, seed=4, run_id="audit-silent", ttl_s=8.0,
+                    micro_batches=2)
+    with Swarm(cfg, tmp_path) as sw:
+        sw.start()
+        sw.add_stage("s1", 1, program=program("backward:flip:1:silent")).proc.wait_for("^announced", 60)
+        sw.add_stage("s2", 2).proc.wait_for("^announced", 60)
+        full = sw.add("peer0", "--wait-replicas", "3", rounds=1000)
+        driver = sw.add_stage("s0", 0, "--micro-batches", "2", "--eval-every", "0")
+        ids = {n: _peer_id(sw.replicas[n]) for n in ("s0", "s1", "s2", "peer0")}
+        caught = _wait(sw, lambda: next((a for a in _records(full, "audit") if a["guilty"]), None),
+                       "the full replica to catch the silent liar")
+        assert caught["peer"] == ids["s1"] and caught["stage"] == 1, caught
+        assert [s["finding"] for s in caught["samples"] if s["inner"] == 0] == ["backward"], caught
+        detected = caught["round"]
+        first_sent = min(_wait(sw, lambda: [r["round"] for r in _records(driver, "round") if r["contributed"]]
+                               or None, "the driver's first contribution"))
+        assert detected == first_sent, (detected, first_sent)  # the round its poison would have entered
+        _wait(sw, lambda: [r for r in _records(full, "round") if r["round"] >= detected + 1] or None,
+              "a further round of the full replica")
+        rounds = [r for r in _records(full, "round") if r["round"] <= detected + 1]
+        assert all(r["members"] == 1 and r["accepted"] for r in rounds), rounds  # the full replica's alone
+        assert ids["s1"] in next(r for r in rounds if r["round"] == detected)["banned"], rounds
+        for name in ("s0", "s2"):
+            rec = _wait(sw, lambda n=name: next((r for r in _records(sw.replicas[n], "round")
+                                                 if r["round"] == detected), None), f"{name}'s record of the round")
+            assert rec["contributed"] and rec["tainted"] and not rec["accepted"], (name, rec)
+            assert not any(r["accepted"] for r in _records(sw.replicas[name], "round"))

@@ -122,11 +122,11 @@ def run_swarm(network: tuple[list[hivemind.DHT], list[Identity]], lie: tuple[str
         lied = list(getattr(middle, "lied", []))
         verdicts = []
         accused = servers[0].peer_id if audited == 1 else driver.peer_id
-        chain = {driver.peer_id, servers[1].peer_id} if audited == 1 else {servers[0].peer_id}
+        sides = {driver.peer_id: -1, servers[1].peer_id: 1} if audited == 1 else {servers[0].peer_id: 1}
         for seed in seeds:
             found = auditor.audit_peer(0, accused, skeleton(split(CONFIG, 3)[audited]), swarm, seed=seed,
                                        params=anchor)
-            assert found.neighbours == chain  # its chain in the round
+            assert found.neighbours == set(sides) and found.sides == sides  # its chain in the round, each side
             verdicts += found.verdicts
         return verdicts, lied
     finally:
