@@ -220,7 +220,9 @@ def expected_contributors(announcements: dict[str, Any], m: Any) -> Expected:
     for held in whole:
         for stage, members in held.items():
             shards.update({p: frozenset({stage}) for p in members if p not in full})
-    return Expected(len(full) + n_stages * len(whole), frozenset(peers), shards)
+    slots = [frozenset({p}) for p in sorted(full)]
+    slots += [frozenset(held[stage]) for held in whole for stage in sorted(held)]
+    return Expected(len(full) + n_stages * len(whole), frozenset(peers), shards, tuple(slots))
 
 
 def contributors_counter(plane: Any, m: Any) -> Callable[[], Expected]:

@@ -28,6 +28,9 @@ class Expected:
     peers: frozenset[str] | None = None
     # the shards each of ``peers`` applies (a full replica every one, a stage peer its stage's); None: not known
     shards: Mapping[str, frozenset[int]] | None = None
+    # the ``count`` expected contributions, each as the peers any one of whom sends it: a full replica alone, or
+    # every peer announcing one stage of one whole swarm (its standby among them); None: not known
+    slots: tuple[frozenset[str], ...] | None = None
 
 
 UNKNOWN = Expected(0)  # the announcements could not be read: no round is complete before its window ends
@@ -37,15 +40,23 @@ def complete(senders: AbstractSet[str] | Mapping[str, object], expected: Expecte
              banned: Callable[[str], bool] = lambda p: False) -> bool:
     """Whether every expected contributor has announced a contribution: the ``senders`` of the round's notices that
     are expected (named in ``expected.peers``, when it names them) and not ``banned`` number ``expected.count``, less
-    the expected peers that are banned (their contributions would be refused: waiting for them only stretched every
-    round to its window once three attackers were banned).
+    the expected contributions only banned peers could send (their contributions would be refused: waiting for them
+    only stretched every round to its window once three attackers were banned). Where the slots are known, a banned
+    stage peer whose stage another peer of its swarm serves takes nothing off: without the slots, a banned liar and
+    the standby that replaced it counted as two, and rounds closed as complete before the swarm's driver, which
+    sends its contribution last, had announced it.
 
     Notices from anyone else never make a round complete: 40 notices under throwaway keys made every round
     "complete" at its first notice, and the coordinator closed it on its own contribution, leaving out honest ones a
     second later."""
     if expected.count <= 0:
         return False
-    need = expected.count - (sum(1 for p in expected.peers if banned(p)) if expected.peers is not None else 0)
+    if expected.slots is not None:
+        need = expected.count - sum(1 for slot in expected.slots if slot and all(banned(p) for p in slot))
+    elif expected.peers is not None:
+        need = expected.count - sum(1 for p in expected.peers if banned(p))
+    else:
+        need = expected.count
     named = [p for p in senders if (expected.peers is None or p in expected.peers) and not banned(p)]
     return len(named) >= max(need, 1)
 

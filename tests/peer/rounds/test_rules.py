@@ -381,6 +381,21 @@ def test_the_expected_contributors_are_full_replicas_and_whole_swarms() -> None:
     assert got.peers == frozenset({"r1", "r2", "s0", "s1", "standby"})
     # which shards each applies, for the payload fetch trees: a full replica every one, a stage peer its stage's
     assert got.shards == {"r1": {0, 1}, "r2": {0, 1}, "s0": {0}, "s1": {1}, "standby": {1}}
+    assert sorted(map(sorted, got.slots)) == [["r1"], ["r2"], ["s0"], ["s1", "standby"]]
+
+
+def test_a_banned_stage_peer_whose_stage_another_peer_serves_is_still_waited_for_by_its_stage() -> None:
+    from hlbp.peer.rounds.rules import Expected, complete
+
+    # a full replica and a 3-stage swarm whose stage-1 liar was banned and replaced by a standby
+    slots = (frozenset({"r"}), frozenset({"d"}), frozenset({"liar", "standby"}), frozenset({"last"}))
+    expected = Expected(4, frozenset().union(*slots), None, slots)
+    banned = {"liar"}.__contains__
+    assert not complete({"r", "standby", "last"}, expected, banned)  # the driver, which sends last, is awaited
+    assert complete({"r", "d", "standby", "last"}, expected, banned)
+    # a stage no unbanned peer serves is not waited for (the swarm cannot send it)
+    alone = (frozenset({"r"}), frozenset({"d"}), frozenset({"liar"}), frozenset({"last"}))
+    assert complete({"r", "d", "last"}, Expected(4, frozenset().union(*alone), None, alone), banned)
 
 
 def test_unannounced_keys_rank_behind_every_announced_contributor() -> None:
