@@ -44,18 +44,23 @@ def _peer_id(r: Replica) -> str:
     return r.proc.wait_for(r"^connected as (\S+)", 60).group(1)
 
 
+def _start(sw: Swarm, liar: list[str], wait_replicas: int) -> tuple[Replica, Replica, dict[str, str]]:
+    """The bootstrap, the lying stage-1 peer (``liar``: its command), stage 2, the full replica (waiting for
+    ``wait_replicas`` contributors before its first round) and the driver; (full replica, driver, peer ids)."""
+    sw.start()
+    sw.add_stage("s1", 1, program=liar).proc.wait_for("^announced", 60)
+    sw.add_stage("s2", 2).proc.wait_for("^announced", 60)
+    full = sw.add("peer0", "--wait-replicas", str(wait_replicas), rounds=1000)
+    driver = sw.add_stage("s0", 0, "--micro-batches", "2", "--eval-every", "0")
+    return full, driver, {n: _peer_id(sw.replicas[n]) for n in ("s0", "s1", "s2", "peer0")}
+
+
 @pytest.mark.parametrize("lie", ["forward:noise", "forward:scale", "backward:flip", "forward:noise:10"])
 def test_a_lying_middle_stage_is_caught_banned_and_its_swarms_work_never_accepted(tmp_path: Path, lie: str) -> None:
     cfg = SimConfig(n_stages=3, inner_steps=H, batch_size=4, seq_len=64, seed=4, run_id="audit", ttl_s=8.0,
                     micro_batches=2)
     with Swarm(cfg, tmp_path) as sw:
-        sw.start()
-        liar = sw.add_stage("s1", 1, program=program(lie))
-        liar.proc.wait_for("^announced", 60)
-        sw.add_stage("s2", 2).proc.wait_for("^announced", 60)
-        full = sw.add("peer0", "--wait-replicas", "4", rounds=1000)
-        driver = sw.add_stage("s0", 0, "--micro-batches", "2", "--eval-every", "0")
-        ids = {n: _peer_id(sw.replicas[n]) for n in ("s0", "s1", "s2", "peer0")}
+        full, driver, ids = _start(sw, program(lie), wait_replicas=4)
 
         # the swarm's first contributions are audited in the round they are sent for
         caught = _wait(sw, lambda: next((a for a in _records(full, "audit") if a["guilty"]), None),
@@ -147,12 +152,7 @@ def test_a_liar_that_never_contributes_is_audited_through_its_neighbours_and_its
     cfg = SimConfig(n_stages=3, inner_steps=H, batch_size=4, seq_len=64, seed=4, run_id="audit-silent", ttl_s=8.0,
                     micro_batches=2)
     with Swarm(cfg, tmp_path) as sw:
-        sw.start()
-        sw.add_stage("s1", 1, program=program("backward:flip:1:silent")).proc.wait_for("^announced", 60)
-        sw.add_stage("s2", 2).proc.wait_for("^announced", 60)
-        full = sw.add("peer0", "--wait-replicas", "3", rounds=1000)
-        driver = sw.add_stage("s0", 0, "--micro-batches", "2", "--eval-every", "0")
-        ids = {n: _peer_id(sw.replicas[n]) for n in ("s0", "s1", "s2", "peer0")}
+        full, driver, ids = _start(sw, program("backward:flip:1:silent"), wait_replicas=3)
         caught = _wait(sw, lambda: next((a for a in _records(full, "audit") if a["guilty"]), None),
                        "the full replica to catch the silent liar")
         assert caught["peer"] == ids["s1"] and caught["stage"] == 1, caught
