@@ -158,19 +158,18 @@ class Auditor:
         that may hold its frames; ``samples`` overrides the configured count (0: only who its neighbours were)."""
         own = self._index(accused, r)
         received = {(e.key.op, e.key.micro_batch()): e.key for e in own}
-        neighbours = {e.key.sender for e in own}
+        # each neighbour's side: -1 upstream (it sent us activations), +1 downstream (it sent us gradients)
         sides = {e.key.sender: -1 if e.key.op == "fwd" else 1 for e in own}
         sent: dict[MicroBatchKey, int] = {}
         flagged: set[MicroBatchKey] = set()  # what a receiver's screen marked
         holders: dict[tuple[str, MicroBatchKey], tuple[str, FrameKey]] = {}
         # whoever sent it frames holds what it sent back to them: asked even when it is not in ``swarm`` (a peer
         # that joined mid-round and contributed nothing yet still holds the frames it exchanged with the accused)
-        for peer in dict.fromkeys([*swarm, *sorted(neighbours)]):
+        for peer in dict.fromkeys([*swarm, *sorted(sides)]):
             if peer == accused:
                 continue
             for e in self._index(peer, r):
                 if e.key.sender == accused:
-                    neighbours.add(peer)
                     sides.setdefault(peer, 1 if e.key.op == "fwd" else -1)
                     mb = e.key.micro_batch()
                     holders[(e.key.op, mb)] = (peer, e.key)
@@ -207,4 +206,4 @@ class Auditor:
         judged = judge_step([res for _, res, _ in found], self.cfg.tolerance)
         verdicts = [Verdict(accused, r, mb, res, held) for (mb, _, held), res in zip(found, judged)]
         sides.pop(accused, None)
-        return PeerAudit(accused, r, verdicts, frozenset(neighbours - {accused}), compute_s, len(flagged), sides)
+        return PeerAudit(accused, r, verdicts, frozenset(sides), compute_s, len(flagged), sides)
