@@ -57,6 +57,7 @@ class AddressBook:
         # a peer we do not know forces a re-read, but at most this often: fetches named by strangers cost one read
         self.min_reread_s = min(min_reread_s, refresh_s)
         self._entries: dict[str, tuple[tuple[str, ...], Reachability]] = {}
+        self._stages: dict[str, int] = {}  # online stage peers -> the stage their announcement names
         self._read_at = -float("inf")
         self._lock = threading.Lock()
 
@@ -72,8 +73,10 @@ class AddressBook:
             return
         entries = {p: (tuple(r.announcement.maddrs), Reachability.of(r.announcement.reachability))
                    for p, r in records.items() if r.announcement.online}
+        stages = {p: r.announcement.stage for p, r in records.items()
+                  if r.announcement.online and r.announcement.role == "stage" and r.announcement.stage is not None}
         with self._lock:
-            self._entries = entries
+            self._entries, self._stages = entries, stages
 
     def lookup(self, peer_id: str) -> tuple[tuple[str, ...], Reachability]:
         """(announced multiaddrs, reachability) of ``peer_id``; an unknown peer re-reads the records once."""
@@ -85,6 +88,12 @@ class AddressBook:
             with self._lock:
                 found = self._entries.get(peer_id)
         return found if found is not None else ((), Reachability.UNKNOWN)
+
+    def stage(self, peer_id: str) -> int | None:
+        """The stage ``peer_id``'s own signed announcement says it serves (None: not an online stage peer)."""
+        self.lookup(peer_id)  # refreshed as lookup does: an unknown peer re-reads the records once
+        with self._lock:
+            return self._stages.get(peer_id)
 
     def maddrs(self, peer_id: str) -> tuple[str, ...]:
         return self.lookup(peer_id)[0]

@@ -11,8 +11,9 @@ stage's output at the anchor computed on other weights (it had not loaded the ro
 step): its work and its chain's are left out of the round, and nobody is banned. Work nothing of which could be
 checked (no frame of the phase's first step shown, or the audits' time budget for the round spent) is left out
 too, without a ban (:func:`judge`), with its chain's. A peer that passed frames on without contributing is audited
-as well, at the stage its neighbours' transcripts place it (:func:`unaudited_neighbours`): a liar that never
-announces a contribution still reaches the work of the peers that do. Which micro-batches are checked
+as well, at the stage its own announcement names where its neighbours' transcripts agree
+(:func:`unaudited_neighbours`): a liar that never announces a contribution still reaches the work of the peers
+that do. Which micro-batches are checked
 is drawn from this process's own randomness after the traffic, so no stage peer could know it when it computed.
 
 Every audit is written to ``metrics.jsonl`` (event ``audit``: the round, the peer, each sample's finding, inner step,
@@ -53,9 +54,10 @@ class PipelineAudits:
 
     def __init__(self, config: ModelConfig, bounds: list[tuple[int, int]], codec: ActivationCodec, vocab_size: int,
                  max_body: int, fetch: Fetch, anchor: Callable[[], Mapping[str, torch.Tensor] | None], metrics: Any,
-                 cfg: AuditConfig | None = None) -> None:
+                 cfg: AuditConfig | None = None, stage_of: Callable[[str], int | None] = lambda peer: None) -> None:
         self.config, self.bounds, self.codec = config, bounds, codec
         self.anchor, self.metrics = anchor, metrics
+        self.stage_of = stage_of  # the stage a peer's own signed announcement names (None: not known)
         self.auditor = Auditor(fetch, codec, vocab_size, max_body, cfg)
         self._skeletons: dict[int, Stage] = {}
         self._lock = threading.Lock()  # one audit at a time: they share the codec's table and the skeletons
@@ -125,10 +127,16 @@ class PipelineAudits:
             for p, refusal in judge(found, s, self.liars).items():
                 refused.setdefault(p, refusal)
             # a peer that passed frames on in the chain without contributing is audited too: its lies reached the
-            # work of the peers that did
-            for nxt in unaudited_neighbours(found, s, len(self.bounds), queued):
-                order.append(nxt)
-                queued.add(nxt[0])
+            # work of the peers that did. Its stage is the one its own announcement names; the accused's transcript
+            # only says where it stood, and a liar naming an honest peer at another stage would have it recomputed
+            # on the wrong stage and convicted: a peer whose announcement disagrees is not audited, its frames count
+            # as unchecked (the accused's chain's work is left out)
+            for other, claimed in unaudited_neighbours(found, s, len(self.bounds), queued):
+                queued.add(other)
+                if self.stage_of(other) == claimed:
+                    order.append((other, claimed))
+                else:
+                    unchecked.add(other)
         for p, liar in chain_of(self.liars, exchanged).items():
             if p in stage_peers:
                 refused.setdefault(p, Refusal(f"its round-{r} work was computed in a chain with {liar[:16]}, caught "

@@ -105,9 +105,10 @@ def codec_config(m: Any) -> CodecConfig:
 
 
 def pipeline_audits(m: Any, config: ModelConfig, model: Stage, transport: P2PBlobTransport,
-                    anchor: Callable[[], Mapping[str, torch.Tensor] | None], metrics: Any) -> PipelineAudits:
+                    anchor: Callable[[], Mapping[str, torch.Tensor] | None], metrics: Any,
+                    stage_of: Callable[[str], int | None]) -> PipelineAudits:
     """The audits this full replica runs on the run's stage peers when it coordinates (hlbp.peer.node.audits),
-    with the run's codec and the largest stage frame the run allows."""
+    with the run's codec and the largest stage frame the run allows; ``stage_of``: the stage a peer announces."""
     cc = codec_config(m)
     table = fixed_table(config.vocab_size, config.d_model, config.subspace_seed, config.subspace_table_std) \
         if config.subspace_rank else None
@@ -115,7 +116,8 @@ def pipeline_audits(m: Any, config: ModelConfig, model: Stage, transport: P2PBlo
     codec = make_codec(cc, config.d_model, config.vocab_size, config.max_seq_len, table,
                        model.embed.weight.detach().cpu().clone(), max_tokens=tokens)
     return PipelineAudits(config, [tuple(b) for b in m.stages], codec, config.vocab_size,
-                          max_body_bytes(codec, tokens, config.vocab_size), transport.fetch, anchor, metrics)
+                          max_body_bytes(codec, tokens, config.vocab_size), transport.fetch, anchor, metrics,
+                          stage_of=stage_of)
 
 
 def replica_config(m: Any, vocab_size: int) -> ModelConfig:
@@ -308,7 +310,7 @@ def run_replica(ctx: TrainContext, options: ReplicaOptions, echo: Any = print) -
     box: list[Any] = []  # the runner, for the audits' anchor (they run inside its round close)
     extra = {} if runner_cls is DenseRoundRunner or len(bounds) < 2 else {
         "screen": pipeline_audits(m, config, model, transport,
-                                  lambda: box[0].state.anchor if box[0].in_sync else None, metrics)}
+                                  lambda: box[0].state.anchor if box[0].in_sync else None, metrics, book.stage)}
     runner = runner_cls(
         peer.plane.dht, peer.plane.identity, transport, trainer, outer, shards, rcfg, ctx.stop,
         checkpoint=ctx.out_dir / "checkpoint.safetensors", metrics=metrics, expected=expected, on_round=on_round,

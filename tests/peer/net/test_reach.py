@@ -54,3 +54,11 @@ def test_a_failed_read_keeps_what_the_book_knew() -> None:
     book = AddressBook(read, refresh_s=0)
     assert book.maddrs("a") == ("/ip4/198.18.0.1/tcp/1",)
     assert book.maddrs("a") == ("/ip4/198.18.0.1/tcp/1",)  # the re-read failed: the old entry stays
+
+
+def test_the_book_names_the_stage_an_online_stage_peer_announces_and_nothing_else() -> None:
+    stage = Signed(Announcement(run_id="r", role="stage", swarm=0, stage=2, maddrs=("/ip4/198.18.0.1/tcp/4",)))
+    left = Signed(Announcement(run_id="r", role="stage", swarm=0, stage=1, online=False))
+    book = AddressBook(lambda: {"s": stage, "left": left, "a": _rec("/ip4/198.18.0.1/tcp/1")}, min_reread_s=0)
+    assert book.stage("s") == 2
+    assert book.stage("left") is None and book.stage("a") is None and book.stage("stranger") is None
