@@ -131,12 +131,11 @@ class PipelineAudits:
             # only says where it stood, and a liar naming an honest peer at another stage would have it recomputed
             # on the wrong stage and convicted: a peer whose announcement disagrees is not audited, its frames count
             # as unchecked (the accused's chain's work is left out)
-            for other, claimed in unaudited_neighbours(found, s, len(self.bounds), queued):
-                queued.add(other)
-                if self.stage_of(other) == claimed:
-                    order.append((other, claimed))
-                else:
-                    unchecked.add(other)
+            audit_next, unplaced = unaudited_neighbours(found, s, len(self.bounds), queued, self.stage_of)
+            order += audit_next
+            unchecked.update(unplaced)
+            queued.update(p for p, _ in audit_next)
+            queued.update(unplaced)
         for p, liar in chain_of(self.liars, exchanged).items():
             if p in stage_peers:
                 refused.setdefault(p, Refusal(f"its round-{r} work was computed in a chain with {liar[:16]}, caught "
@@ -167,12 +166,20 @@ class PipelineAudits:
                            seconds=round(seconds, 4), compute_s=round(found.compute_s, 4), flagged=found.flagged)
 
 
-def unaudited_neighbours(found: PeerAudit, stage: int, n_stages: int,
-                         audited: AbstractSet[str]) -> list[tuple[str, int]]:
+def unaudited_neighbours(found: PeerAudit, stage: int, n_stages: int, audited: AbstractSet[str],
+                         stage_of: Callable[[str], int | None]) -> tuple[list[tuple[str, int]], set[str]]:
     """The peers that ``found`` shows exchanging frames with its accused (of ``stage``) and that are not in
-    ``audited``, each with its own stage, in a fixed order (pure)."""
-    return [(p, stage + side) for p, side in sorted(found.sides.items())
-            if p not in audited and 0 <= stage + side < n_stages]
+    ``audited``: (those to audit, each at its stage, in a fixed order; those that cannot be placed). A peer is
+    placed where its side of the accused and its own announcement (``stage_of``) name the same stage (pure)."""
+    place, unplaced = [], set()
+    for p, side in sorted(found.sides.items()):
+        if p in audited:
+            continue
+        if 0 <= stage + side < n_stages and stage_of(p) == stage + side:
+            place.append((p, stage + side))
+        else:
+            unplaced.add(p)
+    return place, unplaced
 
 
 def chain_of(liars: AbstractSet[str], exchanged: Mapping[str, AbstractSet[str]]) -> dict[str, str]:

@@ -53,12 +53,15 @@ def test_a_liar_taints_every_peer_its_frames_reached_through_the_chain_and_no_ot
     assert set(both) == {"s0", "s2", "s3old", "s4"} and both["s0"] == "s1" and both["s4"] == "s3"
 
 
-def test_the_neighbours_still_to_audit_are_those_not_audited_each_at_its_own_stage() -> None:
+def test_the_neighbours_still_to_audit_are_those_not_audited_each_at_the_stage_it_announces() -> None:
     found = PeerAudit("p", 4, [], frozenset({"up", "down", "done"}), sides={"up": -1, "down": 1, "done": 1})
-    assert unaudited_neighbours(found, 1, 3, {"p", "done"}) == [("down", 2), ("up", 0)]
+    announced = {"up": 0, "down": 2, "done": 2}.get
+    assert unaudited_neighbours(found, 1, 3, {"p", "done"}, announced) == ([("down", 2), ("up", 0)], set())
     # no stage outside the pipeline: the last stage's "downstream" and the driver's "upstream" do not exist
-    assert unaudited_neighbours(found, 2, 3, {"p"}) == [("up", 1)]
-    assert unaudited_neighbours(found, 0, 3, {"p", "down", "done"}) == []
+    assert unaudited_neighbours(found, 2, 3, {"p", "done"}, announced) == ([], {"up", "down"})
+    # a neighbour whose own announcement names another stage than its side says (a liar naming an honest peer of
+    # another stage), or none, is not audited: it cannot be placed
+    assert unaudited_neighbours(found, 1, 3, {"p", "done"}, {"up": 0, "down": 0}.get) == ([("up", 0)], {"down"})
 
 
 def test_whether_an_audit_cleared_a_peer_is_a_clean_sample_of_its_first_step() -> None:
