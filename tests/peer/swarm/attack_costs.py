@@ -35,15 +35,19 @@ def _records(peer: Replica, event: str) -> list[dict[str, Any]]:
     return [r for r in read_metrics(path) if r.get("event") == event] if path is not None and path.exists() else []
 
 
-def run(lie: str | None, rounds: int, timeout_s: float = 900.0) -> dict[str, Any]:
-    """One run of ``rounds`` rounds with stage 1 lying as ``lie`` says (None: honest)."""
+def run(lie: str | None, rounds: int, full_replicas: int = 1, timeout_s: float = 900.0) -> dict[str, Any]:
+    """One run of ``rounds`` rounds with stage 1 lying as ``lie`` says (None: honest), beside ``full_replicas``
+    full replicas (the first one's validation loss is the run's)."""
     cfg = SimConfig(n_stages=3, inner_steps=4, batch_size=4, seq_len=64, seed=4, run_id="audit", ttl_s=8.0,
                     micro_batches=2)
     with tempfile.TemporaryDirectory() as tmp, Swarm(cfg, Path(tmp)) as sw:
         sw.start()
         sw.add_stage("s1", 1, program=program(lie) if lie else None).proc.wait_for("^announced", 60)
         sw.add_stage("s2", 2).proc.wait_for("^announced", 60)
-        full = sw.add("peer0", "--wait-replicas", "4", rounds=1000)
+        waited = str(3 + full_replicas)
+        full = sw.add("peer0", "--wait-replicas", waited, rounds=1000)
+        for i in range(1, full_replicas):
+            sw.add(f"peer{i}", "--wait-replicas", waited, rounds=1000)
         driver = sw.add_stage("s0", 0, "--micro-batches", "2", "--eval-every", "0")
         poll(lambda: [r for r in _records(driver, "round") if r.get("contributed")] or None, timeout_s,
              "the swarm's first contribution")
@@ -52,8 +56,10 @@ def run(lie: str | None, rounds: int, timeout_s: float = 900.0) -> dict[str, Any
              or None, timeout_s, f"{rounds} rounds of the full replica")
         losses = {r["round"]: r["val_loss"] for r in _records(full, "round")
                   if r.get("val_loss") is not None and r["round"] < rounds}
-        caught = sorted({a["round"] for a in _records(full, "audit") if a["guilty"]})
-        return {"lie": lie or "honest", "final_loss": losses[max(losses)], "losses": losses,
+        caught = sorted({a["round"] for i in range(full_replicas) for a in _records(sw.replicas[f"peer{i}"], "audit")
+                         if a["guilty"]})
+        return {"lie": lie or "honest", "full_replicas": full_replicas, "final_loss": losses[max(losses)],
+                "losses": losses,
                 "caught_in": caught[0] if caught else None,
                 "swarm_accepted": [r["round"] for r in _records(driver, "round") if r.get("accepted")],
                 "tainted": {n: [r["round"] for r in _records(sw.replicas[n], "round") if r.get("tainted")]
@@ -65,10 +71,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--runs", type=int, default=3, help="runs of each (default 3)")
     ap.add_argument("--rounds", type=int, default=10, help="rounds of each run (default 10)")
     ap.add_argument("--lies", default=",".join(LIES), help="comma-separated WHERE:HOW[:EVERY] (lying_stage_peer)")
+    ap.add_argument("--full", type=int, default=1, help="full replicas beside the swarm (default 1)")
     ap.add_argument("--out", type=Path, default=None, help="write every run as JSON here")
     args = ap.parse_args(argv)
     kinds = [None, *[x for x in args.lies.split(",") if x]]
-    runs = [run(lie, args.rounds) for _ in range(args.runs) for lie in kinds]
+    runs = [run(lie, args.rounds, args.full) for _ in range(args.runs) for lie in kinds]
     honest = statistics.mean(r["final_loss"] for r in runs if r["lie"] == "honest")
     print(f"{'stage 1':18s} {'caught in':>10s}  final losses{'':16s} vs honest mean")
     for lie in kinds:
