@@ -138,6 +138,10 @@ class OuterOptimizer(ABC):
     def withdraw(self, contribution: Contribution) -> None:
         """The round closed without ``contribution``; by default nothing is kept."""
 
+    def forget(self) -> None:
+        """Drop what this optimizer carries over from this peer's own phases (a phase computed from a liar's frames
+        must not come back in a later contribution); by default nothing is carried."""
+
     @abstractmethod
     def state_tensors(self) -> dict[str, torch.Tensor]:
         """Optimizer state for checkpoints, keyed ``<kind>.<param name>``."""
@@ -183,6 +187,11 @@ class SparseLoCo(OuterOptimizer):
         for name, s in contribution.tensors.items():
             self.ef[name].add_(decompress(s) * m if m > 1 else decompress(s))
         self.phases = m if self.config.backlog == "average" else self.phases
+
+    def forget(self) -> None:
+        # the buffer mixes the tainted phase's unsent part into what earlier phases left: no part of it is clean
+        self.ef.clear()
+        self.phases, self._taken = 0, None
 
     def aggregate(self, contributions: Sequence[Contribution], names: Sequence[str]) -> dict[str, torch.Tensor]:
         """The combined pseudo-gradient Δ per parameter (zero where no contribution selected anything)."""

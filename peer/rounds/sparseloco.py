@@ -234,9 +234,11 @@ class RoundRunner(ReplicaBase):
         if taint is not None and taint.tainted(r, stats.banned) and mine and not stats.accepted:
             # poisoned by a neighbour caught lying: kept, it would come back in a later round's contribution
             logger.warning("round %d: our contribution was computed with frames from a peer banned for lying; "
-                           "dropping it and the inner optimizer's moments", r)
+                           "dropping it, its error feedback and the inner optimizer's moments", r)
             stats.tainted = True
             taint.forget()
+            for s in mine:  # what top-k did not send of the tainted phase is in the buffer too
+                self.state.outers[s].forget()
         elif mine and not stats.accepted:
             crowded = accepted is not None and not stats.refused and self.closer.selection.full_without(accepted, mine.keys())
             if not (crowded and self.cfg.unselected == "drop"):

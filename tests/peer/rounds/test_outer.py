@@ -93,6 +93,21 @@ def test_withdraw_restores_the_buffer():
         torch.testing.assert_close(opt.ef[n], anchor[n] - local[n], atol=1e-6, rtol=0)
 
 
+def test_forget_drops_the_whole_buffer_so_a_tainted_phase_leaves_nothing_behind():
+    opt = SparseLoCo(OuterConfig(k=64))
+    anchor = _params(3)
+    opt.contribute(anchor, _params(4))  # a clean phase, taken: its unsent part stays in the buffer
+    tainted = opt.contribute(anchor, _params(5))  # computed from a liar's frames: refused, and not withdrawn
+    assert any(float(e.abs().sum()) > 0 for e in opt.ef.values())
+    opt.forget()
+    assert opt.ef == {} and opt.phases == 0
+    fresh = SparseLoCo(OuterConfig(k=64))
+    nxt, ref = opt.contribute(anchor, _params(6)), fresh.contribute(anchor, _params(6))
+    for n in anchor:  # the next contribution is what a fresh buffer sends: nothing of the tainted phase in it
+        assert torch.equal(decompress(nxt.tensors[n]), decompress(ref.tensors[n])), n
+    assert tainted is not nxt
+
+
 def test_a_backlog_is_sent_as_its_average_and_cleared_where_sent():
     """Left out once (a gather set without room), the next contribution carries two phases: averaged, it sends
     the top-k of half the buffer and gives up the whole buffer at those positions; summed, the buffer as it is."""
