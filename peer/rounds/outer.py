@@ -138,9 +138,10 @@ class OuterOptimizer(ABC):
     def withdraw(self, contribution: Contribution) -> None:
         """The round closed without ``contribution``; by default nothing is kept."""
 
-    def forget(self) -> None:
-        """Drop what this optimizer carries over from this peer's own phases (a phase computed from a liar's frames
-        must not come back in a later contribution); by default nothing is carried."""
+    def forget_phase(self, contribution: Contribution, start: Tensors, local: Tensors) -> None:
+        """Take back everything of the phase that made ``contribution`` (refused, not withdrawn): it was computed
+        from a liar's frames and must not come back in a later one. ``start``/``local``: the parameters the
+        phase started from and ended at (its pseudo-gradient). By default nothing is carried between rounds."""
 
     @abstractmethod
     def state_tensors(self) -> dict[str, torch.Tensor]:
@@ -160,11 +161,13 @@ class SparseLoCo(OuterOptimizer):
         self.ef: dict[str, torch.Tensor] = {}  # error-feedback buffer per parameter, on CPU in config.ef_dtype
         self._store = STATE_DTYPES[config.ef_dtype]
         self.phases = 0  # inner phases in the buffer since our last contribution that was taken
-        self._taken: tuple[int, Contribution] | None = None  # the last contribution and the phases it carried
+        # the last contribution, the phases it carried, and whether the buffer held anything before it
+        self._taken: tuple[int, Contribution, bool] | None = None
 
     def contribute(self, anchor: Tensors, local: Tensors, sender: str = "", tokens: int = 0) -> Contribution:
         self.phases += 1
         m = self.phases if self.config.backlog == "average" else 1
+        held = bool(self.ef)
         sent: dict[str, SparseTensor] = {}
         for name in anchor:  # one tensor at a time: the transient buffers are one parameter's, not the model's
             delta = anchor[name].detach().float().cpu() - local[name].detach().float().cpu()
@@ -178,7 +181,7 @@ class SparseLoCo(OuterOptimizer):
             self.ef[name] = e.to(self._store)
             sent[name] = s
         c = Contribution(sender, tokens, sent)
-        self._taken, self.phases = (m, c), 0
+        self._taken, self.phases = (m, c, held), 0
         return c
 
     def withdraw(self, contribution: Contribution) -> None:
@@ -188,10 +191,20 @@ class SparseLoCo(OuterOptimizer):
             self.ef[name].add_(decompress(s) * m if m > 1 else decompress(s))
         self.phases = m if self.config.backlog == "average" else self.phases
 
-    def forget(self) -> None:
-        # the buffer mixes the tainted phase's unsent part into what earlier phases left: no part of it is clean
-        self.ef.clear()
-        self.phases, self._taken = 0, None
+    def forget_phase(self, contribution: Contribution, start: Tensors, local: Tensors) -> None:
+        # The buffer is β·(what earlier phases left) + Δ − m·sent: adding the sent values back and taking the
+        # phase's Δ out leaves the earlier phases' part, clean, up to the buffer's storage rounding. A buffer that
+        # held nothing before the phase is emptied exactly.
+        m, _c, held = self._taken if self._taken is not None and self._taken[1] is contribution else (1, None, True)
+        if not held:
+            self.ef.clear()
+        else:
+            for name, s in contribution.tensors.items():
+                delta = start[name].detach().float().cpu() - local[name].detach().float().cpu()
+                e = self.ef[name].float().add_(decompress(s) * m if m > 1 else decompress(s)).sub_(delta)
+                self.ef[name] = e.to(self._store)
+        self.phases = m - 1 if self.config.backlog == "average" else self.phases
+        self._taken = None
 
     def aggregate(self, contributions: Sequence[Contribution], names: Sequence[str]) -> dict[str, torch.Tensor]:
         """The combined pseudo-gradient Δ per parameter (zero where no contribution selected anything)."""

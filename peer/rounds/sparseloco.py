@@ -36,6 +36,7 @@ import torch
 
 from hlbp.peer.common import memory
 from hlbp.peer.rounds.admission import Screen
+from hlbp.peer.rounds.anchor import Anchor
 from hlbp.peer.rounds.apply import Applier
 from hlbp.peer.rounds.bans import RoundBans
 from hlbp.peer.rounds.closer import Closer
@@ -90,6 +91,8 @@ class RoundRunner(ReplicaBase):
                  screen: Screen | None = None, taint: Taint | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.taint = taint
+        # where the phase behind our latest contribution started, kept while a taint may take that phase back
+        self.phase_start: Mapping[str, torch.Tensor] | None = None
         self.state.anchor.update(follow_anchor(self.shards, self.shapes, self.held, follow or {}))
         self.follower = Follower(sorted(follow or {}), self.shards, self.shapes, self.me, self.transport, self.cfg,
                                  self.outer_cfg)
@@ -183,6 +186,8 @@ class RoundRunner(ReplicaBase):
         mine: dict[int, Contribution] = {}
         if not (steps and self.state.in_sync):
             return mine
+        if self.taint is not None:  # an anchor is read back at this version after the round replaces it
+            self.phase_start = base.snapshot() if isinstance(base, Anchor) else base
         digests, sizes = {}, {}
         for s in self.held:
             names = self.shards[s]
@@ -234,11 +239,14 @@ class RoundRunner(ReplicaBase):
         if taint is not None and taint.tainted(r, stats.banned) and mine and not stats.accepted:
             # poisoned by a neighbour caught lying: kept, it would come back in a later round's contribution
             logger.warning("round %d: our contribution was computed with frames from a peer banned for lying; "
-                           "dropping it, its error feedback and the inner optimizer's moments", r)
+                           "dropping it, its phase from the error feedback and the inner optimizer's moments", r)
             stats.tainted = True
             taint.forget()
-            for s in mine:  # what top-k did not send of the tainted phase is in the buffer too
-                self.state.outers[s].forget()
+            local = {n: p.detach() for n, p in self.trainer.model.named_parameters()}  # where the phase ended
+            start = self.phase_start if self.phase_start is not None else self.state.anchor
+            for s, c in mine.items():  # what top-k did not send of the tainted phase is in the buffer too
+                names = self.shards[s]
+                self.state.outers[s].forget_phase(c, Subset(start, names), {n: local[n] for n in names})
         elif mine and not stats.accepted:
             crowded = accepted is not None and not stats.refused and self.closer.selection.full_without(accepted, mine.keys())
             if not (crowded and self.cfg.unselected == "drop"):
@@ -251,6 +259,7 @@ class RoundRunner(ReplicaBase):
                 # the phase under way started at our notice, which came too late: it catches up (InnerPhase.run);
                 # a contribution the gather set had no room for came in time, and its phase runs on
                 self.phase.catch_up_round = max(self.phase.catch_up_round, r + 1)
+        self.phase_start = None
         self.load_anchor_into_model()
         if self.overlapped is not None and self.state.in_sync:
             self.overlapped.preview(r, final=True)  # the phase under way can land the result before it is verified

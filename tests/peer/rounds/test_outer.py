@@ -93,19 +93,51 @@ def test_withdraw_restores_the_buffer():
         torch.testing.assert_close(opt.ef[n], anchor[n] - local[n], atol=1e-6, rtol=0)
 
 
-def test_forget_drops_the_whole_buffer_so_a_tainted_phase_leaves_nothing_behind():
-    opt = SparseLoCo(OuterConfig(k=64))
+def test_forgetting_a_tainted_phase_leaves_exactly_what_earlier_phases_left():
+    """A tainted phase (refused, not withdrawn) is taken back out of the buffer: what stays is the earlier clean
+    phases' remainder, decayed as the tainted phase's contribution decayed it, and the next contribution is the
+    one a peer that never ran the tainted phase makes."""
     anchor = _params(3)
-    opt.contribute(anchor, _params(4))  # a clean phase, taken: its unsent part stays in the buffer
-    tainted = opt.contribute(anchor, _params(5))  # computed from a liar's frames: refused, and not withdrawn
+    opt, twin = SparseLoCo(OuterConfig(k=64)), SparseLoCo(OuterConfig(k=64))
+    for o in (opt, twin):
+        o.contribute(anchor, _params(4))  # a clean phase, taken: its unsent part stays in the buffer
+    clean = {n: e.clone() for n, e in opt.ef.items()}
+    tainted_local = _params(5)
+    tainted = opt.contribute(anchor, tainted_local)  # computed from a liar's frames: refused, and not withdrawn
+    opt.forget_phase(tainted, anchor, tainted_local)
+    for n in anchor:
+        torch.testing.assert_close(opt.ef[n], 0.95 * clean[n], atol=1e-6, rtol=0)
+    twin.ef = {n: 0.95 * e for n, e in twin.ef.items()}  # a round without a phase of its own decays it alike
+    nxt, ref = opt.contribute(anchor, _params(6)), twin.contribute(anchor, _params(6))
+    for n in anchor:  # the same positions, the same values up to float32 rounding of the buffer's arithmetic
+        assert torch.equal(nxt.tensors[n].flat_indices(), ref.tensors[n].flat_indices()), n
+        torch.testing.assert_close(decompress(nxt.tensors[n]), decompress(ref.tensors[n]), atol=1e-5, rtol=1e-5)
+
+
+def test_forgetting_the_first_phase_empties_the_buffer_exactly():
+    anchor, local = _params(3), _params(5)
+    opt = SparseLoCo(OuterConfig(k=64, ef_dtype="bf16"))
+    tainted = opt.contribute(anchor, local)
     assert any(float(e.abs().sum()) > 0 for e in opt.ef.values())
-    opt.forget()
+    opt.forget_phase(tainted, anchor, local)
     assert opt.ef == {} and opt.phases == 0
-    fresh = SparseLoCo(OuterConfig(k=64))
-    nxt, ref = opt.contribute(anchor, _params(6)), fresh.contribute(anchor, _params(6))
-    for n in anchor:  # the next contribution is what a fresh buffer sends: nothing of the tainted phase in it
+    nxt, ref = opt.contribute(anchor, _params(6)), SparseLoCo(OuterConfig(k=64)).contribute(anchor, _params(6))
+    for n in anchor:  # what a fresh buffer sends: nothing of the tainted phase, not even its rounding
         assert torch.equal(decompress(nxt.tensors[n]), decompress(ref.tensors[n])), n
-    assert tainted is not nxt
+
+
+def test_forgetting_a_backlogged_phase_keeps_the_earlier_phases_in_the_backlog():
+    anchor = _params(3)
+    opt = SparseLoCo(OuterConfig(k=64))
+    c0 = opt.contribute(anchor, _params(4))
+    opt.withdraw(c0)  # left out: that phase stays, and the next contribution carries two phases
+    before = {n: e.clone() for n, e in opt.ef.items()}
+    local = _params(5)
+    tainted = opt.contribute(anchor, local)
+    opt.forget_phase(tainted, anchor, local)
+    assert opt.phases == 1
+    for n in anchor:
+        torch.testing.assert_close(opt.ef[n], 0.95 * before[n], atol=1e-5, rtol=0)
 
 
 def test_a_backlog_is_sent_as_its_average_and_cleared_where_sent():
