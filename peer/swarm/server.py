@@ -32,7 +32,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hlbp.peer.model.codec import ActivationCodec
 from hlbp.peer.swarm.gate import RoundGate
@@ -51,6 +51,9 @@ from hlbp.protocol.stagewire import (
     encode_message,
     split_body,
 )
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -300,13 +303,21 @@ class StageServer:
             conn.send(encode_message(StageMessage("loss", session=msg.session, step=msg.step, mb=msg.mb,
                                                   attempt=msg.attempt, loss=min(loss, 1e6))))
             return
-        out = self.worker.forward(msg.mb, msg.attempt, received.tensor, train=False)
-        data = self.codec.encode_forward(out, received.token_ids, msg.mb)
         self._eval_upstream[(msg.mb, msg.attempt)] = conn
+        out = self.worker.forward(msg.mb, msg.attempt, received.tensor, train=False)
+        self._pass_on(msg, received, out, window,
+                      lambda exc: self._fail(msg.route[0], Reason.UNREACHABLE, str(exc)))
+
+    def _pass_on(self, msg: StageMessage, received: Any, out: torch.Tensor, window: bytes,
+                 unreachable: Callable[[ConnectionError], None]) -> None:
+        """An evaluation's or a guard's output of this stage (no gradient, nothing kept) passed on down its route,
+        unsealed (neither is training traffic an audit judges); ``unreachable`` is told when the next peer can't
+        be dialled."""
+        data = self.codec.encode_forward(out, received.token_ids, msg.mb)
         try:
             down = self.links.dial(msg.route[0])
         except ConnectionError as exc:
-            self._fail(msg.route[0], Reason.UNREACHABLE, str(exc))
+            unreachable(exc)
             return
         down.send(encode_message(replace(msg, route=msg.route[1:]), data + window))
 
@@ -357,17 +368,15 @@ class StageServer:
         if not msg.route:
             raise ProtocolError("a guard with no route past a stage that is not the last")
         out = self.worker.forward_at(params, received.tensor)
-        data = self.codec.encode_forward(out, received.token_ids, msg.mb)
         with self._lock:
             self._guard_upstream = {k: v for k, v in self._guard_upstream.items() if k[0] >= msg.round}
             self._guard_upstream[(msg.round, msg.mb)] = (conn, msg.route[0])
-        try:
-            down = self.links.dial(msg.route[0])
-        except ConnectionError as exc:
+
+        def unreachable(exc: ConnectionError) -> None:
             logger.info("the guard of round %d could not reach %s: %s", msg.round, msg.route[0][:12], exc)
             self._unscored(conn, msg)
-            return
-        down.send(encode_message(replace(msg, route=msg.route[1:]), data + window))
+
+        self._pass_on(msg, received, out, window, unreachable)
 
     def _backward(self, sender: str, msg: StageMessage, body: bytes) -> None:
         start = time.perf_counter()
