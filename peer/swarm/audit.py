@@ -26,6 +26,7 @@ finding.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -66,8 +67,13 @@ class Tolerance:
     """What an honest stage peer's frame may show against a recomputation at the anchor.
 
     The phase's first step (``inner`` 0): the peer's weights are the anchor, so its frame must equal the
-    recomputation up to float reduction order, codec rounding and a GPU's bf16 autocast, a relative error of at most
-    ``exact``. After k inner steps its weights have moved, early in a run by far more than one would guess: measured
+    recomputation up to float reduction order and codec rounding, a relative error of at most ``exact``, or up to
+    the precision the two sides computed in: a peer on a GPU computes under bf16 autocast, and its auditor may run
+    in float32 on a CPU (or the other way round). That error grows with the stage's depth and width: measured
+    between an H200's bf16 and a CPU's float32 at the initial weights, 2.6e-3 (tiny) to 8.3e-3 (125m, 3 stages) and
+    1.7e-2 (1b, 2 stages), near ``exact``. So a frame above ``exact`` is recomputed once more at the auditor's other
+    precision (float32 where it ran bf16, bf16 where it ran float32), and passes when its error is at most
+    ``precision`` times the distance between the auditor's own two results (its ``noise``). After k inner steps its weights have moved, early in a run by far more than one would guess: measured
     on honest peers of a subspace-B run in its first rounds, stage 0's output grew 8-15x in norm over 5-7 AdamW steps
     and the last stage's input gradient shrank 4x (cosine with the anchor's down to 0.14), which is what a liar's
     scale, flip or noise looks like. No fixed band tells them apart.
@@ -83,16 +89,20 @@ class Tolerance:
     docs/security.md, "Pipeline swarms: commitments and audits", has the measurements."""
 
     exact: float = 0.02
+    precision: float = 3.0
     stale_cosine: float = 0.5
     stale_ratio: float = 3.0
     informative: float = 0.5
     later_cosine: float = 0.4
     later_ratio: float = 3.0
 
-    def passes(self, c: Comparison, inner: int) -> bool | None:
+    def passes(self, c: Comparison, inner: int, noise: Comparison | None = None) -> bool | None:
         """Whether a frame of inner step ``inner`` that compares as ``c`` is honest; None: a later step, which only
-        its siblings can judge (:meth:`later`)."""
-        return c.error <= self.exact if inner == 0 else None
+        its siblings can judge (:meth:`later`). ``noise``: the auditor's recomputations at its two precisions
+        compared, where it made both."""
+        if inner != 0:
+            return None
+        return c.error <= self.exact or (noise is not None and c.error <= self.precision * noise.error)
 
     def stale(self, c: Comparison) -> bool:
         """Whether a frame of the first step that is not exact is still near the recomputation: cosine at least
@@ -135,6 +145,10 @@ class AuditResult:
     forward: Comparison | None = None  # the output it sent against the recomputed one
     backward: Comparison | None = None  # the input gradient it sent against the recomputed one
     detail: str = ""
+    # the recomputation at the auditor's other precision against its first one (made only for a frame above
+    # Tolerance.exact): how far an honest peer computing in another precision may be
+    forward_noise: Comparison | None = None
+    backward_noise: Comparison | None = None
 
 
 @dataclass(frozen=True)
@@ -202,22 +216,29 @@ def audit(stage: Stage, codec: ActivationCodec, vocab_size: int, evidence: Evide
         inp, token_ids, targets = _input(stage, codec, vocab_size, e)
     except ProtocolError as exc:
         return AuditResult(Finding.INCONCLUSIVE, inner, detail=f"its input does not decode: {exc}")
-    stage.train(True)
-    leaf = None if first else inp.to(device).detach().requires_grad_(True)
-    with torch.enable_grad(), autocast(device):
-        out = run(inp.to(device) if first else leaf)
-        if last:
-            assert e.x is not None and targets is not None
-            out = stage.loss(out, targets.to(device)) * e.x[0].weight
-    try:
-        fwd = None if last else _forward_error(codec, vocab_size, out.detach(), token_ids, e.y)
-        bwd = None
+    weight = e.x[0].weight if e.x is not None else 1.0
+
+    def recompute(precision: contextlib.AbstractContextManager) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The stage's output (the weighted loss on the last stage) and input gradient at ``precision``."""
+        stage.train(True)
+        leaf = None if first else inp.to(device).detach().requires_grad_(True)
+        with torch.enable_grad(), precision:
+            out = run(inp.to(device) if first else leaf)
+            if last:
+                assert targets is not None
+                out = stage.loss(out, targets.to(device)) * weight
+        g = None
         if not first:
             assert leaf is not None
             grad_out = None if last else _received_grad(codec, e.g_out, out.shape)
             if last or grad_out is not None:
                 (g,) = torch.autograd.grad(out, leaf, None if last else grad_out.to(device, out.dtype))
-                bwd = _backward_error(codec, g.detach(), e.g_in)
+        return out.detach(), None if g is None else g.detach()
+
+    out, g = recompute(autocast(device))
+    try:
+        fwd = None if last else _forward_error(codec, vocab_size, out, token_ids, e.y)
+        bwd = None if g is None else _backward_error(codec, g, e.g_in)
     except _Unsigned as exc:
         return AuditResult(Finding.BAD_FRAME, inner, detail=str(exc))
     if e.x is not None and e.y is not None and split_body(e.x[1], vocab_size)[1] != split_body(e.y[1], vocab_size)[1]:
@@ -226,12 +247,28 @@ def audit(stage: Stage, codec: ActivationCodec, vocab_size: int, evidence: Evide
         return AuditResult(Finding.FORWARD, inner, fwd, bwd, detail="it passed on other tokens than it received")
     if inner > 0:
         return AuditResult(Finding.UNJUDGED, inner, fwd, bwd)  # judged against its siblings: judge_step
-    off = [(c, f) for c, f in ((fwd, Finding.FORWARD), (bwd, Finding.BACKWARD))
-           if c is not None and not tolerance.passes(c, inner)]
-    if not off:
-        return AuditResult(Finding.CLEAN, inner, fwd, bwd)
-    far = [f for c, f in off if not tolerance.stale(c)]
-    return AuditResult(far[0] if far else Finding.STALE, inner, fwd, bwd)
+    fwd_noise = bwd_noise = None
+    if any(c is not None and c.error > tolerance.exact for c in (fwd, bwd)):
+        other, g_other = recompute(other_precision(device))
+        fwd_noise = None if fwd is None else compare(_as_sent_forward(codec, other, token_ids),
+                                                     _as_sent_forward(codec, out, token_ids))
+        bwd_noise = None if g is None or g_other is None else compare(_as_sent_backward(codec, g_other),
+                                                                      _as_sent_backward(codec, g))
+    off = [(c, f) for c, n, f in ((fwd, fwd_noise, Finding.FORWARD), (bwd, bwd_noise, Finding.BACKWARD))
+           if c is not None and not tolerance.passes(c, inner, n)]
+    found = Finding.CLEAN
+    if off:
+        far = [f for c, f in off if not tolerance.stale(c)]
+        found = far[0] if far else Finding.STALE
+    return AuditResult(found, inner, fwd, bwd, forward_noise=fwd_noise, backward_noise=bwd_noise)
+
+
+def other_precision(device: torch.device) -> contextlib.AbstractContextManager:
+    """The precision an auditor does not train in on ``device``: float32 on CUDA (where it trains under bf16
+    autocast, :func:`hlbp.peer.train.trainer.autocast`), bf16 autocast on the CPU (where it trains in float32)."""
+    if device.type == "cuda":
+        return torch.autocast("cuda", enabled=False)
+    return torch.autocast(device.type, dtype=torch.bfloat16)
 
 
 class _Unsigned(Exception):
@@ -267,8 +304,7 @@ def _forward_error(codec: ActivationCodec, vocab_size: int, out: torch.Tensor, t
         sent = codec.decode_forward(frame).tensor
     except ProtocolError as exc:
         raise _Unsigned(f"the output frame it signed does not decode: {exc}") from exc
-    ids = token_ids if token_ids is not None else torch.zeros(out.shape[:2], dtype=torch.long)
-    mine = codec.decode_forward(codec.encode_forward(out.float().cpu(), ids.cpu())).tensor
+    mine = _as_sent_forward(codec, out, token_ids)
     if sent.shape != mine.shape:
         raise _Unsigned(f"its output frame has shape {tuple(sent.shape)}, its stage gives {tuple(mine.shape)}")
     return compare(sent, mine)
@@ -292,8 +328,18 @@ def _backward_error(codec: ActivationCodec, g: torch.Tensor, g_in: Frame | None)
         sent = codec.decode_backward(g_in[1], (g.shape[0], g.shape[1])).tensor
     except ProtocolError as exc:
         raise _Unsigned(f"the gradient frame it signed does not decode: {exc}") from exc
-    mine = codec.decode_backward(codec.encode_backward(g.float().cpu())).tensor
-    return compare(sent, mine)
+    return compare(sent, _as_sent_backward(codec, g))
+
+
+def _as_sent_forward(codec: ActivationCodec, out: torch.Tensor, token_ids: torch.Tensor | None) -> torch.Tensor:
+    """Recomputed activations as they would travel: through the codec and back, as a peer's frame is compared."""
+    ids = token_ids if token_ids is not None else torch.zeros(out.shape[:2], dtype=torch.long)
+    return codec.decode_forward(codec.encode_forward(out.float().cpu(), ids.cpu())).tensor
+
+
+def _as_sent_backward(codec: ActivationCodec, g: torch.Tensor) -> torch.Tensor:
+    """A recomputed input gradient as it would travel."""
+    return codec.decode_backward(codec.encode_backward(g.float().cpu())).tensor
 
 
 

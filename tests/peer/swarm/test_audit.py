@@ -37,24 +37,26 @@ def stage(i: int) -> torch.nn.Module:
     return s
 
 
-def honest(i: int, lie: float = 1.0) -> tuple[torch.nn.Module, Evidence]:
+def honest(i: int, lie: float = 1.0, bf16: bool = False) -> tuple[torch.nn.Module, Evidence]:
     """Frames of micro-batch LABELS through stage ``i`` computed honestly (the output or input gradient times
-    ``lie``)."""
+    ``lie``), in float32 or (``bf16``) under bf16 autocast, as a peer on a GPU computes."""
     torch.manual_seed(3)
     s = stage(i)
     x = torch.randn(2, 8, CONFIG.d_model)
     ids = torch.randint(0, CONFIG.vocab_size, (2, 8))
     targets = encode_tokens(ids, ids, CONFIG.vocab_size)
     leaf = x.clone().requires_grad_(True)
-    out = s(leaf)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        out = s(leaf)
+        loss = s.loss(out, ids) * LABELS.weight if s.is_last else None
     x_frame = (LABELS, CODEC.encode_forward(x, ids) + targets)
     bwd = replace(LABELS, op="bwd", weight=1.0)
-    if s.is_last:
-        (g,) = torch.autograd.grad(s.loss(out, ids) * LABELS.weight, leaf)
+    if loss is not None:
+        (g,) = torch.autograd.grad(loss, leaf)
         return s, Evidence(x_frame, None, None, (bwd, CODEC.encode_backward(g * lie)))
-    g_out = torch.randn_like(out)
-    (g,) = torch.autograd.grad(out, leaf, g_out)
-    y = (LABELS, CODEC.encode_forward(out.detach() * lie, ids) + targets)
+    g_out = torch.randn(out.shape)
+    (g,) = torch.autograd.grad(out, leaf, g_out.to(out.dtype))
+    y = (LABELS, CODEC.encode_forward(out.detach().float() * lie, ids) + targets)
     return s, Evidence(x_frame, y, (bwd, CODEC.encode_backward(g_out)), (bwd, CODEC.encode_backward(g)))
 
 
@@ -67,6 +69,30 @@ def test_an_honest_middle_and_last_stage_are_clean_exactly_at_the_anchor() -> No
             assert c is None or (c.error < 1e-6 and c.cosine > 1 - 1e-9)
     s, e = honest(2, lie=-1.0)  # a last stage that flips the gradient it sends back
     assert audit(s, CODEC, CONFIG.vocab_size, e).finding is Finding.BACKWARD
+
+
+def test_a_peer_computing_in_bf16_is_judged_by_the_auditors_own_gap_between_precisions() -> None:
+    """A peer on a GPU computes under bf16 autocast, its auditor here in float32: their frames differ by bf16's
+    rounding, which grows with the stage (1.7e-2 for a 1b stage, near Tolerance.exact). Made tight here so the
+    precision check decides: the auditor recomputes in bf16 too, and the frame passes within ``precision`` times
+    the gap between its own two results; a frame 10 % off does not."""
+    tight = Tolerance(exact=1e-6)
+    for i in (1, 2):
+        s, e = honest(i, bf16=True)
+        found = audit(s, CODEC, CONFIG.vocab_size, e, tight)
+        assert found.finding is Finding.CLEAN, found
+        sent = [c for c in (found.forward, found.backward) if c is not None]
+        noise = [c for c in (found.forward_noise, found.backward_noise) if c is not None]
+        assert sent and all(c.error > tight.exact for c in sent) and len(noise) == len(sent)
+        assert all(0 < n.error < 0.05 for n in noise)
+        assert audit(s, CODEC, CONFIG.vocab_size, e, replace(tight, precision=0.0)).finding is Finding.STALE
+    s, e = honest(1, lie=1.1, bf16=True)
+    assert audit(s, CODEC, CONFIG.vocab_size, e, tight).finding is Finding.STALE
+    s, e = honest(1, lie=-1.0, bf16=True)
+    assert audit(s, CODEC, CONFIG.vocab_size, e, tight).finding is Finding.FORWARD
+    s, e = honest(1)  # in float32 on both sides: exact, and no second recomputation is made
+    found = audit(s, CODEC, CONFIG.vocab_size, e, tight)
+    assert found.finding is Finding.CLEAN and found.forward_noise is None and found.backward_noise is None
 
 
 def test_the_anchor_can_come_as_tensors_run_through_a_skeleton_of_the_stage() -> None:
