@@ -36,7 +36,6 @@ import torch
 
 from hlbp.peer.common import memory
 from hlbp.peer.rounds.admission import Screen
-from hlbp.peer.rounds.anchor import Anchor
 from hlbp.peer.rounds.apply import Applier
 from hlbp.peer.rounds.bans import RoundBans
 from hlbp.peer.rounds.closer import Closer
@@ -91,8 +90,6 @@ class RoundRunner(ReplicaBase):
                  screen: Screen | None = None, taint: Taint | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.taint = taint
-        # where the phase behind our latest contribution started, kept while a taint may take that phase back
-        self.phase_start: Mapping[str, torch.Tensor] | None = None
         self.state.anchor.update(follow_anchor(self.shards, self.shapes, self.held, follow or {}))
         self.follower = Follower(sorted(follow or {}), self.shards, self.shapes, self.me, self.transport, self.cfg,
                                  self.outer_cfg)
@@ -159,10 +156,12 @@ class RoundRunner(ReplicaBase):
             return self.overlapped.run_round()
         r = self.state.round
         stats, steps, tokens, served_before = self.begin_round(r)
+        # where the phase started, read back after the round replaces the anchor, for a taint to take it back
+        start = self.state.anchor.snapshot() if self.taint is not None else None
         t1 = time.perf_counter()
         mine = self.contribute(r, stats, steps, tokens, self.state.anchor)
         encode_s = time.perf_counter() - t1
-        checks, closed = self.exchange(r, stats, mine)
+        checks, closed = self.exchange(r, stats, mine, start)
         stats.phases = {"encode": encode_s, **stats.phases}
         stats.comm_s += encode_s
         stats.bytes_sent = self.bytes_served() - served_before
@@ -186,8 +185,6 @@ class RoundRunner(ReplicaBase):
         mine: dict[int, Contribution] = {}
         if not (steps and self.state.in_sync):
             return mine
-        if self.taint is not None:  # an anchor is read back at this version after the round replaces it
-            self.phase_start = base.snapshot() if isinstance(base, Anchor) else base
         digests, sizes = {}, {}
         for s in self.held:
             names = self.shards[s]
@@ -209,10 +206,12 @@ class RoundRunner(ReplicaBase):
         memory.trim()  # the encoding's per-parameter buffers go back to the system before the next phase
         return mine
 
-    def exchange(self, r: int, stats: RoundStats, mine: dict[int, Contribution]) -> tuple[ShardChecks, bool]:
+    def exchange(self, r: int, stats: RoundStats, mine: dict[int, Contribution],
+                 start: Mapping[str, torch.Tensor] | None = None) -> tuple[ShardChecks, bool]:
         """Everything of round r after our contribution: close, apply to the anchor, verify, resync if out of sync.
         Returns our checks and whether the round closed. Fills ``stats`` (``comm_s``: this part's seconds beyond
-        waiting for the close). The model is touched only through ``load_anchor_into_model``."""
+        waiting for the close). The model is touched only through ``load_anchor_into_model``. ``start``: where our
+        phase started (default the anchor as it is), what a taint subtracts our phase's pseudo-gradient from."""
         self.payloads.measure_scales(self.state.anchor, self.shards)
         bytes_in = self._bytes_in
         t2 = time.perf_counter()
@@ -243,10 +242,10 @@ class RoundRunner(ReplicaBase):
             stats.tainted = True
             taint.forget()
             local = {n: p.detach() for n, p in self.trainer.model.named_parameters()}  # where the phase ended
-            start = self.phase_start if self.phase_start is not None else self.state.anchor
+            begin = start if start is not None else self.state.anchor
             for s, c in mine.items():  # what top-k did not send of the tainted phase is in the buffer too
                 names = self.shards[s]
-                self.state.outers[s].forget_phase(c, Subset(start, names), {n: local[n] for n in names})
+                self.state.outers[s].forget_phase(c, Subset(begin, names), {n: local[n] for n in names})
         elif mine and not stats.accepted:
             crowded = accepted is not None and not stats.refused and self.closer.selection.full_without(accepted, mine.keys())
             if not (crowded and self.cfg.unselected == "drop"):
@@ -259,7 +258,6 @@ class RoundRunner(ReplicaBase):
                 # the phase under way started at our notice, which came too late: it catches up (InnerPhase.run);
                 # a contribution the gather set had no room for came in time, and its phase runs on
                 self.phase.catch_up_round = max(self.phase.catch_up_round, r + 1)
-        self.phase_start = None
         self.load_anchor_into_model()
         if self.overlapped is not None and self.state.in_sync:
             self.overlapped.preview(r, final=True)  # the phase under way can land the result before it is verified
