@@ -116,6 +116,12 @@ def _clip_values(values: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     return [v.clamp(-cap, cap) for v in values]
 
 
+def _mass(sent: SparseTensor, phases: int) -> torch.Tensor:
+    """What a contribution of ``phases`` backlogged phases took out of the error-feedback buffer: its values times
+    the phases, since the positions it sent gave up every phase's mass for one phase's step."""
+    return decompress(sent) * phases if phases > 1 else decompress(sent)
+
+
 class OuterOptimizer(ABC):
     """The interface the round protocol calls; see the module docstring."""
 
@@ -177,7 +183,7 @@ class SparseLoCo(OuterOptimizer):
             s = compress(e / m if m > 1 else e, k, self.config.quant_bits)
             # whatever was not sent (including quantisation error) stays for later rounds; after a backlog of m
             # phases, the positions sent give up all m phases' mass for one phase's step
-            e.sub_(decompress(s) * m if m > 1 else decompress(s))
+            e.sub_(_mass(s, m))
             self.ef[name] = e.to(self._store)
             sent[name] = s
         c = Contribution(sender, tokens, sent)
@@ -188,7 +194,7 @@ class SparseLoCo(OuterOptimizer):
         # A straggler's unsent pseudo-gradient goes back into its buffer, as if it had never been taken out.
         m = self._taken[0] if self._taken is not None and self._taken[1] is contribution else 1
         for name, s in contribution.tensors.items():
-            self.ef[name].add_(decompress(s) * m if m > 1 else decompress(s))
+            self.ef[name].add_(_mass(s, m))
         self.phases = m if self.config.backlog == "average" else self.phases
 
     def forget_phase(self, contribution: Contribution, start: Tensors, local: Tensors) -> None:
@@ -201,7 +207,7 @@ class SparseLoCo(OuterOptimizer):
         else:
             for name, s in contribution.tensors.items():
                 delta = start[name].detach().float().cpu() - local[name].detach().float().cpu()
-                e = self.ef[name].float().add_(decompress(s) * m if m > 1 else decompress(s)).sub_(delta)
+                e = self.ef[name].float().add_(_mass(s, m)).sub_(delta)
                 self.ef[name] = e.to(self._store)
         self.phases = m - 1 if self.config.backlog == "average" else self.phases
         self._taken = None

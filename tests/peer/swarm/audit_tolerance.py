@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import sys
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -172,7 +171,6 @@ def main(argv: list[str] | None = None) -> None:
               f"{pair(r['backward_error'], r['backward_noise']):>20s}  {r['within_exact']} / {r['clean']}")
     if args.out is not None:
         args.out.write_text(json.dumps({"exact": tol.exact, "precision": tol.precision, "rows": rows}, indent=1))
-    sys.exit(0)
 
 
 if __name__ == "__main__":
