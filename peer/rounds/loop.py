@@ -47,8 +47,10 @@ logger = logging.getLogger(__name__)
 
 
 
-# a resumed peer behind a newer agreed state retries its sync this often, this far apart: the state's holders may
-# be restarting beside it (a whole swarm stopped and started again), and serve it once they are up
+# a starting peer behind a newer agreed state (resumed from an older checkpoint, or with none) retries its sync this
+# often, this far apart: the state's holders may be restarting beside it (a whole swarm stopped and started again)
+# and serve it once they are up, or the newest round's checksums may still be arriving; starting from the seed's
+# weights instead would only leave it out of sync
 RESUME_SYNC_ATTEMPTS = 8
 RESUME_SYNC_PAUSE_S = 3.0
 
@@ -193,7 +195,7 @@ class ReplicaBase(ABC):
         # take it now, off that phase
         self.trainer.warm_up()
         # a newer agreed state exists; its holders may be restarting too, and serve it once they are up: retry
-        if self.sync(RESUME_SYNC_ATTEMPTS if resumed else 3, RESUME_SYNC_PAUSE_S if resumed else 0.0):
+        if self.sync(RESUME_SYNC_ATTEMPTS, RESUME_SYNC_PAUSE_S):
             return Start(StartKind.SYNCED, self.state.round - 1)
         return Start(StartKind.FRESH_UNAGREED)
 

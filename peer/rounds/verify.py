@@ -210,7 +210,9 @@ class StateSync:
             latest, votes = found
             agreed = self.agreement.agreed(votes.checks, latest, self.held, len(self.shards), votes.whole)
             if agreed is None or not agreed[0]:
-                return None
+                # the newest round's checksums may still be arriving (its members publish as they finish it)
+                logger.info("no agreed state of round %d to fetch yet; retrying", latest)
+                continue
             donors, expect = agreed
             random.Random(f"{self.me}|{latest}").shuffle(donors)
             try:
