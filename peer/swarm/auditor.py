@@ -200,7 +200,11 @@ class Auditor:
             t0 = time.perf_counter()
             result = audit(stage, self.codec, self.vocab_size, evidence, self.cfg.tolerance, params)
             compute_s += time.perf_counter() - t0
-            if result.finding is Finding.INCONCLUSIVE and not stage.is_first and evidence.x is None:
+            unfetched = sorted(name for name in held if frames[name] is None)
+            if result.finding is Finding.INCONCLUSIVE and unfetched:  # listed by its holder, not had in time
+                result = AuditResult(Finding.INCONCLUSIVE, detail=f"could not fetch {', '.join(unfetched)} "
+                                                                  "from the peers that list them")
+            elif result.finding is Finding.INCONCLUSIVE and not stage.is_first and evidence.x is None:
                 result = AuditResult(Finding.INCONCLUSIVE, detail="it did not show the input it passed on")
             found.append((mb, result, held))
         judged = judge_step([res for _, res, _ in found], self.cfg.tolerance)

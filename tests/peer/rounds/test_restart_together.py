@@ -64,5 +64,11 @@ def test_a_swarm_restarted_together_agrees_in_its_first_round(swarm: Swarm) -> N
                for n, rec in first.items()}
     assert all(rec["in_sync"] for rec in first.values()), summary
     assert checksums_agree(list(first.values())), summary
-    # the peers that came back current trained that round together (a synced peer sits its first round out)
-    assert all(first[n]["accepted"] for n, m in starts.items() if not m.group(1).startswith("synced")), summary
+    # the peers that came back current train together again: each is accepted in its first round or the next (a
+    # synced peer sits its first round out). Not the first round alone: four processes restarting at once on two
+    # shared cores can finish that phase after the close's window, and the round then rightly goes on without them
+    current = [n for n, m in starts.items() if not m.group(1).startswith("synced")]
+    poll(lambda: all(len(swarm.replicas[n].rounds()) > before[n] + 1 or first[n]["accepted"] for n in current),
+         ROUND_TIMEOUT_S, "a second round after the restart")
+    taken = {n: [rec["accepted"] for rec in swarm.replicas[n].rounds()[before[n]:before[n] + 2]] for n in current}
+    assert all(any(t) for t in taken.values()), (taken, summary)

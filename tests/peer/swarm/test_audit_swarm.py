@@ -45,6 +45,9 @@ OPTIM = OptimConfig(lr=3e-3, warmup_steps=1, total_steps=20)
 STEPS = 4
 MICRO = 4
 MAX_TOKENS = 4096
+# what these tests judge is the findings on frames the auditor has: a fetch that outlasts the production timeout
+# (3 s) on a loaded 2-core box would make an honest sample inconclusive, which is not what is under test here
+FETCH_TIMEOUT_S = 30.0
 
 
 @contextmanager
@@ -115,7 +118,8 @@ def run_swarm(network: tuple[list[hivemind.DHT], list[Identity]], lie: tuple[str
             x = torch.randint(0, CONFIG.vocab_size, (8, 17))
             driver.train_step(x[:, :-1], x[:, 1:], step, lr_at(step, OPTIM), round_r=0, inner=step)
         auditor = Auditor(transports[3].fetch, codec(wire), CONFIG.vocab_size, body,
-                          AuditConfig(samples=samples, later=later, later_chance=later_chance))
+                          AuditConfig(samples=samples, later=later, later_chance=later_chance,
+                                      timeout_s=FETCH_TIMEOUT_S))
         # round 0's anchor: the run's initial weights, run through a skeleton of the stage (no parameter memory)
         anchor = initial_state(CONFIG, 0)
         swarm = [driver.peer_id, *(s.peer_id for s in servers)]
