@@ -184,6 +184,9 @@ class ReplicaBase(ABC):
             self.records.protect(self.state.round - 1)
             self.records.restore(self.state.evidence)
             self.syncer.publish(self.state, self.syncer.checks(self.state, self.state.round - 1))
+            # a swarm restarted together publishes as each peer comes up: deciding before the other members of our
+            # checkpoint's round did would sync a newer checkpoint back a round, or leave an older one behind
+            self.syncer.await_members(self.state.round - 1, self.stop, RESUME_SYNC_ATTEMPTS, RESUME_SYNC_PAUSE_S)
         current = self.syncer.current(self.state)
         if current is None:
             return Start(StartKind.RESUMED if resumed else StartKind.FRESH)

@@ -206,6 +206,13 @@ def round_member_shards(round_: int, notices: Mapping[str, AbstractSet[int]], se
     return None if accepted is None else {s: frozenset(d) for s, _, d in accepted.members}
 
 
+def behind_members(members: AbstractSet[str], checks: Sequence[ShardChecks], round_: int, me: str) -> set[str]:
+    """The members of round ``round_`` other than ``me`` whose latest checksum record (``checks``: each peer's
+    latest) is of an earlier round, or who have none."""
+    latest = {c.peer: c.round for c in checks}
+    return {p for p in members if p != me and latest.get(p, -1) < round_}
+
+
 def member_checks(checks: Sequence[ShardChecks], round_: int, members: AbstractSet[str]) -> list[ShardChecks]:
     """The checksum records of round ``round_`` that count: those of its members. Votes from keys that were not
     members (unannounced, newly minted, or simply left out) never move the majority."""

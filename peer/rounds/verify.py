@@ -28,7 +28,7 @@ from hlbp.peer.rounds.agreement import Agreement
 from hlbp.peer.rounds.config import RoundConfig
 from hlbp.peer.rounds.outer import OuterConfig, make_outer
 from hlbp.peer.rounds.records import RoundRecords, checks_name
-from hlbp.peer.rounds.rules import Votes, checks_settled, round_member_shards, vote_checks
+from hlbp.peer.rounds.rules import Votes, behind_members, checks_settled, round_member_shards, vote_checks
 from hlbp.peer.rounds.state import ReplicaState
 from hlbp.peer.rounds.statesync import ServedState, fetch_state, shard_checksum, state_name
 from hlbp.protocol import ProtocolError
@@ -170,18 +170,35 @@ class StateSync:
         checks = [c for c in self.records.latest_checks() if c.peer != self.me]
         if not self.member_votes:
             return (max(c.round for c in checks), Votes(checks)) if checks else None
-        run = self.cfg.run_id
         for r in sorted({c.round for c in checks}, reverse=True)[:MEMBER_ROUNDS_TRIED]:
-            keys = (round_key(run, r, KIND_CONTRIB), round_key(run, r, KIND_ACCEPTED))
-            contribs, sets = self.records.read(*keys)
-            parsed = self.records.records(keys[0], parse_contrib, contribs, round_=r)
-            notices = {n.sender: set(n.digests) for n in parsed}
-            members = round_member_shards(r, notices, self.records.records(keys[1], parse_accepted, sets, round_=r),
-                                          len(self.shards), {n.sender for n in parsed if not n.dialable})
-            votes = vote_checks(checks, r, members or {}, len(self.shards))
+            votes = vote_checks(checks, r, self.members(r) or {}, len(self.shards))
             if votes.checks:
                 return r, votes
         return None
+
+    def members(self, r: int) -> dict[str, frozenset[int]] | None:
+        """The members of round ``r`` and the shards each contributed, as its records (or a checkpoint's evidence,
+        stored again at a restart) show; None when they are not known."""
+        run = self.cfg.run_id
+        keys = (round_key(run, r, KIND_CONTRIB), round_key(run, r, KIND_ACCEPTED))
+        contribs, sets = self.records.read(*keys)
+        parsed = self.records.records(keys[0], parse_contrib, contribs, round_=r)
+        notices = {n.sender: set(n.digests) for n in parsed}
+        return round_member_shards(r, notices, self.records.records(keys[1], parse_accepted, sets, round_=r),
+                                   len(self.shards), {n.sender for n in parsed if not n.dialable})
+
+    def await_members(self, r: int, stop: Any, attempts: int, pause_s: float) -> None:
+        """Wait, at most ``attempts`` looks ``pause_s`` apart (or until ``stop`` is set), until every other member
+        of round ``r`` has published checksums of round r or later: before a resumed peer compares its state with
+        the others', the members that may be restarting beside it show whether a newer state exists."""
+        for attempt in range(attempts):
+            waiting = behind_members(self.members(r) or {}, self.records.latest_checks(), r, self.me)
+            if not waiting:
+                return
+            if attempt == 0:
+                logger.info("waiting for %d members of round %d to come back before comparing states", len(waiting), r)
+            if stop.wait(pause_s):
+                return
 
     def current(self, state: ReplicaState) -> bool | None:
         """Whether a resumed ``state`` is the agreed one of the latest round others published (None: nobody

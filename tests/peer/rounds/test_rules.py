@@ -4,6 +4,7 @@ import torch
 
 from hlbp.peer.rounds.rules import (
     adapt_window,
+    behind_members,
     checks_settled,
     coordinator_order,
     majority_checksums,
@@ -407,3 +408,13 @@ def test_unannounced_keys_rank_behind_every_announced_contributor() -> None:
     assert order[:3] == turn_order(0, {}, {p: {0, 1} for p in "abc"}, 2, announced={"a", "b", "c"})
     # members of the previous round still come first
     assert turn_order(1, {"fake3": {0, 1}}, notices, 2, announced={"a", "b", "c"})[0] == "fake3"
+
+
+def test_a_resumed_peer_waits_for_the_members_of_its_round_that_published_nothing_as_new() -> None:
+    """Members of round 4 whose latest checksums are of round 3 (restarting from an older checkpoint), or who have
+    none (not up yet), are waited for; one at round 4 or later, and the peer itself, are not."""
+    checks = [ShardChecks("a", 3, {0: "a" * 64}), ShardChecks("b", 4, {0: "a" * 64}),
+              ShardChecks("c", 6, {0: "a" * 64}), ShardChecks("me", 2, {0: "a" * 64})]
+    assert behind_members({"a", "b", "c", "d", "me"}, checks, 4, "me") == {"a", "d"}
+    assert behind_members({"b", "c", "me"}, checks, 4, "me") == set()
+    assert behind_members(set(), checks, 4, "me") == set()
