@@ -15,6 +15,12 @@ The header names the session (one driver's run of the swarm), the step (a counte
 abandoned steps), the micro-batch and its attempt, so a retried micro-batch never mixes with an older attempt.
 A ``fwd`` carries the rest of its route (the peers of the later stages), so a stage knows where to send it on.
 
+A step ends without a round trip of its own: the ``bwd`` that completes a stage's accumulation carries the squared
+gradient norm of that stage and every later one (``sumsq``, marked complete by ``count``), so the driver knows the
+whole norm when its own last backward is done, and its ``apply`` (the step's rate and clipping scale) goes down the
+chain in front of the next step's first ``fwd``. Only a step whose norms did not come up complete (a micro-batch
+re-run through another chain) asks for them with a ``finish`` down the chain, answered by a ``done`` back up.
+
 Lengths are checked before anything is allocated: a header longer than :data:`MAX_HEADER` or a body longer than
 the caller's limit (which comes from the receiver's own :class:`~hlbp.protocol.activations.ActivationSpec`) is
 refused after reading 4 bytes.
@@ -39,10 +45,10 @@ from hlbp.protocol.errors import ProtocolError
 from hlbp.protocol.fields import _bool, _float, _int, _str
 from hlbp.protocol.untrusted import unpack_msgpack
 
-OPS = ("fwd", "bwd", "eval", "loss", "finish", "done", "fail", "abort", "ping", "pong", "guard", "gloss")
-"""Message kinds. Downstream (towards the last stage): fwd, eval, guard, finish, abort, ping. Upstream: bwd, loss,
-gloss, done, fail, pong."""
-DOWNSTREAM = frozenset({"fwd", "eval", "guard", "finish", "abort", "ping"})
+OPS = ("fwd", "bwd", "eval", "loss", "finish", "done", "fail", "abort", "ping", "pong", "guard", "gloss", "apply")
+"""Message kinds. Downstream (towards the last stage): fwd, eval, guard, finish, apply, abort, ping. Upstream: bwd,
+loss, gloss, done, fail, pong."""
+DOWNSTREAM = frozenset({"fwd", "eval", "guard", "finish", "apply", "abort", "ping"})
 """Ops a stage accepts from its upstream neighbour (the stream it was called on)."""
 UPSTREAM = frozenset({"bwd", "loss", "gloss", "done", "fail", "pong"})
 """Ops a stage accepts from its downstream neighbour (the stream it dialled)."""
@@ -86,21 +92,25 @@ class StageMessage:
     step: int = 0  # step counter of the session (abandoned steps advance it too)
     mb: int = 0  # micro-batch index within the step
     attempt: int = 0  # retry counter of this micro-batch
-    route: tuple[str, ...] = ()  # fwd/eval/finish: peers of the stages after the receiver, in order
+    route: tuple[str, ...] = ()  # fwd/eval/finish/apply: peers of the stages after the receiver, in order
     weight: float = 1.0  # fwd: the micro-batch's share of the step's tokens (its loss is scaled by it)
     loss: float = 0.0  # bwd/loss/gloss: the micro-batch's unscaled loss at the last stage
-    sumsq: float = 0.0  # finish: squared gradient norm summed so far; done: the total
-    count: int = 0  # finish: micro-batches the step must have accumulated
-    lr: float = 0.0  # finish/done: learning rate of this optimizer step
-    max_norm: float = 0.0  # finish: gradient clipping threshold (0: none)
-    scale: float = 1.0  # done: factor every stage applies to its gradients before stepping (clipping)
-    opt_step: int = 0  # finish/done: index of the optimizer step
+    # finish: squared gradient norm summed so far; done/apply: the total; bwd: the sum of the sender's and every
+    # later stage's, complete when ``count`` is set
+    sumsq: float = 0.0
+    # fwd: micro-batches in the step; finish: micro-batches the step must have accumulated; bwd: the step's count
+    # when the sender has accumulated all of them and ``sumsq`` covers it and every later stage (0: not yet)
+    count: int = 0
+    lr: float = 0.0  # finish/done/apply: learning rate of this optimizer step
+    max_norm: float = 0.0  # finish/apply: gradient clipping threshold (0: none)
+    scale: float = 1.0  # done/apply: factor every stage applies to its gradients before stepping (clipping)
+    opt_step: int = 0  # finish/done/apply: index of the optimizer step
     peer: str = ""  # fail: the peer that failed
     reason: str = ""  # fail/abort: why, for the log
     code: Reason = Reason.NONE  # pong/fail/gloss: what happened, as a code the receiver acts on
     busy: tuple[float, ...] = field(default=())  # bwd/loss: seconds each stage computed for this micro-batch
-    tokens: int = 0  # finish/done: tokens of the step (what a stage's round contribution is weighted by)
-    round_end: bool = False  # finish/done: the swarm's last inner step of the round; stages contribute after it
+    tokens: int = 0  # finish/done/apply: tokens of the step (what a stage's round contribution is weighted by)
+    round_end: bool = False  # finish/done/apply: the swarm's last inner step of the round; stages contribute after
     # fwd/bwd: the outer round whose inner phase the step belongs to (the driver's count); guard/gloss: the round
     # whose candidate result the guard batch runs through
     round: int = 0

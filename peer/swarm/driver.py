@@ -2,10 +2,13 @@
 
 One inner step: the batch is split into ``micro_batches`` micro-batches (each one's loss weighted by its share of
 the tokens, so the step's gradient is the whole batch's); up to ``in_flight`` of them travel the chain at once.
-When every micro-batch has come back through backward, ``finish`` collects the squared gradient norms down the
-chain, the last stage turns them into the clipping factor, and ``done`` brings it back up; every stage, the
-driver included, then steps its own AdamW. The update equals a full replica's on the same batch (a test checks
-it with a lossless codec).
+The last backward through each stage brings up the squared gradient norms of that stage and every later one, so
+when every micro-batch has come back the driver knows the global norm: it steps its own AdamW with the clipping
+factor and sends ``apply`` down the chain in front of the next step's micro-batches, and each stage steps on it.
+No message waits for a round trip between two steps. Where the norms did not come up complete (micro-batches
+re-run through another chain), ``finish`` collects them down the chain, the last stage turns them into the factor,
+and ``done`` brings it back up. Either way the update equals a full replica's on the same batch (a test checks it
+with a lossless codec).
 
 Failures never lose a micro-batch silently:
 
@@ -22,6 +25,7 @@ Failures never lose a micro-batch silently:
 from __future__ import annotations
 
 import logging
+import math
 import random
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -57,7 +61,7 @@ from hlbp.peer.swarm.step import (
     micro_batches,
 )
 from hlbp.peer.swarm.transcript import Notary, sealed
-from hlbp.peer.swarm.worker import StageWorker, done_fault
+from hlbp.peer.swarm.worker import StageWorker, clip_scale, done_fault
 from hlbp.protocol import ProtocolError
 from hlbp.protocol.stagewire import Reason, StageMessage, encode_message, encode_tokens
 
@@ -86,6 +90,7 @@ class DriverCounters:
     steps: int = 0
     steps_abandoned: int = 0
     steps_skipped: int = 0  # non-finite gradient norm: no stage stepped
+    norm_round_trips: int = 0  # completed steps whose norms needed a finish and done (not brought up by backward)
     microbatches: int = 0  # micro-batches that finished backward in a completed step
     microbatches_retried: int = 0
     microbatches_abandoned: int = 0
@@ -184,7 +189,8 @@ class Driver:
         out = self.worker.forward(i, mb.attempt, mb.x)
         data = self.codec.encode_forward(out, mb.x, i) + encode_tokens(mb.x, mb.y, self.vocab_size)
         msg = StageMessage("fwd", session=self.session, step=self.step_seq, mb=i, attempt=mb.attempt,
-                           route=tuple(chain[1:]), weight=mb.weight, round=step.round, inner=step.inner)
+                           route=tuple(chain[1:]), weight=mb.weight, round=step.round, inner=step.inner,
+                           count=len(step.mbs))
         mb.sent_at = time.monotonic()
         self.links.dial(chain[0]).send(sealed(self.notary, msg, data))
 
@@ -236,9 +242,9 @@ class Driver:
             if isinstance(outcome, PeerFailed):
                 self._reroute(step, outcome.peer)
 
-    def _send_more(self, step: StepState) -> PeerFailed | None:
-        """Send micro-batches up to the window, then the finish once all are done; the first stage's peer if it
-        could not be dialled."""
+    def _send_more(self, step: StepState) -> StepResult | PeerFailed | None:
+        """Send micro-batches up to the window; once all are done, the step's apply (the norms came up complete:
+        the step's result) or its finish; the first stage's peer if it could not be dialled."""
         if step.finishing:
             return None
         inflight = step.inflight()
@@ -253,10 +259,29 @@ class Driver:
                 return PeerFailed(step.chain[0])
             inflight.append(i)
         if all(m.done for m in step.mbs):
+            if step.below is not None:
+                return self._apply_down(step, step.below)
             step.finishing = True
             step.finish_at = time.monotonic()
             self._send_finish(step.chain, len(step.mbs), step.opt_step, step.lr, step.tokens, step.round_end)
         return None
+
+    def _apply_down(self, step: StepState, below: float) -> StepResult | PeerFailed:
+        """Every micro-batch is back and the later stages' norms came with them: send the step's ``apply`` down
+        the chain (ahead of the next step's micro-batches on the same stream) and step here."""
+        total = min(below + min(self.worker.sumsq(), 1e300), 1e300)
+        total = total if math.isfinite(total) else 1e300
+        scale = clip_scale(total, self.cfg.max_norm)
+        scale = scale if math.isfinite(scale) else 0.0
+        msg = StageMessage("apply", session=self.session, step=self.step_seq, opt_step=step.opt_step, lr=step.lr,
+                           max_norm=self.cfg.max_norm, sumsq=total, scale=scale, tokens=step.tokens,
+                           round_end=step.round_end, route=tuple(step.chain[1:]))
+        try:
+            self.links.dial(step.chain[0]).send(encode_message(msg))
+        except ConnectionError as exc:  # nothing was stepped: the step runs again on another chain
+            logger.warning("%s", exc)
+            return PeerFailed(step.chain[0])
+        return self._stepped(step, scale)
 
     def _next(self, step: StepState) -> StepResult | PeerFailed | None:
         """Wait for the next event, at most until the oldest micro-batch (or the finish) is past its deadline,
@@ -278,6 +303,9 @@ class Driver:
             return self._on_stream_closed(step, event, inflight)
         if isinstance(event, BadPeer):
             return self._on_bad_peer(step, event)
+        if isinstance(event, FailReport) and event.code == Reason.BAD_DONE and event.peer in step.chain \
+                and event.belongs_to(self.session, self.step_seq - 1):
+            return PeerFailed(event.peer)  # the previous step's apply was refused below a peer that altered it
         if not event.belongs_to(self.session, self.step_seq):
             return None  # a late answer to an older step or session
         if isinstance(event, Backward):
@@ -340,6 +368,7 @@ class Driver:
         t0 = time.perf_counter()
         self.worker.backward(msg.mb, msg.attempt, grad)
         m.done, m.loss = True, msg.loss
+        step.below = msg.sumsq if msg.count == len(step.mbs) else None  # the newest backward's word counts
         self.latency.add(time.monotonic() - m.sent_at)
         self._account(step.chain, msg.busy, m.y.numel(), time.perf_counter() - t0)
 
@@ -352,7 +381,12 @@ class Driver:
             logger.warning("stage peer %s sent a done that does not add up: %s", event.conn.peer[:12], fault)
             return PeerFailed(event.conn.peer)
         self.latency.add((time.monotonic() - step.finish_at) / 2)
-        ok = msg.scale > 0 and self.worker.apply(step.lr, msg.scale)
+        self.counters.norm_round_trips += 1
+        return self._stepped(step, msg.scale)
+
+    def _stepped(self, step: StepState, scale: float) -> StepResult:
+        """Step here at the step's rate with clipping factor ``scale`` (or skip it: non-finite) and count it."""
+        ok = scale > 0 and self.worker.apply(step.lr, scale)
         if not ok:
             self.worker.reset()
             self.counters.steps_skipped += 1

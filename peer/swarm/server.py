@@ -39,8 +39,9 @@ from hlbp.peer.swarm.gate import RoundGate
 from hlbp.peer.swarm.guardslot import MAX_HELD, Delivery, GuardSlot
 from hlbp.peer.swarm.links import Conn, StageLinks
 from hlbp.peer.swarm.routing import Bans
+from hlbp.peer.swarm.stepend import StepLedger
 from hlbp.peer.swarm.transcript import Notary, sealed
-from hlbp.peer.swarm.worker import StageStateError, StageWorker, clip_scale, done_fault, finish_fault
+from hlbp.peer.swarm.worker import StageStateError, StageWorker, clip_scale, finish_fault
 from hlbp.protocol import ProtocolError
 from hlbp.protocol.stagewire import (
     DOWNSTREAM,
@@ -105,7 +106,7 @@ class StageServer:
         self._upstream: Conn | None = None  # the stream of the session under way
         self._session = -1
         self._step_round: int | None = None  # the outer round of the step under way, as its frames say
-        self._forwarded: tuple[int, int, float, float, float] | None = None  # the last finish passed down (see _finish)
+        self.ledger = StepLedger()  # what this stage said about the step under way, to check its end against
         self._pending: dict[tuple[int, int], tuple[str, float]] = {}  # (mb, attempt) -> (downstream peer, fwd s)
         self._eval_upstream: dict[tuple[int, int], Conn] = {}
         # (round, mb) -> (where its gloss goes, the peer the guard was passed on to, whose gloss alone counts)
@@ -167,8 +168,10 @@ class StageServer:
             self._put(BACKWARD, lambda: self._finish(msg))
         elif msg.op == "abort":
             self._put(APPLY, lambda: self._abort(msg))
+        elif msg.op == "apply":
+            self._apply_arrived(conn, msg)
         elif msg.op == "done":
-            fault = self._done_fault(msg)
+            fault = self.ledger.done_fault(msg)
             if fault is not None:  # not applied, not passed up: the driver re-runs the step on another chain
                 self._on_bad(conn.peer, fault)
                 self._put(APPLY, lambda: self._apply(replace(msg, scale=0.0, tokens=0, round_end=False)))
@@ -212,13 +215,31 @@ class StageServer:
         if up is not None:
             up.send(encode_message(msg, body))
 
-    def _done_fault(self, msg: StageMessage) -> str | None:
-        """Why a ``done`` from downstream must not be applied (:func:`done_fault`), or None."""
-        forwarded = self._forwarded
-        if forwarded is None or forwarded[:2] != (msg.session, msg.step):
-            return None  # not a step this stage finished: _apply refuses it as out of step
-        _session, _step, lr, max_norm, total = forwarded
-        return done_fault(msg.lr, msg.scale, msg.sumsq, lr, max_norm, total)
+    def _apply_arrived(self, conn: Conn, msg: StageMessage) -> None:
+        """The driver's ``apply`` of a step, from upstream: checked against the schedule and the norm this stage
+        sent up, and queued ahead of the next step's micro-batches (:meth:`_pass_apply`). One that does not add up drops the step here, is not passed on, and names its sender
+        (the stages below drop the step when the next one starts)."""
+        fault = self.ledger.apply_fault(msg, self.worker.optim)
+        if fault is not None:
+            self._on_bad(conn.peer, fault)
+            self._put(APPLY, lambda: self._apply(replace(msg, scale=0.0, tokens=0, round_end=False)))
+            self._fail(conn.peer, Reason.BAD_DONE, fault)
+            return
+        self._put(APPLY, lambda: self._pass_apply(msg))
+
+    def _pass_apply(self, msg: StageMessage) -> None:
+        """Compute thread (dialling waits on the links' loop): pass a checked ``apply`` down its route, then step.
+        Queued first, it leaves before this stage sends on any micro-batch of the next step."""
+        if msg.route:
+            try:
+                self.links.dial(msg.route[0]).send(encode_message(replace(msg, route=msg.route[1:])))
+            except ConnectionError as exc:  # the stages below drop the step when the next one reaches them
+                logger.warning("the apply of step %d could not reach %s: %s", msg.step, msg.route[0][:12], exc)
+        self._apply(msg)
+
+    def _norms(self, msg: StageMessage, below: float | None) -> tuple[float, int]:
+        """The norms the ``bwd`` of ``msg`` carries up (:meth:`StepLedger.norms`)."""
+        return self.ledger.norms(msg, below, len(self.worker.accumulated), self.worker.sumsq)
 
     def _fail(self, peer: str, code: Reason, reason: str) -> None:
         self.counters.fails_sent += 1
@@ -268,6 +289,7 @@ class StageServer:
         self.worker.begin(msg.session, msg.step)
         if new_step:
             self._step_round = msg.round  # what the step's apply tells the round gate
+        self.ledger.started(msg)
         if self.is_last:
             targets = decode_targets(window, shape, self.vocab_size)
             loss, grad = self.worker.loss_backward(msg.mb, msg.attempt, received.tensor, targets, msg.weight)
@@ -275,10 +297,12 @@ class StageServer:
             data = self.codec.encode_backward(grad, msg.mb)
             self.counters.forwards += 1
             self.counters.backwards += 1
+            sumsq, count = self._norms(msg, 0.0)
             busy = time.perf_counter() - start
             conn.send(sealed(self.notary, StageMessage("bwd", session=msg.session, step=msg.step, mb=msg.mb,
                                                        attempt=msg.attempt, loss=min(loss, 1e6), busy=(busy,),
-                                                       round=msg.round, inner=msg.inner), data))
+                                                       round=msg.round, inner=msg.inner, sumsq=sumsq,
+                                                       count=count), data))
             return
         decode_targets(window, shape, self.vocab_size)  # check before passing it on
         out = self.worker.forward(msg.mb, msg.attempt, received.tensor)
@@ -393,12 +417,13 @@ class StageServer:
         assert grad_in is not None
         data = self.codec.encode_backward(grad_in, msg.mb)
         self.counters.backwards += 1
+        sumsq, count = self._norms(msg, self.ledger.below(msg))
         with self._lock:
             _, fwd_s = self._pending.pop((msg.mb, msg.attempt), ("", 0.0))
         busy = msg.busy + (fwd_s + time.perf_counter() - start,)
         up = self._upstream
         if up is not None:
-            up.send(sealed(self.notary, replace(msg, busy=busy[-32:]), data))
+            up.send(sealed(self.notary, replace(msg, busy=busy[-32:], sumsq=sumsq, count=count), data))
 
     def _finish(self, msg: StageMessage) -> None:
         if (msg.session, msg.step) != (self.worker.session, self.worker.step) or \
@@ -414,7 +439,7 @@ class StageServer:
                 self._fail(msg.route[0], Reason.UNREACHABLE, str(exc))
                 return
             # what a done for this step must agree with: the driver's rate and at least the norm counted so far
-            self._forwarded = (msg.session, msg.step, msg.lr, msg.max_norm, min(total, 1e300))
+            self.ledger.passed_down(msg, total)
             down.send(encode_message(replace(msg, sumsq=min(total, 1e300), route=msg.route[1:])))
             return
         scale = clip_scale(total, msg.max_norm)

@@ -76,6 +76,9 @@ class StepState:
     waits: int = 0  # deadlines renewed because a stage said it is exchanging a round (bounded: a peer may lie)
     finishing: bool = False  # every micro-batch is done and the finish is under way
     finish_at: float = 0.0  # monotonic time the finish was sent (or its deadline renewed)
+    # the squared gradient norm of every later stage, as the newest backward brought it complete (None: it did not,
+    # and the step asks for it with a finish)
+    below: float | None = None
 
     def inflight(self) -> list[int]:
         """The micro-batches sent and not yet back."""

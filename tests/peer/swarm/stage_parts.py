@@ -18,6 +18,7 @@ from hlbp.peer.swarm.worker import StageWorker
 from hlbp.peer.train.trainer import OptimConfig
 
 CONFIG = preset("tiny", vocab_size=300, n_layers=2)
+CONFIG3 = preset("tiny", vocab_size=300, n_layers=3)  # for a 3-stage chain, a layer a stage
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
 
 
@@ -34,12 +35,14 @@ def started_dhts(n: int) -> Iterator[list[hivemind.DHT]]:
             d.shutdown()
 
 
-def stage_workers(optim: OptimConfig, *stages_of: int) -> list[StageWorker]:
-    """One worker per entry of ``stages_of`` (the index of its stage of 2), each loaded from the initial state."""
-    full = initial_state(CONFIG, 0)
+def stage_workers(optim: OptimConfig, *stages_of: int, n_stages: int = 2) -> list[StageWorker]:
+    """One worker per entry of ``stages_of`` (the index of its stage of ``n_stages``: 2 of :data:`CONFIG`, or 3 of
+    :data:`CONFIG3`), each loaded from the initial state."""
+    config = CONFIG if n_stages == 2 else CONFIG3
+    full = initial_state(config, 0)
     workers = []
     for i in stages_of:
-        stage = split(CONFIG, 2)[i]
+        stage = split(config, n_stages)[i]
         load_from_full(stage, full)
         workers.append(StageWorker(stage, optim, torch.device("cpu")))
     return workers
