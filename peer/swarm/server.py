@@ -12,9 +12,8 @@ the end of a step ``finish`` travels down the chain summing squared gradient nor
 total into the clipping factor and sends ``done`` back up; each stage queues its AdamW step before it passes
 ``done`` on.
 
-A ``guard`` runs the run's guard batch through the stage at its round's candidate result, held in a
-:class:`~hlbp.peer.swarm.guardslot.GuardSlot` while the round is being committed (or waits there for it), and its
-``gloss`` answer is recorded in the slot as it passes back up.
+Guard traffic (a round's candidate scored through the chain before it is committed) shares the streams and the
+compute thread; :class:`~hlbp.peer.swarm.guardrelay.GuardRelay` owns it.
 
 Failures: a downstream stream that closes with micro-batches still waiting for their backward, or a peer that
 cannot be dialled, becomes a ``fail`` naming that peer, sent upstream to the driver, which re-runs the step's
@@ -36,7 +35,8 @@ from typing import TYPE_CHECKING, Any
 
 from hlbp.peer.model.codec import ActivationCodec
 from hlbp.peer.swarm.gate import RoundGate
-from hlbp.peer.swarm.guardslot import MAX_HELD, Delivery, GuardSlot
+from hlbp.peer.swarm.guardrelay import GuardRelay
+from hlbp.peer.swarm.guardslot import GuardSlot
 from hlbp.peer.swarm.links import Conn, StageLinks
 from hlbp.peer.swarm.routing import Bans
 from hlbp.peer.swarm.stepend import StepLedger
@@ -109,8 +109,8 @@ class StageServer:
         self.ledger = StepLedger()  # what this stage said about the step under way, to check its end against
         self._pending: dict[tuple[int, int], tuple[str, float]] = {}  # (mb, attempt) -> (downstream peer, fwd s)
         self._eval_upstream: dict[tuple[int, int], Conn] = {}
-        # (round, mb) -> (where its gloss goes, the peer the guard was passed on to, whose gloss alone counts)
-        self._guard_upstream: dict[tuple[int, int], tuple[Conn, str]] = {}
+        self.guard = GuardRelay(slot, worker, codec, vocab_size, lambda job: self._put(FORWARD, job), self._pass_on,
+                                self._count_eval)
         self._warned: set[str] = set()
         self._stop = threading.Event()
         self.links = StageLinks(dht, self._on_message, self._on_closed, self._on_bad, self._may_call,
@@ -184,19 +184,9 @@ class StageServer:
             if up is not None:
                 up.send(encode_message(msg))
         elif msg.op == "guard":
-            self._guard_arrived(conn, msg, body)
+            self.guard.arrived(conn, msg, body)
         elif msg.op == "gloss":
-            with self._lock:  # only the answer to a guard this stage passed on, from the peer it passed it to
-                key = (msg.round, msg.mb)
-                up, down = self._guard_upstream.get(key, (None, ""))
-                if up is not None and down == conn.peer:
-                    del self._guard_upstream[key]
-                else:
-                    up = None
-            if up is not None:
-                if self.slot is not None and msg.code != Reason.UNSCORED:
-                    self.slot.record(msg.round, msg.mb, msg.loss)
-                up.send(encode_message(msg))
+            self.guard.answered(conn, msg)
         elif msg.op == "fail":
             self._send_up(msg)
 
@@ -332,6 +322,9 @@ class StageServer:
         self._pass_on(msg, received, out, window,
                       lambda exc: self._fail(msg.route[0], Reason.UNREACHABLE, str(exc)))
 
+    def _count_eval(self) -> None:
+        self.counters.evals += 1
+
     def _pass_on(self, msg: StageMessage, received: Any, out: torch.Tensor, window: bytes,
                  unreachable: Callable[[ConnectionError], None]) -> None:
         """An evaluation's or a guard's output of this stage (no gradient, nothing kept) passed on down its route,
@@ -344,63 +337,6 @@ class StageServer:
             unreachable(exc)
             return
         down.send(encode_message(replace(msg, route=msg.route[1:]), data + window))
-
-    def _guard_arrived(self, conn: Conn, msg: StageMessage, body: bytes) -> None:
-        """A guard from upstream: queued at once when its round's candidate is held under guard, else kept until it
-        is (:meth:`GuardSlot.deliver`); one this stage will not run is answered with an unscored ``gloss``, so its
-        driver stops waiting and every stage of the chain judges the round by its norms alone."""
-        slot = self.slot
-        if slot is None or msg.mb >= MAX_HELD:
-            self._unscored(conn, msg)
-            return
-
-        def run() -> None:
-            self._put(FORWARD, lambda: self._guard(conn, msg, body))
-
-        outcome = slot.deliver(msg.round, run, lambda: self._unscored(conn, msg))
-        if outcome is Delivery.RUN:
-            run()
-        elif outcome is Delivery.REFUSED:
-            self._unscored(conn, msg)
-
-    def _unscored(self, conn: Conn, msg: StageMessage) -> None:
-        conn.send(encode_message(StageMessage("gloss", session=msg.session, step=msg.step, mb=msg.mb,
-                                              round=msg.round, code=Reason.UNSCORED)))
-
-    def _guard(self, conn: Conn, msg: StageMessage, body: bytes) -> None:
-        """One guard micro-batch through this stage at its round's candidate: passed on down its route, or, on the
-        last stage, scored, recorded and answered with a ``gloss``."""
-        assert self.slot is not None
-        params = self.slot.params(msg.round)
-        if params is None:  # decided meanwhile
-            self._unscored(conn, msg)
-            return
-        start = time.perf_counter()
-        frame, window = split_body(body, self.vocab_size)
-        received = self.codec.decode_forward(frame)
-        shape = (received.tensor.shape[0], received.tensor.shape[1])
-        targets = decode_targets(window, shape, self.vocab_size)
-        self.counters.evals += 1
-        if self.is_last:
-            loss = self.worker.eval_loss_at(params, received.tensor, targets)
-            loss = min(loss, 1e6) if math.isfinite(loss) else 1e6  # a non-finite loss travels as the largest
-            self.slot.record(msg.round, msg.mb, loss)
-            conn.send(encode_message(StageMessage("gloss", session=msg.session, step=msg.step, mb=msg.mb,
-                                                  round=msg.round, loss=loss,
-                                                  busy=(time.perf_counter() - start,))))
-            return
-        if not msg.route:
-            raise ProtocolError("a guard with no route past a stage that is not the last")
-        out = self.worker.forward_at(params, received.tensor)
-        with self._lock:
-            self._guard_upstream = {k: v for k, v in self._guard_upstream.items() if k[0] >= msg.round}
-            self._guard_upstream[(msg.round, msg.mb)] = (conn, msg.route[0])
-
-        def unreachable(exc: ConnectionError) -> None:
-            logger.info("the guard of round %d could not reach %s: %s", msg.round, msg.route[0][:12], exc)
-            self._unscored(conn, msg)
-
-        self._pass_on(msg, received, out, window, unreachable)
 
     def _backward(self, sender: str, msg: StageMessage, body: bytes) -> None:
         start = time.perf_counter()
