@@ -25,7 +25,6 @@ Failures never lose a micro-batch silently:
 from __future__ import annotations
 
 import logging
-import math
 import random
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -61,7 +60,7 @@ from hlbp.peer.swarm.step import (
     micro_batches,
 )
 from hlbp.peer.swarm.transcript import Notary, sealed
-from hlbp.peer.swarm.worker import StageWorker, clip_scale, done_fault
+from hlbp.peer.swarm.worker import StageWorker, done_fault, wire_norm, wire_scale
 from hlbp.protocol import ProtocolError
 from hlbp.protocol.stagewire import Reason, StageMessage, encode_message, encode_tokens
 
@@ -269,10 +268,8 @@ class Driver:
     def _apply_down(self, step: StepState, below: float) -> StepResult | PeerFailed:
         """Every micro-batch is back and the later stages' norms came with them: send the step's ``apply`` down
         the chain (ahead of the next step's micro-batches on the same stream) and step here."""
-        total = min(below + min(self.worker.sumsq(), 1e300), 1e300)
-        total = total if math.isfinite(total) else 1e300
-        scale = clip_scale(total, self.cfg.max_norm)
-        scale = scale if math.isfinite(scale) else 0.0
+        total = wire_norm(below + min(self.worker.sumsq(), 1e300))
+        scale = wire_scale(total, self.cfg.max_norm)
         msg = StageMessage("apply", session=self.session, step=self.step_seq, opt_step=step.opt_step, lr=step.lr,
                            max_norm=self.cfg.max_norm, sumsq=total, scale=scale, tokens=step.tokens,
                            round_end=step.round_end, route=tuple(step.chain[1:]))

@@ -7,10 +7,12 @@ drains the step under way before it starts new micro-batches and never computes 
 last step's weights.
 
 The flow of one micro-batch at stage s: ``fwd`` from upstream → forward → ``fwd`` to the next peer of its route
-(or, on the last stage, loss and backward at once) → ``bwd`` from downstream → backward → ``bwd`` upstream. At
-the end of a step ``finish`` travels down the chain summing squared gradient norms; the last stage turns the
-total into the clipping factor and sends ``done`` back up; each stage queues its AdamW step before it passes
-``done`` on.
+(or, on the last stage, loss and backward at once) → ``bwd`` from downstream → backward → ``bwd`` upstream. The
+``bwd`` that completes this stage's accumulation carries up its squared gradient norm plus the later stages'
+(:class:`~hlbp.peer.swarm.stepend.StepLedger`); the driver's ``apply`` then comes down ahead of the next step's
+micro-batches, is checked against that norm, passed on and queued before them. A step whose norms did not come up
+complete ends the older way: ``finish`` down the chain summing the norms, the last stage's ``done`` back up, each
+stage queueing its AdamW step before it passes ``done`` on.
 
 Guard traffic (a round's candidate scored through the chain before it is committed) shares the streams and the
 compute thread; :class:`~hlbp.peer.swarm.guardrelay.GuardRelay` owns it.
@@ -25,7 +27,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import math
 import queue
 import threading
 import time
@@ -41,7 +42,7 @@ from hlbp.peer.swarm.links import Conn, StageLinks
 from hlbp.peer.swarm.routing import Bans
 from hlbp.peer.swarm.stepend import StepLedger
 from hlbp.peer.swarm.transcript import Notary, sealed
-from hlbp.peer.swarm.worker import StageStateError, StageWorker, clip_scale, finish_fault
+from hlbp.peer.swarm.worker import StageStateError, StageWorker, finish_fault, wire_norm, wire_scale
 from hlbp.protocol import ProtocolError
 from hlbp.protocol.stagewire import (
     DOWNSTREAM,
@@ -378,10 +379,8 @@ class StageServer:
             self.ledger.passed_down(msg, total)
             down.send(encode_message(replace(msg, sumsq=min(total, 1e300), route=msg.route[1:])))
             return
-        scale = clip_scale(total, msg.max_norm)
         done = StageMessage("done", session=msg.session, step=msg.step, opt_step=msg.opt_step, lr=msg.lr,
-                            sumsq=min(total, 1e300) if math.isfinite(total) else 1e300,
-                            scale=scale if math.isfinite(scale) else 0.0, tokens=msg.tokens,
+                            sumsq=wire_norm(total), scale=wire_scale(total, msg.max_norm), tokens=msg.tokens,
                             round_end=msg.round_end)
         self._apply(done)
         self._send_up(done)

@@ -17,10 +17,9 @@ Each field is replaced whole, so a reader on the other thread sees an old or a n
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
-from hlbp.peer.swarm.worker import done_fault, finish_fault
+from hlbp.peer.swarm.worker import done_fault, finish_fault, wire_norm
 from hlbp.peer.train.trainer import OptimConfig
 from hlbp.protocol.stagewire import StageMessage
 
@@ -49,8 +48,7 @@ class StepLedger:
         session, step, count = self.count
         if below is None or (session, step) != (msg.session, msg.step) or count <= 0 or accumulated != count:
             return 0.0, 0
-        total = min(below + sumsq(), 1e300)
-        total = total if math.isfinite(total) else 1e300
+        total = wire_norm(below + sumsq())
         self.reported = (msg.session, msg.step, total)
         return total, count
 

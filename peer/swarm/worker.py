@@ -202,6 +202,19 @@ def clip_scale(total_sumsq: float, max_norm: float) -> float:
     return min(1.0, max_norm / (math.sqrt(total_sumsq) + 1e-6))
 
 
+def wire_norm(total_sumsq: float) -> float:
+    """A step's squared gradient norm as a message carries it: at most 1e300, and a non-finite one as 1e300 (the
+    step's factor then skips it everywhere, :func:`wire_scale`)."""
+    return min(total_sumsq, 1e300) if math.isfinite(total_sumsq) else 1e300
+
+
+def wire_scale(total_sumsq: float, max_norm: float) -> float:
+    """The clipping factor a step's ``apply`` or ``done`` carries for a global squared norm: :func:`clip_scale`, or
+    0 (skip the step) where that is not finite."""
+    scale = clip_scale(total_sumsq, max_norm)
+    return scale if math.isfinite(scale) else 0.0
+
+
 def finish_fault(lr: float, opt_step: int, max_norm: float, optim: OptimConfig) -> str | None:
     """Why a step's ``finish`` (from the driver, relayed down) must not be run here, or None.
 

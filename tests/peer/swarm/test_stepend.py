@@ -4,7 +4,7 @@ takes."""
 from __future__ import annotations
 
 from hlbp.peer.swarm.stepend import StepLedger
-from hlbp.peer.swarm.worker import clip_scale
+from hlbp.peer.swarm.worker import clip_scale, wire_norm, wire_scale
 from hlbp.peer.train.trainer import OptimConfig, lr_at
 from hlbp.protocol.stagewire import StageMessage
 
@@ -61,3 +61,10 @@ def test_a_done_is_taken_only_for_the_step_whose_finish_went_down() -> None:
     assert ledger.done_fault(done) is None
     assert ledger.done_fault(StageMessage("done", session=9, step=3, lr=10.0, sumsq=9.0,
                                           scale=clip_scale(9.0, OPTIM.grad_clip))) is not None
+
+
+def test_a_norm_that_is_not_finite_travels_as_the_largest_and_skips_the_step() -> None:
+    assert wire_norm(4.0) == 4.0 and wire_norm(1e308) == 1e300
+    assert wire_norm(float("inf")) == 1e300 and wire_norm(float("nan")) == 1e300
+    assert wire_scale(4.0, 1.0) == clip_scale(4.0, 1.0)
+    assert wire_scale(float("nan"), 1.0) == 0.0 and wire_scale(float("inf"), 0.0) == 1.0  # no clipping: 1
