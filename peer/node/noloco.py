@@ -74,8 +74,8 @@ def run_noloco(ctx: Any, options: Any, trainer: Any, transport: Any, metrics: An
     how = runner.start()
     echo(f"replica: noloco ({cfg.label}), {how}; starting at round {runner.round}")
     if options.wait_replicas > 1 and runner.round == 0:
-        wait_for_replicas(lambda: len(peers()), options.wait_replicas, options.wait_replicas_timeout_s, ctx.stop,
-                          echo)
+        wait_for_replicas(lambda: len(runner.ready_replicas()), options.wait_replicas,
+                          options.wait_replicas_timeout_s, ctx.stop, echo, what="ready")
     try:
         history = runner.run(options.rounds)
     finally:

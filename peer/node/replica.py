@@ -78,8 +78,8 @@ class ReplicaOptions:
 
 
 def wait_for_replicas(count: Callable[[], int], want: int, timeout_s: float, stop: threading.Event,
-                      echo: Any = print) -> bool:
-    """Wait until ``count()`` (announced replicas, us included) reaches ``want``, at most ``timeout_s``.
+                      echo: Any = print, what: str = "announced") -> bool:
+    """Wait until ``count()`` (replicas, us included, that are ``what``) reaches ``want``, at most ``timeout_s``.
 
     Why: replicas started together would otherwise begin round 0 as each finishes joining, and the first one,
     seeing nobody else announced, closes round 0 alone; the others then sync and sit it out. Returns whether
@@ -88,10 +88,10 @@ def wait_for_replicas(count: Callable[[], int], want: int, timeout_s: float, sto
     deadline = time.monotonic() + timeout_s
     have = count()
     if have < want:
-        echo(f"waiting for {want} replicas before round 0 ({have} announced, at most {timeout_s:g} s)")
+        echo(f"waiting for {want} replicas before round 0 ({have} {what}, at most {timeout_s:g} s)")
     while have < want and not stop.is_set():
         if time.monotonic() >= deadline:
-            echo(f"starting with {have} of {want} replicas: the others did not announce within {timeout_s:g} s")
+            echo(f"starting with {have} of {want} replicas: the others were not {what} within {timeout_s:g} s")
             return False
         stop.wait(0.5)
         have = count()

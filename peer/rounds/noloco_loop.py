@@ -57,6 +57,10 @@ logger = logging.getLogger(__name__)
 # encode the whole model again and again)
 STATE_NAME = f"{STATE_PREFIX}noloco"
 FAIL_ROUNDS = 4  # a partner whose message broke the protocol is skipped (stepped alone) this many rounds
+# served once a replica's runner has started (model built, state taken up): replicas started together wait for each
+# other's before round 0, since an announcement comes before the model and the data are ready
+READY_NAME = "noloco/ready"
+READY_BLOB = b"ready"
 
 
 def message_name(round_: int) -> str:
@@ -116,6 +120,7 @@ class NoLoCoRunner:
         self.history: list[NoLoCoRound] = []
         self.encoder = MessageEncoder(cfg, me, run_id)
         self._lock = threading.Lock()  # the served state is read between two steps, never during one
+        self._ready: set[str] = set()  # peers seen serving READY_NAME
         n_params = sum(t.numel() for t in params.values())
         # dense: two fp32 tensors of the model; sparse: SparseLoCo's bound (6 B a value) and φ at its positions
         self.max_message_bytes = (8 if cfg.sparse else 16) * n_params + (1 << 20)
@@ -140,7 +145,22 @@ class NoLoCoRunner:
                 how = f"resumed from checkpoint; the run is at round {round_ + 1}"
             self.round = max(self.round, round_ + 1)
         self._load_model()
+        self.transport.put(READY_NAME, READY_BLOB)
         return how
+
+    def ready_replicas(self, timeout_s: float = 1.0) -> set[str]:
+        """The online replicas (us included) whose runner has started: they serve :data:`READY_NAME`. A fresh
+        run's first round waits for these, not for the announcements: a replica announces before it has loaded
+        its data and built its model, which on a loaded machine took longer than a round's window, and a partner
+        drawn for round 0 that is still starting makes the other step alone (seen in CI). A peer seen ready stays
+        counted; each other one costs one short fetch a call."""
+        for peer in sorted(self.peers() - self._ready - {self.me}):
+            try:
+                if self.transport.fetch(peer, READY_NAME, len(READY_BLOB), timeout_s) == READY_BLOB:
+                    self._ready.add(peer)
+            except (TransportError, ProtocolError):
+                continue
+        return self._ready | {self.me}
 
     def _resume(self) -> bool:
         if self.checkpoint is None or not self.checkpoint.exists():

@@ -20,7 +20,7 @@ def test_starts_with_whoever_is_there_after_the_timeout() -> None:
     t0 = time.monotonic()
     assert not wait_for_replicas(lambda: 2, 4, 0.2, threading.Event(), lines.append)
     assert time.monotonic() - t0 < 5.0
-    assert lines[-1] == "starting with 2 of 4 replicas: the others did not announce within 0.2 s"
+    assert lines[-1] == "starting with 2 of 4 replicas: the others were not announced within 0.2 s"
 
 
 def test_already_enough_or_stopped_returns_at_once() -> None:

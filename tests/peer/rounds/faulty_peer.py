@@ -345,6 +345,18 @@ def _gather_breaker(runner: Any, arg: str) -> None:
     runner.closer.selection.choose = lambda r, notices, admit: admit(notices)
 
 
+def _slow_start(runner: Any, arg: str) -> None:
+    """Starts its NoLoCo runner ``arg`` seconds late, after it has announced itself: a replica whose data and
+    model take long to load on a busy machine, which the replicas started with it must wait for."""
+    start = runner.start
+
+    def late() -> str:
+        runner.stop.wait(float(arg or 15.0))
+        return start()
+
+    runner.start = late
+
+
 FAULTS: dict[str, Callable[[Any, str], None]] = {
     "slow": _slow,
     "corrupt": lambda runner, arg: setattr(runner, "encoder", CorruptEncoder(runner.encoder)),
@@ -364,6 +376,7 @@ FAULTS: dict[str, Callable[[Any, str], None]] = {
     "usurper": lambda runner, arg: setattr(runner, "closer", UsurpingCloser(runner.closer, arg == "empty")),
     "flood": lambda runner, arg: setattr(runner, "flood", Flood(runner)),
     "gather-breaker": _gather_breaker,
+    "slow-start": _slow_start,
     "noloco-liar": lambda runner, arg: setattr(runner, "encoder", LyingPartner(runner.encoder, float(arg or 1e3))),
     "noloco-weights-liar": lambda runner, arg: setattr(runner, "encoder",
                                                        LyingPartner(runner.encoder, float(arg or 1e3), weights=True)),

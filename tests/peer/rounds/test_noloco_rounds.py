@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import torch
+from faulty_peer import program
 
 from hlbp.peer.rounds.noloco import spread
 from hlbp.peer.sim.launcher import Replica, SimConfig, Swarm, poll
@@ -46,7 +47,11 @@ def test_four_replicas_pair_by_the_seed_learn_and_stay_close(tmp_path: Path, pay
                     outer="noloco", noloco_payload=payload, rounds=5, round_deadline_s=10.0, ttl_s=8.0)
     with Swarm(cfg, tmp_path) as sw:
         sw.start()
-        peers = [sw.add(f"peer{i}", "--wait-replicas", "4", "--checkpoint-every", "0") for i in range(4)]
+        # one replica starts its rounds later than a round's window after announcing itself (its data and model
+        # slow to load, as on a busy box): the others wait for it to be ready, not for its announcement
+        late = {"program": program(f"slow-start:{2 * cfg.round_deadline_s:g}")} if payload == "dense" else {}
+        peers = [sw.add(f"peer{i}", "--wait-replicas", "4", "--checkpoint-every", "0", **(late if i == 3 else {}))
+                 for i in range(4)]
         poll(lambda: all(p.proc.popen.poll() is not None for p in peers), TIMEOUT_S, "every replica's 5 rounds")
         outputs = {p.name: p.proc.output for p in peers}
         recs = {p.name: _records(p) for p in peers}
@@ -116,7 +121,6 @@ def test_a_lying_partner_is_bounded_and_poisons_nobody(tmp_path: Path) -> None:
     """One of four replicas sends its progress scaled by 1000 every round: whoever it is paired with bounds it to
     4x its own (the records say how many tensors), nobody exits, every honest loss falls. (A partner that scales
     its outer weights instead is not held off by the pull's bound: docs/security.md.)"""
-    from faulty_peer import program
 
     cfg = SimConfig(n_stages=1, inner_steps=5, batch_size=4, seq_len=64, seed=9, run_id="noloco-liar",
                     outer="noloco", rounds=6, round_deadline_s=10.0, ttl_s=8.0)
