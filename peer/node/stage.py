@@ -52,7 +52,8 @@ from hlbp.peer.swarm.server import StageServer
 from hlbp.peer.swarm.transcript import Notary
 from hlbp.peer.swarm.worker import StageWorker
 from hlbp.peer.train.checkpoint import (
-    load_checkpoint,
+    load_module,
+    open_checkpoint,
     optimizer_from_tensors,
     optimizer_to_tensors,
     save_checkpoint,
@@ -163,13 +164,13 @@ def _resume(ctx: TrainContext, worker: StageWorker) -> int | None:
     path = _checkpoint_path(ctx)
     if not path.exists():
         return None
-    tensors, header = load_checkpoint(path)
+    tensors, header = open_checkpoint(path)  # each tensor read from the file as it is put in place
     role = ctx.peer.role
     if header.get("swarm") != role.swarm or header.get("stage") != role.stage:
         logger.warning("ignoring %s: it holds stage %s of swarm %s, this peer now serves stage %s of swarm %s",
                        path, header.get("stage"), header.get("swarm"), role.stage, role.swarm)
         return None
-    worker.stage.load_state_dict({k[6:]: v for k, v in tensors.items() if k.startswith("model.")})
+    load_module(worker.stage, tensors, "model.")
     optimizer_from_tensors(worker.optimizer, tensors, header["optimizer"])
     if worker.constraint is not None:
         worker.constraint.sync()

@@ -11,7 +11,7 @@ import base64
 import binascii
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,7 +22,7 @@ from hlbp.peer.common.errors import UserInputError
 from hlbp.peer.common.files import remove_stale_temps
 from hlbp.peer.rounds.anchor import Anchor
 from hlbp.peer.rounds.state import ReplicaState
-from hlbp.peer.train.checkpoint import load_checkpoint, save_checkpoint
+from hlbp.peer.train.checkpoint import open_checkpoint, save_checkpoint
 from hlbp.protocol.roundwire import MAX_RECORD_BYTES
 
 logger = logging.getLogger(__name__)
@@ -39,10 +39,10 @@ class SavedReplica:
     """What a checkpoint of this run held: the anchor, each held shard's outer optimizer state, the next round to
     run, and the raw tensors and header the inner trainer restores itself from."""
 
-    anchor: dict[str, torch.Tensor]
-    outers: dict[int, dict[str, torch.Tensor]]
+    anchor: Mapping[str, torch.Tensor]  # each read from the file when asked for (CheckpointTensors)
+    outers: dict[int, Mapping[str, torch.Tensor]]
     round: int
-    tensors: dict[str, torch.Tensor]
+    tensors: Mapping[str, torch.Tensor]
     header: dict[str, Any]
 
 
@@ -98,21 +98,40 @@ def load_replica(path: Path, run_id: str, shapes: Mapping[str, tuple[int, ...]],
         logger.info("removed the temporary files of an interrupted checkpoint save")
     if not path.exists():
         return None
-    tensors, header = load_checkpoint(path)
+    tensors, header = open_checkpoint(path)  # checked, its tensors left in the file until each is asked for
     if header.get("run") != run_id:
         return None
-    if not all(bool(torch.isfinite(t).all()) for n, t in tensors.items() if n.startswith(ANCHOR)):
+    anchor = _Prefixed(tensors, ANCHOR)
+    if not all(bool(torch.isfinite(anchor[n]).all()) for n in anchor):
         logger.warning("ignoring checkpoint %s: its global parameters hold a non-finite value", path)
         return None
-    anchor = {n[len(ANCHOR):]: t.float() for n, t in tensors.items() if n.startswith(ANCHOR)}
     round_ = header.get("round")
-    if ({n: tuple(t.shape) for n, t in anchor.items()} != {n: tuple(s) for n, s in shapes.items()}
+    if ({n: tensors.shape(ANCHOR + n) for n in anchor} != {n: tuple(s) for n, s in shapes.items()}
             or isinstance(round_, bool) or not isinstance(round_, int) or round_ < 0):
         raise UserInputError(f"checkpoint {path} does not hold this run's global parameters and "
                              "round; move it away (the peer then syncs from the others)")
-    outers = {s: {k[len(_outer_prefix(s)):]: v for k, v in tensors.items() if k.startswith(_outer_prefix(s))}
-              for s in shards}
+    outers = {s: _Prefixed(tensors, _outer_prefix(s)) for s in shards}
     return SavedReplica(anchor, outers, round_, tensors, header)
+
+
+class _Prefixed(Mapping[str, torch.Tensor]):
+    """The tensors of ``tensors`` whose names start with ``prefix``, by the rest of their names, each read when
+    asked for."""
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor], prefix: str) -> None:
+        self._tensors, self._prefix = tensors, prefix
+        self._names = [n[len(prefix):] for n in tensors if n.startswith(prefix)]
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self._names:
+            raise KeyError(name)
+        return self._tensors[self._prefix + name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
 
 
 class Checkpoints:
@@ -155,7 +174,8 @@ class Checkpoints:
         if saved is None:
             return False
         self.trainer.load_state(saved.tensors, saved.header)
-        state.anchor = Anchor(saved.anchor)
+        state.anchor = anchor = Anchor()  # the old one goes first: the checkpoint's replaces it one tensor at a time
+        anchor.update((n, saved.anchor[n].float()) for n in saved.anchor)
         for s, o in state.outers.items():
             o.load_state(saved.outers[s])
         state.round = saved.round

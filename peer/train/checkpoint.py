@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +32,7 @@ FORMAT = "hlbp-checkpoint"
 FORMAT_VERSION = 1
 
 
-def tensors_digest(tensors: dict[str, torch.Tensor]) -> str:
+def tensors_digest(tensors: Mapping[str, torch.Tensor]) -> str:
     """sha256 over every tensor's name, dtype, shape and bytes, in name order: what a checkpoint's tensors were
     when saved. safetensors checks a file's layout, not its contents, so flipped bytes on disk would otherwise load
     as silently wrong parameters."""
@@ -129,6 +130,70 @@ def _metadata(path: Path) -> tuple[dict[str, str], dict[str, Any]]:
     return meta, header
 
 
+_TORCH_DTYPE = {name: dtype for dtype, name in _ST_DTYPE.items()}
+
+
+class CheckpointTensors(Mapping[str, torch.Tensor]):
+    """A checkpoint's tensors, each read from the file when it is asked for (plain reads into a fresh tensor, no
+    memory mapping), so a caller that puts each in its place and lets it go holds one tensor of the file at a time.
+    Loading a whole checkpoint held all of it beside the state it was restoring: a resumed replica peaked at about
+    twice its state's bytes, and beside a GPU the host held the whole model and AdamW state (docs/design.md,
+    "Memory per parameter"). Made by :func:`open_checkpoint`, which has checked the file's layout and digest."""
+
+    def __init__(self, path: Path, entries: Mapping[str, tuple[torch.dtype, tuple[int, ...], int]]) -> None:
+        self.path = Path(path)
+        self._entries = dict(entries)  # name -> (dtype, shape, offset of its bytes in the file)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """A tensor's shape, without reading it."""
+        return self._entries[name][1]
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        dtype, shape, offset = self._entries[name]
+        out = torch.empty(shape, dtype=dtype)
+        if out.numel():
+            view = out.reshape(-1).view(torch.uint8).numpy()
+            try:
+                with open(self.path, "rb") as f:
+                    f.seek(offset)
+                    if f.readinto(view) != view.nbytes:
+                        raise OSError("the file ended early")
+            except OSError as exc:
+                raise UserInputError(f"checkpoint {self.path} cannot be read ({exc}); delete it") from None
+        return out
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(sorted(self._entries))
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+def open_checkpoint(path: Path) -> tuple[CheckpointTensors, dict[str, Any]]:
+    """:func:`load_checkpoint`'s checks (layout, format, header, digest) with the tensors left in the file: the
+    digest is computed one tensor at a time, and the mapping returned reads each tensor when it is asked for
+    (:class:`CheckpointTensors`). For a peer resuming its state, which must not hold the file and the state whole
+    at once."""
+    path = Path(path)
+    meta, header = _metadata(path)  # the layout checked: dtypes, shapes and offsets that tile the file
+    prefix = _read_prefix(path)
+    start = len(prefix)
+    layout = json.loads(prefix[8:].decode("utf-8"))
+    layout.pop("__metadata__", None)
+    entries = {}
+    for name, entry in layout.items():
+        if entry["dtype"] not in _TORCH_DTYPE:
+            raise UserInputError(f"checkpoint {path} holds tensor {name[:60]!r} of dtype {entry['dtype']!r}, which "
+                                 "an hlbp checkpoint does not; delete it")
+        entries[name] = (_TORCH_DTYPE[entry["dtype"]], tuple(entry["shape"]), start + entry["data_offsets"][0])
+    tensors = CheckpointTensors(path, entries)
+    digest = meta.get("sha256")  # absent in checkpoints written before it was kept
+    if digest is not None and digest != tensors_digest(tensors):
+        raise UserInputError(f"checkpoint {path} is damaged: its tensors do not match the checksum saved with them; "
+                             "delete it")
+    return tensors, header
+
+
 def checkpoint_header(path: Path) -> dict[str, Any]:
     """The JSON header of a checkpoint, without loading its tensors (which round a checkpoint is of)."""
     return _metadata(path)[1]
@@ -149,6 +214,27 @@ def load_checkpoint(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]
     return tensors, header
 
 
+def load_module(module: torch.nn.Module, tensors: Mapping[str, torch.Tensor], prefix: str) -> None:
+    """Copy the tensors named ``prefix`` + each name of ``module``'s state dict into it, one at a time, as
+    ``load_state_dict(strict=True)`` would: the names and shapes must be exactly the module's (checked before
+    anything is copied, from :meth:`CheckpointTensors.shape` where the tensors are still in the file), else
+    :class:`UserInputError`."""
+    own = module.state_dict(keep_vars=True)
+    names = [n[len(prefix):] for n in tensors if n.startswith(prefix)]
+    missing, unexpected = sorted(set(own) - set(names)), sorted(set(names) - set(own))
+    if missing or unexpected:
+        raise UserInputError(f"checkpoint does not match this model: missing {missing[:3]}, unexpected "
+                             f"{unexpected[:3]}")
+    shape = tensors.shape if isinstance(tensors, CheckpointTensors) else (lambda n: tuple(tensors[n].shape))
+    wrong = [n for n in names if tuple(shape(prefix + n)) != tuple(own[n].shape)]
+    if wrong:
+        raise UserInputError(f"checkpoint does not match this model: {wrong[0]} has shape "
+                             f"{tuple(shape(prefix + wrong[0]))}, the model's is {tuple(own[wrong[0]].shape)}")
+    with torch.no_grad():
+        for n in names:
+            own[n].copy_(tensors[prefix + n])
+
+
 def optimizer_to_tensors(optimizer: torch.optim.Optimizer, prefix: str = "optim.") -> tuple[dict, dict]:
     """Flatten an optimizer's state into named tensors plus a JSON-able description of its param groups."""
     state = optimizer.state_dict()
@@ -164,16 +250,21 @@ def optimizer_to_tensors(optimizer: torch.optim.Optimizer, prefix: str = "optim.
 
 
 def optimizer_from_tensors(
-    optimizer: torch.optim.Optimizer, tensors: dict[str, torch.Tensor], desc: dict, prefix: str = "optim."
+    optimizer: torch.optim.Optimizer, tensors: Mapping[str, torch.Tensor], desc: dict, prefix: str = "optim."
 ) -> None:
-    """Inverse of :func:`optimizer_to_tensors`; a mismatch with the optimizer raises :class:`UserInputError`."""
+    """Inverse of :func:`optimizer_to_tensors`; a mismatch with the optimizer raises :class:`UserInputError`.
+    Each tensor is read (``tensors`` may read it from the file, :class:`CheckpointTensors`) and moved to its
+    parameter's device before the next is read, so the host never holds the whole state beside a GPU."""
     state: dict[int, dict[str, Any]] = {}
+    params = [p for group in optimizer.param_groups for p in group["params"]]
     try:
-        for name, value in tensors.items():
+        for name in tensors:
             if not name.startswith(prefix):
                 continue
             pid, _, key = name[len(prefix):].partition(".")
-            state.setdefault(_param_id(pid), {})[key] = value
+            index = _param_id(pid)
+            value = tensors[name]
+            state.setdefault(index, {})[key] = value.to(params[index].device) if index < len(params) else value
         scalars = desc.get("scalars", {})
         if not isinstance(scalars, dict):
             raise UserInputError("checkpoint optimizer scalars must be a map")

@@ -18,7 +18,7 @@ from hlbp.peer.common.errors import UserInputError
 from hlbp.peer.common.files import atomic_write_bytes, remove_stale_temps
 from hlbp.peer.data.streams import TokenStream, prepare_data, val_batches
 from hlbp.peer.model.decoder import build_model, count_parameters, preset
-from hlbp.peer.train.checkpoint import load_checkpoint, save_checkpoint
+from hlbp.peer.train.checkpoint import open_checkpoint, save_checkpoint
 from hlbp.peer.train.export import ModelInfo, write_model_info
 from hlbp.peer.train.metricslog import MetricsLog
 from hlbp.peer.train.trainer import InnerTrainer, OptimConfig, Throughput, micro_batches, pick_device
@@ -88,7 +88,7 @@ def run_local_training(cfg: LocalRunConfig, console: Console | None = None) -> d
     identity = {"model": dataclasses.asdict(config), "tokenizer_hash": data.tokenizer_hash, "seed": cfg.seed}
     remove_stale_temps(ckpt)  # what a save killed mid-write left behind, as large as the checkpoint
     if cfg.resume and ckpt.exists():
-        tensors, header = load_checkpoint(ckpt)
+        tensors, header = open_checkpoint(ckpt)
         if header.get("identity") != identity:
             raise UserInputError(
                 f"{ckpt} was written for another model, tokenizer or seed; use a new --out-dir or drop --resume"

@@ -21,7 +21,7 @@ from torch import nn
 from hlbp.peer.common.errors import UserInputError
 from hlbp.peer.model.subspace import SubspaceConstraint
 from hlbp.peer.train.adamw import MOMENT_LAYOUTS, CompactAdamW
-from hlbp.peer.train.checkpoint import optimizer_from_tensors, optimizer_to_tensors
+from hlbp.peer.train.checkpoint import load_module, optimizer_from_tensors, optimizer_to_tensors
 
 
 @dataclass
@@ -197,14 +197,11 @@ class InnerTrainer:
         tensors.update(opt_tensors)
         return tensors, {"step": self.step, "tokens": self.tokens, "optimizer": opt_desc}
 
-    def load_state(self, tensors: dict[str, torch.Tensor], header: dict) -> None:
-        """Restore what :meth:`state_tensors` saved; a checkpoint of another model is a user error."""
-        model_state = {k[len("model."):]: v for k, v in tensors.items() if k.startswith("model.")}
-        try:
-            self.model.load_state_dict(model_state, strict=True)
-        except RuntimeError as exc:
-            first = str(exc).splitlines()[0]
-            raise UserInputError(f"checkpoint does not match this model: {first}") from None
+    def load_state(self, tensors: Mapping[str, torch.Tensor], header: dict) -> None:
+        """Restore what :meth:`state_tensors` saved; a checkpoint of another model is a user error. The model's
+        tensors are copied in one at a time (``tensors`` may read each from the file: a resume then holds one
+        tensor of the checkpoint beside the model, not all of it)."""
+        load_module(self.model, tensors, "model.")
         step, tokens, desc = header.get("step"), header.get("tokens", 0), header.get("optimizer")
         if not all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 1 << 62 for v in (step, tokens)):
             raise UserInputError("checkpoint header's step and tokens must be non-negative integers; delete it")

@@ -10,7 +10,12 @@ import torch
 from safetensors.torch import save_file
 
 from hlbp.peer.common.errors import UserInputError
-from hlbp.peer.train.checkpoint import load_checkpoint, optimizer_from_tensors, save_checkpoint
+from hlbp.peer.train.checkpoint import (
+    load_checkpoint,
+    open_checkpoint,
+    optimizer_from_tensors,
+    save_checkpoint,
+)
 
 
 def _header_swap(path: Path, change) -> None:
@@ -80,18 +85,27 @@ def test_unpadded_but_valid_file_written_by_safetensors_still_loads(tmp_path):
     assert header == {} and torch.equal(tensors["x"], torch.ones(3))
 
 
-def test_flipped_tensor_bytes_fail_the_checksum(ckpt):
+@pytest.mark.parametrize("load", [load_checkpoint, open_checkpoint])
+def test_flipped_tensor_bytes_fail_the_checksum(ckpt, load):
     data = bytearray(ckpt.read_bytes())
     data[-3] ^= 0x01  # inside model.w's bytes: the layout stays valid, the value changes
     ckpt.write_bytes(bytes(data))
     with pytest.raises(UserInputError, match="is damaged: its tensors do not match the checksum"):
-        load_checkpoint(ckpt)
+        load(ckpt)
 
 
-def test_a_truncated_checkpoint_is_a_user_error(ckpt):
+@pytest.mark.parametrize("load", [load_checkpoint, open_checkpoint])
+def test_a_truncated_checkpoint_is_a_user_error(ckpt, load):
     ckpt.write_bytes(ckpt.read_bytes()[:-5])
     with pytest.raises(UserInputError, match="delete it"):
-        load_checkpoint(ckpt)
+        load(ckpt)
+
+
+def test_a_checkpoint_cut_short_after_it_was_opened_is_a_user_error_when_read(ckpt):
+    tensors, _ = open_checkpoint(ckpt)
+    ckpt.write_bytes(ckpt.read_bytes()[:-5])
+    with pytest.raises(UserInputError, match="cannot be read .*delete it"):
+        tensors["model.w"]
 
 
 def test_a_checkpoint_written_a_tensor_at_a_time_loads_bit_for_bit(tmp_path):
@@ -113,6 +127,11 @@ def test_a_checkpoint_written_a_tensor_at_a_time_loads_bit_for_bit(tmp_path):
     assert header == {"step": 12, "note": "x"} and sorted(loaded) == sorted(tensors)
     for name, t in tensors.items():
         assert loaded[name].dtype == t.dtype and torch.equal(loaded[name], t), name
+    lazy, header = open_checkpoint(path)  # the same, each tensor read from the file when asked for
+    assert header == {"step": 12, "note": "x"} and sorted(lazy) == sorted(tensors) and len(lazy) == len(tensors)
+    for name, t in tensors.items():
+        assert lazy.shape(name) == tuple(t.shape)
+        assert lazy[name].dtype == t.dtype and torch.equal(lazy[name], t), name
     with pytest.raises(ValueError, match="complex"):
         save_checkpoint(tmp_path / "d.safetensors", {"z": torch.zeros(2, dtype=torch.complex64)}, {})
     assert not (tmp_path / "d.safetensors").exists()
