@@ -90,7 +90,7 @@ class PipelineAudits:
         if "embed.weight" in anchor:
             self.codec.rebuild_table(anchor["embed.weight"])  # B, A+drift: the table the swarm's phase used
         refused: dict[str, Refusal] = {}
-        exchanged: dict[str, set[str]] = {}  # audited peer -> the peers it exchanged frames with in round r
+        exchanged: set[tuple[str, str]] = set()  # round r's frame exchanges as (sender, holder), as holders say
         unchecked: set[str] = set()  # left out with nothing of theirs cleared: their frames fed their chain unchecked
         swarm = sorted(stage_peers)
         # in an order no peer can predict, within the round's budget: peers that answer slowly (or not at all, each
@@ -121,7 +121,7 @@ class PipelineAudits:
             if found.guilty is not None:
                 self.caught.append((r, peer))
                 self.liars.add(peer)
-            exchanged[peer] = set(found.neighbours)
+            exchanged |= found.exchanges()
             if found.guilty is None and not checked(found):
                 unchecked.add(peer)
             for p, refusal in judge(found, s, self.liars).items():
@@ -182,15 +182,16 @@ def unaudited_neighbours(found: PeerAudit, stage: int, n_stages: int, audited: A
     return place, unplaced
 
 
-def chain_of(liars: AbstractSet[str], exchanged: Mapping[str, AbstractSet[str]]) -> dict[str, str]:
-    """The peers joined to one of ``liars`` through a round's frame exchanges, each with the liar it is joined to
-    (pure). ``exchanged``: each audited peer's neighbours of the round as its transcripts show them; an exchange is
-    taken both ways (a neighbour need not have been audited itself). The liars themselves are not in the result."""
+def chain_of(liars: AbstractSet[str], exchanged: AbstractSet[tuple[str, str]]) -> dict[str, str]:
+    """The peers that frames of one of ``liars`` reached through a round's frame exchanges, directly or through
+    peers they reached, each with the liar it is joined to (pure). ``exchanged``: (sender, holder) pairs, each as
+    the holder's transcript says (:meth:`PeerAudit.exchanges`); a frame's taint goes from its sender to its holder
+    only, so a peer is never joined to a liar by the liar's word: its own transcript must list a frame of the chain.
+    In a pipeline every exchange goes both ways (activations down, gradients back), so a liar's whole chain is
+    reached. The liars themselves are not in the result."""
     links: dict[str, set[str]] = {}
-    for peer, neighbours in exchanged.items():
-        for other in neighbours:
-            links.setdefault(peer, set()).add(other)
-            links.setdefault(other, set()).add(peer)
+    for sender, holder in exchanged:
+        links.setdefault(sender, set()).add(holder)
     reached: dict[str, str] = {}
     for liar in sorted(liars & links.keys()):
         frontier = [liar]
@@ -220,17 +221,17 @@ def judge(found: PeerAudit, stage: int, liars: AbstractSet[str]) -> dict[str, Re
         out = {peer: Refusal(f"caught lying by a pipeline audit of stage {stage} in round {r}: "
                              f"{result.finding.value} on step {guilty.micro_batch[1]} micro-batch "
                              f"{guilty.micro_batch[2]} {result.detail}".strip(), ban=True)}
-        for other in sorted(found.neighbours):
+        for other in sorted(found.reached):
             out[other] = Refusal(f"its round-{r} work was computed with frames from {peer[:16]}, caught lying",
                                  ban=False)
         return out
-    tainted = sorted(found.neighbours & liars)
+    tainted = sorted(found.fed_by & liars)
     if tainted:  # a liar banned earlier that its swarm still routes through
         return {peer: Refusal(f"its round-{r} work was computed with frames from {tainted[0][:16]}, caught lying "
                               "earlier", ban=False)}
     if found.stale is not None:  # honest, late: its work and its chain's is not the round's
         return {p: Refusal(f"round-{r} work of stage {stage} ({peer[:16]}) was computed on other weights than the "
-                           "round's anchor", ban=False) for p in (peer, *sorted(found.neighbours))}
+                           "round's anchor", ban=False) for p in (peer, *sorted(found.reached))}
     if not checked(found):
         return {peer: Refusal(f"none of its round-{r} frames of the phase's first step could be checked",
                               ban=False)}

@@ -55,16 +55,30 @@ class Verdict:
 @dataclass(frozen=True)
 class PeerAudit:
     """The findings on the micro-batch attempts of ``accused`` sampled in round ``round``, and the peers it
-    exchanged frames with in that round (its swarm's chain: the work a lie of its reached)."""
+    exchanged frames with in that round, each way as the peer that holds the frames says: ``reached``, the peers
+    whose own transcripts list frames the accused sent (the work a lie of its reached), and ``fed_by``, the peers
+    whose frames the accused's transcript lists (what its own work was computed from). A transcript speaks for its
+    holder only: the accused cannot make another peer's list a frame of its, so naming an honest peer of another
+    swarm in its own transcript puts that peer in its ``fed_by``, never in its ``reached``."""
 
     accused: str
     round: int
     verdicts: list[Verdict]
-    neighbours: frozenset[str]
+    reached: frozenset[str]
     compute_s: float = 0.0  # seconds spent recomputing (the rest of an audit's time is fetching frames)
     flagged: int = 0  # micro-batch attempts of the accused that a receiver's screen marked in the round
     # each neighbour's side: -1 upstream (it sent the accused activations, or got gradients from it), +1 downstream
     sides: Mapping[str, int] = field(default_factory=dict)
+    fed_by: frozenset[str] = frozenset()
+
+    @property
+    def neighbours(self) -> frozenset[str]:
+        """Every peer the accused exchanged frames with, either way."""
+        return self.reached | self.fed_by
+
+    def exchanges(self) -> set[tuple[str, str]]:
+        """The round's frame exchanges this audit shows, as (sender, holder) pairs, each as its holder says."""
+        return {(self.accused, p) for p in self.reached} | {(p, self.accused) for p in self.fed_by}
 
     @property
     def guilty(self) -> Verdict | None:
@@ -160,6 +174,8 @@ class Auditor:
         received = {(e.key.op, e.key.micro_batch()): e.key for e in own}
         # each neighbour's side: -1 upstream (it sent us activations), +1 downstream (it sent us gradients)
         sides = {e.key.sender: -1 if e.key.op == "fwd" else 1 for e in own}
+        fed_by = frozenset(sides) - {accused}
+        reached: set[str] = set()
         sent: dict[MicroBatchKey, int] = {}
         flagged: set[MicroBatchKey] = set()  # what a receiver's screen marked
         holders: dict[tuple[str, MicroBatchKey], tuple[str, FrameKey]] = {}
@@ -171,6 +187,7 @@ class Auditor:
             for e in self._index(peer, r):
                 if e.key.sender == accused:
                     sides.setdefault(peer, 1 if e.key.op == "fwd" else -1)
+                    reached.add(peer)
                     mb = e.key.micro_batch()
                     holders[(e.key.op, mb)] = (peer, e.key)
                     sent.setdefault(mb, e.inner)
@@ -210,4 +227,4 @@ class Auditor:
         judged = judge_step([res for _, res, _ in found], self.cfg.tolerance)
         verdicts = [Verdict(accused, r, mb, res, held) for (mb, _, held), res in zip(found, judged)]
         sides.pop(accused, None)
-        return PeerAudit(accused, r, verdicts, frozenset(sides), compute_s, len(flagged), sides)
+        return PeerAudit(accused, r, verdicts, frozenset(reached), compute_s, len(flagged), sides, fed_by)

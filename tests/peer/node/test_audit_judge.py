@@ -12,9 +12,13 @@ from hlbp.peer.swarm.auditor import PeerAudit, Verdict
 CLOSE = Comparison(0.0, 1.0, 1.0)
 
 
-def audit(*findings: Finding, neighbours: tuple[str, ...] = ("up", "down")) -> PeerAudit:
+def audit(*findings: Finding, neighbours: tuple[str, ...] = ("up", "down"),
+          fed_by: tuple[str, ...] | None = None) -> PeerAudit:
+    """An audit of "p" whose frames ``neighbours`` hold (their transcripts say so) and whose transcript lists frames
+    from ``fed_by`` (the same peers unless given: a pipeline's exchanges go both ways)."""
     verdicts = [Verdict("p", 4, (1, 9, i, 0), AuditResult(f, 0, CLOSE, CLOSE)) for i, f in enumerate(findings)]
-    return PeerAudit("p", 4, verdicts, frozenset(neighbours))
+    return PeerAudit("p", 4, verdicts, frozenset(neighbours),
+                     fed_by=frozenset(neighbours if fed_by is None else fed_by))
 
 
 def test_a_conviction_bans_the_liar_and_leaves_out_the_chain_it_fed() -> None:
@@ -41,16 +45,33 @@ def test_work_that_could_not_be_checked_is_not_taken_on_any_stage() -> None:
     assert judge(audit(Finding.CLEAN, Finding.INCONCLUSIVE), 1, set()) == {}
 
 
+def _both_ways(*pairs: tuple[str, str]) -> set[tuple[str, str]]:
+    """A pipeline's exchanges: activations one way, gradients back, each listed by the peer that holds it."""
+    return {*pairs, *((b, a) for a, b in pairs)}
+
+
 def test_a_liar_taints_every_peer_its_frames_reached_through_the_chain_and_no_other_swarm() -> None:
     # a 5-stage swarm s0..s4 (s2 lies; s3 took over from s3old mid-phase) and a second swarm t0..t1
-    exchanged = {"s0": {"s1"}, "s1": {"s0", "s2"}, "s3": {"s2", "s4"}, "s4": {"s3"}, "s3old": {"s2"},
-                 "t0": {"t1"}, "t1": {"t0"}}
+    exchanged = _both_ways(("s0", "s1"), ("s1", "s2"), ("s2", "s3"), ("s3", "s4"), ("s2", "s3old"), ("t0", "t1"))
     reached = chain_of({"s2"}, exchanged)  # s2 itself was not audited: its neighbours' transcripts name it
     assert reached == {p: "s2" for p in ("s0", "s1", "s3", "s3old", "s4")}
     assert chain_of(set(), exchanged) == {} and chain_of({"nobody"}, exchanged) == {}
     # two liars in one chain: nobody is reached through a liar as if it were honest, and no liar is "reached"
     both = chain_of({"s1", "s3"}, exchanged)
     assert set(both) == {"s0", "s2", "s3old", "s4"} and both["s0"] == "s1" and both["s4"] == "s3"
+
+
+def test_a_liar_cannot_join_an_honest_peer_of_another_swarm_to_its_chain_by_naming_it() -> None:
+    # s2's own transcript lists frames "from" t0 and t1 (it cannot make their transcripts list frames of its): the
+    # claim is an exchange t -> s2, whose taint would flow to s2 only
+    exchanged = _both_ways(("s1", "s2"), ("s2", "s3"), ("t0", "t1")) | {("t0", "s2"), ("t1", "s2")}
+    assert chain_of({"s2"}, exchanged) == {"s1": "s2", "s3": "s2"}
+    out = judge(audit(Finding.FORWARD, neighbours=("s1", "s3"), fed_by=("s1", "s3", "t0", "t1")), 2, set())
+    assert set(out) == {"p", "s1", "s3"} and out["p"].ban and not out["s1"].ban
+    # a peer that only sent the liar frames (the liar sent nothing back) computed nothing from it
+    assert set(judge(audit(Finding.FORWARD, neighbours=("s3",), fed_by=("s1", "s3")), 2, set())) == {"p", "s3"}
+    # an honest peer's work is tainted by what it received from an earlier liar, not by what it sent one
+    assert set(judge(audit(Finding.CLEAN, neighbours=("liar", "down"), fed_by=("down",)), 2, {"liar"})) == set()
 
 
 def test_the_neighbours_still_to_audit_are_those_not_audited_each_at_the_stage_it_announces() -> None:

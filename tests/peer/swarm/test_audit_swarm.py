@@ -131,6 +131,8 @@ def run_swarm(network: tuple[list[hivemind.DHT], list[Identity]], lie: tuple[str
             found = auditor.audit_peer(0, accused, skeleton(split(CONFIG, 3)[audited]), swarm, seed=seed,
                                        params=anchor)
             assert found.neighbours == set(sides) and found.sides == sides  # its chain in the round, each side
+            # every exchange went both ways, and each holder's transcript lists it
+            assert found.reached == found.fed_by == set(sides)
             verdicts += found.verdicts
         return verdicts, lied
     finally:
