@@ -175,8 +175,14 @@ def open_checkpoint(path: Path) -> tuple[CheckpointTensors, dict[str, Any]]:
     (:class:`CheckpointTensors`). For a peer resuming its state, which must not hold the file and the state whole
     at once."""
     path = Path(path)
-    meta, header = _metadata(path)  # the layout checked: dtypes, shapes and offsets that tile the file
+    meta, header = _metadata(path)
     prefix = _read_prefix(path)
+    try:  # the layout these reads follow, checked from these very bytes: dtypes, shapes, offsets that tile the file
+        read_header(prefix, MAX_HEADER_BYTES, what=f"checkpoint {path}", total_size=path.stat().st_size)
+    except ProtocolError as exc:
+        raise UserInputError(f"{exc}; delete it") from None
+    except OSError as exc:
+        raise UserInputError(f"checkpoint {path} cannot be read ({exc})") from None
     start = len(prefix)
     layout = json.loads(prefix[8:].decode("utf-8"))
     layout.pop("__metadata__", None)
