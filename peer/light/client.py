@@ -36,11 +36,21 @@ from hlbp.protocol.snapshot import MAX_SNAPSHOT_BYTES, Snapshot, decode_snapshot
 SNAPSHOT_PROTOCOL = "/hlbp/snapshot/1"  # hlbp.peer.net.snapshot.SNAPSHOT_HANDLER
 CONTROL_PROTOCOL = "/hlbp/control/1"  # hlbp.peer.net.dataplane.HANDLER_NAME
 READ_CHUNK = 1 << 16
+ATTEMPTS = 2  # dials per request: a stream cut mid-answer is asked once more, on a new connection
+RETRY_PAUSE_S = 0.5
 _INSTALL_HINT = "the light client needs py-libp2p: pip install 'hlbp[libp2p]'"
 
 
 class LightDialError(UserInputError):
     """The peer could not be reached, did not answer in time, or does not speak the protocol."""
+
+
+class StreamCut(ProtocolError):
+    """The peer closed or reset the stream before its answer was complete.
+
+    A loaded node or a dropped connection does this as well as a liar, so one fresh dial is tried again
+    (:data:`ATTEMPTS`) before the peer is reported.
+    """
 
 
 @dataclass(frozen=True)
@@ -90,9 +100,9 @@ async def _read_exactly(stream: Any, n: int, sink: Callable[[bytes], None] | Non
         try:
             chunk = await stream.read(min(READ_CHUNK, n - got))
         except Exception as exc:  # noqa: BLE001 - StreamEOF, StreamReset, ... all mean: the peer stopped sending
-            raise ProtocolError(f"the peer closed the stream after {got} of {n} bytes ({type(exc).__name__})") from None
+            raise StreamCut(f"the peer closed the stream after {got} of {n} bytes ({type(exc).__name__})") from None
         if not chunk:
-            raise ProtocolError(f"the peer closed the stream after {got} of {n} bytes")
+            raise StreamCut(f"the peer closed the stream after {got} of {n} bytes")
         got += len(chunk)
         if sink is None:
             buf += chunk
@@ -161,8 +171,26 @@ def _run(maddr: str, protocol: str, timeout_s: float, exchange: Callable[[Any], 
                              "running, and is this the address it printed?") from None
 
 
+def _again_if_cut(attempt: Callable[[], Any]) -> Any:
+    """``attempt()``, called again after a pause if the peer cut its stream short; the last cut is raised with the
+    number of tries in its message."""
+    for _ in range(ATTEMPTS - 1):
+        try:
+            return attempt()
+        except StreamCut:
+            time.sleep(RETRY_PAUSE_S)
+    try:
+        return attempt()
+    except StreamCut as exc:
+        raise StreamCut(f"{exc}, on each of {ATTEMPTS} tries") from None
+
+
 def fetch_snapshot(maddr: str, timeout_s: float = 10.0) -> tuple[Snapshot, Fetched]:
     """The snapshot that the node at ``maddr`` serves (shape checked, records not yet verified)."""
+    return _again_if_cut(lambda: _fetch_snapshot_once(maddr, timeout_s))
+
+
+def _fetch_snapshot_once(maddr: str, timeout_s: float) -> tuple[Snapshot, Fetched]:
     start = time.perf_counter()
 
     async def exchange(stream: Any) -> bytes:
@@ -182,7 +210,10 @@ def fetch_artifact(maddr: str, sha256: str, size: int, dest: Path, timeout_s: fl
     """
     if not 0 <= size <= MAX_ARTIFACT_BYTES:
         raise ProtocolError(f"an artifact of {size} bytes is over the {MAX_ARTIFACT_BYTES}-byte limit")
-    dest = Path(dest)
+    return _again_if_cut(lambda: _fetch_artifact_once(maddr, sha256, size, Path(dest), timeout_s))
+
+
+def _fetch_artifact_once(maddr: str, sha256: str, size: int, dest: Path, timeout_s: float) -> Fetched:
     partial = dest.with_name(dest.name + ".partial")
     start = time.perf_counter()
 

@@ -4,6 +4,9 @@
 announcement inside its signed body (throughput x1000, the envelope and its old signature kept, so the record is
 still well-formed msgpack), and serves the result on ``/hlbp/snapshot/1`` from a py-libp2p host on 127.0.0.1.
 It prints ``listening <multiaddr>`` and serves until killed. Like the light client it never imports hivemind.
+
+``--cut-first N`` makes it a flaky node instead: the first N requests get the response header and then a reset
+stream, later ones the whole snapshot. A PEER_ID of ``-`` leaves every record as it was.
 """
 
 from __future__ import annotations
@@ -33,18 +36,26 @@ def tamper(envelope: bytes, **changes: object) -> bytes:
 
 def tampered_snapshot(source: str, victim: str) -> bytes:
     snap, _ = fetch_snapshot(source, 20)
+    if victim == "-":
+        return encode_snapshot(snap)
     original = msgpack.unpackb(msgpack.unpackb(snap.peers[victim], raw=False)[4], raw=False)
     peers = {**snap.peers, victim: tamper(snap.peers[victim], throughput=original["throughput"] * 1000 + 1)}
     return encode_snapshot(Snapshot(**{**snap.__dict__, "peers": peers}))
 
 
-async def serve(body: bytes) -> None:
+async def serve(body: bytes, cut_first: int) -> None:
     host = new_host(key_pair=create_new_key_pair())
+    cuts = [cut_first]
 
     async def handle(stream: object) -> None:
+        length = header_length(await _read_exactly(stream, FRAME_PREFIX_BYTES))
+        parse_snapshot_request(decode_header(await _read_exactly(stream, length)))
+        if cuts[0] > 0:
+            cuts[0] -= 1
+            await stream.write(encode_header({"size": len(body)}))
+            await stream.reset()
+            return
         try:
-            length = header_length(await _read_exactly(stream, FRAME_PREFIX_BYTES))
-            parse_snapshot_request(decode_header(await _read_exactly(stream, length)))
             await stream.write(encode_header({"size": len(body)}) + body)
         finally:
             await stream.close()
@@ -56,4 +67,6 @@ async def serve(body: bytes) -> None:
 
 
 if __name__ == "__main__":
-    trio.run(serve, tampered_snapshot(sys.argv[1], sys.argv[2]))
+    args = sys.argv[1:]
+    cut = int(args[args.index("--cut-first") + 1]) if "--cut-first" in args else 0
+    trio.run(serve, tampered_snapshot(args[0], args[1]), cut)

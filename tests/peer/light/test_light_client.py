@@ -148,6 +148,28 @@ def test_a_record_tampered_in_transit_is_rejected_never_shown(run: Run):
         liar.kill()
 
 
+@pytest.mark.parametrize("cuts", [1, 2])
+def test_a_stream_cut_mid_answer_is_asked_again_once(run: Run, cuts: int):
+    # a node that resets the stream after the response header: once is a loaded node or a dropped connection and
+    # costs one more dial; every time is reported, in one line
+    flaky = PeerProcess("flaky", [str(HERE / "tamper_node.py"), run.maddr, "-", "--cut-first", str(cuts)], run.env,
+                        program=(sys.executable,))
+    try:
+        flaky_maddr = flaky.wait_for(r"^listening (\S+)", 60).group(1)
+        proc = hlbp(run, "status", "--light", "--json", "--initial-peers", flaky_maddr, "--manifest-signer",
+                    run.boot_id)
+        if cuts == 1:
+            assert proc.returncode == 0, proc.stderr
+            assert {p["peer_id"] for p in json.loads(proc.stdout)["peers"]} == {run.boot_id, *run.replica_ids,
+                                                                              run.stage_id}
+        else:
+            lines = [line for line in proc.stderr.splitlines() if not line.startswith("LOADED")]
+            assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+            assert "closed the stream after 0 of" in lines[0] and "on each of 2 tries" in lines[0], lines
+    finally:
+        flaky.kill()
+
+
 def test_an_unreachable_address_is_one_line_and_exit_status_2(run: Run):
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
