@@ -201,17 +201,15 @@ def test_sigterm_of_a_full_replica_and_a_stage_peer_together_then_both_resume(tm
         full_back = sw.add("peer1", rounds=1000)
         stage_back = sw.add_stage("sw0s1", 1)
 
-        # both contribute again, accepted, beside the peers that stayed
-        def back() -> int | None:
+        # both contribute again, accepted, beside the peers that stayed, in two rounds
+        def two_rounds_back() -> list[int] | None:
             rounds = [{r["round"] for r in _records(sw.replicas[n])[left_at:] if r["accepted"]}
                       for n in ("peer0", "peer1", "sw0s0", "sw0s1")]
-            common = set.intersection(*rounds)
-            return min(common) if common else None
+            common = sorted(set.intersection(*rounds))
+            return common[:2] if len(common) >= 2 else None
 
-        first_back = _wait(sw, back, "a round with all four contributions accepted after the restart")
-        last = first_back + 1
-        _wait(sw, lambda: all(_round(_records(r), last) for r in sw.replicas.values() if r.proc.alive),
-              f"round {last} everywhere")
+        first_back, again = _wait(sw, two_rounds_back, "two rounds with all four contributions accepted after the "
+                                                       "restart")
         recs = {n: _records(r) for n, r in sw.replicas.items()}
         logs = _logs(sw)
 
@@ -223,11 +221,12 @@ def test_sigterm_of_a_full_replica_and_a_stage_peer_together_then_both_resume(tm
     # back in the round they left (when the others were still in it: a loaded machine restarts them in time) or a
     # later one, never an earlier one
     assert step["round"] <= first_back, (step, first_back)
-    for r in range(first_back, last + 1):
+    # from then on every peer holds the same model each round. A round in between where one of them was left out
+    # is a straggler on a loaded box (left out, never waited for), never a refusal or a ban.
+    for r in range(first_back, again + 1):
         rows = {n: _round(v, r) for n, v in recs.items()}
         assert all(rows.values()), (r, logs)
-        flags = {n: (x["accepted"], x["in_sync"]) for n, x in rows.items()}
-        assert all(a and s for a, s in flags.values()), f"round {r}: (accepted, in sync) {flags}\n{rows}\n{logs}"
+        assert all(x["in_sync"] and not x["refused"] and not x["banned"] for x in rows.values()), (r, rows, logs)
         for shard in ("0", "1"):
             assert len({x["checksums"][shard] for x in rows.values() if shard in x["checksums"]}) == 1, (r, rows)
     # the restarted stage peer trained what it contributed: never its own earlier tensors again (as a server whose
