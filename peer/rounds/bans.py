@@ -1,15 +1,22 @@
 """Whom a round loop refuses, and until which round: bans for garbage, for undelivered contributions, and for
-what made every peer's guard refuse a round."""
+what made every peer's guard refuse a round.
+
+The bans are this peer's own verdicts, so its checkpoint keeps them (:meth:`RoundBans.to_json`): a peer that
+resumed its current state and forgot them would count a banned peer's notices again. In a capped round that puts
+the banned peer back in the gather order this peer checks, ahead of the members an honest coordinator took, and the
+peer refused that coordinator's set and took another, alone."""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
 MISS_WINDOW = 8  # rounds: two undelivered contributions within this many ban their sender
 MAX_MISSERS = 4096  # senders whose misses are remembered
+MAX_SAVED_BANS = 1 << 16  # bans a checkpoint may name
 
 
 class RoundBans:
@@ -64,3 +71,34 @@ class RoundBans:
     def travelling(self, r: int) -> tuple[tuple[str, int], ...]:
         """The bans still in force after round r, as an accepted set carries them."""
         return tuple(sorted((p, u) for p, (u, _) in self.until.items() if u > r))
+
+    def to_json(self) -> dict[str, Any]:
+        """The bans and strike counts, as a checkpoint header keeps them (the ``MAX_SAVED_BANS`` that end last)."""
+        kept = dict(sorted(self.until.items(), key=lambda item: item[1][0], reverse=True)[:MAX_SAVED_BANS])
+        return {"until": {p: [u, n] for p, (u, n) in kept.items()},
+                "by_guard": {p: u for p, u in self.by_guard.items() if p in kept}}
+
+    def load_json(self, raw: Any) -> bool:
+        """Take a checkpoint header's bans in place of these; returns whether the record was well-formed. The file
+        is as hostile as the network: a malformed record is ignored whole, and only short peer ids, small ints and
+        a bounded count are taken. Misses are not kept: a restart starts counting them again."""
+        def ok_int(x: Any) -> bool:
+            return isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 1 << 40
+
+        def ok_peer(p: Any) -> bool:
+            return isinstance(p, str) and 0 < len(p) <= 128
+
+        if not isinstance(raw, dict) or not isinstance(raw.get("until"), dict) or \
+                not isinstance(raw.get("by_guard"), dict):
+            return False
+        until, by_guard = raw["until"], raw["by_guard"]
+        if len(until) > MAX_SAVED_BANS or len(by_guard) > MAX_SAVED_BANS:
+            return False
+        if not all(ok_peer(p) and isinstance(v, list) and len(v) == 2 and all(ok_int(x) for x in v)
+                   for p, v in until.items()):
+            return False
+        if not all(ok_peer(p) and ok_int(u) and p in until for p, u in by_guard.items()):
+            return False
+        self.until = {p: (u, n) for p, (u, n) in until.items()}
+        self.by_guard = dict(by_guard)
+        return True

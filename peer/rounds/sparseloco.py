@@ -37,7 +37,6 @@ import torch
 from hlbp.peer.common import memory
 from hlbp.peer.rounds.admission import Screen
 from hlbp.peer.rounds.apply import Applier
-from hlbp.peer.rounds.bans import RoundBans
 from hlbp.peer.rounds.closer import Closer
 from hlbp.peer.rounds.follow import Follower, follow_anchor
 from hlbp.peer.rounds.loop import ReplicaBase, RoundConfig, RoundStats
@@ -100,7 +99,7 @@ class RoundRunner(ReplicaBase):
         limits = [min(self.cfg.max_payload_bytes, payload_limit(sum(math.prod(v) for v in shape.values())))
                   for shape in self.shapes]
         self.encoder = PayloadEncoder(self.outer_cfg, self.cfg.run_id, limits)
-        bans = RoundBans()  # shared by the parts that judge senders
+        bans = self.state.bans  # shared by the parts that judge senders, and kept in checkpoints
         self.payloads = Payloads(self.me, self.transport, self.cfg, self.outer_cfg, self.shapes, limits, applied,
                                  bans.banned, self._received, self.stop)
         self.applier = Applier(self.me, self.cfg, self.shards, self.held, applied, self.payloads, bans, self.guard_loss,

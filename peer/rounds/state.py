@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from hlbp.peer.rounds.anchor import Anchor
+from hlbp.peer.rounds.bans import RoundBans
 from hlbp.peer.rounds.gather import GatherRule, Standing
 from hlbp.peer.rounds.outer import OuterOptimizer
 
@@ -36,6 +37,9 @@ class ReplicaState:
     # who was selected when, as the accepted sets taken show (rounds/gather.py): the gather rule's input, kept in
     # checkpoints so that a peer resuming its current state checks and coordinates capped rounds at once
     standing: Standing = field(default_factory=lambda: Standing(GatherRule().memory))
+    # whom this peer refuses, and until which round (rounds/bans.py): its own verdicts, shared by the parts that
+    # judge senders and kept in checkpoints, so that a peer resuming its current state refuses them still
+    bans: RoundBans = field(default_factory=RoundBans)
 
     def __post_init__(self) -> None:
         if not isinstance(self.anchor, Anchor):

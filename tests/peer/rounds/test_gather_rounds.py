@@ -4,8 +4,9 @@ The identities are drawn so that the breaker (a coordinator that accepts every c
 first in round 0. Every honest replica refuses its set and bans it, the next coordinator in turn closes round 0
 with two members, and from then on every round takes two, the replicas rotate through the set (each left out at
 times and accepted again), and every honest checksum agrees. A
-replica stopped and restarted comes back with a cold standing (it missed rounds): it checks only the cap and takes
-its coordinator's turn last, and it is accepted again within a few rounds with the others' checksums.
+replica stopped and restarted comes back with a cold standing when it missed rounds (it checks only the cap and
+takes its coordinator's turn last), or with its checkpoint's standing and bans when it resumes the current round;
+either way it is accepted again within a few rounds with the others' checksums.
 """
 
 from __future__ import annotations

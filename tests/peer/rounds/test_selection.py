@@ -67,3 +67,24 @@ def test_a_peer_without_the_standing_of_recent_rounds_takes_its_turn_last() -> N
     for r in range(6, 10):
         sel.took(r, _accepted(r, "peer00", ["peer00", "peer01"]))
     assert not sel.late_turn(10) and set(sel.veterans(10)) == {"peer00", "peer01", "peer05"}
+
+
+def test_a_resumed_peer_that_kept_its_bans_takes_the_set_an_honest_coordinator_chose() -> None:
+    # the capped run of test_gather_rounds.py (F = 2, R = 1): the breaker coordinated over the cap and every honest
+    # peer banned it. Round 7: c has just resumed its current checkpoint (warm standing), its notice and the
+    # breaker's reached it and not the coordinator b, which took a and b. The breaker's notice counts only for a peer
+    # that forgot the ban: that puts two due veterans, c and the breaker, ahead of a and b, and b's set is refused.
+    sets = [("a", "b"), ("b", "c"), ("a", "b"), ("c", "breaker"), ("a", "b"), ("c", "breaker"), ("a", "b")]
+    notices = _notices(7, ["a", "b", "c", "breaker"])
+    honest = _accepted(7, "b", ["a", "b"])
+    verdicts = []
+    for kept_bans in (True, False):
+        bans = RoundBans()
+        if kept_bans:
+            bans.ban(6, "breaker", "its set was over the cap")
+        sel = Selection(1, GatherRule(size=2, reserves=1), (), bans, CommitteeRule())
+        for r, members in enumerate(sets):
+            sel.took(r, _accepted(r, members[0], list(members)))
+        assert not sel.late_turn(7)
+        verdicts.append(sel.keeps_rule(7, honest, notices))
+    assert verdicts == [True, False]

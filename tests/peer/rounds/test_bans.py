@@ -1,0 +1,67 @@
+"""A round loop's bans (hlbp.peer.rounds.bans) kept across a restart: saved in the checkpoint with its strikes,
+read back from a hostile file only when well-formed, and in force again for a peer that resumes its current state."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from hlbp.peer.model.decoder import build_model, preset
+from hlbp.peer.rounds.bans import MAX_SAVED_BANS, RoundBans
+from hlbp.peer.rounds.outer import OuterConfig, make_outer
+from hlbp.peer.rounds.persist import Checkpoints
+from hlbp.peer.rounds.state import ReplicaState
+from hlbp.peer.train.trainer import InnerTrainer, OptimConfig
+
+
+def _bans() -> RoundBans:
+    bans = RoundBans()
+    bans.ban(3, "garbage", "a table of 1e30")
+    bans.ban(6, "garbage", "again")  # a second strike: 4 rounds
+    bans.ban_by_guard(5, "poisoner", "the guard refused round 5")
+    return bans
+
+
+def test_bans_and_strikes_survive_the_checkpoint_record() -> None:
+    bans = _bans()
+    back = RoundBans()
+    assert back.load_json(bans.to_json())
+    assert back.until == bans.until == {"garbage": (11, 2), "poisoner": (8, 1)}
+    assert back.banned("garbage", 10) and not back.banned("garbage", 11) and back.refused_by_all("poisoner", 7)
+    back.ban(12, "garbage", "a third time")
+    assert back.until["garbage"] == (21, 3)  # the strikes went on counting
+
+
+def test_a_hostile_record_is_ignored_whole() -> None:
+    good = _bans().to_json()
+    hostile = [None, [], {"until": []}, {"until": {}}, {"until": {"p": [1]}, "by_guard": {}},
+               {"until": {"p": [1, True]}, "by_guard": {}}, {"until": {"p": [-1, 1]}, "by_guard": {}},
+               {"until": {"p" * 200: [1, 1]}, "by_guard": {}}, {"until": {"p": [1, 1]}, "by_guard": {"q": 1}},
+               {"until": {"p": [1, 1]}, "by_guard": {"p": 2**40}},
+               {"until": {f"p{i}": [1, 1] for i in range(MAX_SAVED_BANS + 1)}, "by_guard": {}}]
+    for raw in hostile:
+        bans = RoundBans()
+        assert bans.load_json(good)
+        assert not bans.load_json(raw), raw
+        assert bans.until == {"garbage": (11, 2), "poisoner": (8, 1)}  # what it held stays
+
+
+def test_a_resumed_replica_refuses_whom_it_banned_before_it_stopped(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = build_model(preset("tiny", max_seq_len=16))
+    trainer = InnerTrainer(model, OptimConfig(lr=1e-3, warmup_steps=0, total_steps=10),
+                           lambda step, micro: (torch.zeros(1, 16, dtype=torch.long),) * 2, torch.device("cpu"))
+
+    def state() -> ReplicaState:
+        return ReplicaState({n: p.detach().clone() for n, p in model.named_parameters()},
+                            {0: make_outer(OuterConfig())})
+
+    before = state()
+    before.round, before.bans = 7, _bans()
+    path = tmp_path / "rounds.safetensors"
+    Checkpoints(path, 60.0, trainer, "bans-run").save(before)
+    after = state()
+    same = after.bans  # the parts that judge senders hold this object: it is filled, not replaced
+    assert Checkpoints(path, 60.0, trainer, "bans-run").resume(after) and after.round == 7
+    assert after.bans is same and same.banned("garbage", 7) and same.banned("poisoner", 7)
