@@ -60,6 +60,16 @@ class RoundBans:
         self.ban(r, sender, reason)
         self.by_guard[sender] = self.until[sender][0]
 
+    def pardon(self, sender: str) -> None:
+        """Lift the last ban of ``sender``, made on evidence this peer no longer trusts (its own state was not the
+        others'): it is no longer banned, and that strike no longer counts."""
+        until, strikes = self.until.pop(sender, (0, 0))
+        self.by_guard.pop(sender, None)
+        if strikes > 1:
+            self.until[sender] = (0, strikes - 1)
+        if until:
+            logger.warning("lifted the ban of %s: it was judged from a state the others did not hold", sender[:16])
+
     def banned(self, sender: str, r: int) -> bool:
         return sender in self.until and r < self.until[sender][0]
 

@@ -15,7 +15,7 @@ from collections.abc import Set as AbstractSet
 
 from hlbp.peer.rounds.bans import RoundBans
 from hlbp.peer.rounds.committee import CommitteeRule, order_checked
-from hlbp.peer.rounds.gather import GatherRule, Standing, breach, candidates, select
+from hlbp.peer.rounds.gather import BreachKind, GatherRule, Standing, breach, candidates, select
 from hlbp.protocol.roundwire import AcceptedSet, ContribNotice
 
 Notices = dict[str, ContribNotice]
@@ -34,6 +34,8 @@ class Selection:
         self.n_shards, self.rule, self.allowed, self.bans, self.committee = n_shards, rule, allowed, bans, committee
         self.standing = standing if standing is not None else Standing(rule.memory)
         self.breaches: set[tuple[int, str]] = set()  # (round, coordinator) of sets refused for breaking the rule
+        # (round, coordinator) of the breaches judged from the standing (the order, the newcomers), not the cap
+        self.order_breaches: set[tuple[int, str]] = set()
 
     def veterans(self, r: int) -> dict[str, int]:
         """The contributors with standing in round r (:class:`~hlbp.peer.rounds.gather.Standing`); in a closed run
@@ -80,8 +82,22 @@ class Selection:
         if found is None:
             return True
         self.breaches = {x for x in self.breaches if x[0] >= r - 2} | {(r, s.coordinator)}
+        self.order_breaches = {x for x in self.order_breaches if x[0] >= r - 2}
+        if found.kind is not BreachKind.OVER_CAP:
+            self.order_breaches.add((r, s.coordinator))
         self.bans.ban_by_guard(r, s.coordinator, f"its accepted set breaks the gather rule: {found}")
         return False
+
+    def forget(self, r: int) -> None:
+        """We found in round r that we took a set the others did not: drop the standing, and pardon the coordinators
+        we banned in the last rounds for breaking the gather order, which we judged from that standing. A set over
+        the cap needs no standing to judge, so those bans stay."""
+        self.standing.forget()
+        pardoned = {c for x, c in self.order_breaches if x >= r - 2}
+        for coordinator in sorted(pardoned):
+            self.bans.pardon(coordinator)
+        self.order_breaches.clear()
+        self.breaches = {x for x in self.breaches if x[1] not in pardoned}
 
     def full_without(self, accepted: AcceptedSet, shards: AbstractSet[int]) -> bool:
         """Whether ``accepted`` left out a contribution to ``shards`` because the gather set was full (every one of

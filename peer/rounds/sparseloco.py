@@ -277,7 +277,7 @@ class RoundRunner(ReplicaBase):
             self.state.round = r + 1  # a round abandoned on SIGTERM is not ours to count: a restart syncs past it
         if not self.state.in_sync:
             logger.warning("round %d: this peer is out of sync; reloading state from peers", r)
-            self.state.standing.forget()  # what we recorded may hold a set the others did not take
+            self.closer.selection.forget(r)  # what we recorded may hold a set the others did not take
             self.closer.seating.forget()  # and so may the committees we drew from them
             stats.synced = self.sync()
             if stats.synced:  # report the state we now hold, not the one we discarded

@@ -65,3 +65,15 @@ def test_a_resumed_replica_refuses_whom_it_banned_before_it_stopped(tmp_path: Pa
     same = after.bans  # the parts that judge senders hold this object: it is filled, not replaced
     assert Checkpoints(path, 60.0, trainer, "bans-run").resume(after) and after.round == 7
     assert after.bans is same and same.banned("garbage", 7) and same.banned("poisoner", 7)
+
+
+def test_a_pardon_lifts_the_last_ban_and_its_strike_only() -> None:
+    bans = _bans()
+    bans.pardon("garbage")
+    assert not bans.banned("garbage", 7) and bans.until["garbage"] == (0, 1)
+    bans.ban(8, "garbage", "once more")
+    assert bans.until["garbage"] == (13, 2)  # its second strike again, not a third
+    bans.pardon("poisoner")
+    assert "poisoner" not in bans.until and not bans.refused_by_all("poisoner", 6)
+    bans.pardon("nobody")  # never banned: nothing to lift
+    assert "nobody" not in bans.until

@@ -88,3 +88,22 @@ def test_a_resumed_peer_that_kept_its_bans_takes_the_set_an_honest_coordinator_c
         assert not sel.late_turn(7)
         verdicts.append(sel.keeps_rule(7, honest, notices))
     assert verdicts == [True, False]
+
+
+def test_out_of_sync_a_peer_pardons_the_coordinators_it_judged_from_its_own_standing() -> None:
+    # the resumed peer above, without its ban of the breaker: it refused b's honest set in round 7 and banned b. In
+    # round 8 it finds it took a set the others did not; b's ban came from that standing and is lifted, while the ban
+    # of x, whose set of round 7 was over the cap (no standing needed to see it), stays
+    bans = RoundBans()
+    sel = Selection(1, GatherRule(size=2, reserves=1), (), bans, CommitteeRule())
+    sets = [("a", "b"), ("b", "c"), ("a", "b"), ("c", "breaker"), ("a", "b"), ("c", "breaker"), ("a", "b")]
+    for r, members in enumerate(sets):
+        sel.took(r, _accepted(r, members[0], list(members)))
+    notices = _notices(7, ["a", "b", "c", "breaker"])
+    assert not sel.keeps_rule(7, _accepted(7, "x", ["a", "b", "c"]), notices)
+    assert not sel.keeps_rule(7, _accepted(7, "b", ["a", "b"]), notices)
+    assert bans.banned("b", 8) and bans.refused_by_all("b", 8) and bans.banned("x", 8)
+    sel.forget(8)
+    assert not bans.banned("b", 8) and not bans.refused_by_all("b", 8) and "b" not in bans.until
+    assert bans.banned("x", 8) and sel.late_turn(9)  # the standing is gone: cold until rebuilt
+    assert sel.keeps_rule(7, _accepted(7, "b", ["a", "b"]), notices)  # judged again, by the cap alone
