@@ -1,10 +1,10 @@
 """Whom a round loop refuses, and until which round: bans for garbage, for undelivered contributions, and for
 what made every peer's guard refuse a round.
 
-The bans are this peer's own verdicts, so its checkpoint keeps them (:meth:`RoundBans.to_json`): a peer that
-resumed its current state and forgot them would count a banned peer's notices again. In a capped round that puts
-the banned peer back in the gather order this peer checks, ahead of the members an honest coordinator took, and the
-peer refused that coordinator's set and took another, alone."""
+The bans are this peer's own verdicts, so its checkpoint keeps them (:meth:`RoundBans.to_json`). A peer that
+resumes its current state without them counts a banned peer's notices again; in a capped round that puts the banned
+peer back in the gather order this peer checks, ahead of the members an honest coordinator took, so it would refuse
+that coordinator's set and take another, alone."""
 
 from __future__ import annotations
 
