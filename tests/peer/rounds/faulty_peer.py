@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from hlbp.peer.net.transport import PUSH_RATE, STATE_RATE
 from hlbp.peer.rounds.outer import Contribution
 
 
@@ -240,14 +241,22 @@ class FakeNotices(_Delegate):
 
 
 class Flood:
-    """Floods every member of the last round it saw, from two threads, for as long as the process lives: pushes of
-    junk records under the round's notice key as fast as it can send them, and requests for the member's state
-    shards (megabytes each). Every 3 s it prints what it sent and what was refused; its rounds go on honestly."""
+    """Floods every member of the last round it saw, for as long as the process lives: pushes of junk records under
+    the round's notice key, and requests for the member's state shards (megabytes each). Every 3 s it prints what it
+    sent and what was refused; its rounds go on honestly.
+
+    The flood is paced at a multiple of what each limit lets through (``PUSH_X`` times the push rate, ``FETCH_X``
+    times the state rate, per target), not as fast as the process can: unpaced, its own threads starved its honest
+    rounds on a loaded 2-core box, it was left out as a straggler, and the run differed from its twin by its absence
+    instead of by the attack. Ten times a limit is as much a flood to the limit as a hundred."""
+
+    PUSH_X = 10
+    FETCH_X = 20
 
     def __init__(self, runner: Any) -> None:
         self.runner = runner
         self.pushes = self.served = self.refused = 0
-        for work in (self._push, self._report, *[self._fetch] * 8):
+        for work in (self._push, self._report, self._fetch, self._fetch):
             threading.Thread(target=work, daemon=True).start()
 
     def _targets(self) -> list[str]:
@@ -266,7 +275,7 @@ class Flood:
             self.runner.transport.push(targets, round_key(self.runner.cfg.run_id, self.runner.round, KIND_CONTRIB),
                                        junk, timeout=2.0)
             self.pushes += len(targets)
-            time.sleep(0.002)
+            time.sleep(1.0 / (self.PUSH_X * PUSH_RATE))
 
     def _fetch(self) -> None:
         from hlbp.peer.rounds.statesync import state_name
@@ -283,6 +292,7 @@ class Flood:
                         self.served += 1
                     except Exception:  # noqa: BLE001 - refused, not there, or timed out: all the same to a flood
                         self.refused += 1
+                    time.sleep(2.0 / (self.FETCH_X * STATE_RATE * len(targets)))  # per thread, of two
 
     def _report(self) -> None:
         while True:
