@@ -12,6 +12,7 @@ import dataclasses
 import hashlib
 import itertools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -268,6 +269,42 @@ class Stage(nn.Module):
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean next-token cross-entropy; only meaningful on the last stage."""
         return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+class _Part(nn.Module):
+    """One step of a stage's forward pass, on the stage's own modules (registered under ``stage.``)."""
+
+    def __init__(self, stage: Stage, run: Callable[[Stage, torch.Tensor], torch.Tensor]) -> None:
+        super().__init__()
+        self.stage, self._run = stage, run
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._run(self.stage, x)
+
+
+def forward_parts(stage: Stage) -> list[tuple[nn.Module, list[str]]]:
+    """``stage``'s forward pass as steps in order (the embedding, each block, the norm and head), each with the
+    names of the stage parameters it reads. Run one after another with ``torch.func.functional_call`` on each
+    step's parameters alone (keyed ``"stage." + name``), they give :meth:`Stage.forward`'s result bit for bit
+    while a caller holds one block's parameters at a time: how a replica scores parameters it reads from a store
+    or computes on demand, beside a model in training (hlbp.peer.train.trainer.evaluate_params)."""
+
+    def names(prefix: str) -> list[str]:
+        return [prefix + n for n, _ in stage.get_submodule(prefix[:-1]).named_parameters()]
+
+    def first(s: Stage, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[1] > s.config.max_seq_len:
+            raise UserInputError(f"sequence of {x.shape[1]} tokens exceeds max_seq_len={s.config.max_seq_len}")
+        return s.embed_tokens(x) if s.is_first else x
+
+    def block(i: str) -> Callable[[Stage, torch.Tensor], torch.Tensor]:
+        return lambda s, x: s.blocks[i](x, s.rope_cos, s.rope_sin, getattr(s, "subspace_basis", None))
+
+    parts = [(_Part(stage, first), names("embed.") if stage.is_first else [])]
+    parts += [(_Part(stage, block(i)), names(f"blocks.{i}.")) for i in stage.blocks]
+    if stage.is_last:
+        parts.append((_Part(stage, lambda s, x: s.head(s.norm(x))), names("norm.") + names("head.")))
+    return parts
 
 
 def build_model(config: ModelConfig) -> Stage:

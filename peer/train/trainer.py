@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from hlbp.peer.common.errors import UserInputError
+from hlbp.peer.model.decoder import forward_parts
 from hlbp.peer.model.subspace import SubspaceConstraint
 from hlbp.peer.train.adamw import MOMENT_LAYOUTS, CompactAdamW
 from hlbp.peer.train.checkpoint import load_module, optimizer_from_tensors, optimizer_to_tensors
@@ -260,16 +261,29 @@ def skeleton(model: nn.Module) -> nn.Module:
 @torch.no_grad()
 def evaluate_params(shell: nn.Module, params: Mapping[str, torch.Tensor],
                     batches: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device) -> float:
-    """Token-weighted mean loss of ``shell`` (a :func:`skeleton`) run on ``params`` (name -> tensor, at least every
-    parameter; moved to ``device`` only where they are elsewhere) over ``batches``."""
-    names = [n for n, _ in shell.named_parameters()]
-    moved = {n: params[n].to(device) for n in names}
+    """Token-weighted mean loss of ``shell`` (a :func:`skeleton` of a model or stage) run on ``params`` (name ->
+    tensor, at least every parameter; moved to ``device`` only where they are elsewhere) over ``batches``.
+
+    The batches go through the forward pass one step at a time (:func:`~hlbp.peer.model.decoder.forward_parts`),
+    each step's parameters read from ``params`` only for it: scoring parameters that a store reads from a file or
+    a view computes on demand (a round's candidate) holds one block's of them at a time, not a copy of the model
+    beside the one in training (docs/design.md, "Memory per parameter"). The loss is bit for bit the whole
+    forward's."""
     shell.eval()
+    hidden = [x.to(device) for x, _ in batches]
+    parts = forward_parts(shell)  # type: ignore[arg-type]
     total, count = 0.0, 0
-    for x, y in batches:
-        x, y = x.to(device), y.to(device)
+    for part, names in parts[:-1]:
+        tensors = {"stage." + n: params[n].to(device) for n in names}
         with autocast(device):
-            total += shell.loss(torch.func.functional_call(shell, moved, (x,)), y).item() * y.numel()
+            hidden = [torch.func.functional_call(part, tensors, (h,)) for h in hidden]
+        del tensors  # before the next part's are read
+    part, names = parts[-1]
+    tensors = {"stage." + n: params[n].to(device) for n in names}
+    for h, (_, y) in zip(hidden, batches):  # the logits of one batch at a time
+        y = y.to(device)
+        with autocast(device):
+            total += shell.loss(torch.func.functional_call(part, tensors, (h,)), y).item() * y.numel()
         count += y.numel()
     return total / max(1, count)
 

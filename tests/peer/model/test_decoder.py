@@ -85,3 +85,28 @@ def test_partition_is_contiguous_and_even():
 def test_bad_model_arguments_raise_user_input_error(call):
     with pytest.raises(UserInputError):
         call()
+
+
+@pytest.mark.parametrize("variant", [{}, {"subspace_rank": 16}, {"subspace_rank": 16, "subspace_drift": True}],
+                         ids=["plain", "subspace", "drift"])
+def test_the_forward_run_part_by_part_on_each_parts_parameters_is_the_forward_bit_for_bit(variant):
+    """forward_parts: every stage of a split (first, middle, last, and the whole model), run one step at a time
+    with functional_call on that step's parameters alone, gives Stage.forward's output bit for bit, and the steps
+    read every parameter exactly once."""
+    from hlbp.peer.model.decoder import forward_parts
+
+    torch.manual_seed(0)
+    config = preset("tiny", vocab_size=512, n_layers=4, **variant)
+    ids = torch.randint(0, 512, (2, 24))
+    for stage in [build_model(config), *split(config, 3)]:
+        x = ids if stage.is_first else torch.randn(2, 24, config.d_model)
+        params = dict(stage.named_parameters())
+        read: list[str] = []
+        h = x
+        with torch.no_grad():
+            for part, names in forward_parts(stage):
+                read += names
+                h = torch.func.functional_call(part, {"stage." + n: params[n] for n in names}, (h,))
+            want = stage(x)
+        assert sorted(read) == sorted(params) and len(read) == len(set(read))
+        assert torch.equal(h, want), (stage.start, stage.end)

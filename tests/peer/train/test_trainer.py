@@ -155,3 +155,29 @@ def test_the_runtime_warm_up_step_runs_a_one_block_model_of_the_run_and_touches_
     torch.manual_seed(0)
     warm_runtime(config, OptimConfig(lr=1e-3), torch.device("cpu"), 2, 64)
     assert torch.equal(torch.rand(3), before)  # not even the global generator moved
+
+
+def test_scoring_reads_one_blocks_parameters_at_a_time(builtin_data):
+    """evaluate_params on parameters a view makes when read (a round's candidate, a store's file) holds one step of
+    the forward's at a time: never more than the largest block's tensors are alive together."""
+    import weakref
+
+    from hlbp.peer.model.decoder import forward_parts
+
+    model = build_model(preset("tiny", vocab_size=builtin_data.vocab_size))
+    live: set[int] = set()
+    most = [0]
+
+    class Made(dict):
+        def __getitem__(self, name):
+            t = super().__getitem__(name).detach().clone()  # a fresh tensor per read, as a store's
+            live.add(id(t))
+            weakref.finalize(t, live.discard, id(t))
+            most[0] = max(most[0], len(live))
+            return t
+
+    params = Made(model.named_parameters())
+    batches = [TokenStream(builtin_data.train, 32, 2, seed=0).batch(i) for i in range(2)]
+    scored = evaluate_params(skeleton(model), params, batches, torch.device("cpu"))
+    assert scored == evaluate(model, batches, torch.device("cpu"))
+    assert most[0] == max(len(names) for _, names in forward_parts(model))
