@@ -23,6 +23,9 @@ def memory(
     state_dtype: str | None = opt(None, "--state-dtype", env="BENCH_STATE_DTYPE",
                                   help="Every peer's --state-dtype: fp32, bf16, bf16-v or bf16-all (default: hlbp join's, "
                                        "bf16)."),
+    state_on_disk: bool | None = opt(None, "--state-on-disk/--state-in-memory", env="BENCH_STATE_ON_DISK",
+                                     help="Every peer's --state-on-disk or --state-in-memory (default: hlbp join's, "
+                                          "on disk)."),
     workdir: Path | None = opt(None, "--workdir", env="BENCH_WORKDIR",
                                help="Keep the runs' logs and metrics here (default: a temporary directory)."),
 ) -> None:
@@ -36,7 +39,8 @@ def memory(
     changes: dict = {"workdir": workdir}
     if presets:
         changes["presets"] = tuple(p.strip() for p in presets.split(",") if p.strip())
-    for name, value in (("stages", stages), ("rounds", rounds), ("overlap", overlap), ("state_dtype", state_dtype)):
+    for name, value in (("stages", stages), ("rounds", rounds), ("overlap", overlap), ("state_dtype", state_dtype),
+                        ("state_on_disk", state_on_disk)):
         if value is not None:
             changes[name] = value
     cfg = dataclasses.replace(cfg, **changes)

@@ -70,6 +70,11 @@ class JoinFlags:
                                  "feedback in bf16 (2 bytes per parameter less than fp32, loss unchanged); bf16-v also "
                                  "AdamW's second moment, bf16-all both moments (2 and 4 bytes more, at a measured "
                                  "loss cost).")
+    state_on_disk: bool = flag(True, "--state-on-disk/--state-in-memory", env="STATE_ON_DISK",
+                               help="Keep the round state that is read a few times a round, not at every step (the "
+                                    "agreed parameters, 4 bytes per parameter, and SparseLoCo's error feedback, 2-4), "
+                                    "in files under --out-dir, one parameter in memory at a time; the files are "
+                                    "removed when the peer exits.")
     checkpoint_every: float = flag(300.0, "--checkpoint-every", env="CHECKPOINT_EVERY",
                                    help="Full replica: save the checkpoint at most every this many seconds (0: every "
                                         "round); it is always saved on SIGTERM and at the end.")
@@ -136,11 +141,12 @@ class JoinFlags:
         )
         stage = StageOptions(micro_batches=self.micro_batches, in_flight=self.in_flight, deadline_s=self.stage_deadline,
                              eval_every=self.eval_every, threads=self.threads, checkpoint_every_s=self.checkpoint_every,
-                             rebalance_period_s=self.rebalance_period, state_dtype=self.state_dtype)
+                             rebalance_period_s=self.rebalance_period, state_dtype=self.state_dtype,
+                             state_on_disk=self.state_on_disk)
         replica = ReplicaOptions(rounds=self.rounds, threads=self.threads, checkpoint_every_s=self.checkpoint_every,
                                  metrics_port=self.metrics_port, metrics_host=self.metrics_host,
                                  wait_replicas=self.wait_replicas, wait_replicas_timeout_s=self.wait_replicas_timeout,
-                                 state_dtype=self.state_dtype)
+                                 state_dtype=self.state_dtype, state_on_disk=self.state_on_disk)
         return JoinPlan(join=join, replica=replica, stage=stage, local_only=self.local_only)
 
 

@@ -45,6 +45,7 @@ class MemoryBenchConfig:
     seq_len: int = 64
     overlap: str = "eager"
     state_dtype: str | None = None  # every peer's --state-dtype (None: hlbp join's default, bf16)
+    state_on_disk: bool | None = None  # every peer's --state-on-disk (None: hlbp join's default, on disk)
     seed: int = 0
     timeout_s: float = 1800.0
     workdir: Path | None = None
@@ -92,7 +93,8 @@ def preset_run(cfg: MemoryBenchConfig, preset: str, workdir: Path) -> dict[str, 
     sim = SimConfig(n_full=cfg.full, n_swarms=1, n_stages=cfg.stages, model=preset, rounds=cfg.rounds,
                     inner_steps=cfg.inner_steps, batch_size=cfg.batch_size, seq_len=cfg.seq_len, overlap=cfg.overlap,
                     seed=cfg.seed, threads=1, run_id=f"memory-{preset}", startup_timeout_s=600.0,
-                    max_deadline_s=120.0, round_deadline_s=30.0, checkpoint_every_s=0.0, state_dtype=cfg.state_dtype)
+                    max_deadline_s=120.0, round_deadline_s=30.0, checkpoint_every_s=0.0, state_dtype=cfg.state_dtype,
+                    state_on_disk=cfg.state_on_disk)
     report = run_simulation(sim, workdir, cfg.timeout_s)
     memory = peak_memory(report["rounds"])
     return {
@@ -178,7 +180,8 @@ def run_memory_bench(cfg: MemoryBenchConfig, out: Path | None = None,
                          f"{r['rounds_agreed']}/{r['rounds']}"])
     print_table(console, f"memory: peak above the pre-model baseline, {cfg.rounds} rounds of H={cfg.inner_steps}, "
                          f"overlap {cfg.overlap}, batch {cfg.batch_size}x{cfg.seq_len}, "
-                         f"own state {cfg.state_dtype or 'bf16'}",
+                         f"own state {cfg.state_dtype or 'bf16'}"
+                         f"{' in memory' if cfg.state_on_disk is False else ''}",
                 ["preset", "role", "params trained", "baseline GiB", "peak GiB", "host B/param", "device B/param",
                  "rounds agreed"], rows)
     slopes = marginal(runs)

@@ -35,6 +35,7 @@ import torch
 from hlbp.peer.model.codec import ActivationCodec
 from hlbp.peer.model.decoder import ModelConfig, Stage
 from hlbp.peer.rounds.admission import Refusal
+from hlbp.peer.rounds.anchor import Anchor
 from hlbp.peer.swarm.audit import Finding
 from hlbp.peer.swarm.auditor import AuditConfig, Auditor, Fetch, PeerAudit
 from hlbp.peer.train.trainer import skeleton
@@ -86,7 +87,9 @@ class PipelineAudits:
         if held is None:
             logger.info("round %d: not auditing the stage peers: this peer's state is not the agreed one", r)
             return {}
-        anchor = dict(held)  # its tensors are replaced, never changed in place: this view stays round r - 1's
+        # round r - 1's parameters while the round replaces them: a snapshot of the anchor (each read when audited),
+        # or a copy of the view's references (its tensors are replaced, never changed in place)
+        anchor = held.snapshot() if isinstance(held, Anchor) else dict(held)
         if "embed.weight" in anchor:
             self.codec.rebuild_table(anchor["embed.weight"])  # B, A+drift: the table the swarm's phase used
         refused: dict[str, Refusal] = {}

@@ -72,6 +72,7 @@ class ReplicaOptions:
     wait_replicas_timeout_s: float = 120.0  # ... but start anyway after this long
     # how this peer stores its own optimizer state, never sent or checksummed (a key of STATE_LAYOUTS)
     state_dtype: str = "bf16"
+    state_on_disk: bool = True  # the anchor and error feedback in files under the out dir (common.spill), not memory
     # a fault test's change to the runner's parts before it starts (it wraps them: tests/peer/rounds/faulty_peer.py);
     # production: None
     faults: Callable[[Any], None] | None = None
@@ -184,9 +185,11 @@ class ParamScorer:
             return evaluate_params(self._shell, params, batches, self.device)
 
 
-def round_settings(m: Any, checkpoint_every_s: float, ef_dtype: str = "fp32") -> tuple[OuterConfig, RoundConfig]:
+def round_settings(m: Any, checkpoint_every_s: float, ef_dtype: str = "fp32",
+                   state_dir: str = "") -> tuple[OuterConfig, RoundConfig]:
     """The outer optimizer and round protocol settings of run manifest ``m``: the same on every peer of the run,
-    full replica or stage peer, but for ``ef_dtype``, how this peer stores its own error feedback."""
+    full replica or stage peer, but for ``ef_dtype``, how this peer stores its own error feedback, and
+    ``state_dir``, where it keeps that and the anchor ("": in memory)."""
     hp = m.hparams
     outer = OuterConfig(kind=hp.outer, k=hp.k, beta=hp.beta, alpha=hp.alpha,  # type: ignore[arg-type]
                         outer_lr=hp.outer_lr, momentum=hp.momentum, clip_median=hp.clip_median,
@@ -194,14 +197,14 @@ def round_settings(m: Any, checkpoint_every_s: float, ef_dtype: str = "fp32") ->
                         small_tensors=hp.small_tensors,
                         token_weighted=hp.weighting == "tokens",
                         max_tokens=hp.inner_steps * hp.batch_size * hp.seq_len,
-                        ef_dtype=ef_dtype)  # type: ignore[arg-type]
+                        ef_dtype=ef_dtype, ef_dir=state_dir)  # type: ignore[arg-type]
     rcfg = RoundConfig(run_id=m.run_id, inner_steps=hp.inner_steps, deadline_s=hp.round_deadline_s,
                        min_deadline_s=hp.min_deadline_s, max_deadline_s=hp.max_deadline_s,
                        min_contributors=hp.min_contributors, checkpoint_every_s=checkpoint_every_s,
                        gather=hp.gather, reserves=hp.reserves, unselected=hp.unselected, committee=hp.committee,
                        guard=GuardConfig(max_contribution_ratio=hp.max_contribution_ratio,
                                          max_update_ratio=hp.max_update_ratio, max_loss_jump=hp.max_loss_jump),
-                       allowed_peers=frozenset(m.allowed_peers), overlap=hp.overlap)
+                       allowed_peers=frozenset(m.allowed_peers), overlap=hp.overlap, state_dir=state_dir)
     return outer, rcfg
 
 
@@ -269,7 +272,8 @@ def run_replica(ctx: TrainContext, options: ReplicaOptions, echo: Any = print) -
     trainer = InnerTrainer(model, optim, micro_batches(stream, 1), device, constraint=constraint)
     val = val_batches(data.val, hp.seq_len, hp.batch_size, options.eval_batches) if options.eval_batches else []
     guard_batch = val_batches(data.val, hp.seq_len, hp.batch_size, 1)  # the same on every peer of the run
-    outer, rcfg = round_settings(m, options.checkpoint_every_s, ef_dtype)
+    outer, rcfg = round_settings(m, options.checkpoint_every_s, ef_dtype,
+                                 str(ctx.out_dir) if options.state_on_disk else "")
     # behind NAT: say so in our notices, so that a dialable peer coordinates (hlbp.peer.rounds.rules)
     rcfg = dataclasses.replace(rcfg, dialable=peer.reachability is not Reachability.CLIENT)
     scorer = ParamScorer(trainer, device, separate=rcfg.overlap != "none")

@@ -85,6 +85,7 @@ class StageOptions:
     faults: Callable[[StageWorker], Any] | None = None  # a fault test's wrapper of the built worker (a liar)
     round_faults: Callable[[Any], None] | None = None  # a fault test's wrapper of the built round runner's parts
     state_dtype: str = "bf16"  # this peer's own AdamW moments and error feedback (replica.STATE_LAYOUTS)
+    state_on_disk: bool = True  # the anchor and error feedback in files under the out dir (common.spill), not memory
 
 
 class SwarmView:
@@ -296,6 +297,7 @@ def _serve(ctx: TrainContext, options: StageOptions, worker: StageWorker, codec:
     runner, transport = make_stage_rounds(ctx, worker, config, lambda r: phase[0](r), metrics,
                                           options.checkpoint_every_s, on_round=_round_echo(echo, stage), codec=codec,
                                           driven=True, notary=notary, ef_dtype=STATE_LAYOUTS[options.state_dtype][0],
+                                          state_dir=str(ctx.out_dir) if options.state_on_disk else "",
                                           swarm_mates=lambda: view.members() - {ctx.peer.plane.peer_id},
                                           guard_loss=slot.score)
     if options.round_faults is not None:
@@ -435,6 +437,7 @@ def _drive(ctx: TrainContext, options: StageOptions, worker: StageWorker, codec:
                                           evaluate=driving.score if driving.val else None,
                                           on_round=_round_echo(echo, 0), codec=codec, notary=driving.driver.notary,
                                           ef_dtype=STATE_LAYOUTS[options.state_dtype][0],
+                                          state_dir=str(ctx.out_dir) if options.state_on_disk else "",
                                           swarm_mates=lambda: view.members() - {ctx.peer.plane.peer_id},
                                           guard_loss=driving.guard)
     if options.round_faults is not None:

@@ -145,7 +145,7 @@ def make_stage_rounds(ctx: Any, worker: StageWorker, config: Any, phase: Callabl
                       codec: ActivationCodec | None = None, driven: bool = False,
                       notary: Notary | None = None,
                       swarm_mates: Callable[[], AbstractSet[str]] = frozenset,
-                      ef_dtype: str = "fp32",
+                      ef_dtype: str = "fp32", state_dir: str = "",
                       guard_loss: Callable[[int, Mapping[str, torch.Tensor]], float | None] | None = None,
                       ) -> tuple[RoundRunner, Any]:
     """The round loop of this stage peer (``ctx``: its join context) and the blob transport it serves its
@@ -158,7 +158,8 @@ def make_stage_rounds(ctx: Any, worker: StageWorker, config: Any, phase: Callabl
     embedding after every round, and a stage after the first follows shard 0 for it, starting from the seed's
     initial parameters of that shard (drawn alone, :func:`~hlbp.peer.model.pipeline.initial_tensors`).
 
-    ``ef_dtype``: how this peer stores its error feedback (its own choice, ``OuterConfig.ef_dtype``).
+    ``ef_dtype``, ``state_dir``: how this peer stores its error feedback, and where it keeps that and the anchor
+    ("": in memory); its own choice.
 
     ``guard_loss(r, params)``: round r's candidate (this stage's ``params``) scored end to end by the swarm's chain
     on the run's guard batch (:mod:`hlbp.peer.swarm.guardslot`) in a round without a full replica, judged as a full
@@ -175,7 +176,7 @@ def make_stage_rounds(ctx: Any, worker: StageWorker, config: Any, phase: Callabl
         stages = split(config, len(bounds), bounds)
     shards = [[n for n, _ in s.named_parameters()] for s in stages]
     shapes = [{n: tuple(p.shape) for n, p in s.named_parameters()} for s in stages]
-    outer, rcfg = round_settings(m, checkpoint_every_s, ef_dtype)
+    outer, rcfg = round_settings(m, checkpoint_every_s, ef_dtype, state_dir)
     if rcfg.overlap != "none":
         # a swarm scores the anchor through its chain, whose stage weights the overlapped phase is training: not
         # built yet, so stage peers take part in an overlapped run's rounds without overlapping their own phase

@@ -12,16 +12,22 @@ snapshot that needs them lives.
 
 Tensors are replaced, never changed in place, so a tensor read from the anchor stays that version's for as long as
 the reader holds it; reads and replacements may come from different threads.
+
+The current tensors live in memory, or in a store that keeps them in a file (hlbp.peer.common.spill: each read is
+a fresh tensor, so a reader holds its copy only while it reads): the anchor is read a few times a round, not at
+every step, so on disk it costs the process no memory between reads.
 """
 
 from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, MutableMapping
 from dataclasses import dataclass
 
 import torch
+
+from hlbp.peer.common.spill import SpilledTensors
 
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 DENSE_FRACTION = 1 / 3  # above this fraction of positions changed, an undo record keeps the old tensor instead
@@ -56,14 +62,23 @@ class Undo:
 
 class Anchor(Mapping[str, torch.Tensor]):
     """The current global parameters (name -> tensor), written with :meth:`__setitem__` / :meth:`update`, read
-    as now or as at an earlier :meth:`snapshot`."""
+    as now or as at an earlier :meth:`snapshot`. ``spill_dir``: keep them in a file under it, not in memory."""
 
-    def __init__(self, tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]] = ()) -> None:
-        self._now: dict[str, torch.Tensor] = dict(tensors)
+    def __init__(self, tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]] = (),
+                 spill_dir: str = "") -> None:
+        self.spill_dir = spill_dir
+        self._now: MutableMapping[str, torch.Tensor] = SpilledTensors(spill_dir) if spill_dir else {}
         self._lock = threading.RLock()
         self._version = 0
+        self._written: dict[str, int] = {}  # the version of each parameter's last write
         self._undo: dict[str, list[Undo]] = {}
         self._held: weakref.WeakSet[Snapshot] = weakref.WeakSet()
+        for name, value in (tensors.items() if isinstance(tensors, Mapping) else tensors):
+            self._now[name] = value
+
+    def emptied(self) -> Anchor:
+        """A new, empty anchor kept where this one is (in memory, or in a new file beside this one's)."""
+        return Anchor(spill_dir=self.spill_dir)
 
     @property
     def version(self) -> int:
@@ -79,14 +94,23 @@ class Anchor(Mapping[str, torch.Tensor]):
     def __len__(self) -> int:
         return len(self._now)
 
+    def __contains__(self, name: object) -> bool:
+        return name in self._now
+
     def __setitem__(self, name: str, value: torch.Tensor) -> None:
         """Replace one parameter; the old tensor is kept (as an undo record) only for the snapshots that need it."""
         with self._lock:
             self._version += 1
-            old = self._now.get(name)
-            if old is not None and self._oldest_held() < self._version:
-                self._undo.setdefault(name, []).append(Undo.between(self._version, old, value))
+            if name in self._now and self._oldest_held() < self._version:
+                self._undo.setdefault(name, []).append(Undo.between(self._version, self._now[name], value))
             self._now[name] = value
+            self._written[name] = self._version
+
+    def unchanged_since(self, names: Iterable[str], version: int) -> bool:
+        """Whether none of ``names`` was written after ``version`` (what a reader of that version may still read
+        as now)."""
+        with self._lock:
+            return all(self._written.get(n, 0) <= version for n in names)
 
     def update(self, other: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]] = ()) -> None:
         """Replace each given parameter in turn (:meth:`__setitem__`)."""
@@ -112,7 +136,7 @@ class Anchor(Mapping[str, torch.Tensor]):
         with self._lock:
             t = self._now[name]
             records = self._undo_since(name, version)
-        value, owned = t, False
+        value, owned = t, isinstance(self._now, SpilledTensors)  # a spilled read is a fresh tensor: ours to change
         for record in reversed(records):  # newest first, each back to the value before its write
             if record.positions is None:
                 value, owned = record.values, False

@@ -40,6 +40,9 @@ class RoundConfig:
     allowed_peers: frozenset[str] = frozenset()  # closed run: only these peers' round records count (empty: all)
     overlap: str = "none"  # a round's exchange runs during the next inner phase: none, naive or eager (overlap.py)
     dialable: bool = True  # others can dial this peer; False (behind NAT): its notices say so, and it coordinates last
+    # where this peer keeps the round state it reads a few times a round, not every step (the anchor; the error
+    # feedback is OuterConfig.ef_dir): "" in memory, else in files under this directory (hlbp.peer.common.spill)
+    state_dir: str = ""
 
     def admits(self, peer_id: str) -> bool:
         """Whether ``peer_id``'s round records count in this run (the manifest's allow-list)."""

@@ -25,6 +25,7 @@ import torch
 from hlbp.peer.common import memory
 from hlbp.peer.net.transport import BlobTransport
 from hlbp.peer.rounds.agreement import Agreement, ExactAgreement
+from hlbp.peer.rounds.anchor import Anchor
 from hlbp.peer.rounds.config import RoundConfig, RoundStats
 from hlbp.peer.rounds.outer import OuterConfig, make_outer
 from hlbp.peer.rounds.persist import Checkpoints
@@ -102,8 +103,9 @@ class ReplicaBase(ABC):
             raise ValueError(f"held shards {held} are not shards of a {len(self.shards)}-shard partition")
         self.shapes = [dict(x) for x in shapes] if shapes is not None else \
             [{n: tuple(self._param(n).shape) for n in s} for s in self.shards]
-        self.state = ReplicaState(
-            anchor={n: p.detach().float().cpu().clone() for n, p in trainer.model.named_parameters()},
+        self.state = ReplicaState(  # the anchor filled one parameter at a time (on disk, one is in memory at once)
+            anchor=Anchor(((n, p.detach().float().cpu().clone()) for n, p in trainer.model.named_parameters()),
+                          spill_dir=cfg.state_dir),
             outers={s: make_outer(outer) for s in self.held})
         memory.trim()  # a model built on the host and moved to its device left its host copy freed, not returned
         self.checkpoints = Checkpoints(checkpoint, cfg.checkpoint_every_s, trainer, cfg.run_id)

@@ -16,17 +16,39 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 
 from hlbp.peer.common.errors import UserInputError
+from hlbp.peer.common.spill import SpilledTensors
 from hlbp.peer.train.adamw import STATE_DTYPES
 from hlbp.protocol.sparse import SMALL_TENSOR_RULES, SparseTensor, compress, decompress, tensor_k
 
 Tensors = Mapping[str, torch.Tensor]
+
+
+class Prefixed(Mapping[str, torch.Tensor]):
+    """``tensors`` under the names ``prefix + name``, each read from ``tensors`` when asked for."""
+
+    def __init__(self, tensors: Tensors, prefix: str) -> None:
+        self.tensors, self.prefix = tensors, prefix
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        if not key.startswith(self.prefix):
+            raise KeyError(key)
+        return self.tensors[key[len(self.prefix):]]
+
+    def __iter__(self) -> Iterator[str]:
+        return (self.prefix + n for n in list(self.tensors))
+
+    def __len__(self) -> int:
+        return len(self.tensors)
+
+    def __contains__(self, key: object) -> bool:
+        return isinstance(key, str) and key.startswith(self.prefix) and key[len(self.prefix):] in self.tensors
 
 
 @dataclass
@@ -53,6 +75,9 @@ class OuterConfig:
     # how this peer stores its error-feedback buffer (its own state, never sent or checksummed): "bf16" halves it
     # (2 bytes per parameter instead of 4); each round's arithmetic runs in float32 on one parameter at a time
     ef_dtype: Literal["fp32", "bf16"] = "fp32"
+    # where: "" in memory, else a file under this directory (hlbp.peer.common.spill: read and written one parameter
+    # at a time, once a round, so the process does not hold it between rounds)
+    ef_dir: str = ""
     # DiLoCo
     outer_lr: float = 0.7  # Nesterov SGD learning rate
     momentum: float = 0.9  # Nesterov momentum
@@ -150,7 +175,7 @@ class OuterOptimizer(ABC):
         phase started from and ended at (its pseudo-gradient). By default nothing is carried between rounds."""
 
     @abstractmethod
-    def state_tensors(self) -> dict[str, torch.Tensor]:
+    def state_tensors(self) -> Mapping[str, torch.Tensor]:
         """Optimizer state for checkpoints, keyed ``<kind>.<param name>``."""
 
     @abstractmethod
@@ -164,7 +189,9 @@ class SparseLoCo(OuterOptimizer):
     def __init__(self, config: OuterConfig) -> None:
         config.validate()
         self.config = config
-        self.ef: dict[str, torch.Tensor] = {}  # error-feedback buffer per parameter, on CPU in config.ef_dtype
+        # error-feedback buffer per parameter, on CPU in config.ef_dtype; each read of a spilled one is a fresh
+        # tensor, so every change is written back
+        self.ef: MutableMapping[str, torch.Tensor] = SpilledTensors(config.ef_dir) if config.ef_dir else {}
         self._store = STATE_DTYPES[config.ef_dtype]
         self.phases = 0  # inner phases in the buffer since our last contribution that was taken
         # the last contribution, the phases it carried, and whether the buffer held anything before it
@@ -194,7 +221,7 @@ class SparseLoCo(OuterOptimizer):
         # A straggler's unsent pseudo-gradient goes back into its buffer, as if it had never been taken out.
         m = self._taken[0] if self._taken is not None and self._taken[1] is contribution else 1
         for name, s in contribution.tensors.items():
-            self.ef[name].add_(_mass(s, m))
+            self.ef[name] = self.ef[name].add_(_mass(s, m))
         self.phases = m if self.config.backlog == "average" else self.phases
 
     def forget_phase(self, contribution: Contribution, start: Tensors, local: Tensors) -> None:
@@ -302,11 +329,14 @@ class SparseLoCo(OuterOptimizer):
             return self._stepped(t, positions, delta)
         raise KeyError(name)
 
-    def state_tensors(self) -> dict[str, torch.Tensor]:
-        return {f"ef.{n}": t for n, t in self.ef.items()}
+    def state_tensors(self) -> Mapping[str, torch.Tensor]:
+        """The buffer as ``ef.<name>``, each read when asked for (a spilled buffer is not read whole)."""
+        return Prefixed(self.ef, "ef.")
 
     def load_state(self, tensors: Tensors) -> None:
-        self.ef = {n[3:]: t.to(self._store, copy=True) for n, t in tensors.items() if n.startswith("ef.")}
+        self.ef.clear()
+        for n in [n for n in tensors if n.startswith("ef.")]:
+            self.ef[n[3:]] = tensors[n].to(self._store, copy=True)
 
 
 class DiLoCo(OuterOptimizer):

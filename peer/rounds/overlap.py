@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from hlbp.peer.rounds.anchor import Snapshot
+from hlbp.peer.rounds.anchor import Anchor, Snapshot
 from hlbp.peer.rounds.outer import Contribution, OuterConfig
 from hlbp.protocol.manifest import Hyperparameters
 from hlbp.protocol.sparse import SparseTensor, decompress
@@ -60,7 +60,10 @@ def _scale(cfg: OuterConfig, replicas: int) -> float:
 
 def _held(params: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
     """What a view keeps of the parameters it reads: an anchor snapshot as it is (it reads its version back after
-    later rounds), any other mapping copied (its tensors, not its later changes)."""
+    later rounds), the anchor itself as a snapshot of it now, any other mapping copied (its tensors, not its later
+    changes)."""
+    if isinstance(params, Anchor):
+        return params.snapshot()
     return params if isinstance(params, Snapshot) else dict(params)
 
 

@@ -11,7 +11,7 @@ import base64
 import binascii
 import logging
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,7 +20,6 @@ import torch
 
 from hlbp.peer.common.errors import UserInputError
 from hlbp.peer.common.files import remove_stale_temps
-from hlbp.peer.rounds.anchor import Anchor
 from hlbp.peer.rounds.state import ReplicaState
 from hlbp.peer.train.checkpoint import open_checkpoint, save_checkpoint
 from hlbp.protocol.roundwire import MAX_RECORD_BYTES
@@ -71,6 +70,24 @@ def decode_evidence(raw: Any) -> dict[str, dict[str, bytes]]:
     return out
 
 
+class _Joined(Mapping[str, torch.Tensor]):
+    """Several mappings of tensors under one, each under its prefix, each tensor read when the writer asks for it:
+    state kept in a file (a spilled error-feedback buffer) is never read whole to be saved."""
+
+    def __init__(self, parts: Sequence[tuple[str, Mapping[str, torch.Tensor]]]) -> None:
+        self._where = {prefix + n: (part, n) for prefix, part in parts for n in part}
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        part, n = self._where[key]
+        return part[n]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._where)
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+
 def save_replica(path: Path, anchor: Mapping[str, torch.Tensor], outers: Mapping[int, Mapping[str, torch.Tensor]],
                  trainer: Any, round_: int, in_sync: bool, run_id: str,
                  evidence: Mapping[str, Mapping[str, bytes]] | None = None,
@@ -80,10 +97,8 @@ def save_replica(path: Path, anchor: Mapping[str, torch.Tensor], outers: Mapping
     if not all(bool(torch.isfinite(t).all()) for t in anchor.values()):
         logger.error("not saving the checkpoint: the global parameters hold a non-finite value")
         return False
-    tensors, header = trainer.state_tensors()
-    tensors.update({f"{ANCHOR}{n}": t for n, t in anchor.items()})
-    for s, state in outers.items():
-        tensors.update({f"{_outer_prefix(s)}{k}": v for k, v in state.items()})
+    own, header = trainer.state_tensors()
+    tensors = _Joined([("", own), (ANCHOR, anchor), *((_outer_prefix(s), state) for s, state in outers.items())])
     save_checkpoint(path, tensors, {**header, "round": round_, "in_sync": in_sync, "run": run_id,
                                     "evidence": encode_evidence(evidence or {}), "standing": standing or {},
                                     "bans": bans or {}})
@@ -175,7 +190,8 @@ class Checkpoints:
         if saved is None:
             return False
         self.trainer.load_state(saved.tensors, saved.header)
-        state.anchor = anchor = Anchor()  # the old one goes first: the checkpoint's replaces it one tensor at a time
+        # the old one goes first: the checkpoint's replaces it one tensor at a time, kept where the old one was
+        state.anchor = anchor = state.anchor.emptied()
         anchor.update((n, saved.anchor[n].float()) for n in saved.anchor)
         for s, o in state.outers.items():
             o.load_state(saved.outers[s])

@@ -12,7 +12,6 @@ blocks a donor's training.
 from __future__ import annotations
 
 import hashlib
-import weakref
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -22,6 +21,7 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from hlbp.peer.net.transport import STATE_PREFIX, BlobTransport, TransportError
+from hlbp.peer.rounds.anchor import Anchor
 from hlbp.protocol import ProtocolError
 from hlbp.protocol.dense import ST_ITEMSIZE, read_header
 
@@ -32,7 +32,7 @@ PRIVATE_PREFIX = "ef."
 
 def public_outer_state(outer_state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The outer optimizer state a donor serves and the checksum covers: everything but error feedback."""
-    return {k: v for k, v in outer_state.items() if not k.startswith(PRIVATE_PREFIX)}
+    return {k: outer_state[k] for k in outer_state if not k.startswith(PRIVATE_PREFIX)}  # error feedback never read
 
 
 def shard_checksum(
@@ -104,25 +104,24 @@ def encode_state(
 class ServedState:
     """One shard's state after a round, served on request (``BlobTransport.put_lazy``) without a copy of it.
 
-    It holds weak references to the anchor's tensors of that round, which the round loop replaces and never
-    changes in place, so while they live they are that round's parameters; once a later round has replaced and
-    dropped them the state is gone and a request hears "not here" (the fetcher then asks for a newer round). The
-    outer optimizer's public state (DiLoCo's momentum, changed in place) is copied; SparseLoCo has none. So serving
-    costs no memory beside the anchor (docs/design.md, "Memory"), where an encoded blob per round held the shard
-    twice more."""
+    It reads the anchor's parameters of the shard when asked, as long as none was written since the round this
+    state is of: the round loop replaces them one at a time and never changes one in place, so while the anchor's
+    versions of them are unchanged they are that round's. Once a later round has written one, the state is gone
+    and a request hears "not here" (the fetcher then asks for a newer round); a write while the blob was made is
+    seen afterwards, and that blob is not served either. The outer optimizer's public state (DiLoCo's momentum,
+    changed in place) is copied; SparseLoCo has none. So serving costs no memory beside the anchor (docs/design.md,
+    "Memory"), where an encoded blob per round held the shard twice more."""
 
-    def __init__(self, params: Mapping[str, torch.Tensor], names: Sequence[str],
-                 outer_state: Mapping[str, torch.Tensor]) -> None:
-        self._names = list(names)
-        self._refs = {n: weakref.ref(params[n]) for n in self._names}
+    def __init__(self, anchor: Anchor, names: Sequence[str], outer_state: Mapping[str, torch.Tensor]) -> None:
+        self._anchor, self._version, self._names = anchor, anchor.version, list(names)
         self._outer = {k: v.detach().clone() for k, v in public_outer_state(outer_state).items()}
 
     def __call__(self) -> bytes | None:
         """The state blob (:func:`encode_state`), or None when the round's parameters are gone."""
-        params = {n: ref() for n, ref in self._refs.items()}
-        if any(t is None for t in params.values()):
+        if not self._anchor.unchanged_since(self._names, self._version):
             return None
-        return encode_state(params, self._names, self._outer)  # type: ignore[arg-type]
+        blob = encode_state(self._anchor, self._names, self._outer)
+        return blob if self._anchor.unchanged_since(self._names, self._version) else None
 
 
 @dataclass

@@ -100,6 +100,7 @@ class SimConfig:
     schedule_steps: int | None = None  # the inner lr schedule's length on every peer (None: rounds x H, the run)
     checkpoint_every_s: float | None = None  # every peer's --checkpoint-every (None: join's default; 0: every round)
     state_dtype: str | None = None  # every peer's --state-dtype (None: join's default)
+    state_on_disk: bool | None = None  # every peer's --state-on-disk (None: join's default)
 
     @property
     def schedule_total(self) -> int:
@@ -329,6 +330,8 @@ class Swarm:
             args += ["--checkpoint-every", str(self.cfg.checkpoint_every_s)]
         if self.cfg.state_dtype is not None:
             args += ["--state-dtype", self.cfg.state_dtype]
+        if self.cfg.state_on_disk is not None:
+            args += ["--state-on-disk" if self.cfg.state_on_disk else "--state-in-memory"]
         peer = Replica(name, identity, out_dir, self._spawn(name, args, program), old.peer_id if old else "")
         self.replicas[name] = peer
         return peer

@@ -50,7 +50,7 @@ _ST_DTYPE = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", t
 """safetensors' name of each dtype a checkpoint may hold."""
 
 
-def save_checkpoint(path: Path, tensors: dict[str, torch.Tensor], header: dict[str, Any]) -> None:
+def save_checkpoint(path: Path, tensors: Mapping[str, torch.Tensor], header: dict[str, Any]) -> None:
     """Save tensors and a JSON-serialisable header atomically (temporary file, fsync, rename), with the tensors'
     checksum (:func:`tensors_digest`) in the metadata.
 

@@ -8,7 +8,6 @@ once a later round has replaced and dropped them.
 
 from __future__ import annotations
 
-import gc
 import threading
 import time
 from collections.abc import Iterator
@@ -20,6 +19,7 @@ from control_helpers import transport_pair
 
 from hlbp.peer.net.blobstore import MAX_READERS, BlobStore
 from hlbp.peer.net.transport import P2PBlobTransport, TransportError
+from hlbp.peer.rounds.anchor import Anchor
 from hlbp.peer.rounds.statesync import ServedState, encode_state, parse_state
 
 
@@ -55,16 +55,21 @@ def test_the_store_remembers_whom_a_held_blob_was_sent_to_until_it_changes() -> 
     assert store.readers("m/1") == set()
 
 
-def test_served_state_lives_as_long_as_the_rounds_tensors() -> None:
-    anchor = {"a": torch.arange(6, dtype=torch.float32).view(2, 3), "b": torch.ones(4)}
+@pytest.mark.parametrize("on_disk", [False, True], ids=["memory", "disk"])
+def test_served_state_lives_as_long_as_the_rounds_tensors(tmp_path, on_disk: bool) -> None:
+    """A round's shard state is served from the anchor until a later round writes one of the shard's parameters;
+    another shard's state stays served."""
+    anchor = Anchor({"a": torch.arange(6, dtype=torch.float32).view(2, 3), "b": torch.ones(4), "c": torch.zeros(2)},
+                    spill_dir=str(tmp_path) if on_disk else "")
     served = ServedState(anchor, ["a", "b"], {"ef.a": torch.zeros(2, 3)})  # error feedback is never served
+    other = ServedState(anchor, ["c"], {})
     blob = served()
     assert blob == encode_state(anchor, ["a", "b"], {})
     state = parse_state(blob, {"a": (2, 3), "b": (4,)})
-    assert torch.equal(state.params["a"], anchor["a"]) and state.outer == {}
-    anchor["a"] = anchor["a"] + 1  # the next round replaces the tensor; the old one is dropped
-    gc.collect()
+    assert torch.equal(state.params["a"], torch.arange(6, dtype=torch.float32).view(2, 3)) and state.outer == {}
+    anchor["a"] = anchor["a"] + 1  # the next round replaces the tensor
     assert served() is None
+    assert other() == encode_state({"c": torch.zeros(2)}, ["c"], {})
 
 
 @pytest.fixture(scope="module")

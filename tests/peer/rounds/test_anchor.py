@@ -1,12 +1,19 @@
 """The anchor store: per-parameter replacement, snapshots read back bit for bit from undo records, and the old
-tensors released at once."""
+tensors released at once; each alike with the current tensors kept in memory or in a file."""
 
 import gc
 import weakref
 
+import pytest
 import torch
 
 from hlbp.peer.rounds.anchor import Anchor
+
+
+@pytest.fixture(params=["memory", "disk"])
+def spill(request, tmp_path) -> str:
+    """Where the anchor keeps its current tensors: "" in memory, else a directory for its file."""
+    return str(tmp_path) if request.param == "disk" else ""
 
 
 def _params(seed: int) -> dict[str, torch.Tensor]:
@@ -24,10 +31,10 @@ def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.view(torch.int32), b.view(torch.int32))
 
 
-def test_a_snapshot_reads_each_earlier_version_bit_for_bit_after_sparse_and_dense_writes():
+def test_a_snapshot_reads_each_earlier_version_bit_for_bit_after_sparse_and_dense_writes(spill):
     start = _params(0)
     start["b"][3] = 0.0
-    anchor = Anchor(start)
+    anchor = Anchor(start, spill_dir=spill)
     v0 = anchor.snapshot()
     one = {n: _sparse_step(t, 1) for n, t in start.items()}
     one["b"] = one["b"].clone()
@@ -38,12 +45,12 @@ def test_a_snapshot_reads_each_earlier_version_bit_for_bit_after_sparse_and_dens
     anchor.update(two)
     for n in start:
         assert _bits_equal(v0[n], start[n]) and _bits_equal(v1[n], one[n]) and _bits_equal(anchor[n], two[n])
-        assert anchor[n] is two[n]  # the current tensor itself, no copy
+        assert (anchor[n] is two[n]) == (not spill)  # in memory: the current tensor itself, no copy
     assert list(v0) == list(start) and len(v1) == 2 and "w" in v1
 
 
-def test_undo_records_live_only_while_a_snapshot_needs_them():
-    anchor = Anchor(_params(0))
+def test_undo_records_live_only_while_a_snapshot_needs_them(spill):
+    anchor = Anchor(_params(0), spill_dir=spill)
     anchor.update({n: _sparse_step(t, 1) for n, t in anchor.items()})
     assert anchor.held_records() == 0  # nobody held the old version: nothing kept
     snap = anchor.snapshot()
@@ -54,10 +61,10 @@ def test_undo_records_live_only_while_a_snapshot_needs_them():
     assert anchor.held_records() == 0
 
 
-def test_a_sparse_write_releases_the_old_tensor_even_while_a_snapshot_of_it_lives():
+def test_a_sparse_write_releases_the_old_tensor_even_while_a_snapshot_of_it_lives(spill):
     """The memory point: the replaced tensor is freed; the snapshot keeps only the changed positions."""
     start = _params(0)
-    anchor = Anchor(start)
+    anchor = Anchor(start, spill_dir=spill)
     snap = anchor.snapshot()
     old = weakref.ref(start["w"])
     new_w = _sparse_step(start["w"], 1)
@@ -68,9 +75,9 @@ def test_a_sparse_write_releases_the_old_tensor_even_while_a_snapshot_of_it_live
     assert not _bits_equal(snap["w"], new_w)  # still readable
 
 
-def test_restore_puts_back_what_was_written_since_a_snapshot():
+def test_restore_puts_back_what_was_written_since_a_snapshot(spill):
     start = _params(0)
-    anchor = Anchor(start)
+    anchor = Anchor(start, spill_dir=spill)
     before = anchor.snapshot()
     anchor.update({n: _sparse_step(t, 1) for n, t in start.items()})
     anchor["w"] = start["w"] + 1.0

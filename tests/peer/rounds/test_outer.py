@@ -246,3 +246,31 @@ def test_the_sparse_aggregation_is_the_dense_sum_bit_for_bit(aggregation, clip):
     for n in anchor:
         assert torch.equal(got[n].view(torch.int32), want[n].view(torch.int32))
         assert torch.equal(opt.applied(anchor, contributions, n).view(torch.int32), want[n].view(torch.int32))
+
+
+@pytest.mark.parametrize("ef_dtype", ["fp32", "bf16"])
+def test_an_error_feedback_kept_in_a_file_is_the_one_kept_in_memory(tmp_path, ef_dtype):
+    """The buffer spilled to a file (``ef_dir``) sends, withdraws, forgets and saves bit for bit what the buffer
+    in memory does, over rounds of every kind."""
+    opts = [SparseLoCo(OuterConfig(k=64, beta=0.95, ef_dtype=ef_dtype, ef_dir=d)) for d in ("", str(tmp_path))]
+    anchor = _params(0)
+    for r in range(4):
+        local = {n: t - 0.01 * torch.randn_like(t, generator=torch.Generator().manual_seed(r)) for n, t in anchor.items()}
+        made = [o.contribute(anchor, local) for o in opts]
+        for n in anchor:
+            assert torch.equal(decompress(made[0].tensors[n]), decompress(made[1].tensors[n]))
+        if r == 1:
+            for o, c in zip(opts, made):
+                o.withdraw(c)  # a straggler's contribution goes back into the buffer
+        if r == 2:
+            for o, c in zip(opts, made):
+                o.forget_phase(c, anchor, local)  # a refused round takes the phase back out
+        for n in anchor:
+            assert torch.equal(opts[0].ef[n], opts[1].ef[n]), (r, n)
+    assert not isinstance(opts[1].ef, dict) and opts[1].ef.nbytes() == sum(
+        t.numel() * opts[0].ef[n].element_size() for n, t in anchor.items())
+    saved = dict(opts[1].state_tensors())
+    assert sorted(saved) == sorted(f"ef.{n}" for n in anchor)
+    again = SparseLoCo(OuterConfig(k=64, ef_dtype=ef_dtype, ef_dir=str(tmp_path / "again")))
+    again.load_state(saved)
+    assert all(torch.equal(again.ef[n], opts[0].ef[n]) for n in anchor)

@@ -1,0 +1,136 @@
+"""Tensors kept in a file instead of in the process's memory: state a peer touches once a round, not every step.
+
+A full replica's error-feedback buffer is read and written once per parameter per round (when a contribution is
+made, and when a straggler's is given back), yet held in memory it costs 2-4 bytes per parameter for the whole run
+(docs/design.md, "Memory per parameter"). Here each tensor has a slot in an unlinked temporary file: a write puts
+its bytes there, a read makes a fresh tensor from them, so the process holds one parameter's copy at a time. The
+kernel keeps the file's pages in its cache while memory is free (a read is a copy from the cache) and writes them
+out when it is not; either way they are not the process's resident set, and they go when the file is closed or the
+process dies.
+
+Reads return new tensors: changing one in place changes nothing in the store; write it back.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import threading
+from collections.abc import Iterator, MutableMapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+
+@dataclass(frozen=True)
+class _Slot:
+    offset: int
+    nbytes: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+
+class SpilledTensors(MutableMapping[str, torch.Tensor]):
+    """name -> CPU tensor, kept in a file under ``directory`` (the system's temporary directory when None).
+
+    A name rewritten with a tensor of the same size keeps its slot; a slot left by a name removed or resized is
+    reused by the next tensor of that size. Safe to use from several threads."""
+
+    def __init__(self, directory: str | Path | None = None) -> None:
+        if directory is not None:
+            Path(directory).mkdir(parents=True, exist_ok=True)
+        self._file = tempfile.TemporaryFile(dir=directory, prefix="hlbp-spill-")  # noqa: SIM115 - lives with the store
+        self._fd = self._file.fileno()
+        self._slots: dict[str, _Slot] = {}
+        self._free: dict[int, list[int]] = {}  # nbytes -> offsets of unused slots of that size
+        self._end = 0
+        self._lock = threading.Lock()
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        with self._lock:
+            slot = self._slots[name]
+            buf = torch.empty(slot.nbytes, dtype=torch.uint8)
+            _read_exactly(self._fd, buf, slot.offset)
+        return buf.view(slot.dtype).reshape(slot.shape)
+
+    def __setitem__(self, name: str, value: torch.Tensor) -> None:
+        t = value.detach()
+        if t.device.type != "cpu":
+            t = t.cpu()
+        t = t.contiguous()
+        nbytes = t.numel() * t.element_size()
+        with self._lock:
+            old = self._slots.get(name)
+            if old is not None and old.nbytes == nbytes:
+                offset = old.offset
+            else:
+                if old is not None:
+                    self._free.setdefault(old.nbytes, []).append(old.offset)
+                offset = self._take(nbytes)
+            _write_exactly(self._fd, t, offset)
+            self._slots[name] = _Slot(offset, nbytes, t.dtype, tuple(t.shape))
+
+    def __delitem__(self, name: str) -> None:
+        with self._lock:
+            slot = self._slots.pop(name)
+            self._free.setdefault(slot.nbytes, []).append(slot.offset)
+
+    def __iter__(self) -> Iterator[str]:
+        with self._lock:
+            return iter(list(self._slots))
+
+    def __len__(self) -> int:
+        return len(self._slots)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._slots
+
+    def clear(self) -> None:
+        """Forget every tensor and give the file's space back."""
+        with self._lock:
+            self._slots.clear()
+            self._free.clear()
+            self._end = 0
+            os.ftruncate(self._fd, 0)
+
+    def nbytes(self) -> int:
+        """The bytes the stored tensors take in the file."""
+        with self._lock:
+            return sum(s.nbytes for s in self._slots.values())
+
+    def file_bytes(self) -> int:
+        """The file's size: the stored bytes plus the free slots kept for reuse."""
+        return os.fstat(self._fd).st_size
+
+    def close(self) -> None:
+        """Remove the file (it is removed anyway when the process ends)."""
+        self._file.close()
+
+    def _take(self, nbytes: int) -> int:
+        free = self._free.get(nbytes)
+        if free:
+            return free.pop()
+        offset, self._end = self._end, self._end + nbytes
+        return offset
+
+
+def _bytes_of(t: torch.Tensor) -> memoryview:
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
+
+
+def _write_exactly(fd: int, t: torch.Tensor, offset: int) -> None:
+    view = _bytes_of(t)
+    done = 0
+    while done < len(view):
+        done += os.pwrite(fd, view[done:], offset + done)
+
+
+def _read_exactly(fd: int, buf: torch.Tensor, offset: int) -> None:
+    view = memoryview(buf.numpy()) if buf.numel() else memoryview(bytearray())
+    done = 0
+    while done < len(view):
+        n = os.preadv(fd, [view[done:]], offset + done)
+        if n == 0:
+            raise OSError(f"the spill file ended {len(view) - done} bytes short of a tensor at offset {offset}")
+        done += n

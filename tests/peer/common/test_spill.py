@@ -1,0 +1,79 @@
+"""Tensors kept in a file (hlbp.peer.common.spill): every dtype and shape comes back bit for bit, slots are reused,
+reads are copies, and the bytes stored are not the process's memory."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+from hlbp.peer.common.memory import current_host_bytes, trim
+from hlbp.peer.common.spill import SpilledTensors
+
+
+@pytest.mark.parametrize("value", [
+    torch.randn(3, 5),
+    torch.randn(7).bfloat16(),
+    torch.tensor(2.5),
+    torch.empty(0, 4),
+    torch.randn(4, 6)[:, ::2],  # not contiguous
+    torch.tensor([float("nan"), -0.0, float("inf")]),
+    torch.arange(10, dtype=torch.int64).reshape(2, 5),
+], ids=["fp32", "bf16", "scalar", "empty", "strided", "specials", "int64"])
+def test_a_tensor_comes_back_bit_for_bit(tmp_path, value):
+    store = SpilledTensors(tmp_path)
+    store["x"] = value
+    got = store["x"]
+    assert got.dtype == value.dtype and got.shape == value.shape
+    assert torch.equal(got.reshape(-1).view(torch.uint8), value.contiguous().reshape(-1).view(torch.uint8))
+
+
+def test_a_read_is_a_copy_and_a_write_is_what_changes_the_store(tmp_path):
+    store = SpilledTensors(tmp_path)
+    store["w"] = torch.zeros(4)
+    store["w"].add_(1)  # changes the copy only
+    assert torch.equal(store["w"], torch.zeros(4))
+    store["w"] = store["w"].add_(1)
+    assert torch.equal(store["w"], torch.ones(4))
+
+
+def test_slots_are_reused_so_the_file_holds_what_is_stored(tmp_path):
+    store = SpilledTensors(tmp_path)
+    for _ in range(5):  # a round's rewrites of every parameter
+        for i in range(3):
+            store[f"p{i}"] = torch.randn(100, 10)
+    size = store.file_bytes()
+    assert size == 3 * 4000 == store.nbytes()
+    del store["p1"]
+    store["q"] = torch.randn(1000)  # the freed slot's size: it goes there
+    assert store.file_bytes() == size
+    store["q"] = torch.randn(10)  # resized: a new slot; the old one is free for the next of its size
+    assert sorted(store) == ["p0", "p2", "q"] and store.nbytes() == 2 * 4000 + 40
+    store.clear()
+    assert len(store) == 0 and store.file_bytes() == 0
+    with pytest.raises(KeyError):
+        store["p0"]
+
+
+def test_the_stored_bytes_are_not_the_processes_memory(tmp_path):
+    """Storing 256 MiB one 4 MiB tensor at a time leaves the resident set where it was; a dict of the same
+    tensors grows it by their size."""
+    n, shape = 64, (1024, 1024)
+    mib = 1 << 20
+
+    def grown(store) -> float:
+        gc.collect()
+        trim()
+        before = current_host_bytes()
+        for i in range(n):
+            store[f"t{i}"] = torch.full(shape, float(i))
+        gc.collect()
+        trim()
+        return (current_host_bytes() - before) / mib
+
+    spilled = SpilledTensors(tmp_path)
+    assert grown(spilled) < 32
+    assert torch.equal(spilled["t7"], torch.full(shape, 7.0))
+    held: dict[str, torch.Tensor] = {}
+    assert grown(held) > 200
