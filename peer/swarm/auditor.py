@@ -187,6 +187,8 @@ class Auditor:
         """Findings on a sample of the micro-batch attempts ``accused`` passed on in round ``r``, recomputed on
         ``stage`` at the anchor of round r's phase (``params``, or ``stage``'s own weights); ``swarm``: the peers
         that may hold its frames; ``samples`` overrides the configured count (0: only who its neighbours were)."""
+        if params is not None:  # one stage's parameters, read once for every sample (a stored anchor reads a file)
+            params = {n: params[n] for n, _ in stage.named_parameters()}
         own = self._index(accused, r)
         received = {(e.key.op, e.key.micro_batch()): e.key for e in own}
         # each neighbour's side: -1 upstream (it sent us activations), +1 downstream (it sent us gradients)
