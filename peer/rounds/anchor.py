@@ -99,10 +99,16 @@ class Anchor(Mapping[str, torch.Tensor]):
 
     def __setitem__(self, name: str, value: torch.Tensor) -> None:
         """Replace one parameter; the old tensor is kept (as an undo record) only for the snapshots that need it."""
+        self.put(name, value)
+
+    def put(self, name: str, value: torch.Tensor, current: torch.Tensor | None = None) -> None:
+        """:meth:`__setitem__`, given the ``current`` value the writer has just read (the anchor's only writer is
+        one thread): the undo record is taken from it, where a kept file would be read once more."""
         with self._lock:
             self._version += 1
             if name in self._now and self._oldest_held() < self._version:
-                self._undo.setdefault(name, []).append(Undo.between(self._version, self._now[name], value))
+                old = current if current is not None else self._now[name]
+                self._undo.setdefault(name, []).append(Undo.between(self._version, old, value))
             self._now[name] = value
             self._written[name] = self._version
 

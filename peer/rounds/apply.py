@@ -123,8 +123,10 @@ class Applier:
             scale = guard.scale(shard)
             moved = 0.0  # ‖θ_s(t+1) − θ_s(t)‖², a parameter at a time
             for n, value in state.outers[s].applying(shard, contributions):
-                moved += guard.squared_change(value, state.anchor[n])
-                state.anchor[n] = value
+                old = state.anchor[n]
+                moved += guard.squared_change(value, old)
+                state.anchor.put(n, value, old)
+                del value, old  # one parameter's tensors at a time: gone before the next one's are made
             ratio = guard.ratio_of(moved, scale)
             ratios["update"] = max(ratios["update"], ratio)
             self.last_ratios = ratios
