@@ -43,10 +43,11 @@ def peak_host_bytes() -> int:
 
 def mark_baseline(device: Any = None, warm: Callable[[], None] | None = None) -> int:
     """Remember the resident set now as the baseline the model's state is measured above (the first mark wins:
-    a process builds one model) and return it. On a CUDA ``device`` its context is created first and ``warm``
-    runs (a throwaway step that loads the runtime's kernels and libraries: the CUDA runtime's host memory is a
-    fixed cost of the process, not of the model), and large host allocations are mapped on their own from here
-    (:func:`map_large_allocations`)."""
+    a process builds one model) and return it. ``warm`` runs first (a throwaway step that loads what the runtime
+    loads on first use: its host memory is a fixed cost of the process, not of the model), and the memory it freed
+    goes back to the system (:func:`trim`) before the resident set is read, so the baseline holds no free heap the
+    model would then fill unseen. On a CUDA ``device`` its context is created first, and large host allocations
+    are mapped on their own from here (:func:`map_large_allocations`)."""
     global _baseline
     if _baseline is None:
         if getattr(device, "type", None) == "cuda":
@@ -54,8 +55,9 @@ def mark_baseline(device: Any = None, warm: Callable[[], None] | None = None) ->
 
             map_large_allocations()
             torch.empty(1, device=device)
-            if warm is not None:
-                warm()
+        if warm is not None:
+            warm()
+            trim()
         _baseline = current_host_bytes()
     return _baseline
 

@@ -215,18 +215,20 @@ class InnerTrainer:
 
 
 def warm_runtime(config: Any, optim: OptimConfig, device: torch.device, batch_size: int, seq_len: int) -> None:
-    """One training step of a one-block model of ``config``'s width on ``device``, thrown away: on CUDA it loads
-    what the runtime loads on first use (the kernels of a forward and backward pass under autocast, cuBLAS, the
-    optimizer's kernels), which costs a few hundred MiB of host memory whatever the model's size (measured on one
-    H200: about 460 MiB on the small and the 125m presets alike). A peer calls it before it marks its memory
-    baseline (:func:`hlbp.peer.common.memory.mark_baseline`), so that the budget per parameter counts what the
-    model's size costs, not the runtime. Nothing happens on the CPU. ``config``: a
+    """One training step of a one-block model of ``config``'s width on ``device``, thrown away: it loads what the
+    runtime loads on first use, a fixed cost of the process whatever the model's size. On CUDA that is the kernels
+    of a forward and backward pass under autocast, cuBLAS and the optimizer's kernels (measured on one H200: about
+    460 MiB of host memory on the small and the 125m presets alike); on the CPU, autograd's and the kernels' first
+    allocations (measured on this project's 2-core box: about 90 MiB, 3.5 bytes per parameter of the small preset, 1
+    of the 125m). A peer calls it before it marks its memory baseline (:func:`hlbp.peer.common.memory.mark_baseline`,
+    which then gives the freed memory back), so that the budget per parameter counts what the model's size costs,
+    not the runtime. The global random state is as before. ``config``: a
     :class:`hlbp.peer.model.decoder.ModelConfig`."""
-    if device.type != "cuda":
-        return
-    throwaway_step(config, optim, device, batch_size, seq_len)
-    torch.cuda.synchronize(device)
-    torch.cuda.empty_cache()
+    with torch.random.fork_rng(devices=[]):  # the one-block model's init draws from the global generator
+        throwaway_step(config, optim, device, batch_size, seq_len)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
 
 
 def throwaway_step(config: Any, optim: OptimConfig, device: torch.device, batch_size: int, seq_len: int) -> float:

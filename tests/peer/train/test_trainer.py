@@ -142,8 +142,8 @@ def test_a_step_leaves_no_gradients_and_a_skeleton_scores_parameters_without_a_c
 
 @pytest.mark.parametrize("subspace", [0, 16])
 def test_the_runtime_warm_up_step_runs_a_one_block_model_of_the_run_and_touches_nothing_else(subspace):
-    """The step a CUDA peer takes before its memory baseline builds a one-block model of the run's width (the
-    constrained network too) and trains it one step; on the CPU warm_runtime does nothing at all."""
+    """The step a peer takes before its memory baseline builds a one-block model of the run's width (the
+    constrained network too) and trains it one step; the global generator is where it was."""
     config = preset("tiny", vocab_size=300, max_seq_len=32, subspace_rank=subspace,
                     subspace_layers=3 if subspace else None)
     torch.manual_seed(0)
@@ -181,3 +181,41 @@ def test_scoring_reads_one_blocks_parameters_at_a_time(builtin_data):
     scored = evaluate_params(skeleton(model), params, batches, torch.device("cpu"))
     assert scored == evaluate(model, batches, torch.device("cpu"))
     assert most[0] == max(len(names) for _, names in forward_parts(model))
+
+
+def test_above_a_warmed_baseline_a_cpu_model_costs_its_parameters_and_their_moments():
+    """In a fresh process on the CPU: with the runtime warmed before the baseline (as a peer marks it), a built
+    model holds 4 bytes per parameter above it and, between training steps, 12 (parameters and AdamW's float32
+    moments), within 1.5; without the warm-up the runtime's first-use memory lands in the per-parameter figure."""
+    import subprocess
+    import sys
+
+    code = """
+import sys, torch
+from hlbp.peer.common import memory
+from hlbp.peer.model.decoder import build_model, preset
+from hlbp.peer.train.trainer import InnerTrainer, OptimConfig, warm_runtime
+memory.limit_arenas()
+torch.set_num_threads(1)
+config, optim = preset("tiny", vocab_size=8192), OptimConfig(lr=1e-3, warmup_steps=1, total_steps=10)
+warm = (lambda: warm_runtime(config, optim, torch.device("cpu"), 4, 64)) if sys.argv[1] == "warm" else None
+base = memory.mark_baseline(torch.device("cpu"), warm=warm)
+model = build_model(config)
+n = sum(p.numel() for p in model.parameters())
+built = (memory.current_host_bytes() - base) / n
+g = torch.Generator().manual_seed(0)
+x = torch.randint(0, 8192, (4, 65), generator=g)
+trainer = InnerTrainer(model, optim, lambda step, micro: (x[:, :-1], x[:, 1:]), torch.device("cpu"))
+for _ in range(3):
+    trainer.train_step()
+memory.trim()
+print(f"{built:.2f} {(memory.current_host_bytes() - base) / n:.2f}")
+"""
+    figures = {}
+    for how in ("warm", "cold"):
+        out = subprocess.run([sys.executable, "-c", code, how], capture_output=True, text=True, timeout=300,
+                             check=True)
+        figures[how] = [float(v) for v in out.stdout.split()[-2:]]
+    built, between = figures["warm"]
+    assert abs(built - 4) < 1 and abs(between - 12) < 1.5, figures
+    assert figures["cold"][1] > between + 2, figures  # what the warm-up keeps out of the budget
