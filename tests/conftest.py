@@ -1,7 +1,10 @@
-"""Shared fixtures: the real built-in corpus (fetched once into the user cache) and a small real-text file."""
+"""Shared fixtures: the real built-in corpus (fetched once into the user cache), a small real-text file, and a
+small disk."""
 
 from __future__ import annotations
 
+import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -29,3 +32,17 @@ def small_text(tmp_path_factory: pytest.TempPathFactory, cache_dir: Path) -> Pat
     path = tmp_path_factory.mktemp("text") / "small.txt"
     path.write_text("\n\n".join(d.text for d in picked)[:300_000], encoding="utf-8")
     return path
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 1 MiB file system of its own: a tmpfs mounted for this test and unmounted after it (root is needed)."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(disk)], check=True)
+    try:
+        yield disk
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)

@@ -9,11 +9,18 @@ out when it is not; either way they are not the process's resident set, and they
 process dies.
 
 Reads return new tensors: changing one in place changes nothing in the store; write it back.
+
+Disk space is taken when a slot is made (``posix_fallocate``), not when its bytes are first written: a full disk
+shows as :class:`NoRoomError` where the store grows, and once the slots exist (after a round; they are reused after)
+no later write can fail for want of space. :func:`require_room` checks before a peer starts that the folder has room
+for what it will keep there.
 """
 
 from __future__ import annotations
 
+import errno
 import os
+import shutil
 import tempfile
 import threading
 from collections.abc import Iterator, MutableMapping
@@ -21,6 +28,24 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from hlbp.peer.common.errors import UserInputError
+
+
+class NoRoomError(UserInputError):
+    """The disk under a spill folder cannot hold what is to be kept there. The message names the folder, the bytes
+    and what to do (free space, another ``--out-dir``, or ``--state-in-memory``)."""
+
+
+def require_room(directory: str | Path, nbytes: int, what: str) -> None:
+    """Raise :class:`NoRoomError` unless the file system under ``directory`` has ``nbytes`` free for this user.
+    ``what`` says what the bytes are for, in the message."""
+    Path(directory).mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(directory).free
+    if free < nbytes:
+        raise NoRoomError(f"{what} needs {nbytes / 2**20:,.0f} MiB under {directory}, which has "
+                          f"{free / 2**20:,.0f} MiB free: free some space, give another --out-dir, or keep it in "
+                          "memory with --state-in-memory")
 
 
 @dataclass(frozen=True)
@@ -40,6 +65,7 @@ class SpilledTensors(MutableMapping[str, torch.Tensor]):
     def __init__(self, directory: str | Path | None = None) -> None:
         if directory is not None:
             Path(directory).mkdir(parents=True, exist_ok=True)
+        self._dir = str(directory) if directory is not None else tempfile.gettempdir()
         self._file = tempfile.TemporaryFile(dir=directory, prefix="hlbp-spill-")  # noqa: SIM115 - lives with the store
         self._fd = self._file.fileno()
         self._slots: dict[str, _Slot] = {}
@@ -111,7 +137,17 @@ class SpilledTensors(MutableMapping[str, torch.Tensor]):
         free = self._free.get(nbytes)
         if free:
             return free.pop()
-        offset, self._end = self._end, self._end + nbytes
+        offset = self._end
+        if nbytes:
+            try:
+                os.posix_fallocate(self._fd, offset, nbytes)
+            except OSError as exc:
+                if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                    raise
+                raise NoRoomError(f"no room under {self._dir} for {nbytes:,} more bytes of round state "
+                                  f"({self._end:,} held there): free some space, give another --out-dir, "
+                                  "or keep it in memory with --state-in-memory") from exc
+        self._end += nbytes
         return offset
 
 

@@ -25,6 +25,7 @@ import torch
 
 from hlbp.peer.common import memory
 from hlbp.peer.common.files import atomic_write_bytes
+from hlbp.peer.common.spill import require_room
 from hlbp.peer.data.streams import TokenStream, prepare_data, val_batches
 from hlbp.peer.model.codec import CodecConfig
 from hlbp.peer.model.decoder import ModelConfig, Stage, preset, split
@@ -185,6 +186,16 @@ class ParamScorer:
             return evaluate_params(self._shell, params, batches, self.device)
 
 
+def require_state_room(state_dir: str, n_params: int, ef_dtype: str) -> None:
+    """Before a peer starts: refuse (:class:`~hlbp.peer.common.spill.NoRoomError`) when ``state_dir`` cannot hold
+    the round state this peer will keep there, the anchor (4 bytes a parameter) and the error feedback in
+    ``ef_dtype``, rather than fail at its first round. Nothing to check when the state is in memory ("")."""
+    if state_dir:
+        ef_bytes = {"fp32": 4, "bf16": 2}[ef_dtype]
+        require_room(state_dir, n_params * (4 + ef_bytes), f"keeping the round state of {n_params:,} parameters "
+                     "on disk (--state-on-disk)")
+
+
 def round_settings(m: Any, checkpoint_every_s: float, ef_dtype: str = "fp32",
                    state_dir: str = "") -> tuple[OuterConfig, RoundConfig]:
     """The outer optimizer and round protocol settings of run manifest ``m``: the same on every peer of the run,
@@ -272,8 +283,9 @@ def run_replica(ctx: TrainContext, options: ReplicaOptions, echo: Any = print) -
     trainer = InnerTrainer(model, optim, micro_batches(stream, 1), device, constraint=constraint)
     val = val_batches(data.val, hp.seq_len, hp.batch_size, options.eval_batches) if options.eval_batches else []
     guard_batch = val_batches(data.val, hp.seq_len, hp.batch_size, 1)  # the same on every peer of the run
-    outer, rcfg = round_settings(m, options.checkpoint_every_s, ef_dtype,
-                                 str(ctx.out_dir) if options.state_on_disk else "")
+    state_dir = str(ctx.out_dir) if options.state_on_disk else ""
+    require_state_room(state_dir, sum(p.numel() for p in model.parameters()), ef_dtype)
+    outer, rcfg = round_settings(m, options.checkpoint_every_s, ef_dtype, state_dir)
     # behind NAT: say so in our notices, so that a dialable peer coordinates (hlbp.peer.rounds.rules)
     rcfg = dataclasses.replace(rcfg, dialable=peer.reachability is not Reachability.CLIENT)
     scorer = ParamScorer(trainer, device, separate=rcfg.overlap != "none")

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from collections.abc import Callable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from typing import Any
@@ -41,7 +42,7 @@ from hlbp.peer.model.pipeline import initial_tensors
 from hlbp.peer.model.subspace import REBUILT
 from hlbp.peer.net.reach import AddressBook
 from hlbp.peer.net.transport import P2PBlobTransport
-from hlbp.peer.node.replica import contributors_counter, round_settings
+from hlbp.peer.node.replica import contributors_counter, require_state_room, round_settings
 from hlbp.peer.rounds.sparseloco import RoundRunner, RoundStats
 from hlbp.peer.swarm.gate import RoundGate
 from hlbp.peer.swarm.transcript import Notary
@@ -176,6 +177,7 @@ def make_stage_rounds(ctx: Any, worker: StageWorker, config: Any, phase: Callabl
         stages = split(config, len(bounds), bounds)
     shards = [[n for n, _ in s.named_parameters()] for s in stages]
     shapes = [{n: tuple(p.shape) for n, p in s.named_parameters()} for s in stages]
+    require_state_room(state_dir, sum(math.prod(s) for s in shapes[peer.role.stage].values()), ef_dtype)
     outer, rcfg = round_settings(m, checkpoint_every_s, ef_dtype, state_dir)
     if rcfg.overlap != "none":
         # a swarm scores the anchor through its chain, whose stage weights the overlapped phase is training: not

@@ -4,12 +4,13 @@ reads are copies, and the bytes stored are not the process's memory."""
 from __future__ import annotations
 
 import gc
+import shutil
 
 import pytest
 import torch
 
 from hlbp.peer.common.memory import current_host_bytes, trim
-from hlbp.peer.common.spill import SpilledTensors
+from hlbp.peer.common.spill import NoRoomError, SpilledTensors, require_room
 
 
 @pytest.mark.parametrize("value", [
@@ -77,3 +78,27 @@ def test_the_stored_bytes_are_not_the_processes_memory(tmp_path):
     assert torch.equal(spilled["t7"], torch.full(shape, 7.0))
     held: dict[str, torch.Tensor] = {}
     assert grown(held) > 200
+
+
+def test_a_full_disk_is_a_typed_error_where_the_store_grows_and_never_at_a_write_into_a_slot(small_disk):
+    store = SpilledTensors(small_disk)
+    store["a"] = torch.zeros(160 * 1024)  # 640 KiB: taken when the slot is made
+    filler = small_disk / "filler"
+    free = shutil.disk_usage(small_disk).free
+    filler.write_bytes(b"x" * free)  # someone else takes the rest of the disk
+    for _ in range(3):
+        store["a"] = torch.randn(160 * 1024)  # into the slot it has: no new space needed, never ENOSPC
+    kept = store["a"]
+    with pytest.raises(NoRoomError, match="--state-in-memory") as info:
+        store["b"] = torch.zeros(64 * 1024)
+    assert str(small_disk) in str(info.value)
+    assert sorted(store) == ["a"] and torch.equal(store["a"], kept)  # what was stored is intact
+    filler.unlink()
+    store["b"] = torch.ones(64 * 1024)  # room again: the store goes on
+    assert torch.equal(store["b"], torch.ones(64 * 1024)) and torch.equal(store["a"], kept)
+
+
+def test_require_room_refuses_what_the_disk_cannot_hold(small_disk):
+    require_room(small_disk, 512 * 1024, "the round state")
+    with pytest.raises(NoRoomError, match=r"the round state needs 2 MiB under .*--state-in-memory"):
+        require_room(small_disk, 2 * 2**20, "the round state")

@@ -7,6 +7,7 @@ import torch
 
 from hlbp.bootstrap.config import build_manifest, load_run_config
 from hlbp.peer.common.errors import UserInputError
+from hlbp.peer.common.spill import NoRoomError
 from hlbp.peer.node.capacity import (
     WarmupSpec,
     available_memory_gb,
@@ -14,6 +15,7 @@ from hlbp.peer.node.capacity import (
     measure_bandwidth,
     measure_throughput,
 )
+from hlbp.peer.node.replica import require_state_room
 
 
 def test_available_memory_is_positive():
@@ -75,3 +77,14 @@ def test_bad_run_configs_are_user_errors(tmp_path, text, match):
     path.write_text(text)
     with pytest.raises(UserInputError, match=match):
         build_manifest(load_run_config(path), b"{}", issued_at=1.0)
+
+
+def test_a_peer_refuses_to_start_when_its_folder_cannot_hold_the_round_state(small_disk):
+    """The anchor (4 B a parameter) and the error feedback (2 in bf16, 4 in fp32) must fit the 1 MiB disk."""
+    require_state_room(str(small_disk), 100_000, "bf16")  # 600 kB
+    with pytest.raises(NoRoomError, match="1,000,000 parameters .* --state-in-memory"):
+        require_state_room(str(small_disk), 1_000_000, "bf16")
+    with pytest.raises(NoRoomError):
+        require_state_room(str(small_disk), 150_000, "fp32")  # 1.2 MB: fits in bf16, not in fp32
+    require_state_room(str(small_disk), 150_000, "bf16")
+    require_state_room("", 10**12, "fp32")  # in memory: nothing to check
