@@ -39,6 +39,7 @@ from hlbp.peer.rounds.rules import (
 )
 from hlbp.peer.rounds.seating import Seating
 from hlbp.peer.rounds.selection import Selection
+from hlbp.peer.rounds.state import LearnedWindow
 from hlbp.protocol import ProtocolError
 from hlbp.protocol.roundwire import (
     KIND_ACCEPTED,
@@ -74,18 +75,19 @@ class Closer:
     a count of 0: unknown, wait out the window).
     ``choose(r, admitted, notices)``: the contributions to publish as accepted when we coordinate (production:
     ``admitted`` as it is). ``on_poll(r)``: called at every poll while the round is open. ``standing``: the
-    record of who was selected when (the replica state's; a fresh one when None).
+    record of who was selected when (the replica state's; a fresh one when None). ``learned``: the window learned so
+    far (the replica state's, which checkpoints keep; a fresh one when None).
     """
 
     def __init__(self, me: str, cfg: RoundConfig, n_shards: int, records: RoundRecords, payloads: Payloads,
                  bans: RoundBans, expected: Callable[[], Expected], stop: Any,
                  choose: Callable[[int, dict[str, Any], dict[str, Any]], dict[str, Any]] = lambda r, a, n: a,
                  on_poll: Callable[[int], None] = lambda r: None, standing: Standing | None = None,
-                 screen: Screen | None = None) -> None:
+                 screen: Screen | None = None, learned: LearnedWindow | None = None) -> None:
         self.me, self.cfg, self.n_shards = me, cfg, n_shards
         self.records, self.payloads, self.bans = records, payloads, bans
         self.expected, self.stop, self.choose, self.on_poll = expected, stop, choose, on_poll
-        self.window = cfg.deadline_s  # the adaptive window after a round's first arrival
+        self.learned = learned if learned is not None else LearnedWindow()  # the window, also kept in checkpoints
         self.close_window = self.window  # the window of the round close last waited for
         # the last closed round as we saw it close: (round, its first arrival, its window, the accepted senders),
         # for widen_for_late
@@ -111,6 +113,18 @@ class Closer:
         # (round, the peers announced online as read then -> the shards each applies): whom each shard's payload
         # fetch trees span (spread.py); a seat reads the announcements every round, any other peer every ONLINE_EVERY
         self.online: tuple[int, dict[str, frozenset[int]]] = (-ONLINE_EVERY, {})
+
+    @property
+    def window(self) -> float:
+        """The adaptive collection window after a round's first arrival: the one learned, within the manifest's
+        bounds, or the manifest's first window before any is."""
+        if self.learned.seconds is None:
+            return self.cfg.deadline_s
+        return min(max(self.learned.seconds, self.cfg.min_deadline_s), self.cfg.max_deadline_s)
+
+    @window.setter
+    def window(self, seconds: float) -> None:
+        self.learned.seconds = seconds
 
     def seats(self, r: int) -> tuple[str, ...]:
         """Round r's committee as we know it (empty: the run has none, or round r - 2's members are not known and

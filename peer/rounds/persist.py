@@ -91,7 +91,8 @@ class _Joined(Mapping[str, torch.Tensor]):
 def save_replica(path: Path, anchor: Mapping[str, torch.Tensor], outers: Mapping[int, Mapping[str, torch.Tensor]],
                  trainer: Any, round_: int, in_sync: bool, run_id: str,
                  evidence: Mapping[str, Mapping[str, bytes]] | None = None,
-                 standing: Mapping[str, Any] | None = None, bans: Mapping[str, Any] | None = None) -> bool:
+                 standing: Mapping[str, Any] | None = None, bans: Mapping[str, Any] | None = None,
+                 window: float | None = None) -> bool:
     """Save the checkpoint, unless the anchor holds a non-finite value: a poisoned state is never stored as current
     (the previous checkpoint stays, and a restart syncs from peers). Returns whether it was saved."""
     if not all(bool(torch.isfinite(t).all()) for t in anchor.values()):
@@ -101,7 +102,7 @@ def save_replica(path: Path, anchor: Mapping[str, torch.Tensor], outers: Mapping
     tensors = _Joined([("", own), (ANCHOR, anchor), *((_outer_prefix(s), state) for s, state in outers.items())])
     save_checkpoint(path, tensors, {**header, "round": round_, "in_sync": in_sync, "run": run_id,
                                     "evidence": encode_evidence(evidence or {}), "standing": standing or {},
-                                    "bans": bans or {}})
+                                    "bans": bans or {}, "window": window})
     return True
 
 
@@ -164,7 +165,7 @@ class Checkpoints:
         if self.path is not None:
             save_replica(self.path, state.anchor, {s: o.state_tensors() for s, o in state.outers.items()},
                          self.trainer, state.round, state.in_sync, self.run_id, state.evidence,
-                         state.standing.to_json(), state.bans.to_json())
+                         state.standing.to_json(), state.bans.to_json(), state.window.to_json())
 
     def save_if_due(self, state: ReplicaState) -> None:
         """Save when ``every_s`` has passed (a 1B model's checkpoint is over 20 GB); exits always save."""
@@ -199,4 +200,5 @@ class Checkpoints:
         state.evidence = decode_evidence(saved.header.get("evidence"))
         state.standing.load_json(saved.header.get("standing"), saved.round - 1)
         state.bans.load_json(saved.header.get("bans"))
+        state.window.load_json(saved.header.get("window"))
         return True

@@ -110,7 +110,8 @@ class RoundRunner(ReplicaBase):
         self.closer = Closer(self.me, self.cfg, len(self.shards), self.records, self.payloads, bans,
                              lambda: self.expected() if self.expected else Expected(max(1, self.last_members)), self.stop,
                              on_poll=lambda r: self.overlapped.preview(r) if self.overlapped is not None else None,
-                             standing=self.state.standing, screen=screen)
+                             standing=self.state.standing, screen=screen,
+                             learned=self.state.window)
 
     def start(self) -> Start:
         how = super().start()

@@ -2,13 +2,36 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Any
 
 from hlbp.peer.rounds.anchor import Anchor
 from hlbp.peer.rounds.bans import RoundBans
 from hlbp.peer.rounds.gather import GatherRule, Standing
 from hlbp.peer.rounds.outer import OuterOptimizer
+
+
+@dataclass
+class LearnedWindow:
+    """The collection window this peer has adapted to the run's arrivals (:func:`~hlbp.peer.rounds.rules.adapt_window`,
+    ``widen_for_late``), in seconds; None until it learns one, when the manifest's first window holds.
+
+    Kept in checkpoints: a peer that resumed with the first window (often twice the adapted one) waited longer than
+    the other coordinators for the same round and could publish a different accepted set (docs/limitations.md).
+    Read back from a file it is only a hint: anything but a finite positive number is dropped, and the closer keeps
+    it within the manifest's bounds."""
+
+    seconds: float | None = None
+
+    def to_json(self) -> float | None:
+        return self.seconds
+
+    def load_json(self, raw: Any) -> None:
+        """Take a saved value in place (the closer holds this object), or forget it when it is not a usable one."""
+        ok = isinstance(raw, int | float) and not isinstance(raw, bool) and math.isfinite(raw) and raw > 0
+        self.seconds = float(raw) if ok else None
 
 
 @dataclass
@@ -40,6 +63,9 @@ class ReplicaState:
     # whom this peer refuses, and until which round (rounds/bans.py): its own verdicts, shared by the parts that
     # judge senders and kept in checkpoints, so that a peer resuming its current state refuses them still
     bans: RoundBans = field(default_factory=RoundBans)
+    # the collection window learned from the run's arrivals, kept in checkpoints: a resumed peer waits as long as
+    # the peers it rejoins do
+    window: LearnedWindow = field(default_factory=LearnedWindow)
 
     def __post_init__(self) -> None:
         if not isinstance(self.anchor, Anchor):

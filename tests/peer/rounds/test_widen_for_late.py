@@ -29,7 +29,7 @@ PEER = {name: ident.peer_id for name, ident in IDS.items()}
 def _closer(closed_window: float, lag_s: float) -> Closer:
     """A closer whose round 3 closed with "on_time" accepted, its first contribution landed ``lag_s`` ago, and
     whose window shrank to 1.5 s after that close."""
-    cfg = RoundConfig(run_id=RUN, inner_steps=1, max_deadline_s=30.0)
+    cfg = RoundConfig(run_id=RUN, inner_steps=1, min_deadline_s=1.0, max_deadline_s=30.0)
     records = RoundRecords(None, IDS["me"], None, cfg, None, lambda: 3)
     records.inbox.wanted = lambda key: True
     bans = RoundBans()
