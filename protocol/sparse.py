@@ -33,6 +33,7 @@ The rule is part of the run's codec: a receiver derives each tensor's k from its
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -42,6 +43,8 @@ from hlbp.protocol.manifest import SMALL_TENSOR_RULES
 
 CHUNK_SIZE = 4096
 """Values per full chunk: a 64 x 64 tile or a 4096-long run of a 1-D tensor."""
+BLOCK_VALUES = 1 << 20
+"""Values of a host tensor :func:`compress` ranks at a time (4 MiB of float32 magnitudes)."""
 TILE_SIDE = 64
 """Largest tile side along each dim of a 2-D view."""
 DEFAULT_K = 64
@@ -170,6 +173,26 @@ def _chunk_views(flat: torch.Tensor, layout: ChunkLayout) -> list[torch.Tensor]:
     return out
 
 
+def _chunk_blocks(flat: torch.Tensor, layout: ChunkLayout, block_values: int
+                  ) -> Iterator[tuple[ChunkGroup, torch.Tensor]]:
+    """The chunks of each group, in layout order, as ``[n, chunk_size]`` blocks of about ``block_values`` values or
+    fewer (at least one tile row, or one chunk): the same chunks :func:`_chunk_views` gives, so that a per-chunk
+    top-k over the blocks is the one over the whole, with the copies and magnitudes it makes bounded by a block."""
+    if layout.tile is not None:
+        (g,) = layout.groups
+        tr, tc = layout.tile
+        rows, cols = layout.shape[0], layout.cols
+        tiles = flat.view(rows // tr, tr, cols // tc, tc).permute(0, 2, 1, 3)
+        step = max(1, block_values // (tr * cols))  # tile rows per block
+        for i in range(0, rows // tr, step):
+            yield g, tiles[i:i + step].reshape(-1, tr * tc)
+        return
+    for g, chunks in zip(layout.groups, _chunk_views(flat, layout)):
+        step = max(1, block_values // g.chunk_size)
+        for i in range(0, g.n_chunks, step):
+            yield g, chunks[i:i + step]
+
+
 def flat_positions(layout: ChunkLayout, indices: torch.Tensor) -> torch.Tensor:
     """Positions in the flattened tensor (int64) of chunk-local ``indices`` laid out chunk after chunk."""
     idx = indices.to(torch.int64)
@@ -261,13 +284,15 @@ def _quantize(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:
     return q.to(torch.uint8), table32, shift32
 
 
-def compress(t: torch.Tensor, k: int = DEFAULT_K, quant_bits: int | None = 2) -> SparseTensor:
+def compress(t: torch.Tensor, k: int = DEFAULT_K, quant_bits: int | None = 2, *,
+             block_values: int = BLOCK_VALUES) -> SparseTensor:
     """Chunked top-k of ``t`` by magnitude, then 2-bit quantisation (``quant_bits=2``) or none (``None``).
 
     ``t`` may have any shape, float dtype and device; it is read as float32 and not modified, and the result lives
     on the same device. The caller keeps error feedback with ``e -= decompress(compress(e))``: that is exactly
     what every receiver reconstructs, so only the quantisation residual and the unsent values stay in ``e``.
-    Raises ValueError for a non-finite input, since no receiver would accept it.
+    Raises ValueError for a non-finite input, since no receiver would accept it. ``block_values``: how many values
+    a host tensor's chunks are ranked in at a time (the result does not depend on it).
     """
     if quant_bits not in (2, None):
         raise ValueError(f"quant_bits must be 2 or None, got {quant_bits}")
@@ -275,7 +300,12 @@ def compress(t: torch.Tensor, k: int = DEFAULT_K, quant_bits: int | None = 2) ->
     layout = chunk_layout(shape, k)
     flat = t.detach().reshape(-1).to(torch.float32)
     idx_parts, val_parts = [], []
-    for g, chunks in zip(layout.groups, _chunk_views(flat, layout)):
+    # on the host, a block of chunks at a time: a top-k per chunk is the same over blocks as over the whole, and
+    # the magnitudes (and a matrix's tiles) it makes are then a block's, not the tensor's (the largest parameter's
+    # three float32 copies were part of a full replica's round peak)
+    blocks = (_chunk_blocks(flat, layout, block_values) if flat.device.type == "cpu"
+              else ((g, c) for g, c in zip(layout.groups, _chunk_views(flat, layout))))
+    for g, chunks in blocks:
         pos = torch.topk(chunks.abs(), g.k, dim=1, sorted=False).indices
         pos = pos.sort(dim=1).values
         val_parts.append(chunks.gather(1, pos).reshape(-1))

@@ -108,6 +108,26 @@ def test_topk_keeps_the_largest_per_chunk(shape):
     assert int(kept.sum()) == layout.nnz
 
 
+@pytest.mark.parametrize("shape", [(8192, 512), (300, 4096), (97, 64), (20000,), (4096 * 5 + 17,), (3, 5, 64)])
+@pytest.mark.parametrize("quant_bits", [2, None])
+def test_ranking_a_block_of_chunks_at_a_time_gives_the_same_fields(shape, quant_bits):
+    """compress ranks a host tensor's chunks a block at a time; any block size gives the fields the whole gives,
+    ties among equal magnitudes (rows of zeros, repeated values) included."""
+    g = torch.Generator().manual_seed(sum(shape))
+    t = torch.randn(shape, generator=g)
+    flat = t.view(-1)
+    flat[: flat.numel() // 3] = 0.0  # whole chunks of ties (an embedding's unseen rows)
+    flat[flat.numel() // 2: flat.numel() // 2 + 5000] = 0.25  # ties among kept values
+    whole = compress(t, 64, quant_bits, block_values=t.numel())
+    for block in (1, 4096, 64 * 4096 + 1, 1 << 20):
+        got = compress(t, 64, quant_bits, block_values=block)
+        assert torch.equal(got.indices, whole.indices)
+        for field in ("codes", "table", "values"):
+            a, b = getattr(got, field), getattr(whole, field)
+            assert (a is None and b is None) or torch.equal(a, b)
+        assert got.shift == whole.shift
+
+
 def test_indices_sorted_within_chunks():
     s = compress(torch.randn(256, 256), 64)
     idx = s.indices.to(torch.int64).view(-1, 64)
