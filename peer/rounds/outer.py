@@ -25,7 +25,7 @@ import torch
 from hlbp.peer.common.errors import UserInputError
 from hlbp.peer.common.spill import SpilledTensors
 from hlbp.peer.train.adamw import STATE_DTYPES
-from hlbp.protocol.sparse import SMALL_TENSOR_RULES, SparseTensor, compress, decompress, tensor_k
+from hlbp.protocol.sparse import SMALL_TENSOR_RULES, SparseTensor, compress, tensor_k
 
 Tensors = Mapping[str, torch.Tensor]
 
@@ -141,10 +141,18 @@ def _clip_values(values: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     return [v.clamp(-cap, cap) for v in values]
 
 
-def _mass(sent: SparseTensor, phases: int) -> torch.Tensor:
-    """What a contribution of ``phases`` backlogged phases took out of the error-feedback buffer: its values times
-    the phases, since the positions it sent gave up every phase's mass for one phase's step."""
-    return decompress(sent) * phases if phases > 1 else decompress(sent)
+def move_mass(e: torch.Tensor, sent: SparseTensor, phases: int, sign: float) -> torch.Tensor:
+    """``e + sign * mass`` in place, where mass is what a contribution of ``phases`` backlogged phases took out of
+    the error-feedback buffer: its values times the phases (the positions it sent gave up every phase's mass for
+    one phase's step). Only the sent positions change: bit for bit ``e ± decompress(sent) * phases`` but for the
+    sign of an unsent zero (a dense add makes -0 + 0 a +0), without a dense parameter-sized buffer. Returns ``e``."""
+    if sent.nnz:
+        flat = e.view(-1)
+        pos = sent.flat_indices()
+        mass = sent.dense_values() * phases if phases > 1 else sent.dense_values()
+        at = flat[pos].float()  # in float32, then rounded to e's dtype, as a dense in-place add does
+        flat[pos] = (at - mass if sign < 0 else at + mass).to(flat.dtype)
+    return e
 
 
 class OuterOptimizer(ABC):
@@ -206,12 +214,13 @@ class SparseLoCo(OuterOptimizer):
             delta = anchor[name].detach().float().cpu() - local[name].detach().float().cpu()
             e = self.ef.get(name)
             e = delta if e is None else e.float().mul_(self.config.beta).add_(delta)  # float32: in place
+            del delta  # in e now: gone before compress makes its buffers
             k = tensor_k(tuple(e.shape), self.config.k, self.config.small_tensors)
             s = compress(e / m if m > 1 else e, k, self.config.quant_bits)
             # whatever was not sent (including quantisation error) stays for later rounds; after a backlog of m
             # phases, the positions sent give up all m phases' mass for one phase's step
-            e.sub_(_mass(s, m))
-            self.ef[name] = e.to(self._store)
+            self.ef[name] = move_mass(e, s, m, -1.0).to(self._store)
+            del e
             sent[name] = s
         c = Contribution(sender, tokens, sent)
         self._taken, self.phases = (m, c, held), 0
@@ -221,7 +230,7 @@ class SparseLoCo(OuterOptimizer):
         # A straggler's unsent pseudo-gradient goes back into its buffer, as if it had never been taken out.
         m = self._taken[0] if self._taken is not None and self._taken[1] is contribution else 1
         for name, s in contribution.tensors.items():
-            self.ef[name] = self.ef[name].add_(_mass(s, m))
+            self.ef[name] = move_mass(self.ef[name], s, m, 1.0)
         self.phases = m if self.config.backlog == "average" else self.phases
 
     def forget_phase(self, contribution: Contribution, start: Tensors, local: Tensors) -> None:
@@ -234,7 +243,7 @@ class SparseLoCo(OuterOptimizer):
         else:
             for name, s in contribution.tensors.items():
                 delta = start[name].detach().float().cpu() - local[name].detach().float().cpu()
-                e = self.ef[name].float().add_(_mass(s, m)).sub_(delta)
+                e = move_mass(self.ef[name].float(), s, m, 1.0).sub_(delta)
                 self.ef[name] = e.to(self._store)
         self.phases = m - 1 if self.config.backlog == "average" else self.phases
         self._taken = None

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from hlbp.peer.rounds.outer import DiLoCo, OuterConfig, SparseLoCo, make_outer
-from hlbp.protocol.sparse import decompress
+from hlbp.peer.rounds.outer import DiLoCo, OuterConfig, SparseLoCo, make_outer, move_mass
+from hlbp.protocol.sparse import compress, decompress
 
 
 def _params(seed, shapes=None):
@@ -274,3 +274,18 @@ def test_an_error_feedback_kept_in_a_file_is_the_one_kept_in_memory(tmp_path, ef
     again = SparseLoCo(OuterConfig(k=64, ef_dtype=ef_dtype, ef_dir=str(tmp_path / "again")))
     again.load_state(saved)
     assert all(torch.equal(again.ef[n], opts[0].ef[n]) for n in anchor)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("phases", [1, 3])
+def test_the_mass_moved_at_the_sent_positions_is_the_dense_one(dtype, phases):
+    """The buffer gives up (or takes back) a contribution's mass at its sent positions only, bit for bit what the
+    dense ``e ∓ decompress(sent) * phases`` gives, without a parameter-sized buffer."""
+    g = torch.Generator().manual_seed(phases)
+    e = torch.randn(300, 4096, generator=g).to(dtype)
+    sent = compress(e.float(), 64, 2)
+    dense = decompress(sent) * phases if phases > 1 else decompress(sent)
+    assert torch.equal(move_mass(e.clone(), sent, phases, -1.0), e.float().sub(dense).to(dtype))
+    back = e.clone()
+    back.add_(dense)  # in place, in e's dtype: what withdraw did
+    assert torch.equal(move_mass(e.clone(), sent, phases, 1.0), back)
