@@ -5,14 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
-
-from hlbp.peer.model.decoder import build_model, preset
 from hlbp.peer.rounds.bans import MAX_SAVED_BANS, RoundBans
-from hlbp.peer.rounds.outer import OuterConfig, make_outer
 from hlbp.peer.rounds.persist import Checkpoints
-from hlbp.peer.rounds.state import ReplicaState
-from hlbp.peer.train.trainer import InnerTrainer, OptimConfig
 
 
 def _bans() -> RoundBans:
@@ -47,16 +41,8 @@ def test_a_hostile_record_is_ignored_whole() -> None:
         assert bans.until == {"garbage": (11, 2), "poisoner": (8, 1)}  # what it held stays
 
 
-def test_a_resumed_replica_refuses_whom_it_banned_before_it_stopped(tmp_path: Path) -> None:
-    torch.manual_seed(0)
-    model = build_model(preset("tiny", max_seq_len=16))
-    trainer = InnerTrainer(model, OptimConfig(lr=1e-3, warmup_steps=0, total_steps=10),
-                           lambda step, micro: (torch.zeros(1, 16, dtype=torch.long),) * 2, torch.device("cpu"))
-
-    def state() -> ReplicaState:
-        return ReplicaState({n: p.detach().clone() for n, p in model.named_parameters()},
-                            {0: make_outer(OuterConfig())})
-
+def test_a_resumed_replica_refuses_whom_it_banned_before_it_stopped(tmp_path: Path, tiny_replica) -> None:
+    trainer, state = tiny_replica
     before = state()
     before.round, before.bans = 7, _bans()
     path = tmp_path / "rounds.safetensors"

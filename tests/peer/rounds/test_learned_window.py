@@ -8,19 +8,16 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 
-from hlbp.peer.model.decoder import build_model, preset
 from hlbp.peer.rounds.bans import RoundBans
 from hlbp.peer.rounds.closer import Closer
 from hlbp.peer.rounds.config import RoundConfig
-from hlbp.peer.rounds.outer import OuterConfig, make_outer
+from hlbp.peer.rounds.outer import OuterConfig
 from hlbp.peer.rounds.payloads import Payloads
 from hlbp.peer.rounds.persist import Checkpoints
 from hlbp.peer.rounds.records import RoundRecords
 from hlbp.peer.rounds.rules import Expected
-from hlbp.peer.rounds.state import LearnedWindow, ReplicaState
-from hlbp.peer.train.trainer import InnerTrainer, OptimConfig
+from hlbp.peer.rounds.state import LearnedWindow
 from hlbp.protocol.identity import Identity
 
 RUN = "window-run"
@@ -54,16 +51,8 @@ def test_a_saved_window_that_is_not_a_positive_finite_number_is_dropped(raw: obj
     assert learned.seconds is None
 
 
-def test_a_resumed_replica_waits_the_window_it_had_learned(tmp_path: Path) -> None:
-    torch.manual_seed(0)
-    model = build_model(preset("tiny", max_seq_len=16))
-    trainer = InnerTrainer(model, OptimConfig(lr=1e-3, warmup_steps=0, total_steps=10),
-                           lambda step, micro: (torch.zeros(1, 16, dtype=torch.long),) * 2, torch.device("cpu"))
-
-    def state() -> ReplicaState:
-        return ReplicaState({n: p.detach().clone() for n, p in model.named_parameters()},
-                            {0: make_outer(OuterConfig())})
-
+def test_a_resumed_replica_waits_the_window_it_had_learned(tmp_path: Path, tiny_replica) -> None:
+    trainer, state = tiny_replica
     before = state()
     before.round = 9
     _closer(before.window).window = 2.25
