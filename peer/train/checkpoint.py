@@ -38,10 +38,14 @@ def tensors_digest(tensors: Mapping[str, torch.Tensor]) -> str:
     as silently wrong parameters."""
     h = hashlib.sha256()
     for name in sorted(tensors):
-        t = tensors[name].detach().contiguous().cpu()
-        h.update(f"{name}\0{t.dtype}\0{tuple(t.shape)}\0".encode())
-        h.update(t.reshape(-1).view(torch.uint8).numpy())
+        _hash_into(h, name, tensors[name].detach().contiguous().cpu())
     return h.hexdigest()
+
+
+def _hash_into(h: Any, name: str, t: torch.Tensor) -> None:
+    """Add one host tensor to a :func:`tensors_digest` in progress (tensors go in name order)."""
+    h.update(f"{name}\0{t.dtype}\0{tuple(t.shape)}\0".encode())
+    h.update(t.reshape(-1).view(torch.uint8).numpy())
 
 
 _ST_DTYPE = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -54,21 +58,25 @@ def save_checkpoint(path: Path, tensors: Mapping[str, torch.Tensor], header: dic
     """Save tensors and a JSON-serialisable header atomically (temporary file, fsync, rename), with the tensors'
     checksum (:func:`tensors_digest`) in the metadata.
 
-    The safetensors file is written one tensor at a time: a tensor on a GPU is copied to the host only while it is
-    hashed and while it is written, so saving a model and its AdamW state never holds them on the host whole
+    The safetensors file is written one tensor at a time, each read twice (its layout and checksum, then its
+    bytes; a tensor kept in a file is not read a third time for its shape): a tensor on a GPU is copied to the host
+    only while it is hashed and while it is written, so saving a model and its AdamW state never holds them on the host whole
     (12 bytes per parameter beside a GPU; docs/design.md, "Memory per parameter")."""
     names = sorted(tensors)
     entries: dict[str, Any] = {}
     offset = 0
-    for name in names:
-        t = tensors[name]
+    digest = hashlib.sha256()
+    for name in names:  # the layout and the checksum in one read of each tensor; the write below is the second
+        t = tensors[name].detach().contiguous().cpu()
         if t.dtype not in _ST_DTYPE:
             raise ValueError(f"tensor {name} has dtype {t.dtype}, which a checkpoint does not hold")
         size = t.numel() * t.element_size()
         entries[name] = {"dtype": _ST_DTYPE[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + size]}
         offset += size
+        _hash_into(digest, name, t)
+        del t
     entries["__metadata__"] = {"format": FORMAT, "version": str(FORMAT_VERSION),
-                               "header": json.dumps(header, sort_keys=True), "sha256": tensors_digest(tensors)}
+                               "header": json.dumps(header, sort_keys=True), "sha256": digest.hexdigest()}
     head = json.dumps(entries, separators=(",", ":")).encode()
     head += b" " * (-len(head) % 8)  # the data starts 8-byte aligned
     with atomic_path(Path(path)) as tmp, open(tmp, "wb") as f:

@@ -135,3 +135,20 @@ def test_a_checkpoint_written_a_tensor_at_a_time_loads_bit_for_bit(tmp_path):
     with pytest.raises(ValueError, match="complex"):
         save_checkpoint(tmp_path / "d.safetensors", {"z": torch.zeros(2, dtype=torch.complex64)}, {})
     assert not (tmp_path / "d.safetensors").exists()
+
+
+def test_a_save_reads_each_tensor_twice(tmp_path):
+    """The layout and the checksum come from one read of each tensor, its bytes from a second: a tensor kept in a
+    file (the round state on disk) is read from it twice a save, not three times."""
+    reads: dict[str, int] = {}
+
+    class Counted(dict):
+        def __getitem__(self, name):
+            reads[name] = reads.get(name, 0) + 1
+            return super().__getitem__(name)
+
+    tensors = Counted({"a": torch.randn(4, 3), "b": torch.arange(5)})
+    save_checkpoint(tmp_path / "c.safetensors", tensors, {})
+    assert reads == {"a": 2, "b": 2}
+    loaded, _ = load_checkpoint(tmp_path / "c.safetensors")  # and its checksum is the tensors'
+    assert torch.equal(loaded["a"], tensors["a"]) and torch.equal(loaded["b"], tensors["b"])
