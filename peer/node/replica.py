@@ -42,6 +42,7 @@ from hlbp.peer.rounds.outer import OuterConfig
 from hlbp.peer.rounds.rules import Expected
 from hlbp.peer.rounds.sparseloco import RoundConfig, RoundRunner, RoundStats
 from hlbp.peer.swarm.server import max_body_bytes
+from hlbp.peer.train.adamw import STATE_DTYPES
 from hlbp.peer.train.export import ModelInfo, write_model_info
 from hlbp.peer.train.metricslog import MetricsLog
 from hlbp.peer.train.trainer import (
@@ -191,8 +192,7 @@ def require_state_room(state_dir: str, n_params: int, ef_dtype: str) -> None:
     the round state this peer will keep there, the anchor (4 bytes a parameter) and the error feedback in
     ``ef_dtype``, rather than fail at its first round. Nothing to check when the state is in memory ("")."""
     if state_dir:
-        ef_bytes = {"fp32": 4, "bf16": 2}[ef_dtype]
-        require_room(state_dir, n_params * (4 + ef_bytes), f"keeping the round state of {n_params:,} parameters "
+        require_room(state_dir, n_params * (4 + STATE_DTYPES[ef_dtype].itemsize), f"keeping the round state of {n_params:,} parameters "
                      "on disk (--state-on-disk)")
 
 

@@ -151,7 +151,7 @@ def move_mass(e: torch.Tensor, sent: SparseTensor, phases: int, sign: float) -> 
         pos = sent.flat_indices()
         mass = sent.dense_values() * phases if phases > 1 else sent.dense_values()
         at = flat[pos].float()  # in float32, then rounded to e's dtype, as a dense in-place add does
-        flat[pos] = (at - mass if sign < 0 else at + mass).to(flat.dtype)
+        flat[pos] = at.add_(mass, alpha=sign).to(flat.dtype)
     return e
 
 
