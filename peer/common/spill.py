@@ -31,6 +31,9 @@ import torch
 
 from hlbp.peer.common.errors import UserInputError
 
+BLOCK_BYTES = 4 << 20
+"""What :meth:`SpilledTensors.gather` and :meth:`SpilledTensors.scatter` read of a slot at a time."""
+
 
 class NoRoomError(UserInputError):
     """The disk under a spill folder cannot hold what is to be kept there. The message names the folder, the bytes
@@ -96,6 +99,50 @@ class SpilledTensors(MutableMapping[str, torch.Tensor]):
                 offset = self._take(nbytes)
             _write_exactly(self._fd, t, offset)
             self._slots[name] = _Slot(offset, nbytes, t.dtype, tuple(t.shape))
+
+    def meta(self, name: str) -> tuple[torch.dtype, tuple[int, ...]]:
+        """The dtype and shape of the tensor kept as ``name``, without reading it."""
+        with self._lock:
+            slot = self._slots[name]
+        return slot.dtype, slot.shape
+
+    def gather(self, name: str, positions: torch.Tensor) -> torch.Tensor:
+        """The values of ``name`` at the flat ``positions`` (sorted, unique, int64), read a block of the slot at a
+        time (:data:`BLOCK_BYTES`): the process holds one block, not the tensor."""
+        with self._lock:
+            slot = self._slots[name]
+            out = torch.empty(positions.numel(), dtype=slot.dtype)
+            for lo, block, i, j in self._blocks(slot, positions):
+                out[i:j] = block[positions[i:j] - lo]
+        return out
+
+    def scatter(self, name: str, positions: torch.Tensor, values: torch.Tensor) -> None:
+        """Write ``values`` (the stored dtype) at the flat ``positions`` (sorted, unique, int64) of ``name``, a
+        block at a time: only the blocks that hold a position are read and written back."""
+        with self._lock:
+            slot = self._slots[name]
+            if values.dtype != slot.dtype or values.shape != positions.shape:
+                raise ValueError(f"scatter into {name}: {values.dtype} {tuple(values.shape)} values for "
+                                 f"{tuple(positions.shape)} positions of a {slot.dtype} slot")
+            for lo, block, i, j in self._blocks(slot, positions):
+                block[positions[i:j] - lo] = values[i:j]
+                _write_exactly(self._fd, block, slot.offset + lo * block.element_size())
+
+    def _blocks(self, slot: _Slot, positions: torch.Tensor) -> Iterator[tuple[int, torch.Tensor, int, int]]:
+        """Per block of ``slot`` that holds one of ``positions``: its first element, its values as read, and the
+        range of ``positions`` inside it. Positions must be sorted, unique and within the slot."""
+        size = slot.dtype.itemsize
+        numel = slot.nbytes // size if size else 0
+        if positions.numel() and (int(positions[0]) < 0 or int(positions[-1]) >= numel
+                                  or not bool((positions[1:] > positions[:-1]).all())):
+            raise ValueError("positions must be sorted, unique and inside the tensor")
+        per = max(1, BLOCK_BYTES // size)
+        for b in torch.unique_consecutive(positions // per).tolist():
+            lo, hi = b * per, min(numel, (b + 1) * per)
+            i, j = torch.searchsorted(positions, torch.tensor([lo, hi], dtype=positions.dtype)).tolist()
+            buf = torch.empty((hi - lo) * size, dtype=torch.uint8)
+            _read_exactly(self._fd, buf, slot.offset + lo * size)
+            yield lo, buf.view(slot.dtype), i, j
 
     def __delitem__(self, name: str) -> None:
         with self._lock:

@@ -20,6 +20,7 @@ every step, so on disk it costs the process no memory between reads.
 
 from __future__ import annotations
 
+import math
 import threading
 import weakref
 from collections.abc import Iterable, Iterator, Mapping, MutableMapping
@@ -111,6 +112,39 @@ class Anchor(Mapping[str, torch.Tensor]):
                 self._undo.setdefault(name, []).append(Undo.between(self._version, old, value))
             self._now[name] = value
             self._written[name] = self._version
+
+    def values_at(self, name: str, positions: torch.Tensor) -> torch.Tensor:
+        """Parameter ``name``'s current values at the flat ``positions`` (sorted, unique, int64), as float32: a
+        spilled parameter is read a block at a time, not whole."""
+        if isinstance(self._now, SpilledTensors):
+            return self._now.gather(name, positions).float()
+        return self._now[name].detach().reshape(-1)[positions].float()
+
+    def put_at(self, name: str, positions: torch.Tensor, values: torch.Tensor) -> None:
+        """Write float32 ``values`` at the flat ``positions`` (sorted, unique, int64) of parameter ``name`` and
+        leave the rest as it is: bit for bit :meth:`put` of the whole tensor so changed.
+
+        A round's sparse update changes a few percent of each parameter. Kept in a file, the parameter is changed
+        there a block at a time, so no copy of it, old or new, is made (the undo record a held snapshot needs is
+        the old values at ``positions``); in memory the new tensor is a copy, as with :meth:`put`. A parameter
+        stored in another dtype than float32, or changed at more than :data:`DENSE_FRACTION` of its positions, is
+        replaced whole."""
+        with self._lock:
+            store = self._now
+            if isinstance(store, SpilledTensors):
+                dtype, shape = store.meta(name)
+                if dtype == torch.float32 and positions.numel() <= DENSE_FRACTION * math.prod(shape):
+                    self._version += 1
+                    if self._oldest_held() < self._version:
+                        self._undo.setdefault(name, []).append(Undo(self._version, store.gather(name, positions),
+                                                                    positions))
+                    store.scatter(name, positions, values)
+                    self._written[name] = self._version
+                    return
+            old = store[name]
+            new = old.detach().float().clone(memory_format=torch.contiguous_format)
+            new.view(-1)[positions] = values
+            self.put(name, new, old)
 
     def unchanged_since(self, names: Iterable[str], version: int) -> bool:
         """Whether none of ``names`` was written after ``version`` (what a reader of that version may still read

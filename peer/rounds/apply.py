@@ -122,11 +122,22 @@ class Applier:
             shard = Subset(state.anchor, list(names))
             scale = guard.scale(shard)
             moved = 0.0  # ‖θ_s(t+1) − θ_s(t)‖², a parameter at a time
-            for n, value in state.outers[s].applying(shard, contributions):
-                old = state.anchor[n]
-                moved += guard.squared_change(value, old)
-                state.anchor.put(n, value, old)
-                del value, old  # one parameter's tensors at a time: gone before the next one's are made
+            steps = state.outers[s].sparse_steps(list(names), contributions)
+            if steps is not None:
+                # a sparse step changes each parameter at a few positions: read and written there (a block of a
+                # spilled parameter at a time), with no copy of the parameter, old or new, while training runs
+                for n, step in steps:
+                    old_at = state.anchor.values_at(n, step.positions)
+                    new_at = step.new_values(old_at)
+                    moved += guard.squared_change(new_at, old_at)  # elsewhere unchanged: 0 there
+                    state.anchor.put_at(n, step.positions, new_at)
+                    del old_at, new_at
+            else:
+                for n, value in state.outers[s].applying(shard, contributions):
+                    old = state.anchor[n]
+                    moved += guard.squared_change(value, old)
+                    state.anchor.put(n, value, old)
+                    del value, old  # one parameter's tensors at a time: gone before the next one's are made
             ratio = guard.ratio_of(moved, scale)
             ratios["update"] = max(ratios["update"], ratio)
             self.last_ratios = ratios

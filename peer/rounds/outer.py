@@ -113,6 +113,20 @@ class Contribution:
     tensors: dict[str, SparseTensor] | dict[str, torch.Tensor]
 
 
+@dataclass(frozen=True)
+class SparseStep:
+    """One parameter's outer step where it is zero but at some positions: the new value at the flat ``positions``
+    (sorted, unique) is the old one minus ``alpha`` times ``delta`` there, and elsewhere the old one, bit for bit."""
+
+    positions: torch.Tensor
+    delta: torch.Tensor
+    alpha: float
+
+    def new_values(self, old: torch.Tensor) -> torch.Tensor:
+        """The new float32 values at :attr:`positions`, given the old ones there."""
+        return old - self.alpha * self.delta
+
+
 def pseudo_gradient(anchor: Tensors, local: Tensors) -> dict[str, torch.Tensor]:
     """Δ = θ(t) − θ_r in float32 on the CPU, where the wire codecs and aggregation run."""
     return {n: anchor[n].detach().float().cpu() - local[n].detach().float().cpu() for n in anchor}
@@ -173,6 +187,12 @@ class OuterOptimizer(ABC):
     def apply(self, anchor: Tensors, contributions: Sequence[Contribution]) -> dict[str, torch.Tensor]:
         """Next global parameters (float32, CPU) from the accepted contributions, in the given order."""
         return dict(self.applying(anchor, contributions))
+
+    def sparse_steps(self, names: Sequence[str], contributions: Sequence[Contribution]
+                     ) -> Iterator[tuple[str, SparseStep]] | None:
+        """:meth:`applying` as one :class:`SparseStep` per name, where this optimizer's step is sparse (then the
+        caller changes each parameter at a few positions instead of replacing it); None where it is dense."""
+        return None
 
     def withdraw(self, contribution: Contribution) -> None:
         """The round closed without ``contribution``; by default nothing is kept."""
@@ -314,8 +334,15 @@ class SparseLoCo(OuterOptimizer):
         ``x - alpha * 0`` is ``x`` bit for bit)."""
         out = t.detach().float().cpu().clone(memory_format=torch.contiguous_format)
         flat = out.view(-1)
-        flat[positions] = flat[positions] - self.config.alpha * delta
+        flat[positions] = SparseStep(positions, delta, self.config.alpha).new_values(flat[positions])
         return out
+
+    def sparse_steps(self, names: Sequence[str], contributions: Sequence[Contribution]
+                     ) -> Iterator[tuple[str, SparseStep]] | None:
+        if not contributions:
+            return None
+        return ((n, SparseStep(positions, delta, self.config.alpha))
+                for n, (positions, delta) in self._sparse_aggregated(contributions, list(names)))
 
     def applying(self, anchor: Tensors, contributions: Sequence[Contribution]) -> Iterator[tuple[str, torch.Tensor]]:
         if not contributions:

@@ -9,6 +9,7 @@ import shutil
 import pytest
 import torch
 
+from hlbp.peer.common import spill
 from hlbp.peer.common.memory import current_host_bytes, trim
 from hlbp.peer.common.spill import NoRoomError, SpilledTensors, require_room
 
@@ -102,3 +103,26 @@ def test_require_room_refuses_what_the_disk_cannot_hold(small_disk):
     require_room(small_disk, 512 * 1024, "the round state")
     with pytest.raises(NoRoomError, match=r"the round state needs 2 MiB under .*--state-in-memory"):
         require_room(small_disk, 2 * 2**20, "the round state")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gather_and_scatter_touch_the_positions_only_a_block_at_a_time(tmp_path, monkeypatch, dtype):
+    monkeypatch.setattr(spill, "BLOCK_BYTES", 64)  # blocks of 16 or 32 values: the positions span many
+    store = SpilledTensors(tmp_path)
+    value = torch.randn(37, 11).to(dtype)
+    store["t"] = value
+    pos = torch.tensor([0, 1, 15, 16, 17, 63, 64, 200, 406], dtype=torch.int64)
+    assert torch.equal(store.gather("t", pos), value.reshape(-1)[pos])
+    new = torch.arange(pos.numel()).to(dtype)
+    store.scatter("t", pos, new)
+    expected = value.clone()
+    expected.view(-1)[pos] = new
+    assert torch.equal(store["t"], expected)
+    assert store.meta("t") == (dtype, (37, 11))
+    assert store.gather("t", pos[:0]).numel() == 0
+    for bad in (torch.tensor([3, 2]), torch.tensor([4, 4]), torch.tensor([-1]), torch.tensor([407])):
+        with pytest.raises(ValueError):
+            store.gather("t", bad)
+    with pytest.raises(ValueError):
+        store.scatter("t", pos, new.float() if dtype != torch.float32 else new.double())
+    assert torch.equal(store["t"], expected)  # a refused scatter wrote nothing

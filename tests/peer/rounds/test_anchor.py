@@ -83,3 +83,38 @@ def test_restore_puts_back_what_was_written_since_a_snapshot(spill):
     anchor["w"] = start["w"] + 1.0
     anchor.restore(before)
     assert all(_bits_equal(anchor[n], start[n]) for n in start)
+
+
+def _positions(numel: int, seed: int, frac: float) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.rand(numel, generator=g) < frac).nonzero().reshape(-1)
+
+
+@pytest.mark.parametrize("frac", [0.0, 0.02, 0.9])  # none, sparse, and past DENSE_FRACTION (replaced whole)
+def test_a_write_at_positions_is_the_whole_write_bit_for_bit_and_snapshots_and_restore_still_hold(spill, frac):
+    start = _params(0)
+    start["w"][0, 0] = 0.0
+    anchor, twin = Anchor(start, spill_dir=spill), Anchor(start, spill_dir=spill)
+    v0, t0 = anchor.snapshot(), twin.snapshot()
+    expected = {}
+    for n, t in start.items():
+        pos = _positions(t.numel(), 1, frac)
+        if n == "w" and pos.numel():
+            pos = torch.unique(torch.cat([pos, torch.tensor([0])]))  # 0.0 -> -0.0: equal floats, other bits
+        at = anchor.values_at(n, pos)
+        assert _bits_equal(at, t.reshape(-1)[pos])
+        new_at = at - 0.25
+        if n == "w" and pos.numel():
+            new_at[0] = -0.0
+        anchor.put_at(n, pos, new_at)
+        whole = t.clone()
+        whole.view(-1)[pos] = new_at
+        twin[n] = whole
+        expected[n] = whole
+    v1 = anchor.snapshot()
+    for n in start:
+        assert _bits_equal(anchor[n], expected[n]) and _bits_equal(anchor[n], twin[n])
+        assert _bits_equal(v0[n], start[n]) and _bits_equal(t0[n], start[n]) and _bits_equal(v1[n], expected[n])
+    assert anchor.version == twin.version == 2
+    anchor.restore(v0)
+    assert all(_bits_equal(anchor[n], start[n]) for n in start)

@@ -289,3 +289,27 @@ def test_the_mass_moved_at_the_sent_positions_is_the_dense_one(dtype, phases):
     back = e.clone()
     back.add_(dense)  # in place, in e's dtype: what withdraw did
     assert torch.equal(move_mass(e.clone(), sent, phases, 1.0), back)
+
+
+@pytest.mark.parametrize("where", ["memory", "disk"])
+def test_a_round_applied_at_its_positions_into_the_anchor_is_the_dense_sum_bit_for_bit(tmp_path, where):
+    """The applier changes each anchor parameter at the positions the round selected (a spilled one a block at a
+    time, without a copy of it): the result and a snapshot taken before must be the dense ones, bit for bit."""
+    from hlbp.peer.rounds.anchor import Anchor
+
+    start = _params(0, {"w": (300, 500), "b": (77,), "e": (1000, 64)})
+    contributions = []
+    for i in range(3):
+        local = {n: t - 0.01 * torch.randn_like(t) for n, t in start.items()}
+        contributions.append(SparseLoCo(OuterConfig(k=64)).contribute(start, local, f"p{i}", 100))
+    opt = SparseLoCo(OuterConfig(k=64, alpha=0.8))
+    want = _dense_reference(opt, start, contributions)
+    anchor = Anchor(start, spill_dir=str(tmp_path) if where == "disk" else "")
+    before = anchor.snapshot()
+    for n, step in opt.sparse_steps(list(anchor), contributions):
+        anchor.put_at(n, step.positions, step.new_values(anchor.values_at(n, step.positions)))
+    for n in start:
+        assert torch.equal(anchor[n].view(torch.int32), want[n].view(torch.int32))
+        assert torch.equal(before[n].view(torch.int32), start[n].view(torch.int32))
+    assert opt.sparse_steps(list(anchor), []) is None
+    assert DiLoCo(OuterConfig(kind="diloco")).sparse_steps(list(anchor), contributions) is None
