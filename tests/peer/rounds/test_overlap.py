@@ -46,11 +46,12 @@ def test_starts_and_previews_are_views_equal_bit_for_bit_to_the_copies_they_repl
     held): each read equals, bit for bit, what subtracting in place or applying the whole round gave."""
     cfg = OuterConfig(k=64, alpha=0.8, aggregation="selectors")
     late, own = _own(cfg)
+    late["w"][0, :8] = -0.0  # signed zeros where nothing was sent keep their sign, as in the dense subtraction
     start = phase_start("eager", cfg, late, own, 4)
     for n in late:
         eager = late[n].clone()
         eager.sub_(proxy_step(cfg, own, 4)[n])
-        assert torch.equal(start[n], eager)
+        assert torch.equal(start[n].view(torch.int32), eager.view(torch.int32))
     assert sorted(start) == sorted(late) and len(start) == len(late)
     assert phase_start("none", cfg, late, own, 4)["w"] is late["w"]  # shared, not copied
     _, other = _own(OuterConfig(k=32, alpha=0.8, aggregation="selectors"))
