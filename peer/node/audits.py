@@ -65,6 +65,10 @@ class PipelineAudits:
         self.audited = 0  # stage peers audited, for the summary
         self.caught: list[tuple[int, str]] = []  # (round, peer) of every conviction
         self.liars: set[str] = set()  # every peer convicted here: work computed with its frames is never taken
+        # built now, before training: a stage is made with its parameters (then dropped for the skeleton), and made
+        # at a first audit, beside a training step, that transient added to the peer's peak (docs/design.md)
+        for s in range(len(bounds)):
+            self._skeleton(s)
 
     def _skeleton(self, s: int) -> Stage:
         """Stage ``s`` holding no parameter memory (its buffers are real): built once, run on the anchor."""
