@@ -41,6 +41,7 @@ from hlbp.peer.rounds.guard import GuardConfig
 from hlbp.peer.rounds.outer import OuterConfig
 from hlbp.peer.rounds.rules import Expected
 from hlbp.peer.rounds.sparseloco import RoundConfig, RoundRunner, RoundStats
+from hlbp.peer.swarm.auditor import AuditConfig
 from hlbp.peer.swarm.server import max_body_bytes
 from hlbp.peer.train.adamw import STATE_DTYPES
 from hlbp.peer.train.export import ModelInfo, write_model_info
@@ -196,6 +197,21 @@ def require_state_room(state_dir: str, n_params: int, ef_dtype: str) -> None:
                      "on disk (--state-on-disk)")
 
 
+def takeover_delay(n_stages: int, base_s: float = RoundConfig.takeover_s,
+                   audit_budget_s: float = AuditConfig.budget_s) -> float:
+    """How long past its window the k-th ranked coordinator of a round waits, per rank, before its own accepted
+    set counts (:func:`hlbp.peer.rounds.rules.set_counts`): ``base_s``, plus, in a run with stage peers, the time
+    the coordinator in charge may spend auditing them before it publishes.
+
+    A coordinator audits the stage peers' pipeline frames between its close and its set, for up to
+    ``audit_budget_s``. With the base delay alone, the next-ranked peer published its own set 3 s after the
+    window while the first was still auditing; peers that read the records then took that set, and those that
+    read later the first's, which had left out the stage peers it could not audit: measured in ``hlbp bench
+    memory`` on 125m, the full replicas applied 2-member sets and the stage peers 6-member ones, and no round of
+    three agreed. Every peer of a run derives the delay from the manifest's partition, so all count sets alike."""
+    return base_s + (audit_budget_s if n_stages > 1 else 0.0)
+
+
 def round_settings(m: Any, checkpoint_every_s: float, ef_dtype: str = "fp32",
                    state_dir: str = "") -> tuple[OuterConfig, RoundConfig]:
     """The outer optimizer and round protocol settings of run manifest ``m``: the same on every peer of the run,
@@ -215,7 +231,8 @@ def round_settings(m: Any, checkpoint_every_s: float, ef_dtype: str = "fp32",
                        gather=hp.gather, reserves=hp.reserves, unselected=hp.unselected, committee=hp.committee,
                        guard=GuardConfig(max_contribution_ratio=hp.max_contribution_ratio,
                                          max_update_ratio=hp.max_update_ratio, max_loss_jump=hp.max_loss_jump),
-                       allowed_peers=frozenset(m.allowed_peers), overlap=hp.overlap, state_dir=state_dir)
+                       allowed_peers=frozenset(m.allowed_peers), overlap=hp.overlap, state_dir=state_dir,
+                       takeover_s=takeover_delay(len(m.stages)))
     return outer, rcfg
 
 

@@ -88,3 +88,29 @@ def test_a_peer_refuses_to_start_when_its_folder_cannot_hold_the_round_state(sma
         require_state_room(str(small_disk), 150_000, "fp32")  # 1.2 MB: fits in bf16, not in fp32
     require_state_room(str(small_disk), 150_000, "bf16")
     require_state_room("", 10**12, "fp32")  # in memory: nothing to check
+
+
+def test_in_a_run_with_stage_peers_no_takeover_comes_while_the_coordinator_in_charge_may_still_be_auditing():
+    """The coordinator in charge audits the stage peers for up to the audit budget between its close and its set;
+    the next-ranked one's set must not count before that, or peers that read early and late apply different sets."""
+    from hlbp.peer.node.replica import round_settings, takeover_delay
+    from hlbp.peer.rounds.config import RoundConfig
+    from hlbp.peer.rounds.rules import set_counts
+    from hlbp.peer.swarm.auditor import AuditConfig
+    from hlbp.protocol.roundwire import AcceptedSet
+
+    budget = AuditConfig().budget_s
+    assert takeover_delay(1) == RoundConfig.takeover_s  # full replicas only: nobody audits
+    assert takeover_delay(4) == RoundConfig.takeover_s + budget
+    m = build_manifest(load_run_config(None), b'{"tok": 1}', issued_at=10.0)  # the default run: 2 stages
+    assert len(m.stages) == 2 and round_settings(m, 0.0)[1].takeover_s == takeover_delay(2)
+    members = (("first", 10, {0: "a" * 64}), ("second", 10, {0: "b" * 64}))
+    window, first_seen = 4.0, 100.0
+    late_publish = first_seen + window + budget  # the first set, published at the end of a spent audit budget
+    second = AcceptedSet("second", 7, members)
+    assert not set_counts(second, ["first", "second"], prior_known=True, complete=False, first_seen=first_seen,
+                          now=late_publish, window=window, max_window=60.0, takeover_s=takeover_delay(4),
+                          min_contributors=1)
+    assert set_counts(second, ["first", "second"], prior_known=True, complete=False, first_seen=first_seen,
+                      now=late_publish, window=window, max_window=60.0, takeover_s=takeover_delay(1),
+                      min_contributors=1)  # what the base delay allowed: the split this delay prevents
