@@ -120,9 +120,12 @@ class Anchor(Mapping[str, torch.Tensor]):
             return self._now.gather(name, positions).float()
         return self._now[name].detach().reshape(-1)[positions].float()
 
-    def put_at(self, name: str, positions: torch.Tensor, values: torch.Tensor) -> None:
+    def put_at(self, name: str, positions: torch.Tensor, values: torch.Tensor,
+               current: torch.Tensor | None = None) -> None:
         """Write float32 ``values`` at the flat ``positions`` (sorted, unique, int64) of parameter ``name`` and
-        leave the rest as it is: bit for bit :meth:`put` of the whole tensor so changed.
+        leave the rest as it is: bit for bit :meth:`put` of the whole tensor so changed. ``current``: the values
+        at ``positions`` the writer has just read (:meth:`values_at`; the anchor's only writer is one thread), for
+        the undo record, where the file would be read there once more.
 
         A round's sparse update changes a few percent of each parameter. Kept in a file, the parameter is changed
         there a block at a time, so no copy of it, old or new, is made (the undo record a held snapshot needs is
@@ -136,8 +139,8 @@ class Anchor(Mapping[str, torch.Tensor]):
                 if dtype == torch.float32 and positions.numel() <= DENSE_FRACTION * math.prod(shape):
                     self._version += 1
                     if self._oldest_held() < self._version:
-                        self._undo.setdefault(name, []).append(Undo(self._version, store.gather(name, positions),
-                                                                    positions))
+                        old_at = current if current is not None else store.gather(name, positions)
+                        self._undo.setdefault(name, []).append(Undo(self._version, old_at, positions))
                     store.scatter(name, positions, values)
                     self._written[name] = self._version
                     return

@@ -130,7 +130,7 @@ class Applier:
                     old_at = state.anchor.values_at(n, step.positions)
                     new_at = step.new_values(old_at)
                     moved += guard.squared_change(new_at, old_at)  # elsewhere unchanged: 0 there
-                    state.anchor.put_at(n, step.positions, new_at)
+                    state.anchor.put_at(n, step.positions, new_at, old_at)
                     del old_at, new_at
             else:
                 for n, value in state.outers[s].applying(shard, contributions):

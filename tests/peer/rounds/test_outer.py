@@ -307,7 +307,8 @@ def test_a_round_applied_at_its_positions_into_the_anchor_is_the_dense_sum_bit_f
     anchor = Anchor(start, spill_dir=str(tmp_path) if where == "disk" else "")
     before = anchor.snapshot()
     for n, step in opt.sparse_steps(list(anchor), contributions):
-        anchor.put_at(n, step.positions, step.new_values(anchor.values_at(n, step.positions)))
+        old_at = anchor.values_at(n, step.positions)
+        anchor.put_at(n, step.positions, step.new_values(old_at), old_at)
     for n in start:
         assert torch.equal(anchor[n].view(torch.int32), want[n].view(torch.int32))
         assert torch.equal(before[n].view(torch.int32), start[n].view(torch.int32))
