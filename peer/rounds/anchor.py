@@ -189,6 +189,37 @@ class Anchor(Mapping[str, torch.Tensor]):
                 value.view(-1)[record.positions] = record.values
         return value
 
+    def read_at(self, name: str, version: int, positions: torch.Tensor) -> torch.Tensor:
+        """Parameter ``name``'s values at the flat ``positions`` (sorted, unique, int64) as they were at
+        ``version``, as float32: bit for bit ``read(name, version)`` there, with a spilled parameter read at those
+        positions a block at a time, not whole."""
+        with self._lock:
+            value = self.values_at(name, positions)
+            records = self._undo_since(name, version)
+        for record in reversed(records):  # newest first, each back to the value before its write
+            if record.positions is None:
+                value = record.values.detach().reshape(-1)[positions].float()
+            elif record.positions.numel() and positions.numel():
+                at = torch.searchsorted(record.positions, positions).clamp_(max=record.positions.numel() - 1)
+                hit = record.positions[at] == positions
+                value[hit] = record.values[at[hit]].float()
+        return value
+
+    def changed_since(self, name: str, version: int) -> torch.Tensor | None:
+        """The flat positions (sorted, unique, int64) at which parameter ``name`` was written after ``version``
+        (a superset: every write since, whatever later snapshot it is compared with); None where that is not known
+        position by position: a whole tensor was replaced, or a write was kept without an undo record because no
+        snapshot as old as ``version`` was held."""
+        with self._lock:
+            records = self._undo_since(name, version)
+            if any(r.positions is None for r in records):
+                return None
+            if self._written.get(name, 0) > version and not any(r.version == self._written[name] for r in records):
+                return None
+            if not records:
+                return torch.empty(0, dtype=torch.int64)
+            return torch.unique(torch.cat([r.positions for r in records]), sorted=True)
+
     def _undo_since(self, name: str, version: int) -> list[Undo]:
         with self._lock:
             return [u for u in self._undo.get(name, ()) if u.version > version]
@@ -235,6 +266,21 @@ class Snapshot(Mapping[str, torch.Tensor]):
 
     def __contains__(self, name: object) -> bool:
         return name in self._known
+
+    def values_at(self, name: str, positions: torch.Tensor) -> torch.Tensor:
+        """This version's float32 values of ``name`` at the flat ``positions`` (sorted, unique, int64), without
+        reading the parameter whole (:meth:`Anchor.read_at`)."""
+        if name not in self._known:
+            raise KeyError(name)
+        return self._anchor.read_at(name, self.version, positions)
+
+    def changed_since(self, earlier: Snapshot, name: str) -> torch.Tensor | None:
+        """The flat positions (sorted, unique, int64; a superset) at which ``name`` may differ between ``earlier``
+        and this snapshot; None where that is not known position by position (another anchor, ``earlier`` taken
+        after this one, a whole tensor replaced since)."""
+        if earlier._anchor is not self._anchor or earlier.version > self.version or name not in self._known:
+            return None
+        return self._anchor.changed_since(name, earlier.version)
 
     # a snapshot is one handle on one version: compared by identity (a Mapping would compare every tensor)
     __eq__ = object.__eq__

@@ -194,6 +194,14 @@ class OuterOptimizer(ABC):
         caller changes each parameter at a few positions instead of replacing it); None where it is dense."""
         return None
 
+    def sparse_step(self, contributions: Sequence[Contribution], name: str,
+                    weights: Sequence[float] | None = None) -> SparseStep | None:
+        """:meth:`applied`'s change to parameter ``name`` as a :class:`SparseStep`, where this optimizer's step is
+        sparse (a view then knows the result at a few positions without making the parameter); None where it is
+        dense. ``weights``: :meth:`weights` as the caller decided them over the names it applies (without them,
+        over this name alone)."""
+        return None
+
     def withdraw(self, contribution: Contribution) -> None:
         """The round closed without ``contribution``; by default nothing is kept."""
 
@@ -343,6 +351,15 @@ class SparseLoCo(OuterOptimizer):
             return None
         return ((n, SparseStep(positions, delta, self.config.alpha))
                 for n, (positions, delta) in self._sparse_aggregated(contributions, list(names)))
+
+    def sparse_step(self, contributions: Sequence[Contribution], name: str,
+                    weights: Sequence[float] | None = None) -> SparseStep | None:
+        if not contributions:
+            return None
+        w = weights if weights is not None else self.weights(contributions, [name])
+        for _, (positions, delta) in self._sparse_aggregated(contributions, [name], weights=w):
+            return SparseStep(positions, delta, self.config.alpha)
+        raise KeyError(name)
 
     def applying(self, anchor: Tensors, contributions: Sequence[Contribution]) -> Iterator[tuple[str, torch.Tensor]]:
         if not contributions:

@@ -71,6 +71,22 @@ def _dense(t: torch.Tensor | SparseTensor) -> torch.Tensor:
     return (decompress(t) if isinstance(t, SparseTensor) else t).detach().float().cpu()
 
 
+Positioned = tuple[Snapshot, torch.Tensor, torch.Tensor]
+"""A view's parameter as an anchor snapshot's value changed at some flat positions: (the snapshot, the positions
+(sorted, unique, int64), the float32 values there)."""
+
+_NOWHERE = torch.empty(0, dtype=torch.int64)
+
+
+def _positioned(view: Mapping[str, Any], name: str) -> Positioned | None:
+    """``view[name]`` as a :data:`Positioned` change of a snapshot (None: not known that way)."""
+    if isinstance(view, Snapshot):
+        return (view, _NOWHERE, torch.empty(0)) if name in view else None
+    if isinstance(view, EagerStart | Previewed):
+        return view.positioned(name)
+    return None
+
+
 def proxy_step(cfg: OuterConfig, own: Contribution, replicas: int) -> dict[str, torch.Tensor]:
     """The update a peer's own contribution is expected to cause in its round's result (float32, CPU)."""
     scale = _scale(cfg, replicas)
@@ -104,6 +120,22 @@ class EagerStart(Mapping[str, torch.Tensor]):
             flat[at] = flat[at] - self._scale * own.dense_values()
         return out
 
+    def positioned(self, name: str) -> Positioned | None:
+        """This start's ``name`` as the late snapshot changed at our own sent positions, the values there bit for
+        bit what :meth:`__getitem__` makes (None: the late parameters are no snapshot, or the contribution is
+        dense)."""
+        late, own = self._late, self._own.get(name)
+        if not isinstance(late, Snapshot) or name not in late:
+            return None
+        if own is None:
+            return late, _NOWHERE, torch.empty(0)
+        if not isinstance(own, SparseTensor):
+            return None
+        at, values = own.flat_indices(), own.dense_values()
+        order = torch.argsort(at)
+        at, values = at[order], values[order]
+        return late, at, late.values_at(name, at) - self._scale * values
+
     def __iter__(self) -> Iterator[str]:
         return iter(self._late)
 
@@ -135,6 +167,24 @@ class Previewed(Mapping[str, torch.Tensor]):
         if i not in self._weights and contributions:
             self._weights[i] = outer.weights(contributions, list(shard))
         return outer.applied(shard, contributions, name, self._weights.get(i))
+
+    def positioned(self, name: str) -> Positioned | None:
+        """This preview's ``name`` as the anchor snapshot changed at the positions its contributions selected, the
+        values there bit for bit what :meth:`__getitem__` makes (None: the anchor is no snapshot, or the outer
+        step is dense)."""
+        snap = self._anchor
+        if not isinstance(snap, Snapshot) or name not in snap:
+            return None
+        i = self._part.get(name)
+        if i is None or not self._parts[i][1]:
+            return snap, _NOWHERE, torch.empty(0)
+        outer, contributions, shard = self._parts[i]
+        if i not in self._weights:
+            self._weights[i] = outer.weights(contributions, list(shard))
+        step = outer.sparse_step(contributions, name, self._weights[i])
+        if step is None:
+            return None
+        return snap, step.positions, step.new_values(snap.values_at(name, step.positions))
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._anchor)
@@ -173,6 +223,31 @@ class LandingShift(Mapping[str, torch.Tensor]):
 
     def __getitem__(self, name: str) -> torch.Tensor:
         return self._new[name].detach().float().cpu() - self._start[name].detach().float().cpu()
+
+    def at_positions(self, name: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The shift of ``name`` where it is not zero: (flat positions, sorted, unique, int64; float32 values),
+        each value bit for bit :meth:`__getitem__`'s there, or None where that is not known without making the
+        parameter (the views are not snapshot-based changes of one anchor, or the anchor replaced it whole).
+
+        Both sides of a landing are the anchor at some version changed at a few positions: eager's start (our
+        own sent positions), a preview (the positions its contributions selected), the round's result (the
+        positions the round wrote since the start's version, from the anchor's undo records). Made at the union
+        of those positions, a landing holds a few percent of a parameter instead of three whole copies (its
+        start, its new value and their difference), beside a training step's state (docs/design.md, "Memory per
+        parameter"). Elsewhere both sides are the same value and the difference is zero."""
+        start, new = _positioned(self._start, name), _positioned(self._new, name)
+        if start is None or new is None:
+            return None
+        (snap_a, at_a, values_a), (snap_b, at_b, values_b) = start, new
+        between = snap_b.changed_since(snap_a, name)
+        if between is None:
+            return None
+        union = torch.unique(torch.cat([at_a, at_b, between]), sorted=True)
+        old = snap_a.values_at(name, union)
+        old[torch.searchsorted(union, at_a)] = values_a
+        now = snap_b.values_at(name, union)
+        now[torch.searchsorted(union, at_b)] = values_b
+        return union, now - old
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._start)

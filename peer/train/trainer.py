@@ -13,7 +13,7 @@ import math
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -104,6 +104,15 @@ def make_adamw(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
 BatchFn = Callable[[int, int], tuple[torch.Tensor, torch.Tensor]]
 
 
+@runtime_checkable
+class SparseShift(Protocol):
+    """A shift of the parameters that can say, per parameter, where it is not zero: (flat positions, sorted and
+    unique, int64; the values there), or None where it cannot without making the parameter
+    (:class:`hlbp.peer.rounds.overlap.LandingShift`)."""
+
+    def at_positions(self, name: str) -> tuple[torch.Tensor, torch.Tensor] | None: ...
+
+
 class InnerTrainer:
     """A model, its AdamW state and a batch source; one ``train_step`` is one optimizer step.
 
@@ -179,12 +188,24 @@ class InnerTrainer:
     @torch.no_grad()
     def shift_params(self, delta: Mapping[str, torch.Tensor]) -> None:
         """Add ``delta`` (name -> tensor, a subset of the parameters) to the model in place, keeping the optimizer's
-        state: an overlapped round's result landing in the middle of an inner phase (rounds/overlap.py)."""
+        state: an overlapped round's result landing in the middle of an inner phase (rounds/overlap.py).
+
+        Where ``delta`` also says a parameter's shift at the few positions it is not zero (:class:`SparseShift`),
+        only those are read and changed: the same sums there, and elsewhere the parameter is left as it is (a
+        dense add of zero would only turn a -0.0 into 0.0)."""
         if self.constraint is not None:
             raise RuntimeError("a constrained (stage) trainer cannot shift its parameters: stage peers do not overlap")
         params = dict(self.model.named_parameters())
-        for n, d in delta.items():
-            params[n].add_(d.to(device=params[n].device, dtype=params[n].dtype))
+        sparse = delta if isinstance(delta, SparseShift) else None
+        for n in delta:
+            p = params[n]
+            at = sparse.at_positions(n) if sparse is not None and p.is_contiguous() else None
+            if at is None:
+                p.add_(delta[n].to(device=p.device, dtype=p.dtype))
+                continue
+            positions, values = at[0].to(p.device), at[1].to(device=p.device, dtype=p.dtype)
+            flat = p.view(-1)
+            flat[positions] = flat[positions] + values
 
     @torch.no_grad()
     def evaluate(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:

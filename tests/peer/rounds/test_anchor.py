@@ -118,3 +118,36 @@ def test_a_write_at_positions_is_the_whole_write_bit_for_bit_and_snapshots_and_r
     assert anchor.version == twin.version == 2
     anchor.restore(v0)
     assert all(_bits_equal(anchor[n], start[n]) for n in start)
+
+
+@pytest.mark.parametrize("where", ["memory", "disk"])
+def test_a_snapshot_read_at_positions_is_its_whole_read_there_and_says_where_later_writes_changed_it(tmp_path,
+                                                                                                     where):
+    """``Snapshot.values_at`` gives a version's values at positions bit for bit as its whole read has them, across
+    sparse writes, overlapping ones and a whole replacement; ``changed_since`` names the positions written since
+    (every one at which two versions differ) until a whole tensor is replaced."""
+    g = torch.Generator().manual_seed(7)
+    w = torch.randn(40, 50, generator=g)
+    anchor = Anchor({"w": w}, spill_dir=str(tmp_path) if where == "disk" else "")
+    v0 = anchor.snapshot()
+    first = torch.tensor([3, 17, 400, 1999], dtype=torch.int64)
+    anchor.put_at("w", first, torch.tensor([1.0, -0.0, 2.0, 3.0]))
+    v1 = anchor.snapshot()
+    second = torch.tensor([17, 18, 1500], dtype=torch.int64)
+    anchor.put_at("w", second, torch.tensor([5.0, 6.0, 7.0]))
+    v2 = anchor.snapshot()
+    probe = torch.unique(torch.cat([first, second, torch.randint(0, 2000, (50,), generator=g)]), sorted=True)
+    for snap in (v0, v1, v2):
+        whole = snap["w"].reshape(-1)
+        assert torch.equal(snap.values_at("w", probe).view(torch.int32), whole[probe].view(torch.int32))
+    assert torch.equal(v2.changed_since(v0, "w"), torch.unique(torch.cat([first, second])))
+    assert torch.equal(v2.changed_since(v1, "w"), second)
+    assert v2.changed_since(v2, "w").numel() == 0
+    differ = (v0["w"] != v2["w"]).reshape(-1).nonzero().reshape(-1)
+    assert set(differ.tolist()) <= set(v2.changed_since(v0, "w").tolist())
+    assert v0.changed_since(v2, "w") is None  # the earlier one second
+    anchor["w"] = w * 2  # replaced whole
+    v3 = anchor.snapshot()
+    assert v3.changed_since(v0, "w") is None and v3.changed_since(v2, "w") is None
+    for snap in (v0, v1, v2, v3):
+        assert torch.equal(snap.values_at("w", probe).view(torch.int32), snap["w"].reshape(-1)[probe].view(torch.int32))

@@ -161,3 +161,90 @@ def test_eager_start_and_preview_over_an_anchor_snapshot_read_the_late_version_a
     assert not torch.equal(anchor["w"], late["w"])
     for n in late:
         assert torch.equal(start[n], expected_start[n]) and torch.equal(preview[n], expected_preview[n])
+
+
+def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and torch.equal(a.contiguous().view(torch.int32), b.contiguous().view(torch.int32))
+
+
+def _check_sparse(shift, names: list[str]) -> int:
+    """Every name's shift at its positions is the dense shift there bit for bit, and the dense shift is exactly
+    zero everywhere else; returns how many positions the sparse forms name in all."""
+    named = 0
+    for n in names:
+        dense = shift[n].reshape(-1)
+        at = shift.at_positions(n)
+        assert at is not None, n
+        positions, values = at
+        assert torch.equal(positions, torch.unique(positions, sorted=True)) and positions.dtype == torch.int64
+        assert _bits_equal(values, dense[positions]), n
+        rest = torch.ones(dense.numel(), dtype=torch.bool)
+        rest[positions] = False
+        assert bool((dense[rest] == 0).all()), n
+        named += positions.numel()
+    return named
+
+
+@pytest.mark.parametrize("where", ["memory", "disk"])
+def test_a_landing_at_positions_is_the_dense_landing_bit_for_bit_at_a_few_percent_of_the_parameters(tmp_path,
+                                                                                                      where) -> None:
+    """Eager's start, a preview and the round's result are each the anchor at some version changed at a few
+    positions: the landing between any two of them is made there only, each value the dense shift's bit for bit,
+    zero elsewhere, and the model moved by it equals the model moved by the dense shift."""
+    from hlbp.peer.model.decoder import build_model
+    from hlbp.peer.rounds.anchor import Anchor
+    from hlbp.peer.rounds.outer import SparseLoCo
+    from hlbp.peer.train.trainer import InnerTrainer
+
+    torch.manual_seed(0)
+    model = build_model(preset("tiny", vocab_size=64, max_seq_len=32))
+    names = [n for n, _ in model.named_parameters()]
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    cfg = OuterConfig(k=16, alpha=0.8, aggregation="selectors")
+    outer = SparseLoCo(cfg)
+    g = torch.Generator().manual_seed(3)
+    contribs = [SparseLoCo(cfg).contribute(params, {n: t - 0.01 * torch.randn(t.shape, generator=g)
+                                                    for n, t in params.items()}, f"p{i}", 10) for i in range(3)]
+    own, others = contribs[0], contribs[1:]
+    anchor = Anchor(params, spill_dir=str(tmp_path) if where == "disk" else "")
+    start = phase_start("eager", cfg, anchor.snapshot(), own, 3)
+    shard = names[: len(names) // 2]  # the other names are in no part of the preview: as the anchor has them
+    preview = Previewed(anchor.snapshot(), [(outer, [own, others[0]], shard)])
+    # the round is applied as the applier does, at its positions, between the preview and the result
+    for n, step in outer.sparse_steps(names, contribs):
+        old_at = anchor.values_at(n, step.positions)
+        anchor.put_at(n, step.positions, step.new_values(old_at), old_at)
+    final = anchor.snapshot()
+    total = sum(p.numel() for p in params.values())
+    for a, b in ((start, preview), (preview, final), (start, final)):
+        named = _check_sparse(landing_shift(a, b), names)
+        assert 0 < named < 0.5 * total
+    # the model moved through the trainer: dense and sparse give the same bits
+    trainer = InnerTrainer(model, OptimConfig(), lambda step, micro: None, torch.device("cpu"))
+    trainer.shift_params(landing_shift(start, final))
+    landed = {n: p.detach().clone() for n, p in model.named_parameters()}
+    dense = landing_shift(start, final)
+    for n in names:
+        assert _bits_equal(landed[n], params[n] + dense[n]), n
+
+
+def test_a_landing_not_known_at_positions_falls_back_to_the_dense_shift(tmp_path) -> None:
+    """Plain mappings, a dense own contribution (DiLoCo), a parameter replaced whole and snapshots of another
+    anchor have no positioned form: the landing is the dense difference."""
+    from hlbp.peer.rounds.anchor import Anchor
+
+    cfg = OuterConfig(k=64, alpha=0.8)
+    late, own = _own(cfg)
+    assert landing_shift(phase_start("eager", cfg, late, own, 4), late).at_positions("w") is None  # plain dicts
+    anchor = Anchor(late)
+    start = phase_start("eager", cfg, anchor.snapshot(), own, 4)
+    dl = OuterConfig(kind="diloco", outer_lr=0.7, momentum=0.9)
+    _, dense_own = _own(dl)
+    assert landing_shift(phase_start("eager", dl, anchor.snapshot(), dense_own, 4),
+                         anchor.snapshot()).at_positions("w") is None
+    anchor["w"] = late["w"] + 1.0  # replaced whole: the undo record is the old tensor
+    final = anchor.snapshot()
+    shift = landing_shift(start, final)
+    assert shift.at_positions("w") is None and shift.at_positions("n") is not None
+    assert landing_shift(start, Anchor(late).snapshot()).at_positions("n") is None  # another anchor
+    assert _bits_equal(shift["w"], final["w"] - start["w"])
