@@ -35,7 +35,7 @@ stays the paper's one-round baseline.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -71,17 +71,21 @@ def _dense(t: torch.Tensor | SparseTensor) -> torch.Tensor:
     return (decompress(t) if isinstance(t, SparseTensor) else t).detach().float().cpu()
 
 
-Positioned = tuple[Snapshot, torch.Tensor, torch.Tensor]
+Positioned = tuple[Snapshot, torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]
 """A view's parameter as an anchor snapshot's value changed at some flat positions: (the snapshot, the positions
-(sorted, unique, int64), the float32 values there)."""
+(sorted, unique, int64), the view's float32 values there given the snapshot's)."""
 
 _NOWHERE = torch.empty(0, dtype=torch.int64)
+
+
+def _same(values: torch.Tensor) -> torch.Tensor:
+    return values
 
 
 def _positioned(view: Mapping[str, Any], name: str) -> Positioned | None:
     """``view[name]`` as a :data:`Positioned` change of a snapshot (None: not known that way)."""
     if isinstance(view, Snapshot):
-        return (view, _NOWHERE, torch.empty(0)) if name in view else None
+        return (view, _NOWHERE, _same) if name in view else None
     if isinstance(view, EagerStart | Previewed):
         return view.positioned(name)
     return None
@@ -121,20 +125,20 @@ class EagerStart(Mapping[str, torch.Tensor]):
         return out
 
     def positioned(self, name: str) -> Positioned | None:
-        """This start's ``name`` as the late snapshot changed at our own sent positions, the values there bit for
-        bit what :meth:`__getitem__` makes (None: the late parameters are no snapshot, or the contribution is
-        dense)."""
+        """This start's ``name`` as the late snapshot changed at our own sent positions, the change giving there
+        bit for bit what :meth:`__getitem__` makes (None: the late parameters are no snapshot, or the contribution
+        is dense)."""
         late, own = self._late, self._own.get(name)
         if not isinstance(late, Snapshot) or name not in late:
             return None
         if own is None:
-            return late, _NOWHERE, torch.empty(0)
+            return late, _NOWHERE, _same
         if not isinstance(own, SparseTensor):
             return None
         at, values = own.flat_indices(), own.dense_values()
         order = torch.argsort(at)
-        at, values = at[order], values[order]
-        return late, at, late.values_at(name, at) - self._scale * values
+        at, moved = at[order], self._scale * values[order]
+        return late, at, lambda old: old - moved
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._late)
@@ -170,21 +174,21 @@ class Previewed(Mapping[str, torch.Tensor]):
 
     def positioned(self, name: str) -> Positioned | None:
         """This preview's ``name`` as the anchor snapshot changed at the positions its contributions selected, the
-        values there bit for bit what :meth:`__getitem__` makes (None: the anchor is no snapshot, or the outer
-        step is dense)."""
+        change giving there bit for bit what :meth:`__getitem__` makes (None: the anchor is no snapshot, or the
+        outer step is dense)."""
         snap = self._anchor
         if not isinstance(snap, Snapshot) or name not in snap:
             return None
         i = self._part.get(name)
         if i is None or not self._parts[i][1]:
-            return snap, _NOWHERE, torch.empty(0)
+            return snap, _NOWHERE, _same
         outer, contributions, shard = self._parts[i]
         if i not in self._weights:
             self._weights[i] = outer.weights(contributions, list(shard))
         step = outer.sparse_step(contributions, name, self._weights[i])
         if step is None:
             return None
-        return snap, step.positions, step.new_values(snap.values_at(name, step.positions))
+        return snap, step.positions, step.new_values
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._anchor)
@@ -235,18 +239,18 @@ class LandingShift(Mapping[str, torch.Tensor]):
         of those positions, a landing holds a few percent of a parameter instead of three whole copies (its
         start, its new value and their difference), beside a training step's state (docs/design.md, "Memory per
         parameter"). Elsewhere both sides are the same value and the difference is zero."""
-        start, new = _positioned(self._start, name), _positioned(self._new, name)
+        start, new = _positioned(self._start, name), _positioned(self._new, name)  # each side read once, below
         if start is None or new is None:
             return None
-        (snap_a, at_a, values_a), (snap_b, at_b, values_b) = start, new
+        (snap_a, at_a, change_a), (snap_b, at_b, change_b) = start, new
         between = snap_b.changed_since(snap_a, name)
         if between is None:
             return None
         union = torch.unique(torch.cat([at_a, at_b, between]), sorted=True)
-        old = snap_a.values_at(name, union)
-        old[torch.searchsorted(union, at_a)] = values_a
-        now = snap_b.values_at(name, union)
-        now[torch.searchsorted(union, at_b)] = values_b
+        old, now = snap_a.values_at(name, union), snap_b.values_at(name, union)
+        for values, at, change in ((old, at_a, change_a), (now, at_b, change_b)):
+            where = torch.searchsorted(union, at)
+            values[where] = change(values[where])
         return union, now - old
 
     def __iter__(self) -> Iterator[str]:
