@@ -278,9 +278,13 @@ class Snapshot(Mapping[str, torch.Tensor]):
         """The flat positions (sorted, unique, int64; a superset) at which ``name`` may differ between ``earlier``
         and this snapshot; None where that is not known position by position (another anchor, ``earlier`` taken
         after this one, a whole tensor replaced since)."""
-        if earlier._anchor is not self._anchor or earlier.version > self.version or name not in self._known:
+        if not earlier.taken_from(self._anchor) or earlier.version > self.version or name not in self._known:
             return None
         return self._anchor.changed_since(name, earlier.version)
+
+    def taken_from(self, anchor: Anchor) -> bool:
+        """Whether this is a snapshot of ``anchor`` (versions of two anchors are not comparable)."""
+        return self._anchor is anchor
 
     # a snapshot is one handle on one version: compared by identity (a Mapping would compare every tensor)
     __eq__ = object.__eq__
