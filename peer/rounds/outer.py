@@ -378,9 +378,9 @@ class SparseLoCo(OuterOptimizer):
         if not contributions:
             return t.detach().float().cpu().clone()
         w = weights if weights is not None else self.weights(contributions, list(anchor))
-        for _, (positions, delta) in self._sparse_aggregated(contributions, [name], weights=w):
-            return self._stepped(t, positions, delta)
-        raise KeyError(name)
+        step = self.sparse_step(contributions, name, w)
+        assert step is not None  # contributions were given
+        return self._stepped(t, step.positions, step.delta)
 
     def state_tensors(self) -> Mapping[str, torch.Tensor]:
         """The buffer as ``ef.<name>``, each read when asked for (a spilled buffer is not read whole)."""

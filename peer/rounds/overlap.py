@@ -168,9 +168,15 @@ class Previewed(Mapping[str, torch.Tensor]):
         if i is None:
             return self._anchor[name]
         outer, contributions, shard = self._parts[i]
+        return outer.applied(shard, contributions, name, self._weights_of(i))
+
+    def _weights_of(self, i: int) -> list[float] | None:
+        """Part ``i``'s contribution weights, decided at its first read over its every name (None: no
+        contributions)."""
+        outer, contributions, shard = self._parts[i]
         if i not in self._weights and contributions:
             self._weights[i] = outer.weights(contributions, list(shard))
-        return outer.applied(shard, contributions, name, self._weights.get(i))
+        return self._weights.get(i)
 
     def positioned(self, name: str) -> Positioned | None:
         """This preview's ``name`` as the anchor snapshot changed at the positions its contributions selected, the
@@ -182,10 +188,8 @@ class Previewed(Mapping[str, torch.Tensor]):
         i = self._part.get(name)
         if i is None or not self._parts[i][1]:
             return snap, _NOWHERE, _same
-        outer, contributions, shard = self._parts[i]
-        if i not in self._weights:
-            self._weights[i] = outer.weights(contributions, list(shard))
-        step = outer.sparse_step(contributions, name, self._weights[i])
+        outer, contributions, _ = self._parts[i]
+        step = outer.sparse_step(contributions, name, self._weights_of(i))
         if step is None:
             return None
         return snap, step.positions, step.new_values
