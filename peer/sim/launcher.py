@@ -383,15 +383,18 @@ class Swarm:
             self.wan.close()
 
 
-def poll(fn: Callable[[], Any], timeout: float, what: str, interval: float = 0.25) -> Any:
-    """Call ``fn`` until it returns something truthy; raises TimeoutError naming ``what`` after ``timeout``."""
+def poll(fn: Callable[[], Any], timeout: float, what: str | Callable[[], str], interval: float = 0.25) -> Any:
+    """Call ``fn`` until it returns something truthy; raises TimeoutError naming ``what`` after ``timeout``.
+    ``what`` may be a function, called only then: a description that quotes a process's output must quote it as
+    it is at the timeout, not as it was when the wait began."""
     deadline = time.monotonic() + timeout
     while True:
         value = fn()
         if value:
             return value
         if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}; last value: {value!r}")
+            told = what() if callable(what) else what
+            raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {told}; last value: {value!r}")
         time.sleep(interval)  # the polling interval, bounded by the deadline above
 
 

@@ -157,7 +157,7 @@ def test_every_round_agrees_and_takes_the_natted_replicas_contributions(swarm: S
         assert not dead, "\n".join(f"--- {n}\n{swarm.replicas[n].proc.output[-3000:]}" for n in dead)
         return all(len(swarm.replicas[n].rounds()) >= ROUNDS for n in names)
 
-    poll(done, ROUND_TIMEOUT_S, f"four replicas to finish {ROUNDS} rounds\n"
+    poll(done, ROUND_TIMEOUT_S, lambda: f"four replicas to finish {ROUNDS} rounds\n"
          + "\n".join(f"--- {n}\n{swarm.replicas[n].proc.output[-2000:]}" for n in names), interval=0.5)
     records = {n: {rec["round"]: rec for rec in swarm.replicas[n].rounds()} for n in names}
     for r in range(ROUNDS):
@@ -177,7 +177,7 @@ def test_every_round_agrees_and_takes_the_natted_replicas_contributions(swarm: S
 
 def test_a_stage_peer_behind_nat_is_refused_with_one_line(swarm: Swarm) -> None:
     stage = swarm.replicas["stage-nat"].proc
-    poll(lambda: not stage.alive, ROUND_TIMEOUT_S, "the NATed stage peer to exit\n" + stage.output[-2000:])
+    poll(lambda: not stage.alive, ROUND_TIMEOUT_S, lambda: "the NATed stage peer to exit\n" + stage.output[-2000:])
     assert stage.popen.returncode == 2, stage.output[-3000:]
     refusals = [line for line in stage.lines if "a stage peer must be dialable" in line]
     assert len(refusals) == 1 and "--announce-maddrs" in refusals[0] and "--role replica" in refusals[0], \

@@ -50,8 +50,8 @@ def by_round(swarm: Swarm) -> dict[int, dict[str, dict[str, Any]]]:
 def wait_rounds(swarm: Swarm, names: list[str], n: int, timeout_s: float = ROUND_TIMEOUT_S) -> dict[int, dict[str, dict[str, Any]]]:
     """Wait until each named replica has written at least ``n`` round records; returns all records by round."""
     poll(lambda: all(len(swarm.replicas[x].rounds()) >= n for x in names), timeout_s,
-         f"{names} to finish {n} rounds\n" + "\n".join(f"--- {x}\n{swarm.replicas[x].proc.output[-3000:]}"
-                                                      for x in names))
+         lambda: f"{names} to finish {n} rounds\n" + "\n".join(f"--- {x}\n{swarm.replicas[x].proc.output[-3000:]}"
+                                                              for x in names))
     return by_round(swarm)
 
 

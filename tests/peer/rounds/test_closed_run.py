@@ -70,7 +70,7 @@ def swarm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Swarm, dic
 def test_the_lying_coordinators_round_is_refused_by_everyone(swarm: tuple[Swarm, dict[str, str]]) -> None:
     sw, peer = swarm
     poll(lambda: all(len(sw.replicas[x].rounds()) >= 2 for x in ("a", "b")), ROUND_TIMEOUT_S,
-         "a and b to finish 2 rounds\n" + sw.replicas["a"].proc.output[-3000:])
+         lambda: "a and b to finish 2 rounds\n" + sw.replicas["a"].proc.output[-3000:])
     first = {x: sw.replicas[x].rounds()[0] for x in ("a", "b")}
     assert all(rec["round"] == 0 and rec["refused"] for rec in first.values()), first
     assert "norm bound" in first["a"]["refused"]

@@ -39,8 +39,8 @@ def swarm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Swarm]:
 
 def _wait(swarm: Swarm, names: list[str], n: int) -> dict[int, dict[str, dict[str, Any]]]:
     poll(lambda: all(len(swarm.replicas[x].rounds()) >= n for x in names), TIMEOUT_S,
-         f"{names} to finish {n} rounds\n" + "\n".join(f"--- {x}\n{swarm.replicas[x].proc.output[-3000:]}"
-                                                      for x in names))
+         lambda: f"{names} to finish {n} rounds\n" + "\n".join(f"--- {x}\n{swarm.replicas[x].proc.output[-3000:]}"
+                                                              for x in names))
     out: dict[int, dict[str, dict[str, Any]]] = {}
     for name in names:
         for rec in swarm.replicas[name].rounds():

@@ -39,7 +39,7 @@ def test_dead_dht_process_is_one_line_a_checkpoint_and_an_exit(tmp_path: Path) -
     with Swarm(cfg, tmp_path) as sw:
         sw.start()
         replica = sw.add("a")
-        poll(lambda: len(replica.rounds()) >= 1, TIMEOUT_S, f"a to finish a round\n{replica.proc.output[-3000:]}")
+        poll(lambda: len(replica.rounds()) >= 1, TIMEOUT_S, lambda: f"a to finish a round\n{replica.proc.output[-3000:]}")
         kids: list[int] = []
 
         def one_child() -> int | None:  # a short-lived fork (if any) must not be mistaken for the DHT process
@@ -48,7 +48,7 @@ def test_dead_dht_process_is_one_line_a_checkpoint_and_an_exit(tmp_path: Path) -
 
         dht_pid = poll(one_child, 30, f"exactly one forked child (the DHT process); last seen {kids}")
         os.kill(dht_pid, signal.SIGKILL)
-        poll(lambda: not replica.proc.alive, 60, f"a to exit after its DHT died\n{replica.proc.output[-3000:]}")
+        poll(lambda: not replica.proc.alive, 60, lambda: f"a to exit after its DHT died\n{replica.proc.output[-3000:]}")
         assert replica.proc.popen.returncode == 1, replica.proc.output[-3000:]
         assert replica.proc.find(r"^error: the DHT process of this peer died; restart the peer")
         assert "Traceback" not in replica.proc.output

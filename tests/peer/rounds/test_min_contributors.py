@@ -23,7 +23,8 @@ def test_too_few_contributors_close_the_round_empty(tmp_path) -> None:
             sw.add(name)
         for name in ("a", "b"):
             proc = sw.replicas[name].proc
-            poll(lambda p=proc: not p.alive, 150, f"{name} to finish its rounds\n{proc.output[-3000:]}")
+            poll(lambda p=proc: not p.alive, 150,
+                 lambda p=proc, name=name: f"{name} to finish its rounds\n{p.output[-3000:]}")
             assert proc.popen.returncode == 0, proc.output[-3000:]
         recs = {name: sw.replicas[name].rounds() for name in ("a", "b")}
         for r in range(2):

@@ -68,7 +68,7 @@ def _run(workdir: Path, identities: dict[str, Identity], attackers: dict[str, st
         for name, fault in attackers.items():
             sw.add(name, "--wait-replicas", str(n), program=program(fault))
         poll(lambda: all(not sw.replicas[x].proc.alive for x in HONEST), ROUND_TIMEOUT_S,
-             "the honest replicas to finish their rounds\n"
+             lambda: "the honest replicas to finish their rounds\n"
              + "\n".join(f"--- {x}\n{sw.replicas[x].proc.output[-3000:]}" for x in HONEST))
         return {
             "records": sw.records(),

@@ -28,7 +28,7 @@ def test_a_contribution_announced_only_by_push_is_accepted(tmp_path) -> None:
         for name in ("a", "b"):
             sw.add(name, "--wait-replicas", "3")
         poll(lambda: all(len(sw.replicas[n].rounds()) >= ROUNDS for n in NAMES), 240,
-             "every replica to finish its rounds\n" + sw.replicas["quiet"].proc.output[-3000:])
+             lambda: "every replica to finish its rounds\n" + sw.replicas["quiet"].proc.output[-3000:])
         recs = {n: {rec["round"]: rec for rec in sw.replicas[n].rounds()} for n in NAMES}
     for r in range(1, ROUNDS):
         rows = [recs[n][r] for n in NAMES]

@@ -25,7 +25,8 @@ def test_restart_with_a_current_checkpoint_resumes_without_sync(tmp_path) -> Non
             sw.add(name)
         for name in ("a", "b"):
             proc = sw.replicas[name].proc
-            poll(lambda p=proc: not p.alive, TIMEOUT_S, f"{name} to finish 2 rounds and leave\n{proc.output[-3000:]}")
+            poll(lambda p=proc: not p.alive, TIMEOUT_S,
+                 lambda p=proc, name=name: f"{name} to finish 2 rounds and leave\n{p.output[-3000:]}")
             assert proc.popen.returncode == 0, proc.output[-3000:]
         first = {name: sw.replicas[name].rounds() for name in ("a", "b")}
         assert checksums_agree([first["a"][-1], first["b"][-1]])

@@ -29,7 +29,7 @@ def test_survivors_verify_without_waiting_for_a_dead_member(tmp_path) -> None:
         for name in ("a", "b"):
             sw.add(name, "--wait-replicas", "3")
         gone = sw.replicas["gone"].proc
-        poll(lambda: not gone.alive, 240, f"gone to die in round {DIES_IN}\n{gone.output[-3000:]}")
+        poll(lambda: not gone.alive, 240, lambda: f"gone to die in round {DIES_IN}\n{gone.output[-3000:]}")
         assert gone.find(rf"dying after applying round {DIES_IN}"), gone.output[-3000:]
         recs = {}
 
@@ -37,7 +37,7 @@ def test_survivors_verify_without_waiting_for_a_dead_member(tmp_path) -> None:
             recs.update({n: {rec["round"]: rec for rec in sw.replicas[n].rounds()} for n in ("a", "b")})
             return all(DIES_IN + 1 in recs[n] for n in ("a", "b"))
 
-        poll(survivors_done, 240, "a and b to finish the round after gone's death\n"
+        poll(survivors_done, 240, lambda: "a and b to finish the round after gone's death\n"
              + "\n".join(sw.replicas[n].proc.output[-2000:] for n in ("a", "b")))
         pair = [recs["a"][DIES_IN], recs["b"][DIES_IN]]
         assert all(rec["in_sync"] and rec["accepted"] and rec["members"] == 3 for rec in pair), pair

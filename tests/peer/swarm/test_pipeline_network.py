@@ -54,7 +54,7 @@ def _finish(sw: Swarm, driver: str, servers: list[str]) -> None:
     step, racing the driver's final evaluation through the chain."""
     procs = [sw.replicas[n].proc for n in [driver, *servers]]
     poll(lambda: not procs[0].alive, TIMEOUT_S,
-         "the driver to finish\n" + "\n".join(f"--- {p.name}\n{p.output[-2500:]}" for p in procs))
+         lambda: "the driver to finish\n" + "\n".join(f"--- {p.name}\n{p.output[-2500:]}" for p in procs))
     assert procs[0].popen.returncode == 0, procs[0].output[-3000:]
     for p in procs[1:]:
         assert p.stop() == 0, p.output[-3000:]
@@ -157,7 +157,7 @@ def test_sigkill_of_a_stage_peer_with_a_standby_loses_no_microbatch(tmp_path: Pa
             return read_metrics(path) if path is not None and path.exists() else []
 
         first = poll(lambda: next((r for r in records() if r.get("step", 0) >= 3 and "chain" in r), None),
-                     TIMEOUT_S, "three steps\n" + driver.proc.output[-3000:])
+                     TIMEOUT_S, lambda: "three steps\n" + driver.proc.output[-3000:])
         victim = next(n for n in ("s1a", "s1b") if sw.replicas[n].proc.find(f"serving stage 1 as {first['chain'][0]}"))
         standby = "s1b" if victim == "s1a" else "s1a"
         sw.replicas[victim].proc.kill()  # main process, its DHT process and p2pd, as a spot instance dies
