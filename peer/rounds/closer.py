@@ -133,9 +133,10 @@ class Closer:
         return self.seating.seats(r)
 
     def notice_targets(self, r: int) -> set[str] | None:
-        """Whom our notice of round r is pushed to: its holder in the committee; None: every live peer."""
+        """Whom our notice of round r is pushed to: its holder in the committee, and the leads as well when the
+        announcements we last read no longer name that holder; None: every live peer."""
         seats = self.seats(r)
-        return self.seating.notice_targets(r, seats) if seats else None
+        return self.seating.notice_targets(r, seats, set(self.online[1]) or None) if seats else None
 
     def check_peers(self, r: int) -> list[str] | None:
         """Whose checksum records of round r we read: a sample of round r + 1's committee; None: the members'."""
@@ -272,6 +273,8 @@ class Closer:
         elif r >= self.online[0] + ONLINE_EVERY:  # a peer off the committee reads them now and then
             read = self.expected()
             self.online = (r, dict(read.shards or {})) if read.count else self.online
+        # the holders whose announcements expired (killed mid-run): their parts are not waited for
+        away = self.seating.gone(seats, expected.peers if expected.count else None) if seats else frozenset()
         self.widen_for_late()
         self.close_window = self.window
         read_all: dict[str, ContribNotice] | None = None  # with a committee: every notice, read once when needed
@@ -336,14 +339,14 @@ class Closer:
                     due = first_seen + self.window + rank * self.cfg.takeover_s
                     whole = complete(notices, expected, lambda p: self.bans.banned(p, r)) or bool(seats) and \
                         self.seating.parts_complete(seats, told, self.seating.part_complete(
-                            r, seats, set(notices), expected.peers if expected.count else None))
+                            r, seats, set(notices), expected.peers if expected.count else None), away)
                     if seats and read_all is None and self.me not in leads(seats, self.seating.rule) and now >= due:
                         # the leads' turns passed without a set: we coordinate from every notice, read once
                         read_all = self.round_records(r, full=True)[0]
                         continue
                     if ((rank == 0 and whole) or now >= due) and not published \
                             and (whole or not seats or read_all is not None
-                                 or self.seating.forwards_in(r, seats, bundled, now, self.cfg.takeover_s)):
+                                 or self.seating.forwards_in(r, seats, bundled, now, self.cfg.takeover_s, away)):
                         admitted = self.choose(r, self.selection.choose(r, notices, self._admit(r)), notices)
                         verdict = close_verdict(len(admitted), self.cfg.min_contributors, now, first_seen,
                                                 self.cfg.max_deadline_s, rank, self.cfg.takeover_s)

@@ -15,7 +15,8 @@ simulated at N = 1000). With a committee of ``size`` (W) the records a round nee
   (:func:`forwarded`): the first F + R per shard. Restricting the rule's order to a part keeps the order of what
   remains, so the round's first F + R are among the parts' first F + R (exactly so when the contributors hold the
   same shards: full replicas; a mix of stage peers may lose a deep-ranked stage contribution). A lead hears
-  W - leads forwards instead of N notices.
+  W - leads forwards instead of N notices. A holder whose announcement expired (it died) is not waited for, and
+  the senders it would hold send to the leads as well (:func:`gone`, :func:`notice_to`).
 * **Relays.** The coordinator sends the accepted set, with its members' notices, to the committee; each holder
   relays it to the senders of the notices it holds. A peer hears the set once, from its holder.
 * **Checks.** After round r each peer reads the checksum records of ``samples`` seats of round r + 1's committee
@@ -93,11 +94,41 @@ def leads(seats: Sequence[str], rule: CommitteeRule) -> tuple[str, ...]:
     return tuple(seats[:rule.leads])
 
 
+def holders(seats: Sequence[str], rule: CommitteeRule) -> tuple[str, ...]:
+    """The seats that hold parts of the notices: those after the leads (the leads when there are no others)."""
+    return tuple(seats[rule.leads:]) or tuple(seats)
+
+
 def holder(r: int, sender: str, seats: Sequence[str], rule: CommitteeRule) -> str:
     """The committee member that holds ``sender``'s notice of round r: by rendezvous hashing over the members after
     the leads (over the leads when there are no others). ``seats`` must not be empty."""
-    pool = seats[rule.leads:] or seats
-    return min(pool, key=lambda c: _rank(r, sender, c))
+    return min(holders(seats, rule), key=lambda c: _rank(r, sender, c))
+
+
+def gone(seats: Sequence[str], rule: CommitteeRule, online: AbstractSet[str] | None) -> frozenset[str]:
+    """The holders no longer announced online (``online``: the peers the run's announcements name as contributors,
+    as last read; None: not known, and no holder counts as gone).
+
+    A committee is drawn from the members of past rounds, so it can seat a peer that has since died: one killed
+    mid-run kept its seats for the two or three rounds its membership reached, its part of the notices never
+    reached the leads, and each of those rounds waited out its whole window (about 20 s a round with a holder
+    killed in the committee test). Once its announcement has expired the leads stop waiting for its part and its
+    senders send their notices to the leads as well (:func:`notice_to`). Only timing rides on this: the accepted
+    set is still the coordinator's signed one, applied alike by everyone; a partial read of the announcements only
+    closes a round earlier, as an unread contributor does without a committee."""
+    if online is None:
+        return frozenset()
+    return frozenset(h for h in holders(seats, rule) if h not in online)
+
+
+def notice_to(r: int, sender: str, seats: Sequence[str], rule: CommitteeRule,
+              online: AbstractSet[str] | None) -> set[str]:
+    """Whom ``sender`` sends its notice of round r: its :func:`holder`, and the leads too when that holder is
+    :func:`gone` (its part would never be forwarded). Still to the holder: a peer off the committee reads the
+    announcements only every few rounds, so a holder that joined since may look gone, and a live holder whose part
+    lacks an expected notice holds its leads to the window."""
+    h = holder(r, sender, seats, rule)
+    return {h, *leads(seats, rule)} if h in gone(seats, rule, online) else {h}
 
 
 def forwarded(r: int, part: Mapping[str, AbstractSet[int]], veterans: Mapping[str, int],

@@ -19,8 +19,11 @@ from hlbp.peer.rounds.committee import (
     check_sample,
     committee,
     forwarded,
+    gone,
     holder,
+    holders,
     leads,
+    notice_to,
     relayed_to,
 )
 from hlbp.peer.rounds.gather import GatherRule
@@ -114,13 +117,19 @@ class Seating:
         self._seats = (r, recent, seats)  # asked at every poll of a round's close
         return seats
 
-    def notice_targets(self, r: int, seats: Sequence[str]) -> set[str]:
-        """Where our notice of round r goes: its holder."""
-        return {holder(r, self.me, seats, self.rule)}
+    def notice_targets(self, r: int, seats: Sequence[str], online: AbstractSet[str] | None) -> set[str]:
+        """Where our notice of round r goes: its holder, or the leads when the holder is gone from ``online`` (the
+        announced contributors as last read; None: not known)."""
+        return notice_to(r, self.me, seats, self.rule, online)
 
     def holders(self, seats: Sequence[str]) -> tuple[str, ...]:
         """The seats that hold parts of the notices."""
-        return tuple(seats[self.rule.leads:]) or tuple(seats)
+        return holders(seats, self.rule)
+
+    def gone(self, seats: Sequence[str], online: AbstractSet[str] | None) -> frozenset[str]:
+        """The holders no longer announced online (:func:`~hlbp.peer.rounds.committee.gone`): a lead waits for
+        no part of theirs."""
+        return gone(seats, self.rule, online)
 
     def part(self, r: int, seats: Sequence[str], senders: AbstractSet[str]) -> set[str]:
         """Of ``senders``, those whose notices we hold in round r."""
@@ -131,10 +140,12 @@ class Seating:
         """Whether every expected contributor (None: not known) whose holder we are has sent us its notice."""
         return expected is not None and self.part(r, seats, set(expected)) <= set(senders)
 
-    def parts_complete(self, seats: Sequence[str], told: AbstractSet[str], mine_complete: bool) -> bool:
+    def parts_complete(self, seats: Sequence[str], told: AbstractSet[str], mine_complete: bool,
+                       away: AbstractSet[str] = frozenset()) -> bool:
         """Whether every holder has told us (a lead) that its part is complete (``told``: who did, taken before the
-        notices were read, so that their forwards are among them), ours too when we hold one (``mine_complete``)."""
-        others = set(self.holders(seats)) - {self.me}
+        notices were read, so that their forwards are among them), ours too when we hold one (``mine_complete``).
+        The holders ``away`` (gone from the announcements) are not waited for."""
+        others = set(self.holders(seats)) - {self.me} - set(away)
         held = self.me in self.holders(seats)
         return others <= set(told) and (mine_complete or not held)
 
@@ -169,12 +180,12 @@ class Seating:
         return any(self.records.bundles_from(r).get(lead, -1.0) > since for lead in leads(seats, self.rule))
 
     def forwards_in(self, r: int, seats: Sequence[str], bundled: Mapping[str, float], now: float,
-                    grace_s: float) -> bool:
+                    grace_s: float, away: AbstractSet[str] = frozenset()) -> bool:
         """As a lead whose turn to close round r came before every part was complete: whether the holders'
         forwards are in (``bundled``: who passed records on to us and when, taken before the notices were read).
-        The first time, ask every holder for its part (an empty bundle); then wait until each answered, or
-        ``grace_s`` passed (a holder that left never answers)."""
-        holders = set(self.holders(seats)) - {self.me}
+        The first time, ask every holder not ``away`` for its part (an empty bundle); then wait until each
+        answered, or ``grace_s`` passed (a holder that left without its announcement expiring never answers)."""
+        holders = set(self.holders(seats)) - {self.me} - set(away)
         if r not in self.calls:
             self.calls[r] = now
             self.records.pass_on(holders, r, [], False)

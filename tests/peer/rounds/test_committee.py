@@ -12,8 +12,11 @@ from hlbp.peer.rounds.committee import (
     check_sample,
     committee,
     forwarded,
+    gone,
     holder,
+    holders,
     leads,
+    notice_to,
     order_checked,
     relayed_to,
 )
@@ -62,6 +65,27 @@ def test_notices_spread_over_the_holders_and_never_reach_a_lead() -> None:
     assert [holder(7, p, seats, RULE) for p in senders[:50]] != [holder(8, p, seats, RULE) for p in senders[:50]]
     # a committee of leads only: they hold the notices themselves
     assert holder(3, "p1", ("a", "b", "c"), RULE) in ("a", "b", "c")
+
+
+def test_a_holder_gone_from_the_announcements_is_not_waited_for_and_its_senders_reach_the_leads() -> None:
+    seats = tuple(f"c{i}" for i in range(8))
+    dead = seats[5]
+    online = set(seats) - {dead} | {f"p{i}" for i in range(40)}
+    assert holders(seats, RULE) == seats[3:]
+    assert gone(seats, RULE, online) == {dead}
+    # unknown announcements (a failed read): nobody is gone; a dead lead is no holder, its turn passes by takeover
+    assert gone(seats, RULE, None) == frozenset()
+    assert gone(seats, RULE, online - {seats[0]}) == {dead}
+    senders = [f"p{i}" for i in range(40)]
+    held_by_dead = [p for p in senders if holder(4, p, seats, RULE) == dead]
+    assert held_by_dead  # 40 senders over 5 holders
+    for p in senders:
+        targets = notice_to(4, p, seats, RULE, online)
+        if p in held_by_dead:  # still to its holder (a stale view may miss a live one), and to every lead
+            assert targets == {dead, *seats[:3]}
+        else:
+            assert targets == {holder(4, p, seats, RULE)}
+        assert notice_to(4, p, seats, RULE, None) == {holder(4, p, seats, RULE)}
 
 
 def test_each_contributor_is_relayed_the_set_by_exactly_its_holder() -> None:
