@@ -290,7 +290,7 @@ class Closer:
                 notices = {**(read_all or {}), **notices}
                 self.hold_part(r, seats, notices, expected, now)
                 sets_since = sets_since or (now if sets else None)
-                if read_all is None and sets_since is not None and now >= sets_since + self.cfg.takeover_s \
+                if read_all is None and sets_since is not None and now >= sets_since + self.cfg.grace_s \
                         and any(s.coordinator not in notices for s in sets):
                     # a set whose coordinator's notice never reached us (our holder left): read the notices once
                     read_all = self.round_records(r, full=True)[0]
@@ -305,12 +305,12 @@ class Closer:
             order, _ = self.turn(r, notices)
             accepted = self.accepted(r, sets, notices, expected)
             if accepted is not None and any(p not in notices for p in accepted.senders()) \
-                    and now < (held := held or now) + self.cfg.takeover_s:
+                    and now < (held := held or now) + self.cfg.grace_s:
                 # the next round's turn order ranks the members behind NAT last, as their own notices say: a peer
                 # that took the set before reading every member's notice ranked a NATed one first, and waited out a
                 # window and a takeover for the coordinator the others took at once. The notices come soon (each
                 # member published one before the coordinator saw it); a set naming a notice that never comes is
-                # taken after a takeover delay.
+                # taken after ``grace_s``.
                 self.records.inbox.wait(self.cfg.poll_s)
                 continue
             if accepted is not None:
@@ -346,7 +346,7 @@ class Closer:
                         continue
                     if ((rank == 0 and whole) or now >= due) and not published \
                             and (whole or not seats or read_all is not None
-                                 or self.seating.forwards_in(r, seats, bundled, now, self.cfg.takeover_s, away)):
+                                 or self.seating.forwards_in(r, seats, bundled, now, self.cfg.grace_s, away)):
                         admitted = self.choose(r, self.selection.choose(r, notices, self._admit(r)), notices)
                         verdict = close_verdict(len(admitted), self.cfg.min_contributors, now, first_seen,
                                                 self.cfg.max_deadline_s, rank, self.cfg.takeover_s)

@@ -19,6 +19,11 @@ class RoundConfig:
     min_deadline_s: float = 2.0  # bounds of the adapted window
     max_deadline_s: float = 600.0
     takeover_s: float = 3.0  # a k-th ranked coordinator waits k times this past the window before it takes over
+    # how long a peer waits for round records it has reason to expect over the network: a holder's answer once a
+    # lead asked, the notices of a set's members, the notices a set's coordinator named. A push's round trip with
+    # room for a loaded peer; not takeover_s, which in a run with stage peers also covers a coordinator's audits
+    # (18 s): as that, a holder killed mid-run held each round it sat in for 18 s past its leads' turn
+    grace_s: float = 3.0
     poll_s: float = 0.1  # DHT polling interval while waiting
     fetch_timeout_s: float = 30.0  # per payload from its sender; other holders get a fifth of it
     checks_wait_s: float = 10.0  # how long to wait for the other members' checksums
