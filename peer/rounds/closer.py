@@ -338,8 +338,8 @@ class Closer:
                         rank += len(order)
                     due = first_seen + self.window + rank * self.cfg.takeover_s
                     whole = complete(notices, expected, lambda p: self.bans.banned(p, r)) or bool(seats) and \
-                        self.seating.parts_complete(seats, told, self.seating.part_complete(
-                            r, seats, set(notices), expected.peers if expected.count else None), away)
+                        self.seating.parts_complete(r, seats, told, set(notices),
+                                                    expected.peers if expected.count else None, away)
                     if seats and read_all is None and self.me not in leads(seats, self.seating.rule) and now >= due:
                         # the leads' turns passed without a set: we coordinate from every notice, read once
                         read_all = self.round_records(r, full=True)[0]

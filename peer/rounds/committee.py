@@ -105,6 +105,27 @@ def holder(r: int, sender: str, seats: Sequence[str], rule: CommitteeRule) -> st
     return min(holders(seats, rule), key=lambda c: _rank(r, sender, c))
 
 
+def part_of(r: int, h: str, seats: Sequence[str], rule: CommitteeRule, senders: AbstractSet[str]) -> set[str]:
+    """Of ``senders``, those whose notices of round r holder ``h`` holds."""
+    return {p for p in senders if holder(r, p, seats, rule) == h}
+
+
+def parts_in(r: int, me: str, seats: Sequence[str], rule: CommitteeRule, told: AbstractSet[str],
+             senders: AbstractSet[str], expected: AbstractSet[str] | None,
+             away: AbstractSet[str] = frozenset()) -> bool:
+    """Whether a lead (``me``) has every part of round r's notices: each holder told it its part is complete
+    (``told``), its own part (when it holds one) and the part of each holder ``away`` (:func:`gone`: nobody will
+    tell for it, and its senders send to the leads as well) are complete, every ``expected`` contributor (the
+    announced ones; None: not known) of them among ``senders``, the notices it has."""
+
+    def complete(h: str) -> bool:
+        return expected is not None and part_of(r, h, seats, rule, set(expected)) <= set(senders)
+
+    pool = holders(seats, rule)
+    return (set(pool) - {me} - set(away) <= set(told) and (me not in pool or complete(me))
+            and all(complete(h) for h in away))
+
+
 def gone(seats: Sequence[str], rule: CommitteeRule, online: AbstractSet[str] | None) -> frozenset[str]:
     """The holders no longer announced online (``online``: the peers the run's announcements name as contributors,
     as last read; None: not known, and no holder counts as gone).

@@ -20,10 +20,11 @@ from hlbp.peer.rounds.committee import (
     committee,
     forwarded,
     gone,
-    holder,
     holders,
     leads,
     notice_to,
+    part_of,
+    parts_in,
     relayed_to,
 )
 from hlbp.peer.rounds.gather import GatherRule
@@ -118,8 +119,8 @@ class Seating:
         return seats
 
     def notice_targets(self, r: int, seats: Sequence[str], online: AbstractSet[str] | None) -> set[str]:
-        """Where our notice of round r goes: its holder, or the leads when the holder is gone from ``online`` (the
-        announced contributors as last read; None: not known)."""
+        """Where our notice of round r goes: its holder, and the leads as well when the holder is gone from
+        ``online`` (the announced contributors as last read; None: not known)."""
         return notice_to(r, self.me, seats, self.rule, online)
 
     def holders(self, seats: Sequence[str]) -> tuple[str, ...]:
@@ -133,21 +134,19 @@ class Seating:
 
     def part(self, r: int, seats: Sequence[str], senders: AbstractSet[str]) -> set[str]:
         """Of ``senders``, those whose notices we hold in round r."""
-        return {p for p in senders if holder(r, p, seats, self.rule) == self.me}
+        return part_of(r, self.me, seats, self.rule, senders)
 
     def part_complete(self, r: int, seats: Sequence[str], senders: AbstractSet[str],
                       expected: AbstractSet[str] | None) -> bool:
         """Whether every expected contributor (None: not known) whose holder we are has sent us its notice."""
         return expected is not None and self.part(r, seats, set(expected)) <= set(senders)
 
-    def parts_complete(self, seats: Sequence[str], told: AbstractSet[str], mine_complete: bool,
-                       away: AbstractSet[str] = frozenset()) -> bool:
-        """Whether every holder has told us (a lead) that its part is complete (``told``: who did, taken before the
-        notices were read, so that their forwards are among them), ours too when we hold one (``mine_complete``).
-        The holders ``away`` (gone from the announcements) are not waited for."""
-        others = set(self.holders(seats)) - {self.me} - set(away)
-        held = self.me in self.holders(seats)
-        return others <= set(told) and (mine_complete or not held)
+    def parts_complete(self, r: int, seats: Sequence[str], told: AbstractSet[str], senders: AbstractSet[str],
+                       expected: AbstractSet[str] | None, away: AbstractSet[str] = frozenset()) -> bool:
+        """Whether we (a lead) have every part of round r's notices (:func:`~hlbp.peer.rounds.committee.parts_in`:
+        ``told``, who said its part is complete, taken before the notices were read so that their forwards are
+        among them; ``away``, the holders gone from the announcements, whose parts reach us directly)."""
+        return parts_in(r, self.me, seats, self.rule, told, senders, expected, away)
 
     def forward(self, r: int, seats: Sequence[str], part: Mapping[str, AbstractSet[int]], veterans: Mapping[str, int],
                 complete: bool, force: bool = False) -> None:

@@ -18,6 +18,8 @@ from hlbp.peer.rounds.committee import (
     leads,
     notice_to,
     order_checked,
+    part_of,
+    parts_in,
     relayed_to,
 )
 from hlbp.peer.rounds.gather import BreachKind, GatherRule, Standing, breach, candidates, priority
@@ -86,6 +88,30 @@ def test_a_holder_gone_from_the_announcements_is_not_waited_for_and_its_senders_
         else:
             assert targets == {holder(4, p, seats, RULE)}
         assert notice_to(4, p, seats, RULE, None) == {holder(4, p, seats, RULE)}
+
+
+def test_a_lead_has_every_part_when_the_live_holders_told_it_and_a_gone_holders_senders_reached_it() -> None:
+    seats = tuple(f"c{i}" for i in range(8))
+    lead, dead = seats[0], seats[5]
+    expected = {f"p{i}" for i in range(40)}
+    live = set(seats[3:]) - {dead}
+    dead_part = part_of(4, dead, seats, RULE, expected)
+    assert dead_part and all(holder(4, p, seats, RULE) == dead for p in dead_part)
+    everyone = set(expected)
+    # every live holder told, nobody is away: the dead holder's part is still awaited (it never tells)
+    assert not parts_in(4, lead, seats, RULE, live, everyone, expected)
+    # away: its senders' notices reached the lead directly, so the parts are in
+    assert parts_in(4, lead, seats, RULE, live, everyone, expected, away={dead})
+    # ... but not while one of them is missing, nor while a live holder has not told
+    assert not parts_in(4, lead, seats, RULE, live, everyone - {min(dead_part)}, expected, away={dead})
+    assert not parts_in(4, lead, seats, RULE, live - {seats[3]}, everyone, expected, away={dead})
+    # the expected contributors unknown: no part of an away holder can be judged complete
+    assert not parts_in(4, lead, seats, RULE, live, everyone, None, away={dead})
+    # a committee of leads only: a lead holds a part, complete once its senders are in
+    small = ("a", "b", "c")
+    mine = part_of(2, "a", small, RULE, expected)
+    assert parts_in(2, "a", small, RULE, {"b", "c"}, mine, expected)
+    assert not mine or not parts_in(2, "a", small, RULE, {"b", "c"}, set(), expected)
 
 
 def test_each_contributor_is_relayed_the_set_by_exactly_its_holder() -> None:
