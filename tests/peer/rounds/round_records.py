@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from hlbp.peer.node.replica import takeover_delay
 from hlbp.peer.sim.launcher import SimConfig, Swarm, poll
 from hlbp.protocol.identity import Identity
 from hlbp.protocol.manifest import Hyperparameters
@@ -17,7 +18,12 @@ MAX_DEADLINE_S = 10.0  # the manifest's longest collection window
 # the shortest: the peers share 2 cores here, so equal work finishes up to a second apart, and the window must
 # absorb that jitter or honest peers become stragglers
 MIN_DEADLINE_S = 2.0
-TAKEOVER_S = 3.0  # RoundConfig.takeover_s: how long each further-ranked coordinator waits past the window
+# how long each further-ranked coordinator waits past the window in these runs: their manifest has two stages, so
+# the delay covers a coordinator's audits of stage peers (18 s), whether or not any stage peer takes part
+TAKEOVER_S = takeover_delay(SimConfig.n_stages)
+# what an exchange still takes after its round closed (fetching, applying, verifying): 1.2 s of an 11.2 s wait
+# past a 10 s window was seen in a loaded run of the whole suite
+CLOSE_SLACK_S = 3.0
 # the run's overlap mode: CI runs the default (eager, Hyperparameters.DEFAULT_OVERLAP); HLBP_TEST_OVERLAP=none runs
 # every fault with each round in turn (the suite's 15-minute budget has no room for both)
 OVERLAP = os.environ.get("HLBP_TEST_OVERLAP") or Hyperparameters.DEFAULT_OVERLAP["sparseloco"]

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 
 import pytest
 from round_records import (
+    CLOSE_SLACK_S,
     MAX_DEADLINE_S,
     OVERLAP,
     ROUND_TIMEOUT_S,
@@ -67,9 +68,11 @@ def test_sigkill_mid_round_survivors_complete_and_agree(swarm: Swarm) -> None:
         a, b = rounds[r]["a"], rounds[r]["b"]
         assert a["in_sync"] and b["in_sync"] and a["checksums"] == b["checksums"], (r, a, b)
         assert a["accepted"] and b["accepted"], (r, a, b)
-        # closed by the deadline, not by waiting for c: at most the longest window (c, dead before it announced,
-        # is no coordinator to take over from) plus one takeover's slack for a loaded machine
-        assert max(a["wait_s"], b["wait_s"]) <= MAX_DEADLINE_S + TAKEOVER_S, (r, a["wait_s"], b["wait_s"])
+        # closed by the deadline, not by waiting for c: at most the longest window and one takeover (under overlap
+        # c may have announced the round it died in and be first in its turn order: the next-ranked coordinator
+        # then takes over, 19 s seen in a loaded suite run) and what the exchange takes after its close
+        assert max(a["wait_s"], b["wait_s"]) <= MAX_DEADLINE_S + TAKEOVER_S + CLOSE_SLACK_S, \
+            (r, a["wait_s"], b["wait_s"])
     assert not c.proc.alive
 
 

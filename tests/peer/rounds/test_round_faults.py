@@ -13,6 +13,7 @@ from collections.abc import Iterator
 import pytest
 from faulty_peer import program
 from round_records import (
+    CLOSE_SLACK_S,
     INNER_STEPS,
     MAX_DEADLINE_S,
     ROUND_TIMEOUT_S,
@@ -111,6 +112,7 @@ def test_straggler_is_left_out_stays_in_sync_and_is_not_waited_for(swarm: Swarm)
             assert swarm.replicas["slow"].proc.find(rf"^round {rec['round']}: .*, resynced to round "
                                                     rf"{rec['state_round']}$"), rec
     honest = [rec for name in ("a", "b", "c") for rec in swarm.replicas[name].rounds()]
-    # no honest wait outlasts the longest window; waiting for the straggler's phase would take it to about 20 s (7 s
-    # was seen with the box's 2 cores also running two busy loops)
-    assert max(rec["wait_s"] for rec in honest) < MAX_DEADLINE_S, [rec["wait_s"] for rec in honest]
+    # no honest wait outlasts the longest window and what the exchange takes after its close; waiting for the
+    # straggler's phase would take it to about 20 s (7 s was seen with the box's 2 cores also running two busy
+    # loops, 11.2 s in a loaded run of the whole suite)
+    assert max(rec["wait_s"] for rec in honest) < MAX_DEADLINE_S + CLOSE_SLACK_S, [rec["wait_s"] for rec in honest]
