@@ -110,20 +110,24 @@ def part_of(r: int, h: str, seats: Sequence[str], rule: CommitteeRule, senders: 
     return {p for p in senders if holder(r, p, seats, rule) == h}
 
 
+def part_complete(r: int, h: str, seats: Sequence[str], rule: CommitteeRule, senders: AbstractSet[str],
+                  expected: AbstractSet[str] | None) -> bool:
+    """Whether every ``expected`` contributor (the announced ones; None: not known) whose notice of round r holder
+    ``h`` holds is among ``senders``."""
+    return expected is not None and part_of(r, h, seats, rule, set(expected)) <= set(senders)
+
+
 def parts_in(r: int, me: str, seats: Sequence[str], rule: CommitteeRule, told: AbstractSet[str],
              senders: AbstractSet[str], expected: AbstractSet[str] | None,
              away: AbstractSet[str] = frozenset()) -> bool:
     """Whether a lead (``me``) has every part of round r's notices: each holder told it its part is complete
-    (``told``), its own part (when it holds one) and the part of each holder ``away`` (:func:`gone`: nobody will
-    tell for it, and its senders send to the leads as well) are complete, every ``expected`` contributor (the
-    announced ones; None: not known) of them among ``senders``, the notices it has."""
-
-    def complete(h: str) -> bool:
-        return expected is not None and part_of(r, h, seats, rule, set(expected)) <= set(senders)
-
+    (``told``), and its own part (when it holds one) and the part of each holder ``away`` (:func:`gone`: nobody
+    will tell for it, and its senders send to the leads as well) are complete among ``senders``, the notices it
+    has (:func:`part_complete`)."""
     pool = holders(seats, rule)
-    return (set(pool) - {me} - set(away) <= set(told) and (me not in pool or complete(me))
-            and all(complete(h) for h in away))
+    return (set(pool) - {me} - set(away) <= set(told)
+            and all(part_complete(r, h, seats, rule, senders, expected)
+                    for h in ([me] if me in pool else []) + sorted(away)))
 
 
 def gone(seats: Sequence[str], rule: CommitteeRule, online: AbstractSet[str] | None) -> frozenset[str]:
@@ -131,10 +135,10 @@ def gone(seats: Sequence[str], rule: CommitteeRule, online: AbstractSet[str] | N
     as last read; None: not known, and no holder counts as gone).
 
     A committee is drawn from the members of past rounds, so it can seat a peer that has since died: one killed
-    mid-run kept its seats for the two or three rounds its membership reached, its part of the notices never
-    reached the leads, and each of those rounds waited out its whole window (about 20 s a round with a holder
-    killed in the committee test). Once its announcement has expired the leads stop waiting for its part and its
-    senders send their notices to the leads as well (:func:`notice_to`). Only timing rides on this: the accepted
+    mid-run keeps its seats for the two or three rounds its membership reaches, its part of the notices never
+    reaches the leads, and each of those rounds would wait out its window and the leads' ask for the parts. Once
+    its announcement has expired the leads stop waiting for its part and its senders send their notices to the
+    leads as well (:func:`notice_to`). Only timing rides on this: the accepted
     set is still the coordinator's signed one, applied alike by everyone; a partial read of the announcements only
     closes a round earlier, as an unread contributor does without a committee."""
     if online is None:

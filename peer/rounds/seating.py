@@ -23,6 +23,7 @@ from hlbp.peer.rounds.committee import (
     holders,
     leads,
     notice_to,
+    part_complete,
     part_of,
     parts_in,
     relayed_to,
@@ -139,7 +140,7 @@ class Seating:
     def part_complete(self, r: int, seats: Sequence[str], senders: AbstractSet[str],
                       expected: AbstractSet[str] | None) -> bool:
         """Whether every expected contributor (None: not known) whose holder we are has sent us its notice."""
-        return expected is not None and self.part(r, seats, set(expected)) <= set(senders)
+        return part_complete(r, self.me, seats, self.rule, senders, expected)
 
     def parts_complete(self, r: int, seats: Sequence[str], told: AbstractSet[str], senders: AbstractSet[str],
                        expected: AbstractSet[str] | None, away: AbstractSet[str] = frozenset()) -> bool:
