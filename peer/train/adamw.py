@@ -3,9 +3,11 @@
 A full replica holds, per parameter, its value, its gradient during a step, AdamW's two moments, the round's
 anchor and the error feedback (docs/design.md, "Memory per parameter"); the moments are the largest part that is
 the peer's own, never sent and never checksummed, so their precision is this peer's choice. Each step widens one
-parameter's moments to float32, runs torch's fused AdamW kernel on that parameter, and narrows them back: the
-arithmetic is float32 as before, the transient is one parameter's moments, and what is lost is the stored moments'
-rounding to bfloat16 between steps (8 significant bits). ``hlbp bench convergence --state`` measures the loss this
+parameter's moments to float32 a block of :data:`BLOCK_VALUES` values at a time, runs torch's fused AdamW kernel on
+that block, and narrows them back: the arithmetic is float32 as before (elementwise, so a block's values are the
+whole parameter's bit for bit), the transient is one block's moments (at most 8 MiB, not the embedding's 16-32 MiB on
+`small`, beside the gradients at a step's peak), and what is lost is the stored moments' rounding to
+bfloat16 between steps (8 significant bits). ``hlbp bench convergence --state`` measures the loss this
 costs at equal tokens: none within noise for the second moment alone, more for both (:data:`MOMENT_LAYOUTS`).
 """
 
@@ -18,6 +20,10 @@ import torch
 from torch.optim.adam import adam
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
+
+BLOCK_VALUES = 1 << 20
+"""Values of a parameter stepped at once when a moment is stored narrower than float32 (a multiple of any vector
+width, so a block's values meet the kernel's vector lanes as the whole parameter's do)."""
 
 STATE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 """The dtypes a peer may keep its own optimizer state in: the inner AdamW's moments, SparseLoCo's error feedback."""
@@ -58,14 +64,33 @@ class CompactAdamW(torch.optim.AdamW):
                     state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
                     for key in MOMENTS:
                         state[key] = torch.zeros_like(p, dtype=self.dtypes[key], memory_format=torch.preserve_format)
-                wide = [state[key].float() for key in MOMENTS]  # the stored tensors themselves when float32
-                adam([p], [p.grad], [wide[0]], [wide[1]], [], [state["step"]], fused=True,
-                     decoupled_weight_decay=True, amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"],
-                     weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"])
-                for key, value in zip(MOMENTS, wide):
-                    if value is not state[key]:
-                        state[key].copy_(value)
+                self._step_one(p, state, group, beta1, beta2)
         return loss
+
+    def _step_one(self, p: torch.Tensor, state: dict[str, Any], group: dict[str, Any], beta1: float,
+                  beta2: float) -> None:
+        """One AdamW step of parameter ``p``, a block of its values at a time where a moment is narrower than float32
+        (the whole parameter where both are float32, or where a tensor is not contiguous)."""
+        narrow = any(state[key].dtype != torch.float32 for key in MOMENTS)
+        blocked = narrow and p.is_contiguous() and p.grad.is_contiguous() and p.numel() > BLOCK_VALUES
+        flat = [p.view(-1), p.grad.view(-1), *(state[key].view(-1) for key in MOMENTS)] if blocked else None
+        before = state["step"].clone()
+        step = before
+        for start in range(0, p.numel(), BLOCK_VALUES) if blocked else [0]:
+            if flat is None:
+                value, grad, moments = p, p.grad, [state[key] for key in MOMENTS]
+            else:
+                value, grad, *moments = (t[start:start + BLOCK_VALUES] for t in flat)
+            wide = [m.float() for m in moments]  # the stored tensors themselves when float32
+            step = before.clone()  # every block steps from the same count (the kernel adds one to it)
+            adam([value], [grad], [wide[0]], [wide[1]], [], [step], fused=True,
+                 decoupled_weight_decay=True, amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"],
+                 weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"])
+            for stored, w in zip(moments, wide):
+                if w is not stored:
+                    stored.copy_(w)
+            del wide
+        state["step"].copy_(step)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)

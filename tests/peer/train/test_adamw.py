@@ -65,3 +65,22 @@ def test_a_checkpoint_resumes_bf16_moments_exactly(builtin_data, tmp_path):
 def test_an_unknown_moment_dtype_is_a_user_error():
     with pytest.raises(UserInputError, match="moments"):
         OptimConfig(moments="fp8").validate()
+
+
+@pytest.mark.parametrize("layout", ["bf16", "v-bf16"])
+def test_narrow_moments_step_a_block_at_a_time_bit_for_bit(builtin_data, monkeypatch, layout):
+    """Stepping a parameter a block of values at a time (the transient is one block's float32 moments) gives the
+    whole parameter's values and moments exactly, including blocks that split a row and a short last block."""
+    from hlbp.peer.train import adamw
+
+    whole = _trainer(builtin_data, layout)
+    _steps(whole, 4)
+    monkeypatch.setattr(adamw, "BLOCK_VALUES", 96)
+    blocked = _trainer(builtin_data, layout)
+    assert any(p.numel() > 96 and p.numel() % 96 for p in blocked.model.parameters())
+    _steps(blocked, 4)
+    for a, b in zip(whole.model.parameters(), blocked.model.parameters()):
+        assert torch.equal(a, b)
+    for sa, sb in zip(whole.optimizer.state.values(), blocked.optimizer.state.values()):
+        assert all(torch.equal(sa[k], sb[k]) for k in ("step", "exp_avg", "exp_avg_sq"))
+
