@@ -77,6 +77,18 @@ def role_budget(memory: dict[str, dict[str, int]], stage: bool) -> dict[str, Any
     }
 
 
+def require_roles(preset: str, memory: dict[str, dict[str, int]], exit_codes: dict[str, int | None]) -> None:
+    """Raise RuntimeError when a role has no measured peer in ``preset``'s run (its peers failed after starting):
+    a table without that role would read as a measurement."""
+    missing = [role for role, stage in (("full replica", False), ("stage peer", True))
+               if role_budget(memory, stage) is None]
+    if missing:
+        failed = {n: c for n, c in exit_codes.items() if c}
+        raise RuntimeError(f"the {preset} run measured no {' and no '.join(missing)} "
+                           f"({'exit codes: ' + str(failed) if failed else 'no round recorded'}); "
+                           "keep the peers' logs with --workdir to see why")
+
+
 def peak_memory(rounds: list[dict[str, Any]]) -> dict[str, dict[str, int]]:
     """Per peer, the largest of each memory figure over the rounds of a simulate report."""
     out: dict[str, dict[str, int]] = {}
@@ -97,6 +109,7 @@ def preset_run(cfg: MemoryBenchConfig, preset: str, workdir: Path) -> dict[str, 
                     state_on_disk=cfg.state_on_disk)
     report = run_simulation(sim, workdir, cfg.timeout_s)
     memory = peak_memory(report["rounds"])
+    require_roles(preset, memory, report.get("exit_codes", {}))
     return {
         "preset": preset,
         "full_replica": role_budget(memory, stage=False),

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from hlbp.peer.bench.memory import marginal, peak_memory, role_budget
+from hlbp.peer.bench.memory import marginal, peak_memory, require_roles, role_budget
 
 pytestmark = pytest.mark.slow
 
@@ -60,3 +60,14 @@ def test_memory_bench_measures_both_roles_through_agreed_rounds(tmp_path: Path, 
     projected = {p["preset"]: p for p in doc["result"]["projection"]}
     assert set(projected) == {"350m", "1b"} and projected["1b"]["params"] > 1e9
     assert projected["1b"]["host_gib"] > projected["350m"]["host_gib"] > 0
+
+
+
+def test_a_run_whose_peers_failed_is_an_error_not_an_empty_table() -> None:
+    stage_only = {"sw0s0": {"peak_host_bytes": 140, "base_host_bytes": 100, "trained_params": 4}}
+    with pytest.raises(RuntimeError, match=r"measured no full replica \(exit codes: \{'peer0': 1\}\)"):
+        require_roles("small", stage_only, {"peer0": 1, "sw0s0": 0})
+    with pytest.raises(RuntimeError, match="measured no full replica and no stage peer .no round recorded"):
+        require_roles("small", {}, {"peer0": None})
+    require_roles("small", {**stage_only, "peer0": {"peak_host_bytes": 9, "base_host_bytes": 1,
+                                                    "trained_params": 1}}, {})
