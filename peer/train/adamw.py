@@ -14,7 +14,7 @@ costs at equal tokens: +0.3 % on average over five seeds for the second moment a
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -70,20 +70,11 @@ class CompactAdamW(torch.optim.AdamW):
 
     def _step_one(self, p: torch.Tensor, state: dict[str, Any], group: dict[str, Any], beta1: float,
                   beta2: float) -> None:
-        """One AdamW step of parameter ``p``, a block of its values at a time where a moment is narrower than float32
-        (the whole parameter where both are float32, or where a tensor is not contiguous)."""
-        narrow = any(state[key].dtype != torch.float32 for key in MOMENTS)
-        blocked = narrow and p.is_contiguous() and p.grad.is_contiguous() and p.numel() > BLOCK_VALUES
-        flat = [p.view(-1), p.grad.view(-1), *(state[key].view(-1) for key in MOMENTS)] if blocked else None
+        """One AdamW step of parameter ``p``, each block of :func:`_blocks` from the same step count."""
         before = state["step"].clone()
-        step = before
-        for start in range(0, p.numel(), BLOCK_VALUES) if blocked else [0]:
-            if flat is None:
-                value, grad, moments = p, p.grad, [state[key] for key in MOMENTS]
-            else:
-                value, grad, *moments = (t[start:start + BLOCK_VALUES] for t in flat)
+        for value, grad, *moments in _blocks(p, state):
             wide = [m.float() for m in moments]  # the stored tensors themselves when float32
-            step = before.clone()  # every block steps from the same count (the kernel adds one to it)
+            step = before.clone()  # the kernel adds one to it
             adam([value], [grad], [wide[0]], [wide[1]], [], [step], fused=True,
                  decoupled_weight_decay=True, amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"],
                  weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"])
@@ -99,3 +90,16 @@ class CompactAdamW(torch.optim.AdamW):
             for key in MOMENTS:
                 if key in state and state[key].dtype != self.dtypes[key]:
                     state[key] = state[key].to(self.dtypes[key])
+
+
+def _blocks(p: torch.Tensor, state: dict[str, Any]) -> Iterator[list[torch.Tensor]]:
+    """(value, gradient, moments...) of ``p``: views of :data:`BLOCK_VALUES` values at a time where a moment is
+    narrower than float32, else the whole tensors (also where one is not contiguous, so it cannot be viewed flat)."""
+    tensors = [p, p.grad, *(state[key] for key in MOMENTS)]
+    narrow = any(state[key].dtype != torch.float32 for key in MOMENTS)
+    if not (narrow and p.numel() > BLOCK_VALUES and all(t.is_contiguous() for t in tensors)):
+        yield tensors
+        return
+    flat = [t.view(-1) for t in tensors]
+    for start in range(0, p.numel(), BLOCK_VALUES):
+        yield [t[start:start + BLOCK_VALUES] for t in flat]
