@@ -45,6 +45,7 @@ connection it accepted, and stage 1's carried both boundaries, so forward of one
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import tempfile
@@ -129,6 +130,18 @@ def formula_bytes(kind: str, k: int) -> dict[str, float]:
     return {"forward": values + (0 if kind == "dense" else 2) + TARGET_BYTES, "backward": values}
 
 
+def driver_identity(seed: int) -> bytes:
+    """The driving peer's identity file, derived from the run's seed: the same key for every codec and every run.
+
+    The driver's data order is its data rank, a hash of its peer id (``hlbp.peer.node.join.data_rank``), so with a
+    fresh key per swarm each codec trained on different batches and the validation loss column compared data orders
+    as much as codecs (7.20-7.48 for one codec in three runs at one seed). A benchmark key only: it is written
+    into the bench's own temporary directory and never used outside it."""
+    from hlbp.protocol.identity import Identity
+
+    return Identity(hashlib.sha256(f"hlbp bench pipeline driver {seed}".encode()).digest()).to_file_bytes()
+
+
 def _summary(out_dir: Path) -> tuple[dict[str, Any], list[dict[str, Any]]] | None:
     found = list(out_dir.glob("*/*/summary.json"))
     if not found:
@@ -174,6 +187,9 @@ def run_codec(cfg: PipelineBenchConfig, spec: str, d_model: int, workdir: Path) 
         extra = ["--micro-batches", str(cfg.micro_batches), "--eval-every", str(cfg.steps)]
         if cfg.in_flight is not None:
             extra += ["--in-flight", str(cfg.in_flight)]
+        key = workdir / "s0.key"  # where the launcher looks for s0's identity before it creates one
+        key.write_bytes(driver_identity(cfg.seed))
+        key.chmod(0o400)
         driver = sw.add_stage("s0", 0, *extra, max_steps=cfg.steps)
         try:
             driver.proc.wait_for(r"^driver: ", cfg.timeout_s)
@@ -209,7 +225,7 @@ def run_codec(cfg: PipelineBenchConfig, spec: str, d_model: int, workdir: Path) 
         "busy": busy, "bottleneck": bottleneck, "bottleneck_busy": busy[bottleneck],
         # after the last step, or None: a driver stopped before its final evaluation finished has only the one
         # before training, which is not a result (a link-bound dense chain can take longer than the stop allows)
-        "val_losses": summary["val_losses"],
+        "val_losses": summary["val_losses"], "data_rank": summary["data_rank"],
         "val_loss": summary["val_losses"][-1] if len(summary["val_losses"] or []) >= 2 else None,
         "seconds": time.monotonic() - started,
     }

@@ -8,7 +8,9 @@ import sys
 
 import pytest
 
-from hlbp.peer.bench.pipeline import QUICK_CODECS, formula_bytes, parse_codec
+from hlbp.peer.bench.pipeline import QUICK_CODECS, driver_identity, formula_bytes, parse_codec
+from hlbp.peer.node.join import data_rank
+from hlbp.protocol.identity import Identity
 
 
 def test_codec_specs_and_formula() -> None:
@@ -17,6 +19,12 @@ def test_codec_specs_and_formula() -> None:
     assert parse_codec("subspace-b@1/128", 128)[1] == 1
     assert formula_bytes("dense", 128) == {"forward": 258, "backward": 256}  # bf16 values plus u16 targets
     assert formula_bytes("subspace-a", 4) == {"forward": 20, "backward": 16}  # fp32 values, u16 ids and targets
+
+
+def test_the_driver_key_follows_the_seed_so_every_codec_sees_the_same_batches() -> None:
+    assert driver_identity(0) == driver_identity(0) != driver_identity(1)
+    ranks = {data_rank(Identity.from_file_bytes(driver_identity(seed)).peer_id) for seed in range(4)}
+    assert len(ranks) == 4  # a seed picks the data order; the same seed, the same order
 
 
 @pytest.mark.slow
@@ -32,6 +40,8 @@ def test_quick_pipeline_bench(tmp_path) -> None:
         assert r["steps"] == doc["config"]["steps"] and r["tokens_per_s"] > 0
         assert r["bytes_per_token"]["forward"] > 0 and r["bytes_per_token"]["backward"] > 0
         assert r["val_loss"] is not None and 0 < r["bottleneck_busy"] <= 1.5
+    driver = Identity.from_file_bytes(driver_identity(doc["config"]["seed"])).peer_id
+    assert {r["data_rank"] for r in rows.values()} == {data_rank(driver)}  # every codec trained on the same batches
     dense, sub = rows["dense"], rows["subspace-a@1/32"]
     # measured bytes are the payload plus headers: never below the formula, and the codec is far smaller
     assert dense["bytes_per_token"]["forward"] >= dense["formula_bytes_per_token"]["forward"]
