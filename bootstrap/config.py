@@ -57,7 +57,7 @@ class RunConfig:
     run_id: str | None = None  # None: "hlbp-" + a hash of everything else, stable across restarts
     seed: int = 0  # seeds init, data order and subspace bases on every peer
     model: str = "tiny"  # preset name
-    n_stages: int = 2  # pipeline stages, split evenly over the layers, unless stages is given
+    n_stages: int = 2  # pipeline stages, split so the slowest (head included) is fastest, unless stages is given
     stages: list[list[int]] | None = None  # explicit [start, end) layer ranges
     data_recipe: str = "builtin"  # corpus spec for hlbp.peer.data.streams
     vocab_size: int = 8192  # BPE size when the bootstrap trains the tokenizer
@@ -97,12 +97,17 @@ def load_run_config(path: Path | None) -> RunConfig:
 
 
 def _partition(cfg: RunConfig) -> list[list[int]]:
+    """The operator's ``stages``, or the split whose slowest stage is fastest at the run's sequence length (a
+    ``seq_len`` that is not a sane integer is left for the manifest's checks to refuse)."""
     if cfg.stages is not None:
         return cfg.stages
-    from hlbp.peer.model.decoder import partition, preset
+    from hlbp.peer.model.decoder import balanced_partition, preset
 
     config = preset(cfg.model, **cfg.model_overrides)
-    return [list(s) for s in partition(config.n_layers, cfg.n_stages)]
+    seq_len = cfg.hparams.get("seq_len") if isinstance(cfg.hparams, dict) else None
+    if not isinstance(seq_len, int) or isinstance(seq_len, bool) or not 1 <= seq_len <= 1 << 20:
+        seq_len = Hyperparameters.seq_len
+    return [list(s) for s in balanced_partition(config, cfg.n_stages, seq_len)]
 
 
 def build_manifest(cfg: RunConfig, tokenizer: bytes, issued_at: float) -> Manifest:

@@ -328,6 +328,41 @@ def partition(n_layers: int, n_stages: int) -> list[tuple[int, int]]:
     return bounds
 
 
+def layer_macs(config: ModelConfig, seq_len: int) -> int:
+    """Multiply-accumulates per token of one block's forward: the four attention projections, the gated
+    feed-forward's three matrices, and the attention's scores and weighted sum over ``seq_len`` positions."""
+    d = config.d_model
+    return 4 * d * d + 3 * d * config.d_ff + 2 * seq_len * d
+
+
+def head_macs(config: ModelConfig) -> int:
+    """Multiply-accumulates per token of the LM head's forward (the final norm and the loss are small beside it)."""
+    return config.d_model * config.vocab_size
+
+
+def balanced_partition(config: ModelConfig, n_stages: int, seq_len: int) -> list[tuple[int, int]]:
+    """Contiguous layer ranges whose slowest stage is as fast as it can be, counting the head the last stage holds.
+
+    A pipeline runs at its slowest stage's pace, and the even split gives the last stage its layers plus the LM
+    head: on the tiny preset the head costs about five blocks (``d_model * vocab`` against ``4 d^2 + 3 d d_ff``
+    multiply-accumulates per token), so with two stages the last one did 2.6 times the first's work. Here the last
+    stage takes ``n`` layers and the others share the rest as evenly as :func:`partition` does; ``n`` minimises
+    the largest stage's multiply-accumulates (backward costs about twice the forward on every stage alike), and
+    among equal maxima the lighter last stage wins. With a head that costs nothing this is :func:`partition`."""
+    if not 1 <= n_stages <= config.n_layers:
+        raise UserInputError(f"cannot split {config.n_layers} layers into {n_stages} stages; use 1..{config.n_layers}")
+    if n_stages == 1:
+        return [(0, config.n_layers)]
+    layer, head = layer_macs(config, seq_len), head_macs(config)
+
+    def slowest(n_last: int) -> int:
+        return max(-(-(config.n_layers - n_last) // (n_stages - 1)) * layer, n_last * layer + head)
+
+    n_last = min(range(1, config.n_layers - n_stages + 2), key=lambda n: (slowest(n), n))
+    front = partition(config.n_layers - n_last, n_stages - 1)
+    return [*front, (config.n_layers - n_last, config.n_layers)]
+
+
 def split(
     config: ModelConfig, n_stages: int, bounds: list[tuple[int, int]] | None = None
 ) -> list[Stage]:

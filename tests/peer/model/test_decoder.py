@@ -1,13 +1,19 @@
 """The stage split computes exactly what the whole model computes: same loss, same gradients."""
 
+import dataclasses
+import itertools
+
 import pytest
 import torch
 
 from hlbp.peer.common.errors import UserInputError
 from hlbp.peer.model.decoder import (
     PRESETS,
+    balanced_partition,
     build_model,
     count_parameters,
+    head_macs,
+    layer_macs,
     load_from_full,
     partition,
     preset,
@@ -71,10 +77,44 @@ def test_partition_is_contiguous_and_even():
     assert partition(4, 4) == [(0, 1), (1, 2), (2, 3), (3, 4)]
 
 
+def _stage_macs(config, bounds, seq_len):
+    return [(b - a) * layer_macs(config, seq_len) + (head_macs(config) if b == config.n_layers else 0)
+            for a, b in bounds]
+
+
+def _every_split(n_layers, n_stages):
+    for cuts in itertools.combinations(range(1, n_layers), n_stages - 1):
+        edges = (0, *cuts, n_layers)
+        yield list(itertools.pairwise(edges))
+
+
+@pytest.mark.parametrize("name", ["tiny", "small", "125m", "350m", "1b"])
+@pytest.mark.parametrize("seq_len", [64, 1024])
+def test_the_balanced_partition_has_the_fastest_slowest_stage_of_every_split(name, seq_len):
+    config = preset(name)
+    for n_stages in range(1, min(config.n_layers, 5) + 1):
+        bounds = balanced_partition(config, n_stages, seq_len)
+        assert bounds[0][0] == 0 and bounds[-1][1] == config.n_layers and all(a < b for a, b in bounds)
+        assert all(x[1] == y[0] for x, y in itertools.pairwise(bounds)) and len(bounds) == n_stages
+        best = min(max(_stage_macs(config, b, seq_len)) for b in _every_split(config.n_layers, n_stages))
+        assert max(_stage_macs(config, bounds, seq_len)) == best
+        assert best <= max(_stage_macs(config, partition(config.n_layers, n_stages), seq_len))
+
+
+def test_the_head_moves_layers_off_the_last_stage_and_a_free_head_leaves_the_even_split():
+    tiny = preset("tiny")  # the head costs about five blocks: the last stage keeps one
+    assert balanced_partition(tiny, 2, 64) == [(0, 3), (3, 4)]
+    assert balanced_partition(tiny, 3, 64) == partition(4, 3) == [(0, 2), (2, 3), (3, 4)]
+    free = dataclasses.replace(preset("small"), vocab_size=1)  # a head of d multiply-accumulates
+    for n_stages in range(1, 7):
+        assert balanced_partition(free, n_stages, 256) == partition(6, n_stages)
+
+
 @pytest.mark.parametrize(
     "call",
     [
         lambda: partition(4, 5),
+        lambda: balanced_partition(preset("tiny"), 5, 64),
         lambda: partition(4, 0),
         lambda: preset("huge"),
         lambda: preset("tiny", d_model=130),
