@@ -87,7 +87,7 @@ def run_app(app: typer.Typer, console: Console) -> None:
     Every hlbp process runs one malloc arena, set here before any thread starts
     (:func:`hlbp.peer.common.memory.limit_arenas`)."""
     from hlbp.peer.common import memory
-    from hlbp.peer.common.errors import UserInputError
+    from hlbp.peer.common.errors import RunFailed, UserInputError
     from hlbp.protocol import ProtocolError
 
     memory.limit_arenas()
@@ -102,4 +102,7 @@ def run_app(app: typer.Typer, console: Console) -> None:
         sys.exit(130)
     except ConnectionError as exc:  # the node lost a part it cannot run without (its DHT process): say so, exit 1
         console.print(f"[bold red]error:[/] {exc}")
+        sys.exit(1)
+    except RunFailed as exc:  # a simulation's or a benchmark's peers failed: its outcome, with their output
+        console.print(f"[bold red]error:[/] {escape(str(exc))}", soft_wrap=True)
         sys.exit(1)

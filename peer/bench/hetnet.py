@@ -60,7 +60,7 @@ from typing import Any
 
 from rich.console import Console
 
-from hlbp.peer.common.errors import UserInputError
+from hlbp.peer.common.errors import RunFailed, UserInputError
 
 DRIVER_TOTAL_STEPS = 1000  # the manifest's schedule_steps: the inner schedule's length on every peer
 ARMS = ("uncompressed", "heterogeneous", "compressed")
@@ -250,7 +250,7 @@ def run_once(cfg: HetNetBenchConfig, run: Run, workdir: Path, keys: list[Path], 
             dead = [n for n in names if not sw.replicas[n].proc.alive and len(records[n]) < cfg.rounds]
             if dead or time.monotonic() > deadline:
                 tail = "\n".join(sw.replicas[n].proc.output[-2000:] for n in dead[:2])
-                raise RuntimeError(f"{run.label}: {'exited early: ' + ', '.join(dead) if dead else 'timed out'} "
+                raise RunFailed(f"{run.label}: {'exited early: ' + ', '.join(dead) if dead else 'timed out'} "
                                    f"after {shown + 1} of {cfg.rounds} rounds\n{tail}")
             time.sleep(0.5)  # polling interval, bounded by the deadline above
         seconds = time.monotonic() - started

@@ -23,6 +23,7 @@ from typing import Any
 from rich.console import Console
 
 from hlbp.peer.bench.report import print_table, write_result
+from hlbp.peer.common.errors import RunFailed
 from hlbp.peer.sim.launcher import SimConfig
 from hlbp.peer.sim.report import is_stage
 from hlbp.peer.sim.run import run_simulation
@@ -78,13 +79,13 @@ def role_budget(memory: dict[str, dict[str, int]], stage: bool) -> dict[str, Any
 
 
 def require_roles(preset: str, memory: dict[str, dict[str, int]], exit_codes: dict[str, int | None]) -> None:
-    """Raise RuntimeError when a role has no measured peer in ``preset``'s run (its peers failed after starting):
+    """Raise :class:`RunFailed` when a role has no measured peer in ``preset``'s run (its peers failed after starting):
     a table without that role would read as a measurement."""
     missing = [role for role, stage in (("full replica", False), ("stage peer", True))
                if role_budget(memory, stage) is None]
     if missing:
         failed = {n: c for n, c in exit_codes.items() if c}
-        raise RuntimeError(f"the {preset} run measured no {' and no '.join(missing)} "
+        raise RunFailed(f"the {preset} run measured no {' and no '.join(missing)} "
                            f"({'exit codes: ' + str(failed) if failed else 'no round recorded'}); "
                            "keep the peers' logs with --workdir to see why")
 

@@ -56,7 +56,7 @@ import torch
 from rich.console import Console
 
 from hlbp.peer.bench.report import print_table, write_result
-from hlbp.peer.common.errors import UserInputError
+from hlbp.peer.common.errors import RunFailed, UserInputError
 
 clock = time.perf_counter
 LOCAL = ["/ip4/127.0.0.1/tcp/0"]
@@ -255,9 +255,9 @@ def sparse_round(sw: BenchSwarm, timeout: float) -> dict[str, Any]:
     stats = _run_threads([lambda r=r: r.run(1)[-1] for r in sw.runners], timeout)
     tx = _delta(tx0, loopback_tx_bytes())
     if not all(s.accepted and s.in_sync and s.members == len(sw.runners) for s in stats):
-        raise RuntimeError(f"a SparseLoCo round did not include every peer in sync: {stats}")
+        raise RunFailed(f"a SparseLoCo round did not include every peer in sync: {stats}")
     if len({tuple(sorted(s.checksums.items())) for s in stats}) != 1:
-        raise RuntimeError("SparseLoCo peers disagree on the new parameters")
+        raise RunFailed("SparseLoCo peers disagree on the new parameters")
     return {
         "comm_s": [s.comm_s + s.wait_s for s in stats],
         "wait_s": [s.wait_s for s in stats],
@@ -301,7 +301,7 @@ def dense_round(sw: BenchSwarm, timeout: float) -> dict[str, Any]:
     out = _run_threads([lambda c=c: reduce(c) for c in controls], timeout)
     tx = _delta(tx0, loopback_tx_bytes())
     if any(size != n for _, _, size in out):
-        raise RuntimeError(f"a dense step averaged in a group smaller than {n}: {[s for *_, s in out]}")
+        raise RunFailed(f"a dense step averaged in a group smaller than {n}: {[s for *_, s in out]}")
     return {
         "comm_s": [a for a, _, _ in out],
         "step_s": [b for _, b, _ in out],

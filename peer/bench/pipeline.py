@@ -57,7 +57,7 @@ from typing import Any
 from rich.console import Console
 
 from hlbp.peer.bench.report import print_table, write_result
-from hlbp.peer.common.errors import UserInputError
+from hlbp.peer.common.errors import RunFailed, UserInputError
 
 DEFAULT_WAN_MBPS = 1.0
 FULL_CODECS = ("dense", "subspace-a@1/32", "subspace-b@1/32", "subspace-a-drift@1/32",
@@ -194,12 +194,12 @@ def run_codec(cfg: PipelineBenchConfig, spec: str, d_model: int, workdir: Path) 
         try:
             driver.proc.wait_for(r"^driver: ", cfg.timeout_s)
             summary, steps = poll(lambda: _summary(driver.out_dir), 60, "the driver's summary.json")
-        except (TimeoutError, RuntimeError) as exc:
-            raise RuntimeError(f"{spec}: the driver did not finish: {exc}\n{driver.proc.output[-3000:]}") from exc
+        except RunFailed as exc:
+            raise RunFailed(f"{spec}: the driver did not finish: {exc}\n{driver.proc.output[-3000:]}") from exc
         proxies = _proxy_bytes(sw)
         stage_of = {p: i + 1 for i, p in enumerate(steps[-1]["chain"])} if steps else {}
     if summary["steps"] < cfg.steps or summary["steps_abandoned"] or not steps:
-        raise RuntimeError(f"{spec}: {summary['steps']} of {cfg.steps} steps done, "
+        raise RunFailed(f"{spec}: {summary['steps']} of {cfg.steps} steps done, "
                            f"{summary['steps_abandoned']} abandoned")
     train_s = sum(r["seconds"] for r in steps)
     tokens = summary["tokens"]
@@ -209,7 +209,7 @@ def run_codec(cfg: PipelineBenchConfig, spec: str, d_model: int, workdir: Path) 
     sent, received = summary["stream_bytes"]["sent"], summary["stream_bytes"]["received"]
     boundaries = cfg.stages - 1
     if not proxies:
-        raise RuntimeError("no WAN proxy carried any bytes")
+        raise RunFailed("no WAN proxy carried any bytes")
     return {
         "codec": spec, "kind": kind, "k": k, "k_over_d": ratio, "tokens": tokens, "steps": summary["steps"],
         "microbatches": summary["microbatches"], "microbatches_retried": summary["microbatches_retried"],

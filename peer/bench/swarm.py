@@ -21,7 +21,7 @@ from typing import Any
 from rich.console import Console
 
 from hlbp.peer.bench.report import print_table, write_result
-from hlbp.peer.common.errors import UserInputError
+from hlbp.peer.common.errors import RunFailed, UserInputError
 from hlbp.peer.rounds.overlap import OVERLAPS
 
 METHODS = ("sparseloco", "diloco")
@@ -124,7 +124,7 @@ def run_swarm_bench(cfg: SwarmBenchConfig, out: Path | None, console: Console) -
             console.print(f"[bold]{label}[/]: {cfg.full} replicas x {cfg.rounds} rounds of {cfg.model}")
             report = run_simulation(sim, Path(work), cfg.timeout_s)
         if report["rounds_completed"] < cfg.rounds:
-            raise RuntimeError(f"{label}: only {report['rounds_completed']} of {cfg.rounds} rounds completed "
+            raise RunFailed(f"{label}: only {report['rounds_completed']} of {cfg.rounds} rounds completed "
                                f"(exit codes {report['exit_codes']})")
         results[label] = {**method_summary(report), "wan": report.get("wan"), "overlap": overlap}
     rows = []

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Self
 
+from hlbp.peer.common.errors import RunFailed
 from hlbp.peer.net.wanlink import WanEmulator, free_port
 from hlbp.peer.sim.report import (
     checksums_agree,
@@ -142,6 +143,10 @@ def _start(program: list[str], args: list[str], env: dict[str, str],
                             start_new_session=True, env=env)
 
 
+class RunTimeout(RunFailed, TimeoutError):
+    """What a peer was waited for (a line it prints, a file it writes) did not come in time, or it exited first."""
+
+
 class PeerProcess:
     """One ``hlbp`` process in its own session, whose combined output is collected line by line."""
 
@@ -186,7 +191,8 @@ class PeerProcess:
             return [m for m in (regex.search(line) for line in self.lines) if m]
 
     def wait_for(self, pattern: str, timeout: float) -> re.Match[str]:
-        """The first output line matching ``pattern``; raises TimeoutError with the output if none comes in time."""
+        """The first output line matching ``pattern``; raises :class:`RunTimeout` with the output if none comes
+        in time or the process ends first."""
         regex = re.compile(pattern)
         deadline = time.monotonic() + timeout
         with self._cond:
@@ -197,9 +203,19 @@ class PeerProcess:
                         return match
                 remaining = deadline - time.monotonic()
                 if remaining <= 0 or self.eof:
-                    raise TimeoutError(f"{self.name}: no line matching {pattern!r} (exit {self.popen.poll()}):\n"
+                    raise RunTimeout(f"{self.name}: no line matching {pattern!r} (exit {self._exit_code()}):\n"
                                        + "\n".join(self.lines[-40:]))
                 self._cond.wait(min(remaining, 0.5))
+
+    def _exit_code(self) -> int | None:
+        """The exit status; a process that closed its output is given a moment to end, so the message says how
+        it ended (None: still running)."""
+        if self.eof:
+            try:
+                return self.popen.wait(timeout=2.0)
+            except subprocess.TimeoutExpired:
+                return None
+        return self.popen.poll()
 
     def kill(self) -> None:
         """SIGKILL the whole session: the main process, its DHT process and p2pd."""
@@ -384,7 +400,7 @@ class Swarm:
 
 
 def poll(fn: Callable[[], Any], timeout: float, what: str | Callable[[], str], interval: float = 0.25) -> Any:
-    """Call ``fn`` until it returns something truthy; raises TimeoutError naming ``what`` after ``timeout``.
+    """Call ``fn`` until it returns something truthy; raises :class:`RunTimeout` naming ``what`` after ``timeout``.
     ``what`` may be a function, called only then: a description that quotes a process's output must quote it as
     it is at the timeout, not as it was when the wait began."""
     deadline = time.monotonic() + timeout
@@ -394,7 +410,7 @@ def poll(fn: Callable[[], Any], timeout: float, what: str | Callable[[], str], i
             return value
         if time.monotonic() > deadline:
             told = what() if callable(what) else what
-            raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {told}; last value: {value!r}")
+            raise RunTimeout(f"timed out after {timeout:.0f} s waiting for {told}; last value: {value!r}")
         time.sleep(interval)  # the polling interval, bounded by the deadline above
 
 
