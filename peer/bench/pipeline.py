@@ -28,18 +28,21 @@ What is reported per codec (all from the driver's ``summary.json`` and ``metrics
 
 The default link rate, 1 Mbit/s per direction (:data:`DEFAULT_WAN_MBPS`), makes dense bf16 link-bound on this
 2-core CPU: at d_model = 128 a dense boundary moves about 259 B per token forward (and 256 back), so 1 Mbit/s caps
-it near 480 tokens/s, while the three stages compute about 5,000 tokens/s with a small codec. That is the ratio a
+it near 480 tokens/s, while the three stages compute 3,000-3,800 tokens/s with a small codec. That is the ratio a
 real run sees (an H100 stage of a 7B model computes tens of thousands of tokens/s; 8 KB per token of bf16
 activations over a 100 Mbit/s link is 1,500 tokens/s), scaled down to this machine's compute. Steps are large
-(64 x 64 tokens in 16 micro-batches) so the per-step synchronisation (``finish`` down the chain and ``done`` back,
-four link delays, then every stage's AdamW step) is amortized.
+(64 x 64 tokens in 16 micro-batches) so each step's fill and drain (the norms ride up with the last backward, the
+driver's ``apply`` goes down ahead of the next step's micro-batches) is amortized.
 
-What limits the measured numbers (default run): the bottleneck stage (the
-last, which holds the LM head) is busy about 70 % with k/d = 1/128, short of 80 %, because the three stage
-processes, four p2pd daemons and the proxies share 2 cores, and each step still waits for the pipeline to fill and
-for the step's synchronisation. With k/d = 1/32 the codecs are link-bound again: a peer's proxy carries every
-connection it accepted, and stage 1's carried both boundaries, so forward of one and backward of the other
-(about 37 B/token) shared one emulated 1 Mbit/s direction (``proxy_bytes`` in the JSON shows it).
+What limits the measured numbers (default run): the last stage, which holds the LM head, does most of the work
+(with 4 layers in 3 stages no split is lighter) and is busy about 85 % with k/d = 1/128; the rest is each step's
+fill and drain, and the three stage processes, four p2pd daemons and the proxies share 2 cores. With k/d = 1/32
+the codecs are link-bound again: a peer's proxy carries every connection it accepted, and stage 1's carried both
+boundaries, so forward of one and backward of the other (about 37 B/token) shared one emulated 1 Mbit/s direction
+(``proxy_bytes`` in the JSON shows it).
+
+The driving peer's identity is derived from the seed (:func:`driver_identity`): its data order follows its key,
+so every codec, and every run of the same command, trains and is scored on the same batches.
 """
 
 from __future__ import annotations
