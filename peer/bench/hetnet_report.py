@@ -96,6 +96,7 @@ def final_global_loss(cfg: Any, raw: dict[str, Any], data: Any) -> dict[str, Any
     from hlbp.peer.model.decoder import build_model, preset, split
     from hlbp.peer.model.pipeline import initial_state, run_model_config
     from hlbp.peer.rounds.statesync import shard_checksum
+    from hlbp.peer.sim.launcher import SimConfig
     from hlbp.peer.sim.report import stage_name
     from hlbp.peer.train.checkpoint import load_checkpoint
     from hlbp.peer.train.trainer import evaluate
@@ -114,9 +115,10 @@ def final_global_loss(cfg: Any, raw: dict[str, Any], data: Any) -> dict[str, Any
         anchor.update({k[len("anchor."):]: v for k, v in tensors.items() if k.startswith("anchor.")})
     codec = CodecConfig(cfg.variant, str(cfg.k()), seed=cfg.seed) if run.swarms else CodecConfig("dense",
                                                                                                   seed=cfg.seed)
-    config = run_model_config(preset(cfg.model, vocab_size=data.vocab_size), codec, cfg.stages)
+    bounds = SimConfig(model=cfg.model, n_stages=cfg.stages, seq_len=cfg.seq_len).stage_bounds()  # the manifest's
+    config = run_model_config(preset(cfg.model, vocab_size=data.vocab_size), codec, cfg.stages, bounds)
     with torch.device("meta"):
-        shards = [[n for n, _ in s.named_parameters()] for s in split(config, cfg.stages)]
+        shards = [[n for n, _ in s.named_parameters()] for s in split(config, cfg.stages, bounds)]
     last = [x for recs in raw["records"].values() for x in recs if x.get("round") == cfg.rounds - 1]
     agreed = agreed_checksums(last)
     missing = [n for names in shards for n in names if n not in anchor]

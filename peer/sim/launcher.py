@@ -108,6 +108,13 @@ class SimConfig:
         """Inner steps of the run's learning-rate schedule (the manifest's ``schedule_steps``)."""
         return self.schedule_steps if self.schedule_steps is not None else self.rounds * self.inner_steps
 
+    def stage_bounds(self) -> list[tuple[int, int]]:
+        """The layer ranges of the run's stages: what the bootstrap writes into the manifest for :meth:`run_toml`
+        (its default split at this model and sequence length), for readers of a finished run's checkpoints."""
+        from hlbp.peer.model.decoder import balanced_partition, preset
+
+        return balanced_partition(preset(self.model), self.n_stages, self.seq_len)
+
     def run_toml(self) -> str:
         """The run config the bootstrap signs into the manifest."""
         allowed = f"allowed_peers = {list(self.allowed_peers)!r}\n".replace("'", '"') if self.allowed_peers else ""
