@@ -121,7 +121,8 @@ def run_bootstrap(cfg: BootstrapConfig, echo: Callable[[str], None], stop: threa
     try:
         m = node.manifest.manifest
         maddrs = node.maddrs()
-        echo(f"hlbp bootstrap: run {m.run_id} | model {m.model} | {len(m.stages)} stages | "
+        layers = ", ".join(f"{a}-{b - 1}" if b - a > 1 else f"{a}" for a, b in m.stages)
+        echo(f"hlbp bootstrap: run {m.run_id} | model {m.model} | {len(m.stages)} stages (layers {layers}) | "
              f"tokenizer {m.tokenizer_hash[:12]} | protocol v{m.protocol_version}")
         echo(f"peer id (manifest signer): {node.plane.peer_id}")
         echo("listening on:")

@@ -16,3 +16,15 @@ def test_the_sims_stage_bounds_are_the_manifests(tmp_path, model, n_stages, seq_
     path.write_text(sim.run_toml(), encoding="utf-8")
     manifest = build_manifest(load_run_config(path), b'{"tok": 1}', issued_at=1.0)
     assert list(manifest.stages) == sim.stage_bounds()
+
+
+@pytest.mark.slow
+def test_the_bootstrap_says_which_layers_each_stage_holds(tmp_path) -> None:
+    """A real ``hlbp bootstrap`` of a 2-stage tiny run prints the split it signed: the head-heavy last stage keeps
+    one layer."""
+    from hlbp.peer.sim.launcher import Swarm
+
+    with Swarm(SimConfig(model="tiny", n_stages=2, seq_len=64), tmp_path) as sw:
+        sw.start()
+        line = sw.bootstrap.wait_for(r"stages \(layers [^)]*\)", 120).group(0)
+    assert line == "stages (layers 0-2, 3)"
