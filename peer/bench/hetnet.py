@@ -251,7 +251,7 @@ def run_once(cfg: HetNetBenchConfig, run: Run, workdir: Path, keys: list[Path], 
             if dead or time.monotonic() > deadline:
                 tail = "\n".join(sw.replicas[n].proc.output[-2000:] for n in dead[:2])
                 raise RunFailed(f"{run.label}: {'exited early: ' + ', '.join(dead) if dead else 'timed out'} "
-                                   f"after {shown + 1} of {cfg.rounds} rounds\n{tail}")
+                                f"after {shown + 1} of {cfg.rounds} rounds\n{tail}")
             time.sleep(0.5)  # polling interval, bounded by the deadline above
         seconds = time.monotonic() - started
         for name in names:  # every peer saves and writes its summary on SIGTERM

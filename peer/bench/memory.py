@@ -86,8 +86,8 @@ def require_roles(preset: str, memory: dict[str, dict[str, int]], exit_codes: di
     if missing:
         failed = {n: c for n, c in exit_codes.items() if c}
         raise RunFailed(f"the {preset} run measured no {' and no '.join(missing)} "
-                           f"({'exit codes: ' + str(failed) if failed else 'no round recorded'}); "
-                           "keep the peers' logs with --workdir to see why")
+                        f"({'exit codes: ' + str(failed) if failed else 'no round recorded'}); "
+                        "keep the peers' logs with --workdir to see why")
 
 
 def peak_memory(rounds: list[dict[str, Any]]) -> dict[str, dict[str, int]]:

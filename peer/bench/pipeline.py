@@ -203,7 +203,7 @@ def run_codec(cfg: PipelineBenchConfig, spec: str, d_model: int, workdir: Path) 
         stage_of = {p: i + 1 for i, p in enumerate(steps[-1]["chain"])} if steps else {}
     if summary["steps"] < cfg.steps or summary["steps_abandoned"] or not steps:
         raise RunFailed(f"{spec}: {summary['steps']} of {cfg.steps} steps done, "
-                           f"{summary['steps_abandoned']} abandoned")
+                        f"{summary['steps_abandoned']} abandoned")
     train_s = sum(r["seconds"] for r in steps)
     tokens = summary["tokens"]
     busy = {("stage 0" if p == "driver" else f"stage {stage_of.get(p, '?')}"): s / train_s

@@ -125,7 +125,7 @@ def run_swarm_bench(cfg: SwarmBenchConfig, out: Path | None, console: Console) -
             report = run_simulation(sim, Path(work), cfg.timeout_s)
         if report["rounds_completed"] < cfg.rounds:
             raise RunFailed(f"{label}: only {report['rounds_completed']} of {cfg.rounds} rounds completed "
-                               f"(exit codes {report['exit_codes']})")
+                            f"(exit codes {report['exit_codes']})")
         results[label] = {**method_summary(report), "wan": report.get("wan"), "overlap": overlap}
     rows = []
     for label, r in results.items():
