@@ -253,10 +253,13 @@ class Flood:
 
     PUSH_X = 4
     FETCH_X = 8
+    IN_FLIGHT = 400  # pushes sent and not yet answered, at most: a lagging event loop is not buried deeper
 
     def __init__(self, runner: Any) -> None:
         self.runner = runner
         self.pushes = self.served = self.refused = 0
+        self.started: float | None = None  # when the first junk push went out (monotonic)
+        self.born = time.monotonic()  # before the runner starts: no push of ours reached a peer before this
         for work in (self._push, self._report, self._fetch, self._fetch):
             threading.Thread(target=work, daemon=True).start()
 
@@ -265,18 +268,28 @@ class Flood:
         return [p for p in (prior[1] if prior else {}) if p != self.runner.me]
 
     def _push(self) -> None:
+        """Keeps the pushes sent at ``PUSH_X`` times the rate per target by the wall clock, not by sleeps: on a
+        loaded box a sleep overruns, and a flood paced by sleeps alone fell under the limit it was to test."""
         from hlbp.protocol.roundwire import KIND_CONTRIB, round_key
 
         junk = os.urandom(1024)
+        transport = self.runner.transport
+        sent = 0  # push calls made (each to every target)
         while True:
             targets = self._targets()
             if not targets:
                 time.sleep(0.1)
                 continue
-            self.runner.transport.push(targets, round_key(self.runner.cfg.run_id, self.runner.round, KIND_CONTRIB),
-                                       junk, timeout=2.0)
-            self.pushes += len(targets)
-            time.sleep(1.0 / (self.PUSH_X * PUSH_RATE))
+            if self.started is None:
+                self.started = time.monotonic()
+            due = int(self.PUSH_X * PUSH_RATE * (time.monotonic() - self.started)) - sent
+            in_flight = self.pushes - transport.pushes_sent - transport.push_failures
+            for _ in range(max(0, min(due, (self.IN_FLIGHT - in_flight) // len(targets)))):
+                transport.push(targets, round_key(self.runner.cfg.run_id, self.runner.round, KIND_CONTRIB), junk,
+                               timeout=2.0)
+                self.pushes += len(targets)
+                sent += 1
+            time.sleep(0.05)
 
     def _fetch(self) -> None:
         from hlbp.peer.rounds.statesync import state_name
@@ -298,9 +311,11 @@ class Flood:
     def _report(self) -> None:
         while True:
             time.sleep(3.0)
-            failed = self.runner.transport.push_failures
-            print(f"flood: {self.pushes} pushes, {failed} refused; state requests {self.served} served, "
-                  f"{self.refused} refused", flush=True)
+            transport = self.runner.transport
+            flood_s = 0.0 if self.started is None else time.monotonic() - self.started
+            print(f"flood: {self.pushes} pushes in {flood_s:.1f} s, {transport.pushes_sent} accepted, "
+                  f"{transport.push_failures} refused in {time.monotonic() - self.born:.1f} s; "
+                  f"state requests {self.served} served, {self.refused} refused", flush=True)
 
 
 class LyingPartner(_Delegate):
