@@ -15,7 +15,7 @@ from pathlib import Path
 
 from hlbp.bootstrap.config import build_manifest, load_run_config
 from hlbp.peer.common.errors import UserInputError
-from hlbp.peer.net.control import ControlPlane, NetworkConfig, software_version
+from hlbp.peer.net.control import ControlPlane, NetworkConfig, check_ports_free, software_version
 from hlbp.peer.net.heartbeat import Heartbeat
 from hlbp.peer.net.validation import dht_time, load_or_create_identity
 from hlbp.protocol.announcement import Announcement
@@ -83,6 +83,8 @@ def start_bootstrap(cfg: BootstrapConfig) -> BootstrapNode:
     """Build and sign the manifest, start the DHT node, serve the tokenizer, announce; returns once ready."""
     if cfg.ttl < 1:
         raise UserInputError(f"--ttl must be at least 1 second, got {cfg.ttl}")
+    # a taken listen port is found before the tokenizer is built, which takes a fresh cache tens of seconds
+    check_ports_free(list(cfg.net.host_maddrs))
     run = load_run_config(cfg.run_config)
     if cfg.outer is not None:
         if cfg.outer not in Hyperparameters.OUTERS:

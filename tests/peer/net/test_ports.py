@@ -42,3 +42,4 @@ def test_bootstrap_on_a_taken_port_exits_2_with_one_line(busy_port: int, tmp_pat
     assert run.returncode == 2, run.stdout + run.stderr
     assert f"TCP port {busy_port} on 127.0.0.1 is already in use" in run.stderr + run.stdout
     assert "Traceback" not in run.stderr
+    assert not (tmp_path / "cache").exists()  # found before the tokenizer was built (tens of seconds in a fresh cache)
