@@ -169,6 +169,9 @@ def heterogeneous(
         None, "--wire-dtype", env="BENCH_WIRE_DTYPE", help="Activation wire dtype fp32/bf16/fp16 (default fp32)."
     ),
     seed: int = opt(0, "--seed", env="SEED", help="Seed for init, data, U and T_fixed."),
+    partition: str = opt("balanced", "--partition", env="BENCH_PARTITION",
+                         help="Layers per stage: balanced (as the bootstrap splits a run: the last stage, which "
+                              "holds the head, takes fewer) or even."),
     threads: int | None = opt(None, "--threads", env="THREADS",
                               help="torch CPU threads (--network: per peer process, default 1)."),
     network: bool = opt(False, "--network", env="BENCH_NETWORK",
@@ -207,7 +210,8 @@ def heterogeneous(
                     "--swarm-wan-delay-ms": swarm_wan_delay_ms, "--swarm-wan-mbps": swarm_wan_mbps,
                     "--cache-dir": cache_dir, "--workdir": workdir}
     if network:
-        given = [f for f, v in {"--ratios": ratios, "--variants": variants, "--wire-dtype": wire_dtype}.items() if v]
+        given = [f for f, v in {"--ratios": ratios, "--variants": variants, "--wire-dtype": wire_dtype,
+                                "--partition": partition != "balanced"}.items() if v]
         if given:
             raise UserInputError(f"{', '.join(given)} belong to the in-process benchmark; with --network use "
                                  "--variant and --ratio")
@@ -219,7 +223,7 @@ def heterogeneous(
     if threads:
         torch.set_num_threads(threads)
     cfg = HeterogeneousBenchConfig.quick() if quick else HeterogeneousBenchConfig()
-    changes: dict = {"stages": stages, "seed": seed, "wire_dtype": wire_dtype}
+    changes: dict = {"stages": stages, "seed": seed, "wire_dtype": wire_dtype, "partition": partition}
     if replicas is not None:
         changes["replicas"] = replicas
     if rounds is not None:

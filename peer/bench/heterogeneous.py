@@ -30,9 +30,10 @@ import torch
 from rich.console import Console
 
 from hlbp.peer.bench.report import print_table, write_result
+from hlbp.peer.common.errors import UserInputError
 from hlbp.peer.data.streams import TokenStream, prepare_data, val_batches
 from hlbp.peer.model.codec import SHORT_NAMES, CodecConfig
-from hlbp.peer.model.decoder import ModelConfig, preset
+from hlbp.peer.model.decoder import ModelConfig, balanced_partition, partition, preset
 from hlbp.peer.model.pipeline import initial_state, run_model_config
 from hlbp.peer.model.subspace import VARIANTS
 from hlbp.peer.rounds.outer import OuterConfig
@@ -41,6 +42,7 @@ from hlbp.peer.sim.pipeline import PipelineReplica, make_replica
 from hlbp.peer.train.trainer import OptimConfig, evaluate, micro_batches, pick_device
 
 SPLITS = ("none", "half", "all")
+PARTITIONS = ("balanced", "even")  # how a pipeline's layers are cut into stages: as a run's manifest does, or evenly
 
 
 @dataclass
@@ -61,6 +63,9 @@ class HeterogeneousBenchConfig:
     variants: tuple[str, ...] = VARIANTS  # subspace codecs to compare
     ratios: tuple[str, ...] = ("1/8", "1/32", "1/128")  # k/d of the activation codec
     splits: tuple[str, ...] = SPLITS  # how many replicas compress: none, half or all
+    # the layers of each stage: "balanced" as the bootstrap writes a manifest (the last stage, which holds the head,
+    # takes fewer: 3 + 1 on tiny), "even" as many layers each (2 + 2); under B it decides which boundary is lossy
+    partition: str = "balanced"
     wire_dtype: str | None = None  # activation wire dtype; None: fp32 (lossless variant A)
     eval_batches: int = 8  # fixed validation batches
     data: str = "builtin"  # corpus spec
@@ -99,11 +104,21 @@ def cells(cfg: HeterogeneousBenchConfig) -> list[Cell]:
     return out
 
 
+def stage_bounds(cfg: HeterogeneousBenchConfig, base: ModelConfig) -> list[tuple[int, int]]:
+    """The layer range of each stage of the pipeline replicas, by ``cfg.partition``."""
+    if cfg.partition not in PARTITIONS:
+        raise UserInputError(f"partition must be one of {', '.join(PARTITIONS)}, got {cfg.partition!r}")
+    if cfg.partition == "even":
+        return partition(base.n_layers, cfg.stages)
+    return balanced_partition(base, cfg.stages, cfg.seq_len)
+
+
 def build_replicas(cfg: HeterogeneousBenchConfig, cell: Cell, base: ModelConfig, data: Any,
                    device: torch.device) -> tuple[ModelConfig, list[PipelineReplica]]:
     """The run's model config and its replicas; the last ``cell.compressed`` ranks are the pipelines."""
     codec = cell.codec or CodecConfig("dense", seed=cfg.seed)
-    config = run_model_config(base, codec, cfg.stages)
+    bounds = stage_bounds(cfg, base)
+    config = run_model_config(base, codec, cfg.stages, bounds)
     state = initial_state(base, cfg.seed)
     optim = OptimConfig(lr=cfg.lr, warmup_steps=cfg.warmup, total_steps=cfg.rounds * cfg.inner_steps)
     replicas = []
@@ -111,7 +126,7 @@ def build_replicas(cfg: HeterogeneousBenchConfig, cell: Cell, base: ModelConfig,
         stream = TokenStream(data.train, cfg.seq_len, cfg.batch_size, seed=cfg.seed, rank=r)
         n_stages = cfg.stages if r >= cfg.replicas - cell.compressed else 1
         replicas.append(make_replica(f"replica-{r}", config, codec, n_stages, state, optim,
-                                     micro_batches(stream, 1), device))
+                                     micro_batches(stream, 1), device, bounds if n_stages > 1 else None))
     return config, replicas
 
 
@@ -126,6 +141,7 @@ def run_heterogeneous_bench(
     val = val_batches(data.val, cfg.seq_len, cfg.batch_size, cfg.eval_batches)
     outer = OuterConfig(kind="sparseloco", k=cfg.k)
     plan = cells(cfg)
+    bounds = stage_bounds(cfg, base)  # rejects an unknown partition before any training
     for cell in plan:  # reject a bad k/d before any training
         if cell.codec is not None:
             cell.codec.k(base.d_model)
@@ -175,7 +191,8 @@ def run_heterogeneous_bench(
     tokens = results[0]["tokens"] if results else 0
     print_table(
         console,
-        f"heterogeneous: {cfg.model}, R={cfg.replicas}, {cfg.stages}-stage pipelines, H={cfg.inner_steps}, "
+        f"heterogeneous: {cfg.model}, R={cfg.replicas}, {cfg.stages}-stage pipelines (layers "
+        f"{', '.join(f'{a}-{b - 1}' if b - a > 1 else f'{a}' for a, b in bounds)}), H={cfg.inner_steps}, "
         f"{cfg.rounds} rounds, SparseLoCo k={cfg.k}, {tokens:,} tokens per cell",
         ["variant", "k/d", "k", "compressed", "final val loss", "- none", "pipeline val loss", "act fwd B/tok",
          "act bwd B/tok", "seconds"],
@@ -183,6 +200,7 @@ def run_heterogeneous_bench(
     )
     config_doc = dataclasses.asdict(cfg)
     config_doc["model_config"] = dataclasses.asdict(base)
+    config_doc["stage_bounds"] = [list(b) for b in bounds]
     config_doc["tokenizer_hash"] = data.tokenizer_hash
     config_doc["torch_threads"] = torch.get_num_threads()
     config_doc["consistency"] = (
