@@ -4,11 +4,8 @@ from __future__ import annotations
 
 import io
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
-import torch
 from rich.console import Console
 
 from hlbp.peer.bench.codec import CodecBenchConfig, run_codec_bench
@@ -18,14 +15,6 @@ ROWS = {
     "dense fp32", "dense bf16", "zstd-3 fp32",
 }
 
-
-@pytest.fixture
-def one_thread() -> Iterator[None]:
-    """One torch thread: on shared CI cores, two threads wait on each other at every small op of the codec."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def test_quick_codec_bench_has_every_row_and_the_expected_sizes(

@@ -8,7 +8,6 @@ import json
 import math
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -26,14 +25,6 @@ from hlbp.peer.common.errors import UserInputError
 from hlbp.peer.data.streams import PreparedData
 from hlbp.peer.model.codec import CodecConfig
 from hlbp.peer.model.decoder import preset
-
-
-@pytest.fixture
-def one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def test_stages_are_cut_as_the_manifest_cuts_them_or_evenly() -> None:
