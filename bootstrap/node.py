@@ -19,7 +19,14 @@ from hlbp.peer.net.control import ControlPlane, NetworkConfig, check_ports_free,
 from hlbp.peer.net.heartbeat import Heartbeat
 from hlbp.peer.net.validation import dht_time, load_or_create_identity
 from hlbp.protocol.announcement import Announcement
-from hlbp.protocol.manifest import Hyperparameters, Manifest, SignedManifest, decode_manifest, encode_manifest
+from hlbp.protocol.manifest import (
+    Hyperparameters,
+    Manifest,
+    SignedManifest,
+    decode_manifest,
+    describe_stages,
+    encode_manifest,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -123,8 +130,8 @@ def run_bootstrap(cfg: BootstrapConfig, echo: Callable[[str], None], stop: threa
     try:
         m = node.manifest.manifest
         maddrs = node.maddrs()
-        layers = ", ".join(f"{a}-{b - 1}" if b - a > 1 else f"{a}" for a, b in m.stages)
-        echo(f"hlbp bootstrap: run {m.run_id} | model {m.model} | {len(m.stages)} stages (layers {layers}) | "
+        echo(f"hlbp bootstrap: run {m.run_id} | model {m.model} | {len(m.stages)} stages "
+             f"(layers {describe_stages(m.stages)}) | "
              f"tokenizer {m.tokenizer_hash[:12]} | protocol v{m.protocol_version}")
         echo(f"peer id (manifest signer): {node.plane.peer_id}")
         echo("listening on:")

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar
 
@@ -376,6 +377,11 @@ def check_stages(value: Any) -> tuple[tuple[int, int], ...]:
             raise ProtocolError(f"stage {i} is [{start}, {end}); stages must be contiguous from layer 0")
         stages.append((start, end))
     return tuple(stages)
+
+
+def describe_stages(stages: Iterable[tuple[int, int]]) -> str:
+    """Each stage's layers for a person to read, inclusive: ``0-2, 3`` for ``[(0, 3), (3, 4)]``."""
+    return ", ".join(f"{a}-{b - 1}" if b - a > 1 else f"{a}" for a, b in stages)
 
 
 @dataclass(frozen=True)

@@ -40,6 +40,7 @@ from hlbp.peer.rounds.outer import OuterConfig
 from hlbp.peer.sim.engine import EngineConfig, run_outer_simulation
 from hlbp.peer.sim.pipeline import PipelineReplica, make_replica
 from hlbp.peer.train.trainer import OptimConfig, evaluate, micro_batches, pick_device
+from hlbp.protocol.manifest import describe_stages
 
 SPLITS = ("none", "half", "all")
 PARTITIONS = ("balanced", "even")  # how a pipeline's layers are cut into stages: as a run's manifest does, or evenly
@@ -192,7 +193,7 @@ def run_heterogeneous_bench(
     print_table(
         console,
         f"heterogeneous: {cfg.model}, R={cfg.replicas}, {cfg.stages}-stage pipelines (layers "
-        f"{', '.join(f'{a}-{b - 1}' if b - a > 1 else f'{a}' for a, b in bounds)}), H={cfg.inner_steps}, "
+        f"{describe_stages(bounds)}), H={cfg.inner_steps}, "
         f"{cfg.rounds} rounds, SparseLoCo k={cfg.k}, {tokens:,} tokens per cell",
         ["variant", "k/d", "k", "compressed", "final val loss", "- none", "pipeline val loss", "act fwd B/tok",
          "act bwd B/tok", "seconds"],

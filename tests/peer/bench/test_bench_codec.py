@@ -16,7 +16,6 @@ ROWS = {
 }
 
 
-
 def test_quick_codec_bench_has_every_row_and_the_expected_sizes(
     tmp_path: Path, cache_dir: Path, one_thread: None
 ) -> None:
