@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING
 from hlbp.cli.options import ANNOUNCE_HELP, INITIAL_PEERS_HELP, flag, parse_flags, split_values
 from hlbp.peer.common.errors import UserInputError
 
+SCHEDULES = ("uniform", "tapered")  # hlbp.peer.swarm.step.Schedule's values (not imported here: it imports torch)
+
 if TYPE_CHECKING:
     from hlbp.peer.node.session import JoinPlan
 
@@ -90,6 +92,10 @@ class JoinFlags:
                                         help="Start round 0 anyway after waiting this many seconds.")
     micro_batches: int = flag(8, "--micro-batches", env="MICRO_BATCHES",
                               help="Stage 0 (the swarm's driver): micro-batches each inner step's batch is split into.")
+    micro_batch_schedule: str = flag(
+        "uniform", "--micro-batch-schedule", env="MICRO_BATCH_SCHEDULE",
+        help="Stage 0: uniform, or tapered (the first and last micro-batch of a step a quarter of the others: a "
+             "shorter fill and drain of the pipeline).")
     in_flight: int | None = flag(None, "--in-flight", env="IN_FLIGHT",
                                  help="Stage 0: most micro-batches in the pipeline at once [default: all of a step's]; "
                                       "keep it >= stages + 1 to hide link latency.")
@@ -106,6 +112,9 @@ class JoinFlags:
     def __post_init__(self) -> None:
         if self.state_dtype not in ("fp32", "bf16", "bf16-v", "bf16-all"):
             raise UserInputError(f"--state-dtype must be fp32, bf16, bf16-v or bf16-all, got {self.state_dtype!r}")
+        if self.micro_batch_schedule not in SCHEDULES:
+            raise UserInputError(f"--micro-batch-schedule must be {' or '.join(SCHEDULES)}, "
+                                 f"got {self.micro_batch_schedule!r}")
         if self.probe_mb <= 0 or self.max_steps is not None and self.max_steps < 0:
             raise UserInputError("--probe-mb must be > 0 and --max-steps >= 0")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
@@ -127,6 +136,7 @@ class JoinFlags:
         from hlbp.peer.node.replica import ReplicaOptions
         from hlbp.peer.node.session import JoinPlan
         from hlbp.peer.node.stage import StageOptions
+        from hlbp.peer.swarm.step import Schedule
 
         net = NetworkConfig(initial_peers=split_values(self.initial_peers), host_maddrs=split_values(self.host_maddrs),
                             announce_maddrs=split_values(self.announce_maddrs), connect_timeout_s=self.connect_timeout,
@@ -139,7 +149,8 @@ class JoinFlags:
             probe_bytes=int(self.probe_mb * (1 << 20)), train=self.train, max_steps=self.max_steps,
             out_dir=self.out_dir,
         )
-        stage = StageOptions(micro_batches=self.micro_batches, in_flight=self.in_flight, deadline_s=self.stage_deadline,
+        stage = StageOptions(micro_batches=self.micro_batches, schedule=Schedule(self.micro_batch_schedule),
+                             in_flight=self.in_flight, deadline_s=self.stage_deadline,
                              eval_every=self.eval_every, threads=self.threads, checkpoint_every_s=self.checkpoint_every,
                              rebalance_period_s=self.rebalance_period, state_dtype=self.state_dtype,
                              state_on_disk=self.state_on_disk)

@@ -50,6 +50,7 @@ from hlbp.peer.swarm.guardslot import GuardSlot
 from hlbp.peer.swarm.phase import PhaseConfig, StepLimitReached, SwarmPhase, driver_report
 from hlbp.peer.swarm.routing import Candidate
 from hlbp.peer.swarm.server import StageServer
+from hlbp.peer.swarm.step import Schedule
 from hlbp.peer.swarm.transcript import Notary
 from hlbp.peer.swarm.worker import StageWorker
 from hlbp.peer.train.checkpoint import (
@@ -72,6 +73,7 @@ class StageOptions:
     """Per-peer settings of a stage peer (the manifest fixes the rest)."""
 
     micro_batches: int = 8  # driver: micro-batches per inner step
+    schedule: Schedule = Schedule.UNIFORM  # driver: how a step's batch is cut into them
     in_flight: int | None = None  # driver: most micro-batches in the chain at once (None: all of a step's)
     deadline_s: float | None = None  # driver: fixed per-micro-batch deadline (None: from measured latency)
     eval_every: int = 10  # driver: validation loss every this many steps (0: never)
@@ -356,7 +358,7 @@ def _swarm_phase(ctx: TrainContext, options: StageOptions, worker: StageWorker, 
         out = banned()
         return [[Candidate(p, t) for p, t in view.at_stage(s) if p not in out] for s in range(1, n_stages)]
 
-    cfg = DriverConfig(micro_batches=options.micro_batches, in_flight=options.in_flight, deadline_s=options.deadline_s)
+    cfg = DriverConfig(micro_batches=options.micro_batches, schedule=options.schedule, in_flight=options.in_flight, deadline_s=options.deadline_s)
     step_tokens = m.hparams.batch_size * m.hparams.seq_len
     driver = Driver(peer.plane.dht, worker, codec, vocab, cfg, candidates, max_tokens=step_tokens, stop=ctx.stop,
                     notary=Notary(peer.plane.identity))
@@ -407,7 +409,7 @@ def _drive(ctx: TrainContext, options: StageOptions, worker: StageWorker, codec:
     if driving.driver.notary is not None:  # the frames the driver receives, signed, served to auditors
         transport.put_lazy_prefix(AUDIT_PREFIX, driving.driver.notary.transcript.resolve)
     echo(f"driving swarm {peer.role.swarm}: {len(m.stages)} stages, {options.micro_batches} micro-batches per "
-         f"step, {m.hparams.inner_steps} steps per round; rounds: {runner.start()}; at round {runner.round}")
+         f"step ({options.schedule.value}), {m.hparams.inner_steps} steps per round; rounds: {runner.start()}; at round {runner.round}")
     try:
         driving.validate_first()
         while not ctx.stop.is_set():

@@ -54,6 +54,7 @@ from hlbp.peer.swarm.step import (
     Abandon,
     MicroBatch,
     PeerFailed,
+    Schedule,
     StepAbandoned,
     StepResult,
     StepState,
@@ -72,6 +73,7 @@ class DriverConfig:
     """How the driver runs its swarm; per peer, not per run."""
 
     micro_batches: int = 8  # micro-batches per inner step (the step's batch is split into this many)
+    schedule: Schedule = Schedule.UNIFORM  # how the batch is cut (step.micro_batch_rows)
     in_flight: int | None = None  # most micro-batches in the chain at once; None: all of the step's
     max_norm: float = 1.0  # global gradient clipping (0: none)
     deadline_s: float | None = None  # fixed per-micro-batch deadline; None: 3x the recent p95 round trip, bounded
@@ -223,8 +225,8 @@ class Driver:
         step's result, :class:`PeerFailed` (the step then moves to another chain), or None to go on."""
         start = time.perf_counter()
         self.step_seq += 1
-        mbs = micro_batches(x, y, self.cfg.micro_batches)
-        chain = self.chains.choose(mbs[0].y.numel(), give_up, self.peer_id)
+        mbs = micro_batches(x, y, self.cfg.micro_batches, self.cfg.schedule)
+        chain = self.chains.choose(max(m.y.numel() for m in mbs), give_up, self.peer_id)
         if chain is None:
             raise self._abandon(mbs, Abandon.NO_CHAIN, "no complete chain of stage peers")
         self.worker.begin(self.session, self.step_seq)

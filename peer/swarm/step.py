@@ -107,9 +107,37 @@ class PeerFailed:
     peer: str
 
 
-def micro_batches(x: torch.Tensor, y: torch.Tensor, count: int) -> list[MicroBatch]:
-    """The batch (x, y) [batch, seq] split into at most ``count`` micro-batches, each weighted by its share of
-    the targets (so the step's gradient is the whole batch's)."""
-    n = min(count, x.shape[0])
-    pairs = zip(torch.tensor_split(x, n), torch.tensor_split(y, n))
+class Schedule(Enum):
+    """How a step's batch is cut into micro-batches (:func:`micro_batch_rows`)."""
+
+    UNIFORM = "uniform"  # equal micro-batches (the first ones one row longer where the rows do not divide)
+    TAPERED = "tapered"  # the first and the last a quarter of the others' rows (at least one), the rest equal
+
+
+def micro_batch_rows(rows: int, count: int, schedule: Schedule = Schedule.UNIFORM) -> list[int]:
+    """The rows (sequences) of each of at most ``count`` micro-batches of a batch of ``rows``.
+
+    Why taper: the step is synchronous, so the busiest stage idles while the step's first micro-batch travels
+    down to it (fill) and while its last travels back up to the driver (drain). Both waits are the other stages'
+    compute on one micro-batch, so a short first and last micro-batch shorten them; the step's gradient is the
+    same sum, each micro-batch weighted by its share of the tokens. Fewer than 4 micro-batches are cut uniformly.
+    Measured with ``hlbp bench pipeline --schedules`` (docs/results.md): the busiest stage idles a point or two
+    less, tokens/s moves within the box's run-to-run spread, so uniform stays the default.
+    """
+    n = min(count, rows)
+    if schedule is Schedule.TAPERED and n >= 4:
+        edge = max(1, rows // n // 4)
+        q, r = divmod(rows - 2 * edge, n - 2)
+        return [edge] + [q + 1] * r + [q] * (n - 2 - r) + [edge]
+    q, r = divmod(rows, n)
+    return [q + 1] * r + [q] * (n - r)
+
+
+def micro_batches(x: torch.Tensor, y: torch.Tensor, count: int,
+                  schedule: Schedule = Schedule.UNIFORM) -> list[MicroBatch]:
+    """The batch (x, y) [batch, seq] cut into at most ``count`` micro-batches as ``schedule`` says
+    (:func:`micro_batch_rows`), each weighted by its share of the targets (so the step's gradient is the whole
+    batch's)."""
+    rows = micro_batch_rows(x.shape[0], count, schedule)
+    pairs = zip(torch.split(x, rows), torch.split(y, rows))
     return [MicroBatch(a, b, b.numel() / y.numel()) for a, b in pairs]

@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from hlbp.cli.join_flags import JoinFlags, join_plan
+from hlbp.cli.join_flags import SCHEDULES, JoinFlags, join_plan
 from hlbp.peer.common.errors import UserInputError
+from hlbp.peer.swarm.step import Schedule
 
 
 def test_join_flags_become_the_plan_of_one_peer(monkeypatch):
@@ -23,6 +24,9 @@ def test_join_flags_become_the_plan_of_one_peer(monkeypatch):
     assert plan.replica.state_dtype == plan.stage.state_dtype == "bf16"  # the default: bf16 error feedback
     fp32 = join_plan(["--state-dtype", "fp32"])
     assert fp32.replica.state_dtype == fp32.stage.state_dtype == "fp32"
+    assert plan.stage.schedule is Schedule.UNIFORM  # the driver's default cut of a step's batch
+    assert join_plan(["--micro-batch-schedule", "tapered"]).stage.schedule is Schedule.TAPERED
+    assert set(SCHEDULES) == {s.value for s in Schedule}  # the flag's light list names every schedule
 
 
 @pytest.mark.parametrize(("changes", "message"), [
@@ -34,6 +38,7 @@ def test_join_flags_become_the_plan_of_one_peer(monkeypatch):
     ({"rounds": -1}, "--rounds, --checkpoint-every, --wait-replicas and --wait-replicas-timeout must be >= 0"),
     ({"wait_replicas_timeout": -1.0}, "--wait-replicas-timeout must be >= 0"),
     ({"state_dtype": "fp8"}, "--state-dtype must be fp32, bf16, bf16-v or bf16-all, got 'fp8'"),
+    ({"micro_batch_schedule": "1f1b"}, "--micro-batch-schedule must be uniform or tapered, got '1f1b'"),
 ])
 def test_join_flags_refuse_values_no_peer_runs_with(changes, message):
     with pytest.raises(UserInputError, match=message.replace(".", r"\.")):
