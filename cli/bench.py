@@ -429,6 +429,10 @@ def pipeline(
     ),
     in_flight: int | None = opt(None, "--in-flight", env="BENCH_IN_FLIGHT",
                                 help="Most micro-batches in the chain at once [default: all of a step's]."),
+    schedules: str = opt("uniform", "--schedules", env="BENCH_SCHEDULES",
+                         help="Comma-separated micro-batch schedules of the driver (hlbp join "
+                              "--micro-batch-schedule), each run per codec back to back: uniform, tapered, or both "
+                              "(then their ratio is printed)."),
     batch_size: int | None = opt(None, "--batch-size", env="BENCH_BATCH_SIZE",
                                  help="Sequences per step (default 64; quick 8)."),
     wan_delay_ms: float = opt(10.0, "--wan-delay-ms", env="BENCH_WAN_DELAY_MS",
@@ -450,6 +454,7 @@ def pipeline(
                      "seed": seed, "threads": threads, "cache_dir": cache_dir}
     if codecs is not None:
         changes["codecs"] = tuple(c.strip() for c in codecs.split(",") if c.strip())
+    changes["schedules"] = tuple(c.strip() for c in schedules.split(",") if c.strip())
     for name, value in (("steps", steps), ("micro_batches", micro_batches), ("batch_size", batch_size),
                         ("wan_mbps", wan_mbps)):
         if value is not None:

@@ -61,11 +61,13 @@ from rich.console import Console
 
 from hlbp.peer.bench.report import print_table, write_result
 from hlbp.peer.common.errors import RunFailed, UserInputError
+from hlbp.peer.swarm.step import Schedule
 
 DEFAULT_WAN_MBPS = 1.0
 FULL_CODECS = ("dense", "subspace-a@1/32", "subspace-b@1/32", "subspace-a-drift@1/32",
                "subspace-a@1/128", "subspace-b@1/128", "subspace-a-drift@1/128")
 QUICK_CODECS = ("dense", "subspace-a@1/32")
+SCHEDULES = tuple(s.value for s in Schedule)
 TARGET_SPEEDUP = 5.0  # the issue's target: the best subspace codec at >= 5x dense bf16 tokens/s
 TARGET_BUSY = 0.8  # and the bottleneck stage busy >= 80 %
 TARGET_BYTES = 2  # bytes per target id on the wire (vocabularies up to 65,536)
@@ -82,6 +84,7 @@ class PipelineBenchConfig:
     batch_size: int = 64  # sequences per inner step: big steps amortize the per-step synchronisation
     seq_len: int = 64
     micro_batches: int = 16
+    schedules: tuple[str, ...] = ("uniform",)  # --micro-batch-schedule of the driver; each codec runs once per one
     in_flight: int | None = None  # None: all of a step's micro-batches
     wan_delay_ms: float = 10.0  # one way; the round trip is twice this
     wan_mbps: float = DEFAULT_WAN_MBPS  # per peer and direction
@@ -107,6 +110,9 @@ class PipelineBenchConfig:
             raise UserInputError("--wan-delay-ms must be >= 0 and --wan-mbps > 0")
         if not self.codecs:
             raise UserInputError("--codecs must name at least one codec")
+        if not self.schedules or any(s not in SCHEDULES for s in self.schedules) \
+                or len(set(self.schedules)) != len(self.schedules):
+            raise UserInputError(f"--schedules must name each of {', '.join(SCHEDULES)} at most once")
         for spec in self.codecs:
             parse_codec(spec, 128)
 
@@ -172,8 +178,10 @@ def _proxy_bytes(sw: Any) -> dict[str, dict[str, int]]:
     return out
 
 
-def run_codec(cfg: PipelineBenchConfig, spec: str, d_model: int, workdir: Path) -> dict[str, Any]:
-    """One swarm with codec ``spec``: start it, let stage 0 drive ``cfg.steps`` steps, and measure."""
+def run_codec(cfg: PipelineBenchConfig, spec: str, d_model: int, workdir: Path,
+              schedule: str = "uniform") -> dict[str, Any]:
+    """One swarm with codec ``spec``: start it, let stage 0 drive ``cfg.steps`` steps cutting each step's batch
+    as ``schedule`` says, and measure."""
     from hlbp.peer.sim.launcher import SimConfig, Swarm, poll
 
     kind, k, ratio = parse_codec(spec, d_model)
@@ -187,7 +195,8 @@ def run_codec(cfg: PipelineBenchConfig, spec: str, d_model: int, workdir: Path) 
         servers = [sw.add_stage(f"s{s}", s) for s in range(cfg.stages - 1, 0, -1)]
         for server in servers:
             server.proc.wait_for(r"announced in", sim.startup_timeout_s)
-        extra = ["--micro-batches", str(cfg.micro_batches), "--eval-every", str(cfg.steps)]
+        extra = ["--micro-batches", str(cfg.micro_batches), "--micro-batch-schedule", schedule,
+                 "--eval-every", str(cfg.steps)]
         if cfg.in_flight is not None:
             extra += ["--in-flight", str(cfg.in_flight)]
         key = workdir / "s0.key"  # where the launcher looks for s0's identity before it creates one
@@ -214,7 +223,7 @@ def run_codec(cfg: PipelineBenchConfig, spec: str, d_model: int, workdir: Path) 
     if not proxies:
         raise RunFailed("no WAN proxy carried any bytes")
     return {
-        "codec": spec, "kind": kind, "k": k, "k_over_d": ratio, "tokens": tokens, "steps": summary["steps"],
+        "codec": spec, "schedule": schedule, "kind": kind, "k": k, "k_over_d": ratio, "tokens": tokens, "steps": summary["steps"],
         "microbatches": summary["microbatches"], "microbatches_retried": summary["microbatches_retried"],
         "train_seconds": train_s, "tokens_per_s": tokens / train_s,
         "tokens_per_s_wall": summary["tokens_per_s"], "step_seconds": [r["seconds"] for r in steps],
@@ -243,7 +252,9 @@ def write_png(path: Path, rows: list[dict[str, Any]], title: str) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    labels = [r["codec"].replace("subspace-", "").replace("@", "\n") for r in rows]
+    several = len({r["schedule"] for r in rows}) > 1
+    labels = [r["codec"].replace("subspace-", "").replace("@", "\n") + (f"\n{r['schedule']}" if several else "")
+              for r in rows]
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
     a.bar(labels, [r["tokens_per_s"] for r in rows], color="tab:blue")
     a.set_ylabel("tokens/s")
@@ -272,33 +283,39 @@ def run_pipeline_bench(cfg: PipelineBenchConfig, out: Path | None, console: Cons
     rows = []
     t_all = time.monotonic()
     for spec in cfg.codecs:
-        console.print(f"[bold]{spec}[/]: {cfg.stages} stages x {cfg.steps} steps of {cfg.model}, "
-                      f"{cfg.wan_mbps:g} Mbit/s and {cfg.wan_delay_ms:g} ms per link")
-        with tempfile.TemporaryDirectory(prefix="hlbp-bench-pipeline-") as work:
-            rows.append(run_codec(cfg, spec, d_model, Path(work)))
-        r = rows[-1]
-        console.print(f"  {r['tokens_per_s']:,.0f} tokens/s, {r['bytes_per_token']['forward']:.1f} B/token "
-                      f"forward, {r['bottleneck']} busy {r['bottleneck_busy']:.0%}, val loss {r['val_loss']}")
-    dense = next((r for r in rows if r["kind"] == "dense"), None)
+        for schedule in cfg.schedules:  # side by side: one codec's schedules run back to back
+            console.print(f"[bold]{spec}[/] ({schedule} micro-batches): {cfg.stages} stages x {cfg.steps} steps of "
+                          f"{cfg.model}, {cfg.wan_mbps:g} Mbit/s and {cfg.wan_delay_ms:g} ms per link")
+            with tempfile.TemporaryDirectory(prefix="hlbp-bench-pipeline-") as work:
+                rows.append(run_codec(cfg, spec, d_model, Path(work), schedule))
+            r = rows[-1]
+            console.print(f"  {r['tokens_per_s']:,.0f} tokens/s, {r['bytes_per_token']['forward']:.1f} B/token "
+                          f"forward, {r['bottleneck']} busy {r['bottleneck_busy']:.0%}, val loss {r['val_loss']}")
+    dense_by = {r["schedule"]: r for r in rows if r["kind"] == "dense"}  # each row against dense cut alike
+    dense = next(iter(dense_by.values()), None)
     link_bps = cfg.wan_mbps * 1e6 / 8
     for r in rows:
-        r["speedup_vs_dense"] = r["tokens_per_s"] / dense["tokens_per_s"] if dense else None
+        base = dense_by.get(r["schedule"])
+        r["speedup_vs_dense"] = r["tokens_per_s"] / base["tokens_per_s"] if base else None
         r["link_use_forward"] = r["tokens_per_s"] * r["bytes_per_token"]["forward"] / link_bps
         r["busiest_link_use"] = r["tokens_per_s"] * r["busiest_link_bytes_per_token"] / link_bps
-    table = [[r["codec"], r["k"], r["tokens_per_s"], r["speedup_vs_dense"] or "",
+    label = (lambda r: r["codec"]) if len(cfg.schedules) == 1 else (lambda r: f"{r['codec']} {r['schedule']}")
+    table = [[label(r), r["k"], r["tokens_per_s"], r["speedup_vs_dense"] or "",
               r["bytes_per_token"]["forward"], r["bytes_per_token"]["backward"],
               f"{r['formula_bytes_per_token']['forward']:g}/{r['formula_bytes_per_token']['backward']:g}",
               r["busiest_link_bytes_per_token"], f"{r['link_use_forward']:.0%} / {r['busiest_link_use']:.0%}",
               f"{r['bottleneck_busy']:.0%} ({r['bottleneck']})",
               "not finished" if r["val_loss"] is None else r["val_loss"]] for r in rows]
     title = (f"pipeline: {cfg.stages} stages of {cfg.model} (d={d_model}), {cfg.steps} steps x "
-             f"{cfg.batch_size}x{cfg.seq_len} tokens, {cfg.micro_batches} micro-batches, in flight "
+             f"{cfg.batch_size}x{cfg.seq_len} tokens, {cfg.micro_batches} micro-batches "
+             f"({'/'.join(cfg.schedules)}), in flight "
              f"{cfg.in_flight or cfg.micro_batches}; links {cfg.wan_mbps:g} Mbit/s each way, RTT "
              f"{2 * cfg.wan_delay_ms:g} ms; {os.cpu_count()} cores, {cfg.threads} torch thread(s) per stage")
     wide = Console(file=console.file, width=max(console.width, 150))
     print_table(wide, title, ["codec", "k", "tokens/s", "x dense", "B/tok fwd", "B/tok bwd", "formula f/b",
                               "busiest link B/tok", "link use f/max", "bottleneck busy", "val loss"], table)
     verdict = targets(rows)
+    compared = schedule_ratios(rows)
     lines = [("B/tok: measured on the stage stream (whole fwd / bwd messages, boundary 0) per training token; "
               "formula: payload only (values, ids, targets). busiest link B/tok: the most bytes one proxy carried one way "
               "(libp2p framing, DHT and evaluation included) per training token. link use: boundary 0's forward "
@@ -317,9 +334,13 @@ def run_pipeline_bench(cfg: PipelineBenchConfig, out: Path | None, console: Cons
                      f"{'met' if verdict['busy_met'] else 'MISSED'}); all its stages together busy "
                      f"{verdict['busy_sum']:.2f} of {os.cpu_count()} cores (p2pd, proxies and the per-step "
                      "synchronisation take the rest; see the module docstring).")
+    for c in compared:
+        lines.append(f"{c['codec']}: tapered / uniform micro-batches {c['tokens_per_s_ratio']:.2f}x tokens/s, "
+                     f"bottleneck busy {c['busy_points']:+.1f} points, val loss {c['val_loss']['tapered']} against "
+                     f"{c['val_loss']['uniform']}")
     for line in lines:
         wide.print(line)
-    result = {"rows": rows, "targets": verdict, "d_model": d_model, "link_bytes_per_s": link_bps,
+    result = {"rows": rows, "targets": verdict, "schedule_ratios": compared, "d_model": d_model, "link_bytes_per_s": link_bps,
               "runtime_s": time.monotonic() - t_all}
     doc = write_result(out, "pipeline", dataclasses.asdict(cfg), result)
     if out is not None:
@@ -329,6 +350,20 @@ def run_pipeline_bench(cfg: PipelineBenchConfig, out: Path | None, console: Cons
         else:
             wide.print("plot skipped: matplotlib is not installed")
     return doc
+
+
+def schedule_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per codec run under both schedules: tapered over uniform tokens/s, the bottleneck's busy points gained, and
+    both validation losses (the same tokens, so equal up to the order micro-batches' gradients are summed in)."""
+    out = []
+    for spec in dict.fromkeys(r["codec"] for r in rows):
+        by = {r["schedule"]: r for r in rows if r["codec"] == spec}
+        if set(by) >= set(SCHEDULES):
+            t, u = by["tapered"], by["uniform"]
+            out.append({"codec": spec, "tokens_per_s_ratio": t["tokens_per_s"] / u["tokens_per_s"],
+                        "busy_points": 100 * (t["bottleneck_busy"] - u["bottleneck_busy"]),
+                        "val_loss": {"tapered": t["val_loss"], "uniform": u["val_loss"]}})
+    return out
 
 
 def targets(rows: list[dict[str, Any]]) -> dict[str, Any]:

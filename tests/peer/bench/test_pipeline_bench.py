@@ -8,7 +8,15 @@ import sys
 
 import pytest
 
-from hlbp.peer.bench.pipeline import QUICK_CODECS, driver_identity, formula_bytes, parse_codec
+from hlbp.peer.bench.pipeline import (
+    QUICK_CODECS,
+    PipelineBenchConfig,
+    driver_identity,
+    formula_bytes,
+    parse_codec,
+    schedule_ratios,
+)
+from hlbp.peer.common.errors import UserInputError
 from hlbp.peer.node.join import data_rank
 from hlbp.protocol.identity import Identity
 
@@ -25,6 +33,26 @@ def test_the_driver_key_follows_the_seed_so_every_codec_sees_the_same_batches() 
     assert driver_identity(0) == driver_identity(0) != driver_identity(1)
     ranks = {data_rank(Identity.from_file_bytes(driver_identity(seed)).peer_id) for seed in range(4)}
     assert len(ranks) == 4  # a seed picks the data order; the same seed, the same order
+
+
+@pytest.mark.parametrize("schedules", [(), ("1f1b",), ("tapered", "tapered")])
+def test_the_schedules_must_be_known_and_distinct(schedules: tuple[str, ...]) -> None:
+    with pytest.raises(UserInputError, match="--schedules"):
+        PipelineBenchConfig(schedules=schedules).check()
+    PipelineBenchConfig(schedules=("uniform", "tapered")).check()
+
+
+def test_a_codec_run_under_both_schedules_is_compared() -> None:
+    def row(codec: str, schedule: str, tps: float, busy: float, loss: float) -> dict:
+        return {"codec": codec, "schedule": schedule, "tokens_per_s": tps, "bottleneck_busy": busy,
+                "val_loss": loss}
+
+    rows = [row("dense", "tapered", 300.0, 0.1, 8.0), row("subspace-a@1/128", "tapered", 4400.0, 0.84, 7.5356),
+            row("subspace-a@1/128", "uniform", 4000.0, 0.82, 7.5358)]
+    (only,) = schedule_ratios(rows)  # dense ran under one schedule: nothing to compare
+    assert only["codec"] == "subspace-a@1/128" and only["tokens_per_s_ratio"] == pytest.approx(1.1)
+    assert only["busy_points"] == pytest.approx(2.0)
+    assert only["val_loss"] == {"tapered": 7.5356, "uniform": 7.5358}
 
 
 @pytest.mark.slow
