@@ -140,9 +140,12 @@ def print_report(out_console: Console, report: dict[str, Any], rounds: int) -> N
         for name in last.get("swarm_val_loss", {}):
             seen = [r["swarm_val_loss"][name] for r in rs if name in r.get("swarm_val_loss", {})]
             parts.append(f"swarm driven by {name} {seen[0]:.4f} -> {seen[-1]:.4f}")
-        util = last.get("utilization_by_role", {})
-        out_console.print("validation loss: " + "; ".join(parts) + "; utilization by role: "
-                          + ", ".join(f"{k} {v:.0%}" for k, v in util.items() if v is not None))
+        out_console.print("validation loss: " + "; ".join(parts))
+    roles = report.get("by_role", {})
+    if len(roles) > 1:  # over every round; busy: the share of the round loop's wall time spent training
+        out_console.print("by role over the run: " + ", ".join(
+            f"{k} utilization {v['utilization']:.0%} (busy {v['busy']:.0%} of wall time)"
+            for k, v in roles.items() if v["utilization"] is not None and v["busy"] is not None))
     bpr = report["bytes_per_peer_round"]
     if report.get("n_params"):
         ratio = report["compression_ratio"]

@@ -41,6 +41,24 @@ def states_agree(records: Iterable[dict[str, Any]]) -> bool:
     return all(fingerprints_agree(tuple(p[k]), tuple(prints[0][k])) for p in prints for k in p)
 
 
+def by_role(records: dict[str, Sequence[dict[str, Any]]]) -> dict[str, dict[str, float | None]]:
+    """Per role (full replicas, stage peers) over every round record of the run: the seconds of compute,
+    communication and waiting, ``utilization`` (compute over compute and communication, as per round) and
+    ``busy`` (compute over all three: the share of the round loop's wall time spent training). The two differ
+    where a role waits: a full replica whose phase ends before the overlapped exchange waits in ``wait_s``, which
+    utilization leaves out, while a stage peer's exchange runs between its phases and counts as communication."""
+    out: dict[str, dict[str, float | None]] = {}
+    for role, stage in (("full", False), ("stage", True)):
+        recs = [rec for name, rs in records.items() if is_stage(name) == stage for rec in rs]
+        if not recs:
+            continue
+        c, m, w = (sum(float(rec.get(k, 0.0)) for rec in recs) for k in ("compute_s", "comm_s", "wait_s"))
+        out[role] = {"compute_s": c, "comm_s": m, "wait_s": w,
+                     "utilization": c / (c + m) if c + m > 0 else None,
+                     "busy": c / (c + m + w) if c + m + w > 0 else None}
+    return out
+
+
 def summarize(records: dict[str, Sequence[dict[str, Any]]], n_params: int | None = None,
               target_rounds: int | None = None) -> dict[str, Any]:
     """The run's report from each peer's round records (``metrics.jsonl``, event ``round``).
@@ -119,6 +137,7 @@ def summarize(records: dict[str, Sequence[dict[str, Any]]], n_params: int | None
     total_comm = sum(r["comm_s"] for r in rounds)
     out["time_s"] = {"compute": total_compute, "comm": total_comm, "wait": sum(r["wait_s"] for r in rounds)}
     out["utilization"] = total_compute / (total_compute + total_comm) if total_compute + total_comm > 0 else None
+    out["by_role"] = by_role(records)
     # seconds per protocol step (encode, close, apply, publish, verify; rounds/exchange.py), per peer and round
     peer_rounds = [rec for recs in records.values() for rec in recs]
     phases: dict[str, float] = {}

@@ -69,6 +69,15 @@ def test_report_splits_validation_and_utilization_by_role() -> None:
     assert r["shards"] == {"peer0": ["0", "1"], "sw0s0": ["0"], "sw0s1": ["1"]}
 
 
+def test_the_run_is_split_by_role_into_utilization_and_busy_share_of_wall_time() -> None:
+    full = [{**_rec(r, {"0": "a"}, 9.0, 10), "compute_s": 2.0, "comm_s": 0.5, "wait_s": 1.5} for r in range(2)]
+    stage = [{**_rec(r, {"0": "a"}, 9.0, 10), "compute_s": 3.0, "comm_s": 1.0, "wait_s": 0.0} for r in range(2)]
+    roles = summarize({"peer0": full, "sw0s0": stage, "sw0s1": stage})["by_role"]
+    assert roles["full"] == {"compute_s": 4.0, "comm_s": 1.0, "wait_s": 3.0, "utilization": 0.8, "busy": 0.5}
+    assert roles["stage"] == {"compute_s": 12.0, "comm_s": 4.0, "wait_s": 0.0, "utilization": 0.75, "busy": 0.75}
+    assert set(summarize({"peer0": full})["by_role"]) == {"full"}
+
+
 def test_phases_are_averaged_per_peer_and_round() -> None:
     a, b = _rec(0, {"0": "x"}, 9.0, 100), _rec(0, {"0": "x"}, 9.0, 100)
     a["phases"] = {"close": 1.0, "verify": 0.5}
