@@ -59,8 +59,20 @@ STATE_RATE, STATE_BURST = 0.5, 32.0
 STATE_PREFIX = "s/"  # the names of state shards (hlbp.peer.rounds.statesync.state_name)
 MAX_HEADER = 4096
 MAX_NAME = 256
+# the slowest a blob's body may arrive once the fetch's timeout is spent: a state shard (gigabytes on a 1B model)
+# takes its size over this rate on top of the timeout, and a sender that falls behind that pace is cut off
+MIN_FETCH_RATE = 512 * 1024  # bytes a second (about 4 Mbit/s)
+BODY_CHUNK = 1 << 20  # a body is read a chunk at a time, each due by :func:`body_due`
 _LEN = struct.Struct(">I")
 
+
+
+def body_due(start: float, timeout: float, received: int, min_rate: float) -> float:
+    """When the first ``received`` bytes of a body whose fetch began at ``start`` must be in: ``timeout`` for
+    the first byte's trip and the sender's start, then at least ``min_rate`` bytes a second. A blob that fits the
+    timeout at that rate is bounded by the timeout as it always was; a larger one gets the time its size needs, and
+    a sender trickling it slower is cut off as soon as it falls behind, not after the whole body's allowance."""
+    return start + timeout + received / min_rate
 
 
 async def own_p2p(dht: Any) -> Any:
@@ -138,8 +150,10 @@ class P2PBlobTransport:
     def __init__(self, dht: Any, request_timeout: float = 10.0, cancel: threading.Event | None = None,
                  allowed: Callable[[str], bool] | None = None, hold_s: float = 5.0,
                  addresses: Callable[[str], Sequence[str]] | None = None,
-                 dialable_peers: Callable[[], Sequence[str]] | None = None) -> None:
+                 dialable_peers: Callable[[], Sequence[str]] | None = None,
+                 min_rate: float = MIN_FETCH_RATE) -> None:
         self.request_timeout = request_timeout
+        self.min_rate = min_rate  # the slowest pace a fetched body may arrive at past the timeout (body_due)
         # peer id -> its announced multiaddrs: a stream our p2pd cannot route is retried after connecting there
         # (hlbp.peer.net.reach); None: only the addresses p2pd learnt by itself
         self.addresses = addresses
@@ -356,11 +370,27 @@ class P2PBlobTransport:
             size = response.get("size")
             if not isinstance(size, int) or not 0 <= size <= max_size:
                 raise ProtocolError(f"peer announced a body of {size!r} bytes; the limit is {max_size}")
-            body = await asyncio.wait_for(reader.readexactly(size), timeout)
+            body = await self._read_body(reader, size, timeout, f"{name} from {peer_id[:12]}…")
             self.bytes_fetched += size
             return body
         finally:
             writer.close()
+
+    async def _read_body(self, reader: asyncio.StreamReader, size: int, timeout: float, what: str) -> bytes:
+        """``size`` bytes from ``reader``, a chunk at a time, each chunk due by :func:`body_due`."""
+        start = time.monotonic()
+        chunks: list[bytes] = []
+        received = 0
+        while received < size:
+            want = min(BODY_CHUNK, size - received)
+            left = body_due(start, timeout, received + want, self.min_rate) - time.monotonic()
+            try:
+                chunks.append(await asyncio.wait_for(reader.readexactly(want), max(0.0, left)))
+            except TimeoutError:
+                raise TransportError(f"{what}: {received:,} of {size:,} bytes came in {time.monotonic() - start:.1f} "
+                                     f"s, slower than {self.min_rate:,.0f} B/s after {timeout:g} s") from None
+            received += want
+        return b"".join(chunks)
 
     def fetch(self, peer_id: str, name: str, max_size: int, timeout: float) -> bytes:
         """The blob ``name`` from ``peer_id``.
@@ -371,7 +401,8 @@ class P2PBlobTransport:
         if self.cancel is not None and self.cancel.is_set():
             raise TransportError(f"not fetching {name}: this peer is stopping")
         future = asyncio.run_coroutine_threadsafe(self._fetch(peer_id, name, max_size, timeout), self._loop)
-        deadline = time.monotonic() + timeout + 5
+        # a backstop only: the fetch keeps its own time (the timeout, and a body's pace, body_due)
+        deadline = body_due(time.monotonic(), timeout + 5, max_size, self.min_rate)
         try:
             while True:
                 try:
