@@ -31,7 +31,7 @@ from hlbp.peer.rounds.outer import OuterConfig, make_outer
 from hlbp.peer.rounds.persist import Checkpoints
 from hlbp.peer.rounds.phase import InnerPhase
 from hlbp.peer.rounds.records import RoundRecords
-from hlbp.peer.rounds.report import RoundReporter
+from hlbp.peer.rounds.report import RoundReporter, Scored
 from hlbp.peer.rounds.rules import Expected
 from hlbp.peer.rounds.state import ReplicaState, Start, StartKind
 from hlbp.peer.rounds.verify import StateSync
@@ -237,14 +237,18 @@ class ReplicaBase(ABC):
         """Wait for any exchange still under way, whatever its outcome (none without overlap)."""
 
     def report(self, stats: RoundStats, mine: ShardChecks, steps: int,
-               params: Mapping[str, torch.Tensor] | None = None) -> RoundStats:
-        """Score the new parameters (``params``: a snapshot of them, else the anchor), write the round's metrics
-        record and tell the caller (:class:`RoundReporter`). The round records counted since the last report are
-        this round's (under overlap: the period it was reported in)."""
+               params: Mapping[str, torch.Tensor] | None = None, scored: Scored | None = None) -> RoundStats:
+        """Score the new parameters (``params``: a snapshot of them, else the anchor; ``scored``: scored already),
+        write the round's metrics record and tell the caller (:class:`RoundReporter`). The round records counted
+        since the last report are this round's (under overlap: the period it was reported in)."""
         received, sent = self.records.traffic()
         stats.records_received, stats.records_sent = received - self._traffic[0], sent - self._traffic[1]
         self._traffic = (received, sent)
-        return self.reporter.report(stats, mine, steps, params if params is not None else self.state.anchor)
+        return self.reporter.report(stats, mine, steps, params if params is not None else self.state.anchor, scored)
+
+    def score(self) -> Scored:
+        """The validation loss of the parameters the model holds now (the round's result, just loaded)."""
+        return Scored(self.reporter.score(self.state.anchor))
 
     def close(self) -> None:
         """Release what the runner started (the dense runner's averager); the transport is the caller's."""

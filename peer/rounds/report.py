@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
 import torch
 
@@ -10,6 +11,13 @@ from hlbp.peer.common import memory
 from hlbp.peer.rounds.config import RoundStats
 from hlbp.peer.train.metricslog import MetricsLog
 from hlbp.protocol.roundwire import ShardChecks
+
+
+@dataclass(frozen=True)
+class Scored:
+    """A round's validation loss taken before its report was written (None: not scored)."""
+
+    loss: float | None
 
 
 class RoundReporter:
@@ -22,11 +30,16 @@ class RoundReporter:
                  on_round: Callable[[RoundStats, float | None], None] | None, trained: int = 0) -> None:
         self.metrics, self.evaluate, self.on_round, self.trained = metrics, evaluate, on_round, trained
 
-    def report(self, stats: RoundStats, mine: ShardChecks, steps: int,
-               params: Mapping[str, torch.Tensor]) -> RoundStats:
-        """Score ``params`` (the round's new parameters), write the round's record and tell the caller."""
+    def score(self, params: Mapping[str, torch.Tensor]) -> float | None:
+        """The validation loss of ``params`` (the round's new parameters), or None when this peer scores none."""
+        return self.evaluate(params) if self.evaluate else None
+
+    def report(self, stats: RoundStats, mine: ShardChecks, steps: int, params: Mapping[str, torch.Tensor],
+               scored: Scored | None = None) -> RoundStats:
+        """Score ``params`` (the round's new parameters; ``scored``: already scored), write the round's record
+        and tell the caller."""
         memory.trim()  # the round's freed buffers (the replaced anchor, its transients) go back to the system
-        val = self.evaluate(params) if self.evaluate else None
+        val = scored.loss if scored is not None else self.score(params)
         extra = {"fingerprints": {str(k): list(v) for k, v in mine.fingerprints.items()}} if mine.fingerprints else {}
         self.metrics.write(event="round", **{k: v for k, v in vars(stats).items() if k != "checksums"},
                            checksums={str(k): v for k, v in mine.checksums.items()}, val_loss=val, steps=steps,

@@ -30,6 +30,7 @@ import logging
 import math
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -71,6 +72,20 @@ class Taint(Protocol):
     def forget(self) -> None:
         """Clear what the inner optimizer learned from the tainted phase."""
         ...
+
+
+@dataclass
+class Settled:
+    """What :meth:`RoundRunner.settle` leaves for :meth:`RoundRunner.confirm`: the round's accepted set (None: it
+    closed without one, or not at all), our checks, when the exchange's own seconds began (after the close), the
+    bytes received before it, and whether we published our checks (then ``sample``: a committee's readers)."""
+
+    accepted: AcceptedSet | None
+    checks: ShardChecks
+    started: float
+    bytes_in: int
+    published: bool = False
+    sample: Sequence[str] | None = None
 
 
 class RoundRunner(ReplicaBase):
@@ -208,10 +223,18 @@ class RoundRunner(ReplicaBase):
 
     def exchange(self, r: int, stats: RoundStats, mine: dict[int, Contribution],
                  start: Mapping[str, torch.Tensor] | None = None) -> tuple[ShardChecks, bool]:
-        """Everything of round r after our contribution: close, apply to the anchor, verify, resync if out of sync.
-        Returns our checks and whether the round closed. Fills ``stats`` (``comm_s``: this part's seconds beyond
-        waiting for the close). The model is touched only through ``load_anchor_into_model``. ``start``: where our
-        phase started (default the anchor as it is), what a taint subtracts our phase's pseudo-gradient from."""
+        """Everything of round r after our contribution: close, apply to the anchor, verify, resync if out of sync
+        (:meth:`settle`, then :meth:`confirm`). Returns our checks and whether the round closed. Fills ``stats``
+        (``comm_s``: this part's seconds beyond waiting for the close). The model is touched only through
+        ``load_anchor_into_model``. ``start``: where our phase started (default the anchor as it is), what a taint
+        subtracts our phase's pseudo-gradient from."""
+        settled = self.settle(r, stats, mine, start)
+        return self.confirm(r, stats, settled), settled.accepted is not None
+
+    def settle(self, r: int, stats: RoundStats, mine: dict[int, Contribution],
+               start: Mapping[str, torch.Tensor] | None = None) -> Settled:
+        """Round r up to its verification: close it, apply the accepted set, load the result into the model and
+        publish our checksums. What is left (:meth:`confirm`) changes the model only if we turn out out of sync."""
         self.payloads.measure_scales(self.state.anchor, self.shards)
         bytes_in = self._bytes_in
         t2 = time.perf_counter()
@@ -265,14 +288,26 @@ class RoundRunner(ReplicaBase):
         stats.checksums = checks.checksums
         t4 = time.perf_counter()
         stats.phases["apply"] = t4 - t3
+        settled = Settled(accepted, checks, t3, bytes_in)
         if accepted is not None and self.state.in_sync:
-            sample = self.closer.check_peers(r)  # with a committee: whose checksums we read (None: the members')
-            self.syncer.publish(self.state, checks, {p for p, _t, _d in accepted.members}, sampled=sample is not None)
+            settled.published = True
+            settled.sample = self.closer.check_peers(r)  # with a committee: whose checksums we read (None: members')
+            self.syncer.publish(self.state, checks, {p for p, _t, _d in accepted.members},
+                                sampled=settled.sample is not None)
+            stats.phases["publish"] = time.perf_counter() - t4
+        return settled
+
+    def confirm(self, r: int, stats: RoundStats, settled: Settled) -> ShardChecks:
+        """The rest of round r after :meth:`settle`: compare our checksums with the members', follow the followed
+        shards, and resync when out of sync. Returns our checks (the synced state's, after a resync)."""
+        accepted, checks = settled.accepted, settled.checks
+        if settled.published and accepted is not None:
             t5 = time.perf_counter()
-            self.state.in_sync = self.syncer.verify(r, {p: set(d) for p, _t, d in accepted.members}, checks, sample)
+            self.state.in_sync = self.syncer.verify(r, {p: set(d) for p, _t, d in accepted.members}, checks,
+                                                    settled.sample)
             if self.state.in_sync:
                 self.check_followed(r)
-            stats.phases.update(publish=t5 - t4, verify=time.perf_counter() - t5)
+            stats.phases["verify"] = time.perf_counter() - t5
         self.payloads.forget_through(r)
         if not self.overlapping and (accepted is not None or not self.stop.is_set()):
             self.state.round = r + 1  # a round abandoned on SIGTERM is not ours to count: a restart syncs past it
@@ -286,9 +321,9 @@ class RoundRunner(ReplicaBase):
                 checks = self.syncer.checks(self.state, stats.state_round)
                 stats.checksums = checks.checksums
         stats.in_sync = self.state.in_sync
-        stats.comm_s = time.perf_counter() - t3
-        stats.bytes_received = self._bytes_in - bytes_in
-        return checks, accepted is not None
+        stats.comm_s = time.perf_counter() - settled.started
+        stats.bytes_received = self._bytes_in - settled.bytes_in
+        return checks
 
     def close(self) -> None:
         self.payloads.close()
