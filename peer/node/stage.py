@@ -273,13 +273,16 @@ def _serve(ctx: TrainContext, options: StageOptions, worker: StageWorker, codec:
         try:
             while not ctx.stop.is_set() and not done.is_set():
                 try:
-                    runner.history.append(runner.run_round())
+                    _keep(runner, runner.run_round())  # a report may come a round late (rounds/beside.py)
                 finally:
                     gate.open(runner.round)
+            _keep(runner, runner.finish_rounds())
         except PhaseStopped:
             pass
         except Exception:  # a round loop that fails leaves the stage serving; the log says why
             logger.exception("the round loop of stage %d stopped", stage)
+        finally:
+            runner.quiesce_rounds()  # nothing may still write the round state while it is saved
 
     server = StageServer(ctx.peer.plane.dht, worker, codec, vocab,
                          lambda p: view.may_call(p, stage),
@@ -318,6 +321,12 @@ def _serve(ctx: TrainContext, options: StageOptions, worker: StageWorker, codec:
             "swarm": ctx.peer.role.swarm, **{k: v for k, v in dataclasses.asdict(c).items() if k != "started"},
             "busy_fraction": server.busy_fraction(), "rounds": [dataclasses.asdict(r) for r in runner.history],
             "final_round": runner.round - 1, "in_sync": runner.in_sync}
+
+
+def _keep(runner: Any, stats: RoundStats | None) -> None:
+    """Keep a round's report in the runner's history (None: no round was reported by that call)."""
+    if stats is not None:
+        runner.history.append(stats)
 
 
 def _is_driver(view: SwarmView, me: str) -> bool:
@@ -414,15 +423,17 @@ def _drive(ctx: TrainContext, options: StageOptions, worker: StageWorker, codec:
         driving.validate_first()
         while not ctx.stop.is_set():
             try:
-                runner.history.append(runner.run_round())
+                _keep(runner, runner.run_round())  # a report may come a round late (rounds/beside.py)
             except PhaseStopped:
                 break
             move = rebalance.check()
             if move is not None:
                 moved.append(move)
                 break
+        _keep(runner, runner.finish_rounds())
         driving.validate_last()
     finally:
+        runner.quiesce_rounds()  # nothing may still write the round state while it is saved
         driving.close()
         runner.save()
         runner.close()

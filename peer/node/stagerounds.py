@@ -180,11 +180,13 @@ def make_stage_rounds(ctx: Any, worker: StageWorker, config: Any, phase: Callabl
     require_state_room(state_dir, sum(math.prod(s) for s in shapes[peer.role.stage].values()), ef_dtype)
     outer, rcfg = round_settings(m, checkpoint_every_s, ef_dtype, state_dir)
     if rcfg.overlap != "none":
-        # a swarm scores the anchor through its chain, whose stage weights the overlapped phase is training: not
-        # built yet, so stage peers take part in an overlapped run's rounds without overlapping their own phase
-        logger.info("the run overlaps rounds (%s); stage peers do not overlap yet and run each round in turn",
-                    rcfg.overlap)
+        # a stage's next phase starts from the round's result, which its neighbours' frames and the audits assume:
+        # stage peers take part in an overlapped run's rounds without starting a phase before the result is in
+        logger.info("the run overlaps rounds (%s); stage peers start each phase from the round's result, "
+                    "verifying it beside the phase", rcfg.overlap)
         rcfg = dataclasses.replace(rcfg, overlap="none")
+    # each round's verification beside the next phase (rounds/beside.py; not for a follower of shard 0)
+    rcfg = dataclasses.replace(rcfg, verify_beside=True)
     book = AddressBook(lambda: peer.plane.read_peers(m.run_id))
     transport = P2PBlobTransport(peer.plane.dht, cancel=ctx.stop,
                                  allowed=m.may_contribute if m.allowed_peers else None, addresses=book.maddrs,

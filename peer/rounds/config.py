@@ -44,6 +44,9 @@ class RoundConfig:
     guard: GuardConfig = field(default_factory=GuardConfig)  # bounds on a contribution and on a round's update
     allowed_peers: frozenset[str] = frozenset()  # closed run: only these peers' round records count (empty: all)
     overlap: str = "none"  # a round's exchange runs during the next inner phase: none, naive or eager (overlap.py)
+    # a stage peer's own choice, not the run's: each round's verification runs beside its next phase
+    # (rounds/beside.py), for stage peers that follow no shard
+    verify_beside: bool = False
     dialable: bool = True  # others can dial this peer; False (behind NAT): its notices say so, and it coordinates last
     # where this peer keeps the round state it reads a few times a round, not every step (the anchor; the error
     # feedback is OuterConfig.ef_dir): "" in memory, else in files under this directory (hlbp.peer.common.spill)

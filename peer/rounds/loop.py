@@ -246,10 +246,6 @@ class ReplicaBase(ABC):
         self._traffic = (received, sent)
         return self.reporter.report(stats, mine, steps, params if params is not None else self.state.anchor, scored)
 
-    def score(self) -> Scored:
-        """The validation loss of the parameters the model holds now (the round's result, just loaded)."""
-        return Scored(self.reporter.score(self.state.anchor))
-
     def close(self) -> None:
         """Release what the runner started (the dense runner's averager); the transport is the caller's."""
 

@@ -38,6 +38,7 @@ import torch
 from hlbp.peer.common import memory
 from hlbp.peer.rounds.admission import Screen
 from hlbp.peer.rounds.apply import Applier
+from hlbp.peer.rounds.beside import BesideLoop
 from hlbp.peer.rounds.closer import Closer
 from hlbp.peer.rounds.follow import Follower, follow_anchor
 from hlbp.peer.rounds.loop import ReplicaBase, RoundConfig, RoundStats
@@ -98,6 +99,11 @@ class RoundRunner(ReplicaBase):
     ``screen``: what a coordinator checks admitted contributions with beyond their bytes (a full replica: audits of
     the stage peers' pipeline traffic, hlbp.peer.node.audits). ``taint``: how a stage peer tells that its round's
     work was computed with frames from a peer the round bans (:class:`Taint`).
+
+    More than 60 members because the round's steps (contribute, settle, confirm, sync) share one state (anchor,
+    records, payloads, closer, follower) that three orders of a round drive: in turn (:meth:`run_round`),
+    overlapped (:class:`~hlbp.peer.rounds.overlap_loop.OverlapLoop`) and verified beside the next phase
+    (:class:`~hlbp.peer.rounds.beside.BesideLoop`). Each step's work lives in a part the runner owns.
     """
 
     def __init__(self, *args: Any, follow: Mapping[int, Mapping[str, torch.Tensor]] | None = None,
@@ -119,7 +125,11 @@ class RoundRunner(ReplicaBase):
                                  bans.banned, self._received, self.stop)
         self.applier = Applier(self.me, self.cfg, self.shards, self.held, applied, self.payloads, bans, self.guard_loss,
                                self.load_anchor_into_model)
-        self.overlapped = OverlapLoop(self) if self.cfg.overlap != "none" else None
+        self.overlapped: OverlapLoop | BesideLoop | None = None
+        if self.cfg.overlap != "none":
+            self.overlapped = OverlapLoop(self)
+        elif self.cfg.verify_beside and not self.follower.follow:  # a follower's table may change after it
+            self.overlapped = BesideLoop(self)
         # contributors to wait for before closing early: the live ones the announcements name (0: unread), else
         # the last round's members; at every poll an overlapped phase takes in the round's result so far
         self.closer = Closer(self.me, self.cfg, len(self.shards), self.records, self.payloads, bans,

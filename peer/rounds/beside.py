@@ -1,0 +1,175 @@
+"""A stage peer's rounds with each round's verification beside its next inner phase.
+
+A stage peer does not overlap its phase with the round's exchange as a full replica does: its next phase starts
+from the round's result, which its neighbours' frames and the audits of them assume (docs/design.md, pipeline
+audits). It need not wait for the verification, though. Once the round's result is applied, loaded into the stage
+and our checksums published (:meth:`~hlbp.peer.rounds.sparseloco.RoundRunner.settle`), the next phase can start
+from it, while the comparison with the other members' checksums
+(:meth:`~hlbp.peer.rounds.sparseloco.RoundRunner.confirm`) runs in a worker thread. That comparison mostly waits:
+for the full replicas, which apply the whole model, to publish theirs.
+
+If it finds us out of sync (our result differs from the members' majority although we applied the same accepted
+set), the worker reloads the state but not the model, which the phase under way owns (``overlapping``). That
+phase started from parameters nobody else holds: the round after it sits out, without a contribution, and the
+round's result replaces the model as usual. Its frames came from our wrong state, and an audit at the agreed one
+finds them wrong; that is what this loop gives up against waiting for the verdict every round.
+
+Reports come one round late (a report needs the verdict); the validation loss is scored right after the result is
+loaded, before the next phase trains it. :meth:`BesideLoop.finish` reports the last round when the peer stops.
+Only stage peers that follow no shard use this loop: a follower may reload shard 0 after the verification, and its
+codec's table with it, which must not change under a phase.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from hlbp.peer.rounds.config import RoundStats
+from hlbp.peer.rounds.outer import Contribution
+from hlbp.peer.rounds.report import Scored
+from hlbp.peer.rounds.state import ReplicaState
+from hlbp.protocol.roundwire import ShardChecks
+
+logger = logging.getLogger(__name__)
+
+
+class SettlingLoop(Protocol):
+    """What :class:`BesideLoop` needs of the round loop it runs (a
+    :class:`hlbp.peer.rounds.sparseloco.RoundRunner`)."""
+
+    state: ReplicaState
+    stop: Any
+    taint: Any
+    overlapping: bool
+    reporter: Any  # a RoundReporter: it scores the round's result right after the settle
+
+    def begin_round(self, r: int) -> tuple[RoundStats, int, int, int]: ...
+
+    def contribute(self, r: int, stats: RoundStats, steps: int, tokens: int,
+                   base: Mapping[str, Any]) -> dict[int, Contribution]: ...
+
+    def settle(self, r: int, stats: RoundStats, mine: dict[int, Contribution],
+               start: Mapping[str, Any] | None = None) -> Any: ...
+
+    def confirm(self, r: int, stats: RoundStats, settled: Any) -> ShardChecks: ...
+
+    def bytes_served(self) -> int: ...
+
+    def report(self, stats: RoundStats, mine: ShardChecks, steps: int, params: Mapping[str, Any] | None = None,
+               scored: Scored | None = None) -> RoundStats: ...
+
+    def load_anchor_into_model(self) -> None: ...
+
+    def save_if_due(self) -> None: ...
+
+
+@dataclass
+class _Confirming:
+    """A settled round whose verification runs in the background."""
+
+    stats: RoundStats
+    steps: int
+    served_before: int
+    comm_s: float  # the foreground's part: encoding, applying and publishing
+    scored: Scored
+    closed: bool  # the round closed (False: it closed without an accepted set, or was abandoned)
+    future: Future
+
+
+class BesideLoop:
+    """The rounds of a stage peer's :class:`~hlbp.peer.rounds.sparseloco.RoundRunner` (``runner``) with each
+    verification beside the next phase (see the module docstring). It stands where an
+    :class:`~hlbp.peer.rounds.overlap_loop.OverlapLoop` would: a phase always starts from the anchor (``base``
+    None) and nothing lands mid-phase."""
+
+    base = None
+
+    def __init__(self, runner: SettlingLoop) -> None:
+        self.runner = runner
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hlbp-confirm")
+        self.inflight: _Confirming | None = None
+        self.stale = False  # a resync replaced the state the phase under way started from
+
+    def preview(self, r: int, final: bool = False) -> None:
+        """Nothing lands mid-phase here."""
+
+    def land(self) -> None:
+        """Nothing lands mid-phase here."""
+
+    def _join(self) -> tuple[RoundStats, ShardChecks, int, Scored] | None:
+        """Wait for the verification in flight; the round to report (None: nothing in flight, or a round
+        abandoned on SIGTERM, which is not reported)."""
+        f, self.inflight = self.inflight, None
+        if f is None:
+            return None
+        run = self.runner
+        try:
+            checks = f.future.result()
+        finally:
+            run.overlapping = False
+        stats = f.stats
+        stats.comm_s = f.comm_s  # the verification's seconds ran beside the phase: stats.phases["verify"]
+        stats.bytes_sent = run.bytes_served() - f.served_before
+        if stats.synced:
+            self.stale = True
+        if not f.closed and run.stop.is_set():
+            return None
+        # a resync replaced the parameters the loss was scored on: the report then carries none
+        return stats, checks, f.steps, Scored(None) if stats.synced else f.scored
+
+    def run_round(self) -> RoundStats | None:
+        """Train phase ``runner.state.round`` (the last round's verification runs beside it), contribute and settle
+        its round, and leave that round's verification to the background; returns the report of the round
+        verified meanwhile (None on the first call, or for a round abandoned on SIGTERM)."""
+        run = self.runner
+        r = run.state.round
+        stats, steps, tokens, served_before = run.begin_round(r)
+        finished = self._join()
+        if self.stale:
+            # phase r trained from parameters a resync has since replaced: its steps are not a pseudo-gradient of
+            # anything the others hold, so it sits this round out, as a freshly synced peer does
+            logger.info("round %d: discarding the inner phase trained before the resync", r)
+            steps = tokens = 0
+            self.stale = False
+        if finished is not None:
+            run.save_if_due()  # the state is verified (or resynced) now
+        start = run.state.anchor.snapshot() if run.taint is not None else None
+        t1 = time.perf_counter()
+        mine = run.contribute(r, stats, steps, tokens, run.state.anchor)
+        encode_s = time.perf_counter() - t1
+        settled = run.settle(r, stats, mine, start)
+        stats.phases = {"encode": encode_s, **stats.phases}
+        comm_s = encode_s + time.perf_counter() - settled.started
+        closed = settled.accepted is not None
+        if closed or not run.stop.is_set():
+            run.state.round = r + 1  # a round abandoned on SIGTERM is not ours to count: a restart syncs past it
+        run.overlapping = True  # from here the verification must not touch the model: the next phase trains it
+        future = self.pool.submit(run.confirm, r, stats, settled)
+        scored = Scored(run.reporter.score(run.state.anchor) if closed else None)
+        self.inflight = _Confirming(stats, steps, served_before, comm_s, scored, closed, future)
+        return None if finished is None else run.report(finished[0], finished[1], finished[2], scored=finished[3])
+
+    def finish(self) -> RoundStats | None:
+        """Join the verification in flight (at stop or after the last round) and report its round; the model then
+        holds the agreed state."""
+        run = self.runner
+        finished = self._join()
+        self.pool.shutdown(wait=True)
+        if self.stale:
+            self.stale = False
+            run.load_anchor_into_model()
+        if finished is None:
+            return None
+        return run.report(finished[0], finished[1], finished[2], scored=finished[3])
+
+    def quiesce(self) -> None:
+        """Wait for the verification in flight, if any, ignoring its outcome (the run is ending on an error)."""
+        f, self.inflight = self.inflight, None
+        if f is not None:
+            f.future.exception()
+        self.runner.overlapping = False
