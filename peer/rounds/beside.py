@@ -14,8 +14,9 @@ phase started from parameters nobody else holds: the round after it sits out, wi
 round's result replaces the model as usual. Its frames came from our wrong state, and an audit at the agreed one
 finds them wrong; that is what this loop gives up against waiting for the verdict every round.
 
-Reports come one round late (a report needs the verdict); the validation loss is scored right after the result is
-loaded, before the next phase trains it. :meth:`BesideLoop.finish` reports the last round when the peer stops.
+A round is reported by the worker as soon as its verdict is in, with the validation loss scored right after the
+result was loaded, before the next phase trained it; :meth:`BesideLoop.run_round` returns it one call late, and
+:meth:`BesideLoop.finish` the last one when the peer stops.
 Only stage peers that follow no shard use this loop: a follower may reload shard 0 after the verification, and its
 codec's table with it, which must not change under a phase.
 """
@@ -70,15 +71,10 @@ class SettlingLoop(Protocol):
 
 @dataclass
 class _Confirming:
-    """A settled round whose verification runs in the background."""
+    """A settled round whose verification, and then report, run in the background."""
 
     stats: RoundStats
-    steps: int
-    served_before: int
-    comm_s: float  # the foreground's part: encoding, applying and publishing
-    scored: Scored
-    closed: bool  # the round closed (False: it closed without an accepted set, or was abandoned)
-    future: Future
+    future: Future  # the round's report (None: abandoned on SIGTERM, not reported)
 
 
 class BesideLoop:
@@ -101,31 +97,37 @@ class BesideLoop:
     def land(self) -> None:
         """Nothing lands mid-phase here."""
 
-    def _join(self) -> tuple[RoundStats, ShardChecks, int, Scored] | None:
-        """Wait for the verification in flight; the round to report (None: nothing in flight, or a round
-        abandoned on SIGTERM, which is not reported)."""
+    def _confirm(self, r: int, stats: RoundStats, settled: Any, steps: int, served_before: int, comm_s: float,
+                 closed: bool, scored: Future) -> RoundStats | None:
+        """The worker thread: verify round ``r`` and report it at once (not at the next phase's end: a peer
+        whose run has stopped sending rounds would otherwise hold its last report for a whole phase)."""
+        run = self.runner
+        checks = run.confirm(r, stats, settled)
+        stats.comm_s = comm_s  # the verification's seconds ran beside the phase: stats.phases["verify"]
+        stats.bytes_sent = run.bytes_served() - served_before
+        if not closed and run.stop.is_set():
+            return None  # abandoned on SIGTERM: not a round to report
+        # a resync replaced the parameters the loss was scored on: the report then carries none
+        loss = scored.result()
+        return run.report(stats, checks, steps, scored=Scored(None) if stats.synced else loss)
+
+    def _join(self) -> RoundStats | None:
+        """Wait for the verification in flight and its report (None: nothing in flight, or a round abandoned on
+        SIGTERM); the next phase may then own the model again."""
         f, self.inflight = self.inflight, None
         if f is None:
             return None
-        run = self.runner
         try:
-            checks = f.future.result()
+            return f.future.result()
         finally:
-            run.overlapping = False
-        stats = f.stats
-        stats.comm_s = f.comm_s  # the verification's seconds ran beside the phase: stats.phases["verify"]
-        stats.bytes_sent = run.bytes_served() - f.served_before
-        if stats.synced:
-            self.stale = True
-        if not f.closed and run.stop.is_set():
-            return None
-        # a resync replaced the parameters the loss was scored on: the report then carries none
-        return stats, checks, f.steps, Scored(None) if stats.synced else f.scored
+            self.runner.overlapping = False
+            if f.stats.synced:
+                self.stale = True
 
     def run_round(self) -> RoundStats | None:
         """Train phase ``runner.state.round`` (the last round's verification runs beside it), contribute and settle
-        its round, and leave that round's verification to the background; returns the report of the round
-        verified meanwhile (None on the first call, or for a round abandoned on SIGTERM)."""
+        its round, and leave that round's verification and report to the background; returns the round reported
+        meanwhile (None on the first call, or for a round abandoned on SIGTERM)."""
         run = self.runner
         r = run.state.round
         stats, steps, tokens, served_before = run.begin_round(r)
@@ -149,23 +151,25 @@ class BesideLoop:
         if closed or not run.stop.is_set():
             run.state.round = r + 1  # a round abandoned on SIGTERM is not ours to count: a restart syncs past it
         run.overlapping = True  # from here the verification must not touch the model: the next phase trains it
-        future = self.pool.submit(run.confirm, r, stats, settled)
-        scored = Scored(run.reporter.score(run.state.anchor) if closed else None)
-        self.inflight = _Confirming(stats, steps, served_before, comm_s, scored, closed, future)
-        return None if finished is None else run.report(finished[0], finished[1], finished[2], scored=finished[3])
+        scored: Future = Future()
+        future = self.pool.submit(self._confirm, r, stats, settled, steps, served_before, comm_s, closed, scored)
+        self.inflight = _Confirming(stats, future)
+        try:  # right after the settle, while the model holds the result, before the next phase trains it
+            scored.set_result(Scored(run.reporter.score(run.state.anchor) if closed else None))
+        except BaseException as exc:
+            scored.set_exception(exc)
+            raise
+        return finished
 
     def finish(self) -> RoundStats | None:
-        """Join the verification in flight (at stop or after the last round) and report its round; the model then
+        """Join the verification in flight (at stop or after the last round) and return its report; the model then
         holds the agreed state."""
-        run = self.runner
         finished = self._join()
         self.pool.shutdown(wait=True)
         if self.stale:
             self.stale = False
-            run.load_anchor_into_model()
-        if finished is None:
-            return None
-        return run.report(finished[0], finished[1], finished[2], scored=finished[3])
+            self.runner.load_anchor_into_model()
+        return finished
 
     def quiesce(self) -> None:
         """Wait for the verification in flight, if any, ignoring its outcome (the run is ending on an error)."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import threading
 import time
 from pathlib import Path
 from typing import Any, Self
@@ -14,6 +15,7 @@ class MetricsLog:
     def __init__(self, path: Path | None) -> None:
         self.path = Path(path) if path is not None else None
         self._file = None
+        self._lock = threading.Lock()  # a stage peer's round reports come from a worker thread beside its steps
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
@@ -21,13 +23,18 @@ class MetricsLog:
     def write(self, **fields: Any) -> None:
         if self._file is None:
             return
-        self._file.write(json.dumps({"time": round(time.time(), 3), **fields}) + "\n")
-        self._file.flush()
+        line = json.dumps({"time": round(time.time(), 3), **fields}) + "\n"
+        with self._lock:
+            if self._file is None:
+                return
+            self._file.write(line)
+            self._file.flush()
 
     def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+        with self._lock:
+            if self._file is not None:
+                self._file.close()
+                self._file = None
 
     def __enter__(self) -> Self:
         return self
