@@ -185,8 +185,9 @@ def make_stage_rounds(ctx: Any, worker: StageWorker, config: Any, phase: Callabl
         logger.info("the run overlaps rounds (%s); stage peers start each phase from the round's result, "
                     "verifying it beside the phase", rcfg.overlap)
         rcfg = dataclasses.replace(rcfg, overlap="none")
-    # each round's verification beside the next phase (rounds/beside.py; not for a follower of shard 0)
-    rcfg = dataclasses.replace(rcfg, verify_beside=True)
+    # each round's verification beside the next phase (rounds/beside.py), where the codec's table is fixed: a B or
+    # A+drift table follows the embedding, which a resync after the verification would change under the phase
+    rcfg = dataclasses.replace(rcfg, verify_beside=getattr(codec, "variant", None) not in REBUILT)
     book = AddressBook(lambda: peer.plane.read_peers(m.run_id))
     transport = P2PBlobTransport(peer.plane.dht, cancel=ctx.stop,
                                  allowed=m.may_contribute if m.allowed_peers else None, addresses=book.maddrs,

@@ -17,8 +17,8 @@ finds them wrong; that is what this loop gives up against waiting for the verdic
 A round is reported by the worker as soon as its verdict is in, with the validation loss scored right after the
 result was loaded, before the next phase trained it; :meth:`BesideLoop.run_round` returns it one call late, and
 :meth:`BesideLoop.finish` the last one when the peer stops.
-Only stage peers that follow no shard use this loop: a follower may reload shard 0 after the verification, and its
-codec's table with it, which must not change under a phase.
+Only stage peers whose codec's table is fixed use this loop (not B or A+drift, whose table follows the embedding:
+a resync after the verification, or a follower's fetch of shard 0, would change it under a phase).
 """
 
 from __future__ import annotations
