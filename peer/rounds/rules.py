@@ -332,6 +332,15 @@ def round_standing(checks: Sequence[ShardChecks]) -> dict[str, dict[str, int | b
 
 
 
+def checkpoint_ahead(next_round: int, latest_agreed: int) -> bool:
+    """Whether a resumed checkpoint whose next round is ``next_round`` holds a newer state than the latest round the
+    other members published an agreed state of (``latest_agreed``). Then there is nothing newer to take: the others
+    came back from older checkpoints, or have not published the newer round yet, and they sync from ours, which the
+    peer serves as it starts. Syncing back to theirs would throw away the rounds the checkpoint holds (and, once the
+    others synced from the peer, theirs too)."""
+    return next_round > latest_agreed + 1
+
+
 def checks_settled(checks: Sequence[ShardChecks], mine: ShardChecks, members: Mapping[str, AbstractSet[int] | None],
                    online: AbstractSet[str] | None = None, moved_on: AbstractSet[str] = frozenset(),
                    n_shards: int | None = None) -> bool:

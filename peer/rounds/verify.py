@@ -28,7 +28,14 @@ from hlbp.peer.rounds.agreement import Agreement
 from hlbp.peer.rounds.config import RoundConfig
 from hlbp.peer.rounds.outer import OuterConfig, make_outer
 from hlbp.peer.rounds.records import RoundRecords, checks_name
-from hlbp.peer.rounds.rules import Votes, behind_members, checks_settled, round_member_shards, vote_checks
+from hlbp.peer.rounds.rules import (
+    Votes,
+    behind_members,
+    checkpoint_ahead,
+    checks_settled,
+    round_member_shards,
+    vote_checks,
+)
 from hlbp.peer.rounds.state import ReplicaState
 from hlbp.peer.rounds.statesync import ServedState, fetch_state, shard_checksum, state_name
 from hlbp.protocol import ProtocolError
@@ -202,11 +209,16 @@ class StateSync:
 
     def current(self, state: ReplicaState) -> bool | None:
         """Whether a resumed ``state`` is the agreed one of the latest round others published (None: nobody
-        published any, so there is nothing to compare with)."""
+        published any, or only rounds before ours (:func:`~hlbp.peer.rounds.rules.checkpoint_ahead`), so there is
+        nothing newer to compare with)."""
         found = self.agreed_round()
         if found is None:
             return None
         latest, votes = found
+        if checkpoint_ahead(state.round, latest):
+            logger.info("the members' newest agreed state is of round %d, older than our checkpoint's round %d: "
+                        "resuming ours", latest, state.round - 1)
+            return None
         mine = self.checks(state, latest)
         whole = votes.whole | ({self.me} if len(self.held) == len(self.shards) else set())
         return state.round == latest + 1 and self.agreement.agrees(votes.checks, mine, whole=whole)

@@ -5,6 +5,7 @@ import torch
 from hlbp.peer.rounds.rules import (
     adapt_window,
     behind_members,
+    checkpoint_ahead,
     checks_settled,
     coordinator_order,
     majority_checksums,
@@ -418,3 +419,13 @@ def test_a_resumed_peer_waits_for_the_members_of_its_round_that_published_nothin
     assert behind_members({"a", "b", "c", "d", "me"}, checks, 4, "me") == {"a", "d"}
     assert behind_members({"b", "c", "me"}, checks, 4, "me") == set()
     assert behind_members(set(), checks, 4, "me") == set()
+
+
+def test_a_checkpoint_newer_than_the_members_latest_agreed_round_is_kept() -> None:
+    """A checkpoint whose next round is 5 holds round 4's state: it is current against an agreed round 4, ahead of
+    an agreed round 2 or 3 (the others came back from older checkpoints: they sync from it, never it from them),
+    and behind an agreed round 5 or later (it syncs)."""
+    assert not checkpoint_ahead(5, 4)
+    assert checkpoint_ahead(5, 3) and checkpoint_ahead(5, 2)
+    assert not checkpoint_ahead(5, 5) and not checkpoint_ahead(5, 9)
+    assert not checkpoint_ahead(0, 0)  # a fresh peer is never ahead
