@@ -179,7 +179,7 @@ class ReplicaBase(ABC):
         """Resume, sync or start fresh; returns which (its text is the log's)."""
         resumed = self.checkpoints.resume(self.state)
         self.records.protect(self.state.round)
-        if resumed and self.state.round > 0:
+        if resumed and self.state.round > 0 and self.state.in_sync:
             # serve the state we come back with at once, with the records that show who the members of its round
             # were: peers restarting beside us from older checkpoints sync from it (waiting for our first round to
             # serve it split a restarted swarm for two rounds)
@@ -189,7 +189,7 @@ class ReplicaBase(ABC):
             # a swarm restarted together publishes as each peer comes up: deciding before the other members of our
             # checkpoint's round did would sync a newer checkpoint back a round, or leave an older one behind
             self.syncer.await_members(self.state.round - 1, self.stop, RESUME_SYNC_ATTEMPTS, RESUME_SYNC_PAUSE_S)
-        current = self.syncer.current(self.state)
+        current = self.syncer.current(self.state) if self.state.in_sync else False  # saved out of sync: it syncs
         if current is None:
             return Start(StartKind.RESUMED if resumed else StartKind.FRESH)
         if resumed and current:

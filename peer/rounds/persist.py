@@ -197,6 +197,9 @@ class Checkpoints:
         for s, o in state.outers.items():
             o.load_state(saved.outers[s])
         state.round = saved.round
+        # a state saved out of sync (a round whose apply failed, a stop before the resync ended) is not the round's
+        # agreed one: the restarted peer neither serves it nor votes with it, and syncs
+        state.in_sync = saved.header.get("in_sync", True) is not False
         state.evidence = decode_evidence(saved.header.get("evidence"))
         state.standing.load_json(saved.header.get("standing"), saved.round - 1)
         state.bans.load_json(saved.header.get("bans"))

@@ -63,3 +63,17 @@ def test_a_resumed_replica_waits_the_window_it_had_learned(tmp_path: Path, tiny_
     assert closer.window == 4.0
     assert Checkpoints(path, 60.0, trainer, RUN).resume(after) and after.round == 9
     assert closer.window == 2.25
+
+
+@pytest.mark.parametrize("in_sync", [True, False])
+def test_a_resumed_state_is_in_sync_only_if_it_was_saved_so(tmp_path: Path, tiny_replica, in_sync: bool) -> None:
+    """A state saved out of sync (its round's apply failed, or a stop came before the resync ended) is resumed out
+    of sync: the round loop's start then neither serves it nor votes with it, and syncs."""
+    trainer, state = tiny_replica
+    before = state()
+    before.round, before.in_sync = 4, in_sync
+    path = tmp_path / "rounds.safetensors"
+    Checkpoints(path, 60.0, trainer, RUN).save(before)
+    after = state()
+    assert after.in_sync  # a fresh state
+    assert Checkpoints(path, 60.0, trainer, RUN).resume(after) and after.in_sync is in_sync
