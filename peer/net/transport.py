@@ -62,6 +62,9 @@ MAX_NAME = 256
 # the slowest a blob's body may arrive once the fetch's timeout is spent: a state shard (gigabytes on a 1B model)
 # takes its size over this rate on top of the timeout, and a sender that falls behind that pace is cut off
 MIN_FETCH_RATE = 512 * 1024  # bytes a second (about 4 Mbit/s)
+# how long a requester may take to start reading what we serve before it must keep up with the same floor: longer
+# than any fetch's own timeout (RoundConfig.fetch_timeout_s), so only a requester that stalls is cut off
+SERVE_GRACE_S = 60.0
 BODY_CHUNK = 1 << 20  # a body is read a chunk at a time, each due by :func:`body_due`
 _LEN = struct.Struct(">I")
 
@@ -144,6 +147,26 @@ async def _read_frame(reader: asyncio.StreamReader, timeout: float) -> dict[str,
     return obj
 
 
+async def write_body(writer: asyncio.StreamWriter, data: bytes, timeout: float, min_rate: float, what: str) -> None:
+    """Write ``data`` a chunk at a time, each chunk's write due by :func:`body_due` from now, then drain.
+
+    The serving side's pace: a requester that reads slower than ``min_rate`` once ``timeout`` is spent is cut off
+    with :class:`TimeoutError`, so it cannot hold the serving coroutine (and the blob it shares) for as long as it
+    likes; an honest one on a slow link reads faster than the fetching side's own floor would let it."""
+    start = time.monotonic()
+    view = memoryview(data)
+    for sent in range(0, len(data), BODY_CHUNK):
+        end = min(len(data), sent + BODY_CHUNK)
+        writer.write(view[sent:end])
+        left = body_due(start, timeout, end, min_rate) - time.monotonic()
+        try:
+            await asyncio.wait_for(writer.drain(), max(0.0, left))
+        except TimeoutError:
+            raise TimeoutError(f"{what}: {sent:,} of {len(data):,} bytes taken in {time.monotonic() - start:.1f} s, "
+                               f"slower than {min_rate:,.0f} B/s after {timeout:g} s") from None
+    await asyncio.wait_for(writer.drain(), max(0.0, body_due(start, timeout, len(data), min_rate) - time.monotonic()))
+
+
 class P2PBlobTransport:
     """:class:`BlobTransport` on hivemind's P2P (p2pd); construct with a started ``hivemind.DHT``."""
 
@@ -153,7 +176,9 @@ class P2PBlobTransport:
                  dialable_peers: Callable[[], Sequence[str]] | None = None,
                  min_rate: float = MIN_FETCH_RATE) -> None:
         self.request_timeout = request_timeout
-        self.min_rate = min_rate  # the slowest pace a fetched body may arrive at past the timeout (body_due)
+        # the slowest pace a body may move at past the timeout (body_due), fetched or served: a fetch from a peer
+        # that sends slower is cut off, and so is a requester that reads slower
+        self.min_rate = min_rate
         # peer id -> its announced multiaddrs: a stream our p2pd cannot route is retried after connecting there
         # (hlbp.peer.net.reach); None: only the addresses p2pd learnt by itself
         self.addresses = addresses
@@ -223,7 +248,7 @@ class P2PBlobTransport:
             if handler is not None:
                 handler(sender, key, body)
             writer.write(_frame({"ok": True}))
-            await writer.drain()
+            await asyncio.wait_for(writer.drain(), self.request_timeout)
         except (TimeoutError, ProtocolError, asyncio.IncompleteReadError, ConnectionError, struct.error) as e:
             logger.debug("push from %s failed: %s", sender, e)
         except Exception as e:  # noqa: BLE001 - a handler's bug must not end the transport's loop
@@ -296,16 +321,16 @@ class P2PBlobTransport:
                 raise ProtocolError("request name must be a short string")
             if name.startswith(STATE_PREFIX) and not self.state_limit.allow(requester):
                 writer.write(_frame({"error": "too many state requests"}))
-                await writer.drain()
+                await asyncio.wait_for(writer.drain(), self.request_timeout)
                 return
             data, holds = await self.answers.find(name)
             made = name if holds else None
             if data is None:
                 writer.write(_frame({"error": "not here"}))
+                await asyncio.wait_for(writer.drain(), self.request_timeout)
             else:
                 writer.write(_frame({"size": len(data)}))
-                writer.write(data)
-            await writer.drain()
+                await write_body(writer, data, SERVE_GRACE_S, self.min_rate, f"{name} to {requester[:12]}…")
             if data is not None:
                 self.bytes_served += len(data)
                 self.store.note_read(name, requester)
