@@ -167,6 +167,24 @@ async def write_body(writer: asyncio.StreamWriter, data: bytes, timeout: float, 
     await asyncio.wait_for(writer.drain(), max(0.0, body_due(start, timeout, len(data), min_rate) - time.monotonic()))
 
 
+async def read_body(reader: asyncio.StreamReader, size: int, timeout: float, min_rate: float, what: str) -> bytes:
+    """``size`` bytes from ``reader``, a chunk at a time, each chunk due by :func:`body_due` from now; a sender that
+    falls behind is cut off with :class:`TransportError`."""
+    start = time.monotonic()
+    chunks: list[bytes] = []
+    received = 0
+    while received < size:
+        want = min(BODY_CHUNK, size - received)
+        left = body_due(start, timeout, received + want, min_rate) - time.monotonic()
+        try:
+            chunks.append(await asyncio.wait_for(reader.readexactly(want), max(0.0, left)))
+        except TimeoutError:
+            raise TransportError(f"{what}: {received:,} of {size:,} bytes came in {time.monotonic() - start:.1f} "
+                                 f"s, slower than {min_rate:,.0f} B/s after {timeout:g} s") from None
+        received += want
+    return b"".join(chunks)
+
+
 class P2PBlobTransport:
     """:class:`BlobTransport` on hivemind's P2P (p2pd); construct with a started ``hivemind.DHT``."""
 
@@ -395,27 +413,11 @@ class P2PBlobTransport:
             size = response.get("size")
             if not isinstance(size, int) or not 0 <= size <= max_size:
                 raise ProtocolError(f"peer announced a body of {size!r} bytes; the limit is {max_size}")
-            body = await self._read_body(reader, size, timeout, f"{name} from {peer_id[:12]}…")
+            body = await read_body(reader, size, timeout, self.min_rate, f"{name} from {peer_id[:12]}…")
             self.bytes_fetched += size
             return body
         finally:
             writer.close()
-
-    async def _read_body(self, reader: asyncio.StreamReader, size: int, timeout: float, what: str) -> bytes:
-        """``size`` bytes from ``reader``, a chunk at a time, each chunk due by :func:`body_due`."""
-        start = time.monotonic()
-        chunks: list[bytes] = []
-        received = 0
-        while received < size:
-            want = min(BODY_CHUNK, size - received)
-            left = body_due(start, timeout, received + want, self.min_rate) - time.monotonic()
-            try:
-                chunks.append(await asyncio.wait_for(reader.readexactly(want), max(0.0, left)))
-            except TimeoutError:
-                raise TransportError(f"{what}: {received:,} of {size:,} bytes came in {time.monotonic() - start:.1f} "
-                                     f"s, slower than {self.min_rate:,.0f} B/s after {timeout:g} s") from None
-            received += want
-        return b"".join(chunks)
 
     def fetch(self, peer_id: str, name: str, max_size: int, timeout: float) -> bytes:
         """The blob ``name`` from ``peer_id``.
