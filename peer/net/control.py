@@ -35,6 +35,7 @@ from hlbp.peer.net.dataplane import (
     watch_parent,
 )
 from hlbp.peer.net.dht import DHT_DIED, SafeDHT
+from hlbp.peer.net.transport import MIN_FETCH_RATE, body_due
 from hlbp.peer.net.validation import (
     RecordReader,
     choose_manifest,
@@ -314,7 +315,8 @@ class ControlPlane:
         return self.run_coroutine(
             partial(request_peer, peer_id=peer_id, header=header, max_size=max_size, timeout=timeout,
                     save_to=None if save_to is None else str(Path(save_to).resolve()), keep_body=keep_body),
-            timeout=timeout * 3 + 5,
+            # a backstop only: the request keeps its own time (the timeout, then the body's pace)
+            timeout=body_due(0.0, timeout * 3 + 5, max_size, MIN_FETCH_RATE),
         )
 
     def fetch_artifact(self, artifact: Artifact, sources: list[str], dest: Path) -> Path:

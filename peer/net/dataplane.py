@@ -19,6 +19,7 @@ from hivemind.p2p import PeerID
 from hivemind.utils.multiaddr import Multiaddr
 from hivemind.utils.multiaddr.exceptions import Error as MultiaddrError
 
+from hlbp.peer.net.transport import MIN_FETCH_RATE, SERVE_GRACE_S, body_due, read_body, write_body
 from hlbp.protocol import ProtocolError
 from hlbp.protocol.frames import decode_header, encode_header, header_length, parse_body_size, parse_request
 from hlbp.protocol.identity import sha256_hex
@@ -77,17 +78,20 @@ async def _handle(stream_info: Any, reader: asyncio.StreamReader, writer: asynci
                 writer.write(encode_header({"error": f"no artifact {arg[:16]}... here"}))
             else:
                 writer.write(encode_header({"size": len(data)}))
-                writer.write(data)
+                await write_body(writer, data, SERVE_GRACE_S, MIN_FETCH_RATE, f"artifact {arg[:12]}…")
         elif op == "probe":
             writer.write(encode_header({"size": arg}))
+            start = time.monotonic()
             zeros = bytes(CHUNK_BYTES)
             for offset in range(0, arg, CHUNK_BYTES):
-                writer.write(zeros[: min(CHUNK_BYTES, arg - offset)])
-                await writer.drain()
+                end = min(arg, offset + CHUNK_BYTES)
+                writer.write(zeros[: end - offset])
+                await asyncio.wait_for(writer.drain(), max(0.0, body_due(start, SERVE_GRACE_S, end, MIN_FETCH_RATE)
+                                                            - time.monotonic()))
         else:
             reachable, unreachable = await _dial_back(arg, stream_info.addr)
             writer.write(encode_header({"size": 0, "reachable": reachable, "unreachable": unreachable}))
-        await writer.drain()
+        await asyncio.wait_for(writer.drain(), REQUEST_TIMEOUT_S)
     except (TimeoutError, ProtocolError, asyncio.IncompleteReadError, ConnectionError) as exc:
         logger.debug("data-plane request from %s failed: %s", getattr(stream_info, "peer_id", "?"), exc)
     finally:
@@ -139,7 +143,7 @@ async def request_peer(_dht: Any, node: Any, peer_id: str, header: dict[str, Any
         await writer.drain()
         response = await _read_header(reader, timeout)
         size = parse_body_size(response, max_size)
-        body = await asyncio.wait_for(reader.readexactly(size), timeout)
+        body = await read_body(reader, size, timeout, MIN_FETCH_RATE, f"{header.get('op')} from {peer_id[:12]}…")
         elapsed = time.perf_counter() - start
         if save_to is not None:
             if sha256_hex(body) != header.get("sha256"):

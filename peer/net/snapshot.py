@@ -22,6 +22,7 @@ from hivemind.utils import get_dht_time
 
 from hlbp.peer.net.dataplane import REQUEST_TIMEOUT_S
 from hlbp.peer.net.ratelimit import RateLimiter
+from hlbp.peer.net.transport import MIN_FETCH_RATE, SERVE_GRACE_S, write_body
 from hlbp.protocol import ProtocolError
 from hlbp.protocol.announcement import peers_key
 from hlbp.protocol.frames import decode_header, encode_header, header_length
@@ -91,7 +92,7 @@ async def _handle(stream_info: Any, reader: asyncio.StreamReader, writer: asynci
     try:
         if not _STATE.limit.allow(str(getattr(stream_info, "peer_id", ""))):
             writer.write(encode_header({"error": "too many snapshot requests from this peer; ask less often"}))
-            await writer.drain()
+            await asyncio.wait_for(writer.drain(), REQUEST_TIMEOUT_S)
             return
         length = header_length(await asyncio.wait_for(reader.readexactly(4), REQUEST_TIMEOUT_S))
         parse_snapshot_request(decode_header(await asyncio.wait_for(reader.readexactly(length), REQUEST_TIMEOUT_S)))
@@ -101,13 +102,13 @@ async def _handle(stream_info: Any, reader: asyncio.StreamReader, writer: asynci
             writer.write(encode_header({"error": "this node's DHT did not answer in time; try another peer"}))
         else:
             writer.write(encode_header({"size": len(body)}))
-            writer.write(body)
-        await writer.drain()
+            await write_body(writer, body, SERVE_GRACE_S, MIN_FETCH_RATE, "a snapshot")
+        await asyncio.wait_for(writer.drain(), REQUEST_TIMEOUT_S)
     except ProtocolError as exc:
         try:  # a client of another version learns why, instead of seeing the stream close
             writer.write(encode_header({"error": str(exc)[:200]}))
-            await writer.drain()
-        except (ConnectionError, ProtocolError):
+            await asyncio.wait_for(writer.drain(), REQUEST_TIMEOUT_S)
+        except (ConnectionError, ProtocolError, TimeoutError):
             pass
         logger.debug("snapshot request from %s refused: %s", getattr(stream_info, "peer_id", "?"), exc)
     except (TimeoutError, asyncio.IncompleteReadError, ConnectionError) as exc:

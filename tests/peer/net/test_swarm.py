@@ -274,3 +274,16 @@ def test_a_dial_back_check_asks_again_until_a_helper_answers(swarm: Swarm):
     silent = _FlakyHelper(swarm.observer, failures=10**6)
     assert check_reachability(silent, [swarm.boot_id], deadline_s=5)[0] is Reachability.UNKNOWN
     assert 3.0 <= time.monotonic() - start < 30 and silent.asked >= 2
+
+
+def test_the_data_plane_serves_the_tokenizer_and_a_probe_whole(swarm: Swarm, tmp_path):
+    """Both bodies are read a chunk at a time at the pace floor and written the same way (transport.read_body,
+    write_body): what arrives is the announced bytes, exactly."""
+    signed = swarm.observer.find_manifest({swarm.boot_id}, False, 20)
+    artifacts = signed.manifest.artifacts
+    assert artifacts
+    for artifact in artifacts:
+        path = swarm.observer.fetch_artifact(artifact, [swarm.boot_id], tmp_path / artifact.name)
+        assert path.stat().st_size == artifact.size
+    response, body, seconds = swarm.observer.request(swarm.boot_id, {"op": "probe", "bytes": 3 << 20}, 3 << 20)
+    assert response["size"] == 3 << 20 and body == bytes(3 << 20) and seconds > 0
