@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from hlbp.peer.net.transport import TransportError
+from hlbp.peer.net.transport import MIN_FETCH_RATE, TransportError, body_due
 from hlbp.peer.rounds import guard
 from hlbp.peer.rounds.config import RoundConfig
 from hlbp.peer.rounds.contribution import contribution_from_bytes, contribution_to_bytes
@@ -29,7 +29,17 @@ from hlbp.protocol import ProtocolError
 from hlbp.protocol.identity import sha256_hex
 from hlbp.protocol.roundwire import ContribNotice
 
+SENDER_TRIES = 2  # a payload is fetched from its sender twice before it counts as unreachable: one transfer is no verdict
+FETCH_SLACK_S = 5.0  # what a fetch may run past its timeout and pace before the transport's backstop ends it
 PARENT_WAIT_S = 1.0  # how long a peer whose parent in a fetch tree lacks a payload waits before asking it again
+
+
+def prefetch_due(start: float, sizes: Iterable[int], timeout: float, min_rate: float) -> float:
+    """When a prefetch begun at ``start`` of payloads of ``sizes`` bytes (one per shard, fetched one after another
+    from their sender) may still be under way: each is tried :data:`SENDER_TRIES` times, each try due by the fetch's
+    timeout and then the body's pace (:func:`hlbp.peer.net.transport.body_due`), plus the backstop's slack. Past it,
+    a waiter gives up on the prefetch and fetches the payload itself."""
+    return start + sum(SENDER_TRIES * (body_due(0.0, timeout, size, min_rate) + FETCH_SLACK_S) for size in sizes)
 
 
 class BadPayload(ProtocolError):
@@ -81,7 +91,8 @@ class Payloads:
         self._unreachable: set[tuple[int, str]] = set()  # (round, sender) whose payload could not be fetched
         self._count_lock = threading.Lock()
         self._prefetcher: ThreadPoolExecutor | None = None  # background fetches of notices' payloads (prefetch)
-        self._prefetches: dict[tuple[int, str], Future[Exception | None]] = {}  # (round, sender) -> its prefetch
+        # (round, sender) -> its prefetch, and when a waiter gives up on it (prefetch_due)
+        self._prefetches: dict[tuple[int, str], tuple[Future[Exception | None], float]] = {}
 
     def measure_scales(self, anchor: Mapping[str, torch.Tensor], shards: Sequence[Sequence[str]]) -> None:
         """‖θ_s‖ of the round's anchor for every shard we apply: the guard's bounds are relative to it."""
@@ -118,13 +129,16 @@ class Payloads:
                 continue
             if self._prefetcher is None:
                 self._prefetcher = ThreadPoolExecutor(self.cfg.fetch_workers, thread_name_prefix="hlbp-prefetch")
-            self._prefetches[(r, sender)] = self._prefetcher.submit(self.check, r, sender, digests)
+            due = prefetch_due(time.monotonic(), [notice.sizes.get(s, self.limits[s]) for s in digests],
+                               self.cfg.fetch_timeout_s, MIN_FETCH_RATE)
+            self._prefetches[(r, sender)] = (self._prefetcher.submit(self.check, r, sender, digests), due)
 
     def await_prefetch(self, r: int, sender: str) -> None:
         """Let a prefetch of ``sender``'s round-r payloads under way finish, instead of fetching them twice."""
         pending = self._prefetches.get((r, sender))
-        if pending is not None:
-            wait_futures([pending], timeout=self.cfg.fetch_timeout_s + 5)  # it returns its failure: the caller judges
+        if pending is not None:  # it returns its failure: the caller judges
+            future, due = pending
+            wait_futures([future], timeout=max(0.0, due - time.monotonic()))
 
     def take(self, r: int, sender: str, s: int, digest: str) -> Contribution | None:
         """The checked payload of ``sender`` for shard ``s`` under ``digest``, handed over once (None: not held)."""
@@ -202,7 +216,7 @@ class Payloads:
         tries = [p for p in dict.fromkeys([*sources[:TRIES], coordinator]) if p not in (sender, self.me, "")]
         errors: list[str] = []
         with self.transport.sharing(name):
-            for i, peer in enumerate([*tries, sender, sender]):  # the sender twice: one transfer is not a verdict
+            for i, peer in enumerate([*tries, *[sender] * SENDER_TRIES]):
                 began = time.monotonic()
                 blob = self._fetch_from(peer, name, shard, sender, digest, errors)
                 if blob is None and i == 0 and peer != sender and time.monotonic() - began < PARENT_WAIT_S:
