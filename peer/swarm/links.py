@@ -29,6 +29,9 @@ logger = logging.getLogger(__name__)
 
 HANDLER = "/hlbp/stage/1"
 MESSAGE_TIMEOUT_S = 120.0  # once a message has started, the rest must arrive within this
+# a neighbour that takes none of what we write for this long is not reading (an honest peer reads its streams on a
+# thread of their own, whatever its compute does): the stream is closed, with what was queued for it
+WRITE_TIMEOUT_S = 120.0
 
 
 class Conn:
@@ -55,9 +58,12 @@ class Conn:
         try:
             while (data := await self._queue.get()) is not None:
                 self._writer.write(data)
-                await self._writer.drain()
+                await asyncio.wait_for(self._writer.drain(), WRITE_TIMEOUT_S)
                 self.bytes_sent += len(data)
                 self.links.count_sent(_op_of(data), len(data))
+        except TimeoutError:
+            logger.warning("stage stream to %s: it took nothing we wrote for %.0f s; closing it", self.peer[:12],
+                           WRITE_TIMEOUT_S)
         except (ConnectionError, OSError, asyncio.CancelledError) as exc:
             logger.debug("stage stream to %s: write failed: %s", self.peer[:12], exc)
         finally:
