@@ -180,7 +180,9 @@ def test_killed_peer_disappears_when_its_record_expires_and_a_leaving_one_at_onc
     observer = observer_factory(maddr)
     run_id = observer.find_manifest({boot_id}, False, 20).manifest.run_id
     victim = start_joiner(spawn, maddr, tmp_path, ttl=ttl)
-    leaver = start_joiner(spawn, maddr, tmp_path, ttl=ttl)
+    # the leaver's records live 30 s: its offline record must still be there to be read, however long the box took
+    # to stop it, and it must be that record, not an expiry, that takes it off the list within 5 s
+    leaver = start_joiner(spawn, maddr, tmp_path, ttl=30.0)
     victim_id, leaver_id = joiner_peer_id(victim), joiner_peer_id(leaver)
     poll(lambda: {victim_id, leaver_id} <= set(_online(observer, run_id)), 20, "both joiners online")
 
@@ -195,8 +197,12 @@ def test_killed_peer_disappears_when_its_record_expires_and_a_leaving_one_at_onc
     left_after = time.monotonic() - start
     assert left_after < 15, f"SIGTERM took {left_after:.1f} s"
     assert "marking this peer offline" in leaver.output
-    rec = poll(lambda: observer.read_peers(run_id).get(leaver_id), 5, "the leaver's last record")
-    assert not rec.announcement.online or leaver_id not in _online(observer, run_id)
+    def offline() -> bool:
+        rec = observer.read_peers(run_id).get(leaver_id)
+        return rec is not None and not rec.announcement.online
+
+    poll(offline, 5, "the leaver's offline record")
+    assert leaver_id not in _online(observer, run_id)
 
 
 def test_the_swarm_survives_its_bootstrap(spawn, observer_factory, tmp_path):
