@@ -31,6 +31,7 @@ import torch
 from rich.console import Console
 
 from hlbp.peer.bench.report import finish_loss_plot, print_table, write_result
+from hlbp.peer.bench.verdicts import best_of, noloco_verdict, overlap_verdict, verdict
 from hlbp.peer.data.streams import prepare_data
 from hlbp.peer.model.decoder import build_model, preset
 from hlbp.peer.rounds.noloco import NoLoCoConfig
@@ -244,71 +245,6 @@ def transmitted_fractions(shapes: dict[str, tuple[int, ...]], k: int, small_tens
     return {"per_tensor": per, "total": total, "values": round(total * sum(numel.values()))}
 
 
-def _best(results: dict[str, Any], meths: list[Method], family: str, key: str = "final_val_loss") -> str | None:
-    labels = [m.label for m in meths if m.family == family and m.label in results]
-    return min(labels, key=lambda lab: results[lab][key]) if labels else None
-
-
-def verdict(results: dict[str, Any], meths: list[Method], k_max: int = 128) -> dict[str, Any]:
-    """The issue's bars: best SparseLoCo at k <= ``k_max`` vs the best DiLoCo (<= 0.98x, > 100x fewer bytes) and
-    vs the single AdamW run with R x the batch (within 3 %)."""
-    sl = [m for m in meths if m.family == "sparseloco" and m.outer is not None and m.outer.k <= k_max]
-    best_sl = min((m.label for m in sl if m.label in results), key=lambda lab: results[lab]["final_val_loss"],
-                  default=None)
-    best_dl, adamw = _best(results, meths, "diloco"), _best(results, meths, "adamw")
-    if best_sl is None or best_dl is None:
-        return {}
-    s, d = results[best_sl], results[best_dl]
-    out: dict[str, Any] = {
-        "best_sparseloco": best_sl, "best_diloco": best_dl,
-        "loss_ratio_vs_diloco": s["final_val_loss"] / d["final_val_loss"],
-        "bytes_ratio_vs_diloco": d["bytes_per_round_per_replica"] / max(1.0, s["bytes_per_round_per_replica"]),
-    }
-    if adamw is not None:
-        out["loss_ratio_vs_adamw"] = s["final_val_loss"] / results[adamw]["final_val_loss"]
-    out["line"] = (
-        f"best SparseLoCo ({best_sl}) / best DiLoCo ({best_dl}): {out['loss_ratio_vs_diloco']:.4f} "
-        f"(bar <= 0.98) with {out['bytes_ratio_vs_diloco']:.0f}x fewer bytes (bar > 100x)"
-        + (f"; / single AdamW with R x batch: {out['loss_ratio_vs_adamw']:.4f} (bar <= 1.03)" if adamw else ""))
-    return out
-
-
-def noloco_verdict(results: dict[str, Any], meths: list[Method]) -> dict[str, Any]:
-    """NoLoCo against the round-based methods at equal tokens: dense NoLoCo over the best DiLoCo, sparse NoLoCo
-    over the best SparseLoCo (final loss and bytes per replica and round), and each NoLoCo's final spread."""
-    rows = {m.label: m for m in meths if m.family == "noloco" and m.label in results}
-    best = {fam: _best(results, meths, fam) for fam in ("diloco", "sparseloco")}
-    out: dict[str, Any] = {}
-    for label, m in rows.items():
-        ref = best["sparseloco" if m.noloco is not None and m.noloco.sparse else "diloco"]
-        if ref is None:
-            continue
-        r, b = results[label], results[ref]
-        out[label] = {"against": ref, "loss_ratio": r["final_val_loss"] / b["final_val_loss"],
-                      "bytes_ratio": r["bytes_per_round_per_replica"] / max(1.0, b["bytes_per_round_per_replica"]),
-                      "spread": r["final_spread"]}
-    if out:
-        out["line"] = "; ".join(f"{lab} / {v['against']}: loss {v['loss_ratio']:.4f}, bytes {v['bytes_ratio']:.2f}x, "
-                                f"spread {v['spread']:.2e}" for lab, v in out.items())
-    return out
-
-
-def overlap_verdict(results: dict[str, Any], meths: list[Method]) -> dict[str, Any]:
-    """Per outer method, the final loss of naive delay and of eager updates over no overlap at equal tokens (the
-    issue's bar: eager within 1 %)."""
-    out: dict[str, Any] = {}
-    for family in ("diloco", "sparseloco"):
-        by_mode = {m.overlap: results[m.label]["final_val_loss"] for m in meths
-                   if m.family == family and m.label in results}
-        if "none" in by_mode and len(by_mode) > 1:
-            out[family] = {mode: v / by_mode["none"] for mode, v in by_mode.items() if mode != "none"}
-    if out:
-        out["line"] = "; ".join(
-            f"{fam}: " + ", ".join(f"{mode} / none {r:.4f}" for mode, r in ratios.items())
-            for fam, ratios in out.items()) + " (bar for eager: <= 1.01)"
-    return out
-
-
 def write_plot(path: Path, results: dict[str, Any], meths: list[Method], title: str) -> bool:
     """Validation loss against tokens for every method; False (nothing written) without matplotlib."""
     try:
@@ -437,7 +373,7 @@ def run_convergence_bench(
         for m in meths:
             results[m.label] = run_method(cfg, m, None, console)
             keep(m.label, results[m.label])
-    ref_label = _best(results, meths, "diloco") or meths[0].label
+    ref_label = best_of(results, meths, "diloco") or meths[0].label
     dense = max(1.0, results[ref_label]["bytes_per_round_per_replica"])
     ref = results[ref_label]["final_val_loss"]
     rows = []
