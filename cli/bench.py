@@ -54,6 +54,10 @@ def convergence(
                            "with bf16 error feedback, with it and AdamW's second moment in bf16, and with both moments "
                            "in bf16, beside DiLoCo and the single AdamW run (40 rounds of H = 15; --quick: a smoke "
                            "run)."),
+    stale: bool = opt(False, "--stale", env="BENCH_STALE",
+                      help="Stale inner gradients, what an asynchronous pipeline schedule would apply: the single "
+                           "AdamW run and SparseLoCo each with fresh gradients, one-step-stale ones and stale ones "
+                           "with a weight look-ahead, beside DiLoCo (40 rounds of H = 15; --quick: a smoke run)."),
     ablations: bool = opt(False, "--ablations", env="BENCH_ABLATIONS",
                           help="--long: also the small-tensor rule (per k) and median-norm clipping against their "
                                "defaults, 3 runs more."),
@@ -75,9 +79,11 @@ def convergence(
 
     if threads:
         torch.set_num_threads(threads)
-    if long + overlap + noloco + state > 1:
-        raise UserInputError("--long, --overlap, --noloco and --state are separate sweeps: choose one")
-    if state:
+    if long + overlap + noloco + state + stale > 1:
+        raise UserInputError("--long, --overlap, --noloco, --state and --stale are separate sweeps: choose one")
+    if stale:
+        cfg = ConvergenceBenchConfig.stale(quick=quick)
+    elif state:
         cfg = ConvergenceBenchConfig.state(quick=quick)
     elif noloco:
         cfg = ConvergenceBenchConfig.noloco(quick=quick)

@@ -31,7 +31,7 @@ import torch
 from rich.console import Console
 
 from hlbp.peer.bench.report import finish_loss_plot, print_table, write_result
-from hlbp.peer.bench.verdicts import best_of, noloco_verdict, overlap_verdict, verdict
+from hlbp.peer.bench.verdicts import best_of, noloco_verdict, overlap_verdict, stale_verdict, verdict
 from hlbp.peer.data.streams import prepare_data
 from hlbp.peer.model.decoder import build_model, preset
 from hlbp.peer.rounds.noloco import NoLoCoConfig
@@ -39,6 +39,7 @@ from hlbp.peer.rounds.outer import OuterConfig
 from hlbp.peer.rounds.overlap import OVERLAPS
 from hlbp.peer.sim.engine import EngineConfig, make_full_replicas, run_outer_simulation, run_single_adamw
 from hlbp.peer.sim.noloco import run_noloco_simulation
+from hlbp.peer.sim.stale import Staleness, StaleReplica, StaleSteps
 from hlbp.peer.train.trainer import OptimConfig, pick_device
 from hlbp.protocol.manifest import Hyperparameters
 from hlbp.protocol.sparse import transmitted_fraction
@@ -116,11 +117,7 @@ class ConvergenceBenchConfig:
     def noloco(cls, quick: bool = False, **overrides: Any) -> ConvergenceBenchConfig:
         """NoLoCo, dense and sparse (k = 64), beside DiLoCo, SparseLoCo and the single AdamW run: 40 rounds of
         H = 15 with R = 4, warm-up over 5 % then cosine to 0.1x. ``quick``: 3 rounds of H = 3."""
-        base = cls(rounds=40, inner_steps=15, batch_size=4, seq_len=128, warmup_frac=0.05, eval_batches=16,
-                   sweep="noloco", ks=(64,), aggregations=("selectors",), print_every=5)
-        if quick:
-            base = dataclasses.replace(base, rounds=3, inner_steps=3, seq_len=64, eval_batches=4, print_every=1)
-        return dataclasses.replace(base, **overrides)
+        return cls._forty_rounds("noloco", quick, overrides)
 
     @classmethod
     def state(cls, quick: bool = False, **overrides: Any) -> ConvergenceBenchConfig:
@@ -128,8 +125,23 @@ class ConvergenceBenchConfig:
         bf16 error feedback, with it and AdamW's second moment in bf16, and with it and both moments in bf16,
         beside DiLoCo and the single AdamW run: 40 rounds of H = 15 with R = 4, warm-up over 5 % then cosine to
         0.1x (the NoLoCo sweep's horizon). ``quick``: 3 rounds of H = 3."""
+        return cls._forty_rounds("state", quick, overrides)
+
+    @classmethod
+    def stale(cls, quick: bool = False, **overrides: Any) -> ConvergenceBenchConfig:
+        """Stale inner gradients (what an asynchronous pipeline schedule would apply, :mod:`hlbp.peer.sim.stale`):
+        the single AdamW run and SparseLoCo (k = 64), each with fresh gradients, one-step-stale ones and stale ones
+        with a weight look-ahead, beside DiLoCo: 40 rounds of H = 15 with R = 4, warm-up over 5 % then cosine to
+        0.1x (the NoLoCo sweep's horizon). ``quick``: 3 rounds of H = 3."""
+        return cls._forty_rounds("stale", quick, overrides)
+
+    @classmethod
+    def _forty_rounds(cls, sweep: str, quick: bool, overrides: dict[str, Any]) -> ConvergenceBenchConfig:
+        """The horizon the NoLoCo, state and stale sweeps share: 40 rounds of H = 15 with R = 4 at batch 4 x 128,
+        warm-up over 5 % then cosine to 0.1x, SparseLoCo at k = 64 with the selectors; ``quick``: 3 rounds of
+        H = 3."""
         base = cls(rounds=40, inner_steps=15, batch_size=4, seq_len=128, warmup_frac=0.05, eval_batches=16,
-                   sweep="state", ks=(64,), aggregations=("selectors",), print_every=5)
+                   sweep=sweep, ks=(64,), aggregations=("selectors",), print_every=5)
         if quick:
             base = dataclasses.replace(base, rounds=3, inner_steps=3, seq_len=64, eval_batches=4, print_every=1)
         return dataclasses.replace(base, **overrides)
@@ -150,11 +162,13 @@ class Method:
     label: str
     outer: OuterConfig | None
     lr_mult: float = 1.0
-    # "adamw", "diloco", "sparseloco" or "noloco": the sweep a method's best is chosen within
+    # "adamw", "diloco", "sparseloco" or "noloco": the sweep a method's best is chosen within ("adamw-stale" and
+    # "sparseloco-stale": the stale sweep's arms, never a best)
     family: str = "sparseloco"
     overlap: str = "none"  # rounds overlapped with the next inner phase (hlbp.peer.rounds.overlap)
     noloco: NoLoCoConfig | None = None  # pairs instead of rounds (hlbp.peer.rounds.noloco)
     moments: str = "fp32"  # how each replica's inner AdamW stores its moments (OptimConfig.moments)
+    staleness: Staleness = Staleness.FRESH  # where each inner step's gradient is taken (hlbp.peer.sim.stale)
 
 
 def _sparseloco(cfg: ConvergenceBenchConfig, k: int, agg: str, alpha: float | None = None, beta: float | None = None,
@@ -218,6 +232,16 @@ def methods(cfg: ConvergenceBenchConfig) -> list[Method]:
                           moments="v-bf16"))
         out.append(Method(f"sparseloco k={k} ef+moments bf16", _sparseloco(cfg, k, agg, ef_dtype="bf16"),
                           moments="bf16"))
+    elif cfg.sweep == "stale":
+        # fresh, one-step-stale and look-ahead gradients, for the single run and for SparseLoCo's replicas
+        out.append(Method("diloco", OuterConfig(kind="diloco", outer_lr=cfg.diloco_lr, momentum=cfg.diloco_momentum),
+                          family="diloco"))
+        for mode in (Staleness.STALE, Staleness.LOOKAHEAD):
+            out.append(Method(f"adamw {mode.value}", None, family="adamw-stale", staleness=mode))
+        for mode in Staleness:
+            family = "sparseloco" if mode is Staleness.FRESH else "sparseloco-stale"  # the verdict's best: fresh
+            out.append(Method(f"sparseloco k={cfg.ks[0]} {mode.value}", _sparseloco(cfg, cfg.ks[0],
+                              cfg.aggregations[0]), family=family, staleness=mode))
     elif cfg.sweep == "overlap":
         # each outer method without overlap, with a naive one-round delay and with eager updates, same tokens
         dl = OuterConfig(kind="diloco", outer_lr=cfg.diloco_lr, momentum=cfg.diloco_momentum)
@@ -297,9 +321,13 @@ def run_method(
     if m.noloco is not None:
         res = run_noloco_simulation(sim, m.noloco, data, make_full_replicas(sim, data, device), device, on_round=show)
     elif m.outer is None:
-        res = run_single_adamw(sim, data, device, on_round=show)
+        stepper = None if m.staleness is Staleness.FRESH else (lambda t: StaleSteps(t, m.staleness).step)
+        res = run_single_adamw(sim, data, device, on_round=show, stepper=stepper)
     else:
-        res = run_outer_simulation(sim, data, make_full_replicas(sim, data, device), device, on_round=show)
+        replicas = make_full_replicas(sim, data, device)
+        if m.staleness is not Staleness.FRESH:
+            replicas = [StaleReplica(r, m.staleness) for r in replicas]
+        res = run_outer_simulation(sim, data, replicas, device, on_round=show)
     res["best_val_loss"] = min(r["val_loss"] for r in res["history"])
     res["inner_lr"] = optim.lr
     sparse = m.outer if m.outer is not None and m.outer.kind == "sparseloco" else m.noloco
@@ -400,7 +428,11 @@ def run_convergence_bench(
     nv = noloco_verdict(results, meths)
     if nv:
         console.print(nv["line"])
-    doc = write_result(out, "convergence", config, {"runs": results, "verdict": v, "noloco": nv, "complete": True})
+    sv = stale_verdict(results, meths)
+    if sv:
+        console.print(sv["line"])
+    doc = write_result(out, "convergence", config, {"runs": results, "verdict": v, "noloco": nv, "stale": sv,
+                                                    "complete": True})
     if out is not None and write_plot(Path(out).with_suffix(".png"), results, meths, title):
         console.print(f"plot: {Path(out).with_suffix('.png')}")
     return doc

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
+from hlbp.peer.sim.stale import Staleness
+
 
 class Method(Protocol):
     """What a verdict reads of a benchmark method (:class:`hlbp.peer.bench.convergence.Method`)."""
@@ -23,6 +25,9 @@ class Method(Protocol):
 
     @property
     def overlap(self) -> str: ...
+
+    @property
+    def staleness(self) -> Staleness: ...
 
 
 def best_of(results: dict[str, Any], meths: list[Method], family: str, key: str = "final_val_loss") -> str | None:
@@ -71,6 +76,25 @@ def noloco_verdict(results: dict[str, Any], meths: list[Method]) -> dict[str, An
     if out:
         out["line"] = "; ".join(f"{lab} / {v['against']}: loss {v['loss_ratio']:.4f}, bytes {v['bytes_ratio']:.2f}x, "
                                 f"spread {v['spread']:.2e}" for lab, v in out.items())
+    return out
+
+
+def stale_verdict(results: dict[str, Any], meths: list[Method]) -> dict[str, Any]:
+    """Each stale-gradient method's final loss over its fresh counterpart's at equal tokens (the single AdamW run
+    for the single runs, fresh SparseLoCo for SparseLoCo)."""
+    fresh = {"adamw": next((m.label for m in meths if m.family == "adamw"), None),
+             "sparseloco": next((m.label for m in meths if m.family == "sparseloco"
+                                 and m.staleness is Staleness.FRESH), None)}
+    out: dict[str, Any] = {}
+    for m in meths:
+        if m.staleness is Staleness.FRESH or m.label not in results:
+            continue
+        ref = fresh["adamw" if m.outer is None else "sparseloco"]
+        if ref is not None and ref in results:
+            out[m.label] = {"against": ref,
+                            "loss_ratio": results[m.label]["final_val_loss"] / results[ref]["final_val_loss"]}
+    if out:
+        out["line"] = "; ".join(f"{lab} / {v['against']}: {v['loss_ratio']:.4f}" for lab, v in out.items())
     return out
 
 

@@ -215,14 +215,18 @@ def run_outer_simulation(
 
 
 def run_single_adamw(
-    cfg: EngineConfig, data: PreparedData, device: torch.device, on_round: Callable[[dict[str, Any]], None] | None = None
+    cfg: EngineConfig, data: PreparedData, device: torch.device, on_round: Callable[[dict[str, Any]], None] | None = None,
+    stepper: Callable[[InnerTrainer], Callable[[], float]] | None = None,
 ) -> dict[str, Any]:
-    """The data-parallel ideal: one AdamW run with R times the batch over the same total tokens."""
+    """The data-parallel ideal: one AdamW run with R times the batch over the same total tokens. ``stepper(trainer)``
+    gives the function that takes one step (default: ``trainer.train_step``; a stale-gradient schedule's,
+    :mod:`hlbp.peer.sim.stale`)."""
     model = initial_model(cfg.model, cfg.seed)  # the replicas' initial parameters: every method starts alike
     total_steps = cfg.rounds * cfg.inner_steps
     optim = dataclasses.replace(cfg.optim, total_steps=total_steps, grad_accum=cfg.replicas)
     stream = TokenStream(data.train, cfg.seq_len, cfg.batch_size, seed=cfg.seed, rank=0)
     trainer = InnerTrainer(model, optim, micro_batches(stream, cfg.replicas), device)
+    step = trainer.train_step if stepper is None else stepper(trainer)
     val = val_batches(data.val, cfg.seq_len, cfg.batch_size, cfg.eval_batches)
     history = [{"round": 0, "tokens": 0, "val_loss": evaluate(model, val, device), "seconds": 0.0}]
     if on_round:
@@ -230,7 +234,7 @@ def run_single_adamw(
     start = time.perf_counter()
     for rnd in range(1, cfg.rounds + 1):
         for _ in range(cfg.inner_steps):
-            trainer.train_step()
+            step()
         history.append({
             "round": rnd, "tokens": trainer.tokens, "val_loss": evaluate(model, val, device),
             "seconds": round(time.perf_counter() - start, 2),

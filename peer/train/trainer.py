@@ -138,13 +138,23 @@ class InnerTrainer:
         self.step = 0  # optimizer steps taken so far
         self.tokens = 0  # training tokens consumed so far
 
-    def train_step(self) -> float:
-        """One optimizer step over ``grad_accum`` micro-batches; returns the mean training loss."""
+    def train_step(self, grad_at: Mapping[str, torch.Tensor] | None = None) -> float:
+        """One optimizer step over ``grad_accum`` micro-batches; returns the mean training loss.
+
+        ``grad_at`` (name -> tensor, every parameter): the step's gradient is taken at these weights instead of the
+        model's own, and then steps the model's own: what a pipeline whose stages run ahead of their updates
+        applies (an asynchronous schedule's stale gradient, :mod:`hlbp.peer.sim.stale`)."""
         self.model.train()
         lr = lr_at(self.step, self.cfg)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.zero_grad(set_to_none=True)
+        own = None
+        if grad_at is not None:
+            own = {n: p.detach().clone() for n, p in self.model.named_parameters()}
+            with torch.no_grad():
+                for n, p in self.model.named_parameters():
+                    p.copy_(grad_at[n])
         total = 0.0
         for micro in range(self.cfg.grad_accum):
             x, y = (t.to(self.device, non_blocking=True) for t in self.batch_fn(self.step, micro))
@@ -153,6 +163,11 @@ class InnerTrainer:
             loss.backward()
             total += loss.item()
             self.tokens += y.numel()
+        if own is not None:
+            with torch.no_grad():
+                for n, p in self.model.named_parameters():
+                    p.copy_(own[n])
+            del own
         if not math.isfinite(total):
             raise FloatingPointError(f"training loss became {total} at step {self.step}; lower --lr")
         if self.cfg.grad_clip > 0:

@@ -133,6 +133,7 @@ def test_sweep_flags_choose_the_long_sweeps_settings(tmp_path: Path, builtin_dat
     (("--quick", "--ablations"), "add --long"),
     (("--quick", "--alphas", "0"), "--alphas: every value must be a finite number > 0"),
     (("--quick", "--noloco", "--long"), "separate sweeps"),
+    (("--quick", "--stale", "--state"), "separate sweeps"),
 ])
 def test_bad_sweep_flags_fail_before_any_run(args: tuple[str, ...], message: str) -> None:
     proc = _bench(*args, timeout=120)
@@ -218,3 +219,26 @@ def test_state_sweep_runs_sparseloco_with_its_own_state_in_float32_and_in_bf16(t
         h = runs[label]["history"]
         assert h[-1]["val_loss"] < h[0]["val_loss"], label
     assert runs[sl[3]]["final_val_loss"] != runs[sl[0]]["final_val_loss"]  # the moments really were rounded
+
+
+def test_stale_sweep_runs_each_method_with_fresh_stale_and_look_ahead_gradients(tmp_path: Path,
+                                                                               builtin_data: object) -> None:
+    """`hlbp bench convergence --stale --quick`: the single AdamW run and SparseLoCo with one-step-stale gradients
+    and with a look-ahead, beside their fresh selves on equal tokens; each stale arm trains, differs from fresh, and
+    is reported as a ratio to it."""
+    out = tmp_path / "stale.json"
+    proc = _bench("--stale", "--quick", "--rounds", "2", "--jobs", "2", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())["result"]
+    runs = result["runs"]
+    arms = ["adamw stale", "adamw lookahead", "sparseloco k=64 stale", "sparseloco k=64 lookahead"]
+    assert set(runs) == {"adamw (1 replica, R x batch)", "diloco", "sparseloco k=64 fresh", *arms}
+    assert len({res["tokens"] for res in runs.values()}) == 1
+    for label in arms:
+        h = runs[label]["history"]
+        assert h[-1]["val_loss"] < h[0]["val_loss"], label
+        fresh = "adamw (1 replica, R x batch)" if label.startswith("adamw") else "sparseloco k=64 fresh"
+        assert runs[label]["final_val_loss"] != runs[fresh]["final_val_loss"]  # the gradients really were stale
+        assert result["stale"][label]["against"] == fresh
+        assert result["stale"][label]["loss_ratio"] == runs[label]["final_val_loss"] / runs[fresh]["final_val_loss"]
+    assert "sparseloco k=64 stale / sparseloco k=64 fresh" in proc.stderr + proc.stdout
