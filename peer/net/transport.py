@@ -96,6 +96,10 @@ class TransportError(ConnectionError):
     """A fetch failed: the peer is unreachable, timed out, does not have the blob, or sent something malformed."""
 
 
+class TooSlow(TimeoutError):
+    """A body did not move at its pace (:func:`body_due`): the peer at the other end fell behind."""
+
+
 class BlobTransport(Protocol):
     """What rounds and state sync need of the network's data plane."""
 
@@ -151,7 +155,7 @@ async def write_body(writer: asyncio.StreamWriter, data: bytes, timeout: float, 
     """Write ``data`` a chunk at a time, each chunk's write due by :func:`body_due` from now, then drain.
 
     The serving side's pace: a requester that reads slower than ``min_rate`` once ``timeout`` is spent is cut off
-    with :class:`TimeoutError`, so it cannot hold the serving coroutine (and the blob it shares) for as long as it
+    with :class:`TooSlow`, so it cannot hold the serving coroutine (and the blob it shares) for as long as it
     likes; an honest one on a slow link reads faster than the fetching side's own floor would let it."""
     start = time.monotonic()
     view = memoryview(data)
@@ -162,14 +166,14 @@ async def write_body(writer: asyncio.StreamWriter, data: bytes, timeout: float, 
         try:
             await asyncio.wait_for(writer.drain(), max(0.0, left))
         except TimeoutError:
-            raise TimeoutError(f"{what}: {sent:,} of {len(data):,} bytes taken in {time.monotonic() - start:.1f} s, "
+            raise TooSlow(f"{what}: {sent:,} of {len(data):,} bytes taken in {time.monotonic() - start:.1f} s, "
                                f"slower than {min_rate:,.0f} B/s after {timeout:g} s") from None
     await asyncio.wait_for(writer.drain(), max(0.0, body_due(start, timeout, len(data), min_rate) - time.monotonic()))
 
 
 async def read_body(reader: asyncio.StreamReader, size: int, timeout: float, min_rate: float, what: str) -> bytes:
     """``size`` bytes from ``reader``, a chunk at a time, each chunk due by :func:`body_due` from now; a sender that
-    falls behind is cut off with :class:`TransportError`."""
+    falls behind is cut off with :class:`TooSlow`."""
     start = time.monotonic()
     chunks: list[bytes] = []
     received = 0
@@ -179,7 +183,7 @@ async def read_body(reader: asyncio.StreamReader, size: int, timeout: float, min
         try:
             chunks.append(await asyncio.wait_for(reader.readexactly(want), max(0.0, left)))
         except TimeoutError:
-            raise TransportError(f"{what}: {received:,} of {size:,} bytes came in {time.monotonic() - start:.1f} "
+            raise TooSlow(f"{what}: {received:,} of {size:,} bytes came in {time.monotonic() - start:.1f} "
                                  f"s, slower than {min_rate:,.0f} B/s after {timeout:g} s") from None
         received += want
     return b"".join(chunks)
@@ -413,7 +417,10 @@ class P2PBlobTransport:
             size = response.get("size")
             if not isinstance(size, int) or not 0 <= size <= max_size:
                 raise ProtocolError(f"peer announced a body of {size!r} bytes; the limit is {max_size}")
-            body = await read_body(reader, size, timeout, self.min_rate, f"{name} from {peer_id[:12]}…")
+            try:
+                body = await read_body(reader, size, timeout, self.min_rate, f"{name} from {peer_id[:12]}…")
+            except TooSlow as exc:
+                raise TransportError(str(exc)) from None
             self.bytes_fetched += size
             return body
         finally:
