@@ -35,7 +35,7 @@ from hlbp.peer.net.dataplane import (
     watch_parent,
 )
 from hlbp.peer.net.dht import DHT_DIED, SafeDHT
-from hlbp.peer.net.transport import MIN_FETCH_RATE, body_due
+from hlbp.peer.net.pace import MIN_FETCH_RATE, body_due
 from hlbp.peer.net.validation import (
     RecordReader,
     choose_manifest,

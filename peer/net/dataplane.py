@@ -19,7 +19,7 @@ from hivemind.p2p import PeerID
 from hivemind.utils.multiaddr import Multiaddr
 from hivemind.utils.multiaddr.exceptions import Error as MultiaddrError
 
-from hlbp.peer.net.transport import MIN_FETCH_RATE, SERVE_GRACE_S, body_due, read_body, write_body
+from hlbp.peer.net.pace import MIN_FETCH_RATE, SERVE_GRACE_S, body_due, read_body, write_body
 from hlbp.protocol import ProtocolError
 from hlbp.protocol.frames import decode_header, encode_header, header_length, parse_body_size, parse_request
 from hlbp.protocol.identity import sha256_hex

@@ -21,8 +21,8 @@ from typing import Any
 from hivemind.utils import get_dht_time
 
 from hlbp.peer.net.dataplane import REQUEST_TIMEOUT_S
+from hlbp.peer.net.pace import MIN_FETCH_RATE, SERVE_GRACE_S, write_body
 from hlbp.peer.net.ratelimit import RateLimiter
-from hlbp.peer.net.transport import MIN_FETCH_RATE, SERVE_GRACE_S, write_body
 from hlbp.protocol import ProtocolError
 from hlbp.protocol.announcement import peers_key
 from hlbp.protocol.frames import decode_header, encode_header, header_length

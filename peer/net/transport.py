@@ -38,6 +38,7 @@ import msgpack
 
 from hlbp.peer.net.answers import Answers
 from hlbp.peer.net.blobstore import BlobStore, Maker, Resolver
+from hlbp.peer.net.pace import MIN_FETCH_RATE, SERVE_GRACE_S, TooSlow, body_due, read_body, write_body
 from hlbp.peer.net.ratelimit import RateLimiter
 from hlbp.protocol import ProtocolError
 
@@ -59,23 +60,7 @@ STATE_RATE, STATE_BURST = 0.5, 32.0
 STATE_PREFIX = "s/"  # the names of state shards (hlbp.peer.rounds.statesync.state_name)
 MAX_HEADER = 4096
 MAX_NAME = 256
-# the slowest a blob's body may arrive once the fetch's timeout is spent: a state shard (gigabytes on a 1B model)
-# takes its size over this rate on top of the timeout, and a sender that falls behind that pace is cut off
-MIN_FETCH_RATE = 512 * 1024  # bytes a second (about 4 Mbit/s)
-# how long a requester may take to start reading what we serve before it must keep up with the same floor: longer
-# than any fetch's own timeout (RoundConfig.fetch_timeout_s), so only a requester that stalls is cut off
-SERVE_GRACE_S = 60.0
-BODY_CHUNK = 1 << 20  # a body is read a chunk at a time, each due by :func:`body_due`
 _LEN = struct.Struct(">I")
-
-
-
-def body_due(start: float, timeout: float, received: int, min_rate: float) -> float:
-    """When the first ``received`` bytes of a body whose fetch began at ``start`` must be in: ``timeout`` for
-    the first byte's trip and the sender's start, then at least ``min_rate`` bytes a second. A blob that fits the
-    timeout at that rate is bounded by the timeout as it always was; a larger one gets the time its size needs, and
-    a sender trickling it slower is cut off as soon as it falls behind, not after the whole body's allowance."""
-    return start + timeout + received / min_rate
 
 
 async def own_p2p(dht: Any) -> Any:
@@ -94,10 +79,6 @@ async def own_p2p(dht: Any) -> Any:
 
 class TransportError(ConnectionError):
     """A fetch failed: the peer is unreachable, timed out, does not have the blob, or sent something malformed."""
-
-
-class TooSlow(TimeoutError):
-    """A body did not move at its pace (:func:`body_due`): the peer at the other end fell behind."""
 
 
 class BlobTransport(Protocol):
@@ -149,44 +130,6 @@ async def _read_frame(reader: asyncio.StreamReader, timeout: float) -> dict[str,
     if not isinstance(obj, dict):
         raise ProtocolError("frame header must be a map")
     return obj
-
-
-async def write_body(writer: asyncio.StreamWriter, data: bytes, timeout: float, min_rate: float, what: str) -> None:
-    """Write ``data`` a chunk at a time, each chunk's write due by :func:`body_due` from now, then drain.
-
-    The serving side's pace: a requester that reads slower than ``min_rate`` once ``timeout`` is spent is cut off
-    with :class:`TooSlow`, so it cannot hold the serving coroutine (and the blob it shares) for as long as it
-    likes; an honest one on a slow link reads faster than the fetching side's own floor would let it."""
-    start = time.monotonic()
-    view = memoryview(data)
-    for sent in range(0, len(data), BODY_CHUNK):
-        end = min(len(data), sent + BODY_CHUNK)
-        writer.write(view[sent:end])
-        left = body_due(start, timeout, end, min_rate) - time.monotonic()
-        try:
-            await asyncio.wait_for(writer.drain(), max(0.0, left))
-        except TimeoutError:
-            raise TooSlow(f"{what}: {sent:,} of {len(data):,} bytes taken in {time.monotonic() - start:.1f} s, "
-                               f"slower than {min_rate:,.0f} B/s after {timeout:g} s") from None
-    await asyncio.wait_for(writer.drain(), max(0.0, body_due(start, timeout, len(data), min_rate) - time.monotonic()))
-
-
-async def read_body(reader: asyncio.StreamReader, size: int, timeout: float, min_rate: float, what: str) -> bytes:
-    """``size`` bytes from ``reader``, a chunk at a time, each chunk due by :func:`body_due` from now; a sender that
-    falls behind is cut off with :class:`TooSlow`."""
-    start = time.monotonic()
-    chunks: list[bytes] = []
-    received = 0
-    while received < size:
-        want = min(BODY_CHUNK, size - received)
-        left = body_due(start, timeout, received + want, min_rate) - time.monotonic()
-        try:
-            chunks.append(await asyncio.wait_for(reader.readexactly(want), max(0.0, left)))
-        except TimeoutError:
-            raise TooSlow(f"{what}: {received:,} of {size:,} bytes came in {time.monotonic() - start:.1f} "
-                                 f"s, slower than {min_rate:,.0f} B/s after {timeout:g} s") from None
-        received += want
-    return b"".join(chunks)
 
 
 class P2PBlobTransport:

@@ -19,7 +19,8 @@ from typing import Any
 
 import torch
 
-from hlbp.peer.net.transport import MIN_FETCH_RATE, TransportError, body_due
+from hlbp.peer.net.pace import MIN_FETCH_RATE, body_due
+from hlbp.peer.net.transport import TransportError
 from hlbp.peer.rounds import guard
 from hlbp.peer.rounds.config import RoundConfig
 from hlbp.peer.rounds.contribution import contribution_from_bytes, contribution_to_bytes
@@ -37,7 +38,7 @@ PARENT_WAIT_S = 1.0  # how long a peer whose parent in a fetch tree lacks a payl
 def prefetch_due(start: float, sizes: Iterable[int], timeout: float, min_rate: float) -> float:
     """When a prefetch begun at ``start`` of payloads of ``sizes`` bytes (one per shard, fetched one after another
     from their sender) may still be under way: each is tried :data:`SENDER_TRIES` times, each try due by the fetch's
-    timeout and then the body's pace (:func:`hlbp.peer.net.transport.body_due`), plus the backstop's slack. Past it,
+    timeout and then the body's pace (:func:`hlbp.peer.net.pace.body_due`), plus the backstop's slack. Past it,
     a waiter gives up on the prefetch and fetches the payload itself."""
     return start + sum(SENDER_TRIES * (body_due(0.0, timeout, size, min_rate) + FETCH_SLACK_S) for size in sizes)
 

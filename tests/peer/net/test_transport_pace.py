@@ -15,7 +15,8 @@ import pytest
 from control_helpers import transport_pair
 
 from hlbp.peer.net import transport as tr
-from hlbp.peer.net.transport import P2PBlobTransport, TransportError, body_due
+from hlbp.peer.net.pace import body_due
+from hlbp.peer.net.transport import P2PBlobTransport, TransportError
 
 BLOB = bytes(range(256)) * (12 * 1024)  # 3 MiB
 MIN_RATE = 256 * 1024  # the asker's pace floor in this test, bytes a second

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from hlbp.peer.net.transport import MIN_FETCH_RATE
+from hlbp.peer.net.pace import MIN_FETCH_RATE
 from hlbp.peer.rounds.payloads import FETCH_SLACK_S, SENDER_TRIES, prefetch_due
 
 
