@@ -19,7 +19,7 @@ from hivemind.p2p import PeerID
 from hivemind.utils.multiaddr import Multiaddr
 from hivemind.utils.multiaddr.exceptions import Error as MultiaddrError
 
-from hlbp.peer.net.pace import MIN_FETCH_RATE, SERVE_GRACE_S, body_due, read_body, write_body
+from hlbp.peer.net.pace import MIN_FETCH_RATE, SERVE_GRACE_S, read_body, write_body, write_chunks
 from hlbp.protocol import ProtocolError
 from hlbp.protocol.frames import decode_header, encode_header, header_length, parse_body_size, parse_request
 from hlbp.protocol.identity import sha256_hex
@@ -81,13 +81,9 @@ async def _handle(stream_info: Any, reader: asyncio.StreamReader, writer: asynci
                 await write_body(writer, data, SERVE_GRACE_S, MIN_FETCH_RATE, f"artifact {arg[:12]}…")
         elif op == "probe":
             writer.write(encode_header({"size": arg}))
-            start = time.monotonic()
-            zeros = bytes(CHUNK_BYTES)
-            for offset in range(0, arg, CHUNK_BYTES):
-                end = min(arg, offset + CHUNK_BYTES)
-                writer.write(zeros[: end - offset])
-                await asyncio.wait_for(writer.drain(), max(0.0, body_due(start, SERVE_GRACE_S, end, MIN_FETCH_RATE)
-                                                            - time.monotonic()))
+            zeros = memoryview(bytes(CHUNK_BYTES))
+            chunks = (zeros[: min(CHUNK_BYTES, arg - offset)] for offset in range(0, arg, CHUNK_BYTES))
+            await write_chunks(writer, chunks, arg, SERVE_GRACE_S, MIN_FETCH_RATE, "a probe")
         else:
             reachable, unreachable = await _dial_back(arg, stream_info.addr)
             writer.write(encode_header({"size": 0, "reachable": reachable, "unreachable": unreachable}))

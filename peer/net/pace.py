@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Iterable
 
 # the slowest a blob's body may arrive once the fetch's timeout is spent: a state shard (gigabytes on a 1B model)
 # takes its size over this rate on top of the timeout, and a sender that falls behind that pace is cut off
@@ -40,18 +41,27 @@ async def write_body(writer: asyncio.StreamWriter, data: bytes, timeout: float, 
     The serving side's pace: a requester that reads slower than ``min_rate`` once ``timeout`` is spent is cut off
     with :class:`TooSlow`, so it cannot hold the serving coroutine (and the blob it shares) for as long as it
     likes; an honest one on a slow link reads faster than the fetching side's own floor would let it."""
-    start = time.monotonic()
     view = memoryview(data)
-    for sent in range(0, len(data), BODY_CHUNK):
-        end = min(len(data), sent + BODY_CHUNK)
-        writer.write(view[sent:end])
-        left = body_due(start, timeout, end, min_rate) - time.monotonic()
+    chunks = (view[sent:sent + BODY_CHUNK] for sent in range(0, len(data), BODY_CHUNK))
+    await write_chunks(writer, chunks, len(data), timeout, min_rate, what)
+
+
+async def write_chunks(writer: asyncio.StreamWriter, chunks: Iterable[bytes | memoryview], size: int,
+                       timeout: float, min_rate: float, what: str) -> None:
+    """:func:`write_body` for a body of ``size`` bytes given as ``chunks`` (one made as it is sent, as a bandwidth
+    probe's zeros are)."""
+    start = time.monotonic()
+    sent = 0
+    for chunk in chunks:
+        writer.write(chunk)
+        left = body_due(start, timeout, sent + len(chunk), min_rate) - time.monotonic()
         try:
             await asyncio.wait_for(writer.drain(), max(0.0, left))
         except TimeoutError:
-            raise TooSlow(f"{what}: {sent:,} of {len(data):,} bytes taken in {time.monotonic() - start:.1f} s, "
-                               f"slower than {min_rate:,.0f} B/s after {timeout:g} s") from None
-    await asyncio.wait_for(writer.drain(), max(0.0, body_due(start, timeout, len(data), min_rate) - time.monotonic()))
+            raise TooSlow(f"{what}: {sent:,} of {size:,} bytes taken in {time.monotonic() - start:.1f} s, slower "
+                          f"than {min_rate:,.0f} B/s after {timeout:g} s") from None
+        sent += len(chunk)
+    await asyncio.wait_for(writer.drain(), max(0.0, body_due(start, timeout, size, min_rate) - time.monotonic()))
 
 
 async def read_body(reader: asyncio.StreamReader, size: int, timeout: float, min_rate: float, what: str) -> bytes:
