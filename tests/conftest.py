@@ -10,6 +10,10 @@ from pathlib import Path
 import pytest
 
 from hlbp.peer.data.streams import PreparedData, builtin_documents, default_cache_dir, prepare_data
+from hlbp.peer.net.dht import P2PD_ENV
+
+# the daemons tests start with hivemind's own DHT or P2P run as hlbp's peers' do (test_simultaneous_dial says why)
+os.environ.update(P2PD_ENV)
 
 
 @pytest.fixture(scope="session")

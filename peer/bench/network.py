@@ -188,7 +188,6 @@ class BenchSwarm:
 @contextmanager
 def swarm(cfg: NetworkBenchConfig, model: str, n: int, data: Any) -> Iterator[BenchSwarm]:
     """Start N peers on loopback; every daemon and thread is stopped on exit, also after an error."""
-    import hivemind
     from hivemind.averaging import DecentralizedAverager
 
     from hlbp.peer.data.streams import TokenStream
@@ -211,7 +210,7 @@ def swarm(cfg: NetworkBenchConfig, model: str, n: int, data: Any) -> Iterator[Be
     sw = BenchSwarm([], [], [], [], [], 0, stop)
     with ExitStack() as stack:
         tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="hlbp-bench-net-"))  # removed last
-        root = hivemind.DHT(start=True, host_maddrs=LOCAL)
+        root = SafeDHT(start=True, host_maddrs=LOCAL)  # its p2pd as every peer's (dht.P2PD_ENV)
         stack.callback(root.shutdown)
         initial = [str(m) for m in root.get_visible_maddrs()]
         run_id = f"bench-net-{model}-{n}-{os.getpid()}"
