@@ -12,15 +12,17 @@ The flow of one micro-batch at stage s: ``fwd`` from upstream → forward → ``
 (:class:`~hlbp.peer.swarm.stepend.StepLedger`); the driver's ``apply`` then comes down ahead of the next step's
 micro-batches, is checked against that norm, passed on and queued before them. A step whose norms did not come up
 complete ends the older way: ``finish`` down the chain summing the norms, the last stage's ``done`` back up, each
-stage queueing its AdamW step before it passes ``done`` on.
+stage queueing its AdamW step before it passes ``done`` on. Every answer goes up the stream its cause came down: a
+micro-batch's ``bwd`` on the stream of its ``fwd``, a step's ``done`` on the stream of its ``finish``, so peers
+above that feed this stage in one step each hear about their own micro-batches.
 
 Guard traffic (a round's candidate scored through the chain before it is committed) shares the streams and the
 compute thread; :class:`~hlbp.peer.swarm.guardrelay.GuardRelay` owns it.
 
 Failures: a downstream stream that closes with micro-batches still waiting for their backward, or a peer that
 cannot be dialled, becomes a ``fail`` naming that peer, sent upstream to the driver, which re-runs the step's
-micro-batches through another chain. A frame that does not decode bans its sender (with backoff) and is dropped;
-it is never applied and never stops the stage.
+micro-batches through another chain. A frame that does not decode bans its sender (with backoff), whichever side
+of the stage it came from, and is dropped; it is never applied and never stops the stage.
 """
 
 from __future__ import annotations
@@ -84,6 +86,16 @@ def max_body_bytes(codec: ActivationCodec, max_tokens: int, vocab_size: int) -> 
     return int(codec.frame_bytes(max_tokens)["forward"] * max_tokens) + 8 * max_tokens + 64
 
 
+@dataclass(frozen=True)
+class Pending:
+    """A micro-batch this stage passed down and awaits the backward of: the stream it came down (where its bwd
+    goes), the peer it went to, and the seconds its forward took."""
+
+    up: Conn
+    down: str
+    fwd_s: float
+
+
 class StageServer:
     """Serves one stage of one swarm until :meth:`close`. ``accept(peer)`` says who may call it."""
 
@@ -101,14 +113,18 @@ class StageServer:
         self.on_step = on_step
         self.counters = StageCounters()
         self._accept = accept
-        self._jobs: queue.PriorityQueue[tuple[int, int, Callable[[], None]]] = queue.PriorityQueue()
+        # (priority, arrival, job, the peer whose frame the job decodes: blamed when it does not decode)
+        self._jobs: queue.PriorityQueue[tuple[int, int, Callable[[], None], str]] = queue.PriorityQueue()
         self._seq = itertools.count()
         self._lock = threading.Lock()
-        self._upstream: Conn | None = None  # the stream of the session under way
+        # Replies go up the stream their cause came down: a micro-batch's bwd on its fwd's stream, a step's done on
+        # its finish's. Several peers of the stage above may feed this one in a step, each on its own stream.
+        self._upstream: Conn | None = None  # the session's latest stream: where a fail without a cause goes
+        self._closer: Conn | None = None  # the stream the step's finish came down
         self._session = -1
         self._step_round: int | None = None  # the outer round of the step under way, as its frames say
         self.ledger = StepLedger()  # what this stage said about the step under way, to check its end against
-        self._pending: dict[tuple[int, int], tuple[str, float]] = {}  # (mb, attempt) -> (downstream peer, fwd s)
+        self._pending: dict[tuple[int, int], Pending] = {}  # (mb, attempt) -> where it came from and went
         self._eval_upstream: dict[tuple[int, int], Conn] = {}
         self.guard = GuardRelay(slot, worker, codec, vocab_size, lambda job: self._put(FORWARD, job), self._pass_on,
                                 self._count_eval)
@@ -157,16 +173,16 @@ class StageServer:
                     self._session = msg.session
                     self._pending.clear()
                 self._upstream = conn
-            self._put(FORWARD, lambda: self._forward(conn, msg, body))
+            self._put(FORWARD, lambda: self._forward(conn, msg, body), conn.peer)
         elif msg.op == "bwd":
-            self._put(BACKWARD, lambda: self._backward(conn.peer, msg, body))
+            self._put(BACKWARD, lambda: self._backward(conn.peer, msg, body), conn.peer)
         elif msg.op == "finish":
             fault = finish_fault(msg.lr, msg.opt_step, msg.max_norm, self.worker.optim)
             if fault is not None:  # not run, not passed down: its sender is banned and told why
                 self._on_bad(conn.peer, fault)
                 self._fail(conn.peer, Reason.BAD_FINISH, fault)
                 return
-            self._put(BACKWARD, lambda: self._finish(msg))
+            self._put(BACKWARD, lambda: self._finish(conn, msg))
         elif msg.op == "abort":
             self._put(APPLY, lambda: self._abort(msg))
         elif msg.op == "apply":
@@ -195,14 +211,15 @@ class StageServer:
         if not conn.dialled:
             return
         with self._lock:
-            lost = [key for key, (peer, _) in self._pending.items() if peer == conn.peer]
+            lost = [key for key, pending in self._pending.items() if pending.down == conn.peer]
         if lost:
             logger.warning("stage stream to %s closed with %d micro-batches waiting for backward", conn.peer[:12],
                            len(lost))
             self._fail(conn.peer, Reason.STREAM_CLOSED, f"stream closed with {len(lost)} micro-batches in flight")
 
     def _send_up(self, msg: StageMessage, body: bytes = b"") -> None:
-        up = self._upstream
+        """A step's end (done) or a failure, up the stream of the step's finish, else the session's latest."""
+        up = self._closer or self._upstream
         if up is not None:
             up.send(encode_message(msg, body))
 
@@ -238,15 +255,17 @@ class StageServer:
         self._send_up(StageMessage("fail", session=self._session, step=max(self.worker.step, 0), peer=peer,
                                    code=code, reason=reason[:200]))
 
-    def _put(self, priority: int, job: Callable[[], None]) -> None:
-        self._jobs.put((priority, next(self._seq), job))
+    def _put(self, priority: int, job: Callable[[], None], sender: str = "") -> None:
+        """Queue ``job`` for the compute thread; ``sender``: whose frame it decodes (default: the session's
+        latest upstream peer)."""
+        self._jobs.put((priority, next(self._seq), job, sender))
 
     # --- compute thread ------------------------------------------------------------------------------------------
 
     def _compute_loop(self) -> None:
         while not self._stop.is_set():
             try:
-                _, _, job = self._jobs.get(timeout=0.2)
+                _, _, job, sender = self._jobs.get(timeout=0.2)
             except queue.Empty:
                 continue
             start = time.perf_counter()
@@ -254,7 +273,7 @@ class StageServer:
                 job()
             except ProtocolError as exc:  # a frame that decoded to something unusable: the sender's fault
                 up = self._upstream
-                self._on_bad(up.peer if up is not None else "", str(exc))
+                self._on_bad(sender or (up.peer if up is not None else ""), str(exc))
             except StageStateError as exc:
                 self.counters.stale += 1
                 logger.debug("dropped a stale message: %s", exc)
@@ -280,6 +299,7 @@ class StageServer:
         self.worker.begin(msg.session, msg.step)
         if new_step:
             self._step_round = msg.round  # what the step's apply tells the round gate
+            self._closer = None  # this step's finish has yet to come
         self.ledger.started(msg)
         if self.is_last:
             targets = decode_targets(window, shape, self.vocab_size)
@@ -301,7 +321,7 @@ class StageServer:
         self.counters.forwards += 1
         nxt, rest = msg.route[0], msg.route[1:]
         with self._lock:
-            self._pending[(msg.mb, msg.attempt)] = (nxt, time.perf_counter() - start)
+            self._pending[(msg.mb, msg.attempt)] = Pending(conn, nxt, time.perf_counter() - start)
         try:
             down = self.links.dial(nxt)
         except ConnectionError as exc:
@@ -356,13 +376,15 @@ class StageServer:
         self.counters.backwards += 1
         sumsq, count = self._norms(msg, self.ledger.below(msg))
         with self._lock:
-            _, fwd_s = self._pending.pop((msg.mb, msg.attempt), ("", 0.0))
+            pending = self._pending.pop((msg.mb, msg.attempt), None)
+        fwd_s = pending.fwd_s if pending is not None else 0.0
         busy = msg.busy + (fwd_s + time.perf_counter() - start,)
-        up = self._upstream
+        up = pending.up if pending is not None else self._upstream
         if up is not None:
             up.send(sealed(self.notary, replace(msg, busy=busy[-32:], sumsq=sumsq, count=count), data))
 
-    def _finish(self, msg: StageMessage) -> None:
+    def _finish(self, conn: Conn, msg: StageMessage) -> None:
+        self._closer = conn  # one reference, set here and in _forward (this thread), read by _send_up
         if (msg.session, msg.step) != (self.worker.session, self.worker.step) or \
                 len(self.worker.accumulated) != msg.count:
             have = len(self.worker.accumulated) if msg.step == self.worker.step else 0

@@ -23,6 +23,7 @@ from stage_parts import CONFIG, dense_codec, stage_workers, started_dhts
 
 from hlbp.peer.sim.launcher import poll
 from hlbp.peer.swarm.driver import Driver, DriverConfig
+from hlbp.peer.swarm.links import Conn
 from hlbp.peer.swarm.routing import Candidate
 from hlbp.peer.swarm.server import StageServer
 from hlbp.peer.swarm.worker import clip_scale
@@ -40,8 +41,8 @@ class LyingServer(StageServer):
     def _norms(self, msg: StageMessage, below: float | None) -> tuple[float, int]:
         return 0.0, 0
 
-    def _finish(self, msg: StageMessage) -> None:
-        super()._finish(replace(msg, lr=10.0))
+    def _finish(self, conn: Conn, msg: StageMessage) -> None:
+        super()._finish(conn, replace(msg, lr=10.0))
 
 
 class UnaskedDoneServer(StageServer):
