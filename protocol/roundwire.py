@@ -113,13 +113,24 @@ class AcceptedSet:
     round: int
     members: tuple[tuple[str, int, dict[int, str]], ...]  # (sender, tokens, shard -> digest), sorted by sender
     banned: tuple[tuple[str, int], ...] = ()  # (sender, until round): garbage senders, so later coordinators skip them
+    # the banned senders whose ban is for contributions they announced and did not deliver, sorted: no evidence that
+    # anything they sent was false, so a stage peer that received their frames keeps its work (ChainTaint)
+    missed: tuple[str, ...] = ()
 
     def to_body(self, run_id: str) -> dict[str, Any]:
-        return {"run": run_id, "round": self.round, "members": [[s, t, _keys(d)] for s, t, d in self.members],
+        body = {"run": run_id, "round": self.round, "members": [[s, t, _keys(d)] for s, t, d in self.members],
                 "banned": [[p, u] for p, u in self.banned]}
+        if self.missed:
+            body["missed"] = list(self.missed)
+        return body
 
     def senders(self) -> list[str]:
         return [s for s, _, _ in self.members]
+
+    def faulted(self, r: int) -> list[str]:
+        """The peers banned past round ``r`` for something false they sent (not for undelivered contributions),
+        sorted."""
+        return sorted(p for p, until in self.banned if until > r and p not in self.missed)
 
 
 @dataclass(frozen=True)
@@ -201,7 +212,11 @@ def parse_accepted(data: Any, signer: str, run_id: str, round_: int | None = Non
                 or not isinstance(item[1], int) or isinstance(item[1], bool) or not r < item[1] <= r + 1024):
             raise ProtocolError("accepted set's ban entry must be [peer id, until round] within 1024 rounds")
         banned.append((item[0], item[1]))
-    return AcceptedSet(signer, r, tuple(members), tuple(banned))
+    missed = body.get("missed", [])  # absent in records of older peers: every ban then counts as a fault
+    if (not isinstance(missed, list) or not all(isinstance(p, str) for p in missed) or missed != sorted(set(missed))
+            or not set(missed) <= {p for p, _ in banned}):
+        raise ProtocolError("accepted set's missed list must name banned peers, each once and sorted")
+    return AcceptedSet(signer, r, tuple(members), tuple(banned), tuple(missed))
 
 
 def parse_checks(data: Any, signer: str, run_id: str) -> ShardChecks:

@@ -24,11 +24,13 @@ class RoundBans:
 
     ``until``: sender -> (banned until round, strikes so far), from our own verdicts and those that travel in the
     accepted sets; ``by_guard``: sender -> banned until round, from rounds every peer's guard refused alike (such a
-    peer no longer coordinates while banned, unlike one a coordinator's word alone banned)."""
+    peer no longer coordinates while banned, unlike one a coordinator's word alone banned); ``missed``: the senders
+    whose latest ban is for contributions they did not deliver (no evidence that anything they sent was false)."""
 
     def __init__(self) -> None:
         self.until: dict[str, tuple[int, int]] = {}
         self.by_guard: dict[str, int] = {}
+        self.missed: set[str] = set()
         self.misses: dict[str, list[int]] = {}  # sender -> recent rounds whose announced payload could not be had
 
     def __contains__(self, sender: object) -> bool:
@@ -37,10 +39,15 @@ class RoundBans:
     def __iter__(self) -> Iterator[str]:
         return iter(self.until)
 
-    def ban(self, r: int, sender: str, reason: str) -> None:
-        """Reject a sender's contribution and ban it for 2, 4, 8, ... rounds; the ban travels in the accepted set."""
+    def ban(self, r: int, sender: str, reason: str, missed: bool = False) -> None:
+        """Reject a sender's contribution and ban it for 2, 4, 8, ... rounds; the ban travels in the accepted set,
+        marked when it is for undelivered contributions (``missed``) rather than for something false."""
         strikes = self.until.get(sender, (0, 0))[1] + 1
         self.until[sender] = (r + 1 + 2**strikes, strikes)
+        if missed:
+            self.missed.add(sender)
+        else:
+            self.missed.discard(sender)
         logger.warning("round %d: rejected the contribution of %s (%s); banned until round %d", r, sender[:16],
                        reason, self.until[sender][0])
 
@@ -53,7 +60,8 @@ class RoundBans:
         while len(self.misses) > MAX_MISSERS:
             self.misses.pop(next(iter(self.misses)))
         if len(recent) >= 2:
-            self.ban(r, sender, f"{len(recent)} announced contributions in {MISS_WINDOW} rounds could not be fetched")
+            self.ban(r, sender, f"{len(recent)} announced contributions in {MISS_WINDOW} rounds could not be fetched",
+                     missed=True)
 
     def ban_by_guard(self, r: int, sender: str, reason: str) -> None:
         """Ban a sender whose contribution made the round guard refuse the round (the same verdict everywhere)."""
@@ -65,6 +73,7 @@ class RoundBans:
         others'): it is no longer banned, and that strike no longer counts."""
         until, strikes = self.until.pop(sender, (0, 0))
         self.by_guard.pop(sender, None)
+        self.missed.discard(sender)
         if strikes > 1:
             self.until[sender] = (0, strikes - 1)
         if until:
@@ -82,11 +91,16 @@ class RoundBans:
         """The bans still in force after round r, as an accepted set carries them."""
         return tuple(sorted((p, u) for p, (u, _) in self.until.items() if u > r))
 
+    def travelling_missed(self, r: int) -> tuple[str, ...]:
+        """Those of :meth:`travelling`'s bans that are for undelivered contributions, as an accepted set marks them."""
+        return tuple(sorted(p for p in self.missed if self.until.get(p, (0, 0))[0] > r))
+
     def to_json(self) -> dict[str, Any]:
         """The bans and strike counts, as a checkpoint header keeps them (the ``MAX_SAVED_BANS`` that end last)."""
         kept = dict(sorted(self.until.items(), key=lambda item: item[1][0], reverse=True)[:MAX_SAVED_BANS])
         return {"until": {p: [u, n] for p, (u, n) in kept.items()},
-                "by_guard": {p: u for p, u in self.by_guard.items() if p in kept}}
+                "by_guard": {p: u for p, u in self.by_guard.items() if p in kept},
+                "missed": sorted(p for p in self.missed if p in kept)}
 
     def load_json(self, raw: Any) -> bool:
         """Take a checkpoint header's bans in place of these; returns whether the record was well-formed. The file
@@ -109,6 +123,10 @@ class RoundBans:
             return False
         if not all(ok_peer(p) and ok_int(u) and p in until for p, u in by_guard.items()):
             return False
+        missed = raw.get("missed", [])  # absent in older checkpoints
+        if not isinstance(missed, list) or not all(isinstance(p, str) and p in until for p in missed):
+            return False
         self.until = {p: (u, n) for p, (u, n) in until.items()}
         self.by_guard = dict(by_guard)
+        self.missed = set(missed)
         return True

@@ -66,8 +66,9 @@ class Taint(Protocol):
 
     def tainted(self, r: int, banned: Sequence[str]) -> bool:
         """Whether this peer's round-``r`` work was computed with frames from one of ``banned`` (the bans in force
-        that round's accepted set carries). Asked once for every round that closed, in order, so an implementation
-        can tell the bans the round added from those it carried over."""
+        that round's accepted set carries, less those it marks as for undelivered contributions). Asked once for
+        every round that closed, in order, so an implementation can tell the bans the round added from those it
+        carried over."""
         ...
 
     def forget(self) -> None:
@@ -267,8 +268,11 @@ class RoundRunner(ReplicaBase):
                 stats.refused = str(outcome)
             stats.guard = dict(self.applier.last_ratios)
             stats.copies = list(self.applier.last_copies) if isinstance(outcome, Applied) else []
-        taint = self.taint if accepted is not None else None  # asked about every round that closed
-        if taint is not None and taint.tainted(r, stats.banned) and mine and not stats.accepted:
+        taint = self.taint
+        # asked about every round that closed; a ban for undelivered contributions is no evidence that a peer's
+        # frames were false, so it taints nothing
+        tainted = taint is not None and accepted is not None and taint.tainted(r, accepted.faulted(r))
+        if taint is not None and tainted and mine and not stats.accepted:
             # poisoned by a neighbour caught lying: kept, it would come back in a later round's contribution
             logger.warning("round %d: our contribution was computed with frames from a peer banned for lying; "
                            "dropping it, its phase from the error feedback and the inner optimizer's moments", r)

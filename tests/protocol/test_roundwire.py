@@ -102,3 +102,20 @@ def test_ban_list_travels_with_the_accepted_set_and_is_bounded():
     forever = {"run": "run", "round": 5, "members": [], "banned": [[OTHER.peer_id, 10**9]]}
     with pytest.raises(ProtocolError):
         parse_accepted(sign(KIND_ACCEPTED, forever, ME), ME.peer_id, "run")
+
+
+def test_the_bans_for_undelivered_contributions_travel_marked_and_a_malformed_mark_is_refused():
+    a = AcceptedSet(ME.peer_id, 5, (), ((OTHER.peer_id, 9),), (OTHER.peer_id,))
+    back = parse_accepted(sign(KIND_ACCEPTED, a.to_body("run"), ME), ME.peer_id, "run")
+    assert back.banned == ((OTHER.peer_id, 9),) and back.missed == (OTHER.peer_id,)
+    assert back.faulted(5) == []  # what a stage peer's taint counts: nothing false was sent
+    both = AcceptedSet(ME.peer_id, 5, (), tuple(sorted([(OTHER.peer_id, 9), (ME.peer_id, 7)])), (OTHER.peer_id,))
+    assert both.faulted(5) == [ME.peer_id] and both.faulted(7) == []
+    # an older peer's record has no mark: its bans all count as faults
+    assert parse_accepted(sign(KIND_ACCEPTED, AcceptedSet(ME.peer_id, 5, (), ((OTHER.peer_id, 9),)).to_body("run"),
+                               ME), ME.peer_id, "run").missed == ()
+    banned = [[OTHER.peer_id, 9]]
+    for bad in ("x", [1], [[OTHER.peer_id]], [OTHER.peer_id, OTHER.peer_id], [ME.peer_id], [{"a": 1}], None):
+        body = {"run": "run", "round": 5, "members": [], "banned": banned, "missed": bad}
+        with pytest.raises(ProtocolError):
+            parse_accepted(sign(KIND_ACCEPTED, body, ME), ME.peer_id, "run")

@@ -63,3 +63,18 @@ def test_a_pardon_lifts_the_last_ban_and_its_strike_only() -> None:
     assert "poisoner" not in bans.until and not bans.refused_by_all("poisoner", 6)
     bans.pardon("nobody")  # never banned: nothing to lift
     assert "nobody" not in bans.until
+
+
+def test_a_ban_for_undelivered_contributions_travels_marked_until_a_fault_replaces_it() -> None:
+    bans = _bans()
+    bans.miss(4, "silent")
+    assert bans.travelling_missed(4) == ()  # one miss bans nobody
+    bans.miss(6, "silent")
+    assert bans.banned("silent", 7) and bans.travelling_missed(6) == ("silent",)
+    assert dict(bans.travelling(6))["silent"] == 9 and bans.travelling_missed(9) == ()  # the mark ends with the ban
+    back = RoundBans()
+    assert back.load_json(bans.to_json()) and back.missed == {"silent"}  # kept across a restart
+    assert not RoundBans().load_json({**bans.to_json(), "missed": ["nobody banned"]})
+    assert RoundBans().load_json({k: v for k, v in bans.to_json().items() if k != "missed"})  # an older file
+    back.ban(7, "silent", "a table of 1e30")  # then it sent garbage: no longer a miss alone
+    assert back.travelling_missed(7) == () and back.banned("silent", 7)
