@@ -129,7 +129,8 @@ def print_report(out_console: Console, report: dict[str, Any], rounds: int) -> N
                           "replicas never agree bit for bit, so there are no checksums to compare)")
     out_console.print(f"time per round and peer: compute {t['compute'] / max(1, len(report['rounds'])):.2f} s, "
                       f"comm {t['comm'] / max(1, len(report['rounds'])):.2f} s, "
-                      f"wait {t['wait'] / max(1, len(report['rounds'])):.2f} s; "
+                      f"wait {t['wait'] / max(1, len(report['rounds'])):.2f} s, "
+                      f"steps waiting for their turn {t.get('turn_wait', 0.0) / max(1, len(report['rounds'])):.2f} s; "
                       f"utilization {util:.1%}" if util is not None else "no rounds finished")
     rs = report["rounds"]
     if rs and any(r.get("swarm_val_loss") for r in rs):

@@ -39,6 +39,7 @@ from hlbp.peer.rounds.anchor import Anchor
 from hlbp.peer.swarm.audit import Finding
 from hlbp.peer.swarm.auditor import AuditConfig, Auditor, Fetch, PeerAudit
 from hlbp.peer.train.trainer import skeleton
+from hlbp.peer.train.turns import Turns
 from hlbp.protocol.roundwire import ContribNotice
 
 logger = logging.getLogger(__name__)
@@ -55,11 +56,12 @@ class PipelineAudits:
 
     def __init__(self, config: ModelConfig, bounds: list[tuple[int, int]], codec: ActivationCodec, vocab_size: int,
                  max_body: int, fetch: Fetch, anchor: Callable[[], Mapping[str, torch.Tensor] | None], metrics: Any,
-                 cfg: AuditConfig | None = None, stage_of: Callable[[str], int | None] = lambda peer: None) -> None:
+                 cfg: AuditConfig | None = None, stage_of: Callable[[str], int | None] = lambda peer: None,
+                 turns: Turns | None = None) -> None:
         self.config, self.bounds, self.codec = config, bounds, codec
         self.anchor, self.metrics = anchor, metrics
         self.stage_of = stage_of  # the stage a peer's own signed announcement names (None: not known)
-        self.auditor = Auditor(fetch, codec, vocab_size, max_body, cfg)
+        self.auditor = Auditor(fetch, codec, vocab_size, max_body, cfg, turns)
         self._skeletons: dict[int, Stage] = {}
         self._lock = threading.Lock()  # one audit at a time: they share the codec's table and the skeletons
         self.audited = 0  # stage peers audited, for the summary

@@ -56,6 +56,7 @@ from hlbp.peer.train.trainer import (
     skeleton,
     warm_runtime,
 )
+from hlbp.peer.train.turns import Turns, side_turn
 
 logger = logging.getLogger(__name__)
 
@@ -110,9 +111,10 @@ def codec_config(m: Any) -> CodecConfig:
 
 def pipeline_audits(m: Any, config: ModelConfig, model: Stage, transport: P2PBlobTransport,
                     anchor: Callable[[], Mapping[str, torch.Tensor] | None], metrics: Any,
-                    stage_of: Callable[[str], int | None]) -> PipelineAudits:
+                    stage_of: Callable[[str], int | None], turns: Turns | None = None) -> PipelineAudits:
     """The audits this full replica runs on the run's stage peers when it coordinates (hlbp.peer.node.audits),
-    with the run's codec and the largest stage frame the run allows; ``stage_of``: the stage a peer announces."""
+    with the run's codec and the largest stage frame the run allows; ``stage_of``: the stage a peer announces;
+    ``turns``: where each recomputation waits for the training step under way."""
     cc = codec_config(m)
     table = fixed_table(config.vocab_size, config.d_model, config.subspace_seed, config.subspace_table_std) \
         if config.subspace_rank else None
@@ -121,7 +123,7 @@ def pipeline_audits(m: Any, config: ModelConfig, model: Stage, transport: P2PBlo
                        model.embed.weight.detach().cpu().clone(), max_tokens=tokens)
     return PipelineAudits(config, [tuple(b) for b in m.stages], codec, config.vocab_size,
                           max_body_bytes(codec, tokens, config.vocab_size), transport.fetch, anchor, metrics,
-                          stage_of=stage_of)
+                          stage_of=stage_of, turns=turns)
 
 
 def replica_config(m: Any, vocab_size: int) -> ModelConfig:
@@ -182,7 +184,7 @@ class ParamScorer:
         if not self.separate:
             self.trainer.load_params(params)
             return evaluate(self.trainer.model, batches, self.device)
-        with self._lock:  # the exchange thread (guard) and the main thread (report) may both score
+        with self._lock, side_turn(self.trainer.turns):  # the exchange thread (guard) and the main thread (report)
             if self._shell is None:
                 self._shell = skeleton(self.trainer.model)
             return evaluate_params(self._shell, params, batches, self.device)
@@ -305,6 +307,8 @@ def run_replica(ctx: TrainContext, options: ReplicaOptions, echo: Any = print) -
     outer, rcfg = round_settings(m, options.checkpoint_every_s, ef_dtype, state_dir)
     # behind NAT: say so in our notices, so that a dialable peer coordinates (hlbp.peer.rounds.rules)
     rcfg = dataclasses.replace(rcfg, dialable=peer.reachability is not Reachability.CLIENT)
+    if rcfg.overlap != "none":  # the exchange's forward passes take turns with the steps they run beside
+        trainer.turns = Turns()
     scorer = ParamScorer(trainer, device, separate=rcfg.overlap != "none")
     if not m.may_contribute(peer.plane.peer_id):
         echo(f"warning: this peer ({peer.plane.peer_id}) is not in run {m.run_id}'s allow-list: every other peer "
@@ -335,7 +339,8 @@ def run_replica(ctx: TrainContext, options: ReplicaOptions, echo: Any = print) -
             exporter.update(stats, val_loss)
         share = "accepted" if stats.accepted else ("left out" if stats.contributed else "weight 0")
         echo(f"round {stats.round}: {stats.members} contributions, ours {share}, val {val_loss or float('nan'):.4f}, "
-             f"compute {stats.compute_s:.1f}s comm {stats.comm_s:.1f}s wait {stats.wait_s:.1f}s, "
+             f"compute {stats.compute_s:.1f}s comm {stats.comm_s:.1f}s wait {stats.wait_s:.1f}s"
+             + (f" (steps waited {stats.turn_wait_s:.1f}s for turns)" if stats.turn_wait_s >= 0.05 else "") + ", "
              f"sent {stats.bytes_sent:,} B recv {stats.bytes_received:,} B, shard 0 {stats.checksums.get(0, '')[:10]}"
              + (f", resynced to round {stats.state_round}" if stats.state_round is not None else ""))
 
@@ -343,7 +348,8 @@ def run_replica(ctx: TrainContext, options: ReplicaOptions, echo: Any = print) -
     box: list[Any] = []  # the runner, for the audits' anchor (they run inside its round close)
     extra = {} if runner_cls is DenseRoundRunner or len(bounds) < 2 else {
         "screen": pipeline_audits(m, config, model, transport,
-                                  lambda: box[0].state.anchor if box[0].in_sync else None, metrics, book.stage)}
+                                  lambda: box[0].state.anchor if box[0].in_sync else None, metrics, book.stage,
+                                  trainer.turns)}
     runner = runner_cls(
         peer.plane.dht, peer.plane.identity, transport, trainer, outer, shards, rcfg, ctx.stop,
         checkpoint=ctx.out_dir / "checkpoint.safetensors", metrics=metrics, expected=expected, on_round=on_round,

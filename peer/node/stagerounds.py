@@ -47,6 +47,7 @@ from hlbp.peer.rounds.sparseloco import RoundRunner, RoundStats
 from hlbp.peer.swarm.gate import RoundGate
 from hlbp.peer.swarm.transcript import Notary
 from hlbp.peer.swarm.worker import StageWorker
+from hlbp.peer.train.turns import Turns
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +72,9 @@ class StageTrainer:
         self.model = worker.stage
         self.optimizer = worker.optimizer
         self.tokens = 0
+        # a stage's steps run on its server's compute thread, and its round exchange runs between its phases: no
+        # forward pass of the exchange waits for a step's turn (hlbp.peer.train.turns)
+        self.turns: Turns | None = None
 
     @torch.no_grad()
     def load_params(self, params: dict[str, torch.Tensor]) -> None:

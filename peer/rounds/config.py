@@ -65,9 +65,12 @@ class RoundStats:
     contributed: bool = False
     accepted: bool = False
     members: int = 0
-    compute_s: float = 0.0
+    compute_s: float = 0.0  # the inner phase's seconds, less turn_wait_s
     comm_s: float = 0.0
     wait_s: float = 0.0
+    # seconds the phase's training steps waited for the overlapped exchange's forward passes (hlbp.peer.train.turns):
+    # time neither trained nor communicated, so not compute
+    turn_wait_s: float = 0.0
     # the collection window this peer held for the round (rules.adapt_window, widen_for_late): how long a
     # coordinator waits past the first contribution for the rest, when one is missing
     window_s: float = 0.0

@@ -260,9 +260,12 @@ class ReplicaBase(ABC):
         served_before = self.bytes_served()
         if not self.overlapping:
             self._bytes_in = 0  # under overlap the exchange in flight still counts; it takes a difference instead
+        turns = self.trainer.turns
+        waited = turns.step_wait_s if turns is not None else 0.0
         t0 = time.perf_counter()
         steps, tokens = self.phase.run(r)
-        stats.compute_s = time.perf_counter() - t0
+        stats.turn_wait_s = turns.step_wait_s - waited if turns is not None else 0.0
+        stats.compute_s = time.perf_counter() - t0 - stats.turn_wait_s
         return stats, steps, tokens, served_before
 
     def _after_step(self, r: int, step: int) -> None:

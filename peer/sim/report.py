@@ -44,7 +44,8 @@ def states_agree(records: Iterable[dict[str, Any]]) -> bool:
 def by_role(records: dict[str, Sequence[dict[str, Any]]]) -> dict[str, dict[str, float | None]]:
     """Per role (full replicas, stage peers) over every round record of the run: the seconds of compute,
     communication and waiting, ``utilization`` (compute over compute and communication, as per round) and
-    ``busy`` (compute over all three: the share of the round loop's wall time spent training). The two differ
+    ``busy`` (compute over all three: the share of the round loop's wall time spent training; waiting counts the
+    inner steps' waits for the overlapped exchange's turn, ``turn_wait_s``, too). The two differ
     where a role waits: a full replica whose phase ends before the overlapped exchange waits in ``wait_s``, which
     utilization leaves out, while a stage peer's exchange runs between its phases and counts as communication."""
     out: dict[str, dict[str, float | None]] = {}
@@ -52,7 +53,9 @@ def by_role(records: dict[str, Sequence[dict[str, Any]]]) -> dict[str, dict[str,
         recs = [rec for name, rs in records.items() if is_stage(name) == stage for rec in rs]
         if not recs:
             continue
-        c, m, w = (sum(float(rec.get(k, 0.0)) for rec in recs) for k in ("compute_s", "comm_s", "wait_s"))
+        c, m, w, t = (sum(float(rec.get(k, 0.0)) for rec in recs)
+                      for k in ("compute_s", "comm_s", "wait_s", "turn_wait_s"))
+        w += t  # steps waiting for the exchange's turn: neither compute nor communication
         out[role] = {"compute_s": c, "comm_s": m, "wait_s": w,
                      "utilization": c / (c + m) if c + m > 0 else None,
                      "busy": c / (c + m + w) if c + m + w > 0 else None}
@@ -91,6 +94,7 @@ def summarize(records: dict[str, Sequence[dict[str, Any]]], n_params: int | None
         compute = sum(p["compute_s"] for p in peers.values())
         comm = sum(p["comm_s"] for p in peers.values())
         wait = sum(p["wait_s"] for p in peers.values())
+        turn_wait = sum(p.get("turn_wait_s", 0.0) for p in peers.values())
         n = len(peers)
         rounds.append({
             "round": r,
@@ -117,6 +121,7 @@ def summarize(records: dict[str, Sequence[dict[str, Any]]], n_params: int | None
             "compute_s": compute / n,
             "comm_s": comm / n,
             "wait_s": wait / n,
+            "turn_wait_s": turn_wait / n,  # inner steps waiting for the overlapped exchange's forward passes
             "utilization": compute / (compute + comm) if compute + comm > 0 else None,
             # eager overlap: inner steps of the next phase each peer trained before this round's result landed
             "landed_after": {name: p["landed_after"] for name, p in sorted(peers.items())
@@ -135,7 +140,8 @@ def summarize(records: dict[str, Sequence[dict[str, Any]]], n_params: int | None
     }
     total_compute = sum(r["compute_s"] for r in rounds)
     total_comm = sum(r["comm_s"] for r in rounds)
-    out["time_s"] = {"compute": total_compute, "comm": total_comm, "wait": sum(r["wait_s"] for r in rounds)}
+    out["time_s"] = {"compute": total_compute, "comm": total_comm, "wait": sum(r["wait_s"] for r in rounds),
+                     "turn_wait": sum(r["turn_wait_s"] for r in rounds)}
     out["utilization"] = total_compute / (total_compute + total_comm) if total_compute + total_comm > 0 else None
     out["by_role"] = by_role(records)
     # seconds per protocol step (encode, close, apply, publish, verify; rounds/exchange.py), per peer and round

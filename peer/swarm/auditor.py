@@ -24,6 +24,7 @@ import torch
 from hlbp.peer.model.codec import ActivationCodec
 from hlbp.peer.model.decoder import Stage
 from hlbp.peer.swarm.audit import AuditResult, Evidence, Finding, Frame, Tolerance, audit, judge_step
+from hlbp.peer.train.turns import Turns, side_turn
 from hlbp.protocol import ProtocolError
 from hlbp.protocol.transcript import FrameKey, IndexEntry, decode_index, decode_kept, index_name
 
@@ -156,8 +157,9 @@ class Auditor:
     stage at the anchor. ``max_body``: the largest stage message body the run allows."""
 
     def __init__(self, fetch: Fetch, codec: ActivationCodec, vocab_size: int, max_body: int,
-                 cfg: AuditConfig | None = None) -> None:
+                 cfg: AuditConfig | None = None, turns: Turns | None = None) -> None:
         self.fetch, self.codec, self.vocab_size, self.max_body = fetch, codec, vocab_size, max_body
+        self.turns = turns  # each recomputation waits for the auditing peer's training step under way (None: no wait)
         self.cfg = cfg or AuditConfig()
         self._indexes: dict[tuple[str, int], list[IndexEntry]] = {}  # (peer, round) -> its index, this round only
 
@@ -182,13 +184,38 @@ class Auditor:
             logger.info("frame %s not had from %s: %s", key.name, holder[:12], exc)
             return None
 
+    def _recompute(self, stage: Stage, fetched: Sequence[tuple[MicroBatchKey, dict[str, Frame | None], dict[str, str]]],
+                   params: Mapping[str, torch.Tensor] | None) -> tuple[list[tuple[MicroBatchKey, AuditResult, dict[str, str]]], float]:
+        """Each fetched sample's finding and the seconds recomputing took, in one turn: the stage's parameters are
+        read (once for every sample) and dropped within it."""
+        found: list[tuple[MicroBatchKey, AuditResult, dict[str, str]]] = []
+        compute_s = 0.0
+        with side_turn(self.turns):
+            own = None if params is None else {n: params[n] for n, _ in stage.named_parameters()}
+            for mb, frames, held in fetched:
+                evidence = Evidence(frames["x"], frames["y"], frames["g_out"], frames["g_in"])
+                t0 = time.perf_counter()
+                result = audit(stage, self.codec, self.vocab_size, evidence, self.cfg.tolerance, own)
+                compute_s += time.perf_counter() - t0
+                unfetched = sorted(name for name in held if frames[name] is None)
+                if result.finding is Finding.INCONCLUSIVE and unfetched:  # listed by its holder, not had in time
+                    result = AuditResult(Finding.INCONCLUSIVE, detail=f"could not fetch {', '.join(unfetched)} "
+                                                                      "from the peers that list them")
+                elif result.finding is Finding.INCONCLUSIVE and not stage.is_first and evidence.x is None:
+                    result = AuditResult(Finding.INCONCLUSIVE, detail="it did not show the input it passed on")
+                found.append((mb, result, held))
+        return found, compute_s
+
     def audit_peer(self, r: int, accused: str, stage: Stage, swarm: Sequence[str], seed: int,
                    params: Mapping[str, torch.Tensor] | None = None, samples: int | None = None) -> PeerAudit:
         """Findings on a sample of the micro-batch attempts ``accused`` passed on in round ``r``, recomputed on
         ``stage`` at the anchor of round r's phase (``params``, or ``stage``'s own weights); ``swarm``: the peers
-        that may hold its frames; ``samples`` overrides the configured count (0: only who its neighbours were)."""
-        if params is not None:  # one stage's parameters, read once for every sample (a stored anchor reads a file)
-            params = {n: params[n] for n, _ in stage.named_parameters()}
+        that may hold its frames; ``samples`` overrides the configured count (0: only who its neighbours were).
+
+        Every sample's frames are fetched first; then, in one turn (:attr:`turns`), the stage's parameters are read
+        (a stored anchor reads a file) and every sample recomputed, so neither the parameters nor the recomputation
+        are held while the frames travel beside the auditing peer's training step. The frames of every sample (at
+        most ``samples + later``, four each, each at most ``max_body``) are held together until then."""
         own = self._index(accused, r)
         received = {(e.key.op, e.key.micro_batch()): e.key for e in own}
         # each neighbour's side: -1 upstream (it sent us activations), +1 downstream (it sent us gradients)
@@ -212,13 +239,12 @@ class Auditor:
                     sent.setdefault(mb, e.inner)
                     if e.flagged:
                         flagged.add(mb)
-        found: list[tuple[MicroBatchKey, AuditResult, dict[str, str]]] = []
-        compute_s = 0.0
         count = self.cfg.samples if samples is None else samples
         # stage 0's later steps are not judged: its siblings are not alike by construction (the embedding rows a
         # micro-batch reads drift with how often the phase trained those tokens), so they would convict an honest
         # driver; its first step is recomputed exactly like any stage's
         later = self.cfg.later if count and not stage.is_first else 0
+        fetched: list[tuple[MicroBatchKey, dict[str, Frame | None], dict[str, str]]] = []
         for mb in choose(sent, count, seed, later, flagged, self.cfg.later_chance):
             frames: dict[str, Frame | None] = {}
             held: dict[str, str] = {}
@@ -232,17 +258,8 @@ class Auditor:
                 frames[name] = None if key is None else self._frame(accused, key)
                 if key is not None:
                     held[name] = accused
-            evidence = Evidence(frames["x"], frames["y"], frames["g_out"], frames["g_in"])
-            t0 = time.perf_counter()
-            result = audit(stage, self.codec, self.vocab_size, evidence, self.cfg.tolerance, params)
-            compute_s += time.perf_counter() - t0
-            unfetched = sorted(name for name in held if frames[name] is None)
-            if result.finding is Finding.INCONCLUSIVE and unfetched:  # listed by its holder, not had in time
-                result = AuditResult(Finding.INCONCLUSIVE, detail=f"could not fetch {', '.join(unfetched)} "
-                                                                  "from the peers that list them")
-            elif result.finding is Finding.INCONCLUSIVE and not stage.is_first and evidence.x is None:
-                result = AuditResult(Finding.INCONCLUSIVE, detail="it did not show the input it passed on")
-            found.append((mb, result, held))
+            fetched.append((mb, frames, held))
+        found, compute_s = self._recompute(stage, fetched, params) if fetched else ([], 0.0)
         judged = judge_step([res for _, res, _ in found], self.cfg.tolerance)
         verdicts = [Verdict(accused, r, mb, res, held) for (mb, _, held), res in zip(found, judged)]
         sides.pop(accused, None)

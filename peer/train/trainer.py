@@ -23,6 +23,7 @@ from hlbp.peer.model.decoder import forward_parts
 from hlbp.peer.model.subspace import SubspaceConstraint
 from hlbp.peer.train.adamw import MOMENT_LAYOUTS, CompactAdamW
 from hlbp.peer.train.checkpoint import load_module, optimizer_from_tensors, optimizer_to_tensors
+from hlbp.peer.train.turns import Turns
 
 
 @dataclass
@@ -122,11 +123,15 @@ class InnerTrainer:
     ``constraint``: variant A's :class:`~hlbp.peer.model.subspace.SubspaceConstraint` over ``model``'s parameters
     (a full replica of an A run trains the constrained network as the stage peers do): every step is followed by
     its ``reproject``, and whoever loads new global parameters into the model calls its ``sync``.
+
+    ``turns``: where each step takes its turn beside the forward passes a peer's round exchange runs in another
+    thread (:class:`~hlbp.peer.train.turns.Turns`); None: steps take no turn.
     """
 
     def __init__(self, model: nn.Module, cfg: OptimConfig, batch_fn: BatchFn, device: torch.device,
-                 constraint: SubspaceConstraint | None = None) -> None:
+                 constraint: SubspaceConstraint | None = None, turns: Turns | None = None) -> None:
         cfg.validate()
+        self.turns = turns
         self.model = model.to(device)
         self.cfg = cfg
         self.batch_fn = batch_fn
@@ -144,6 +149,12 @@ class InnerTrainer:
         ``grad_at`` (name -> tensor, every parameter): the step's gradient is taken at these weights instead of the
         model's own, and then steps the model's own: what a pipeline whose stages run ahead of their updates
         applies (an asynchronous schedule's stale gradient, :mod:`hlbp.peer.sim.stale`)."""
+        if self.turns is None:
+            return self._train_step(grad_at)
+        with self.turns.step():
+            return self._train_step(grad_at)
+
+    def _train_step(self, grad_at: Mapping[str, torch.Tensor] | None) -> float:
         self.model.train()
         lr = lr_at(self.step, self.cfg)
         for group in self.optimizer.param_groups:

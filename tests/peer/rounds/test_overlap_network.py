@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import json
 
 import pytest
 
@@ -37,6 +38,10 @@ def test_eager_overlap_keeps_every_round_agreed_and_the_loss_falling(tmp_path) -
             assert r["landed_after"].get(name, 5) >= steps[-1], (name, steps, r["landed_after"])
     assert report["landing"]["partial"] > 0, report["landing"]
     assert report["landing"]["mid_phase"] == len(landed) / sum(r["peers"] for r in report["rounds"])
+    # what the exchange's turns cost each phase is in every round record, apart from its compute
+    records = [json.loads(line) for f in tmp_path.glob("*/*/*/metrics.jsonl") for line in f.read_text().splitlines()]
+    rounds = [rec for rec in records if rec.get("event") == "round"]
+    assert rounds and all(rec["turn_wait_s"] >= 0 for rec in rounds)
     losses = report["val_loss"]
     # every round lowers the loss; by how much varies with load (a loaded run measured 8.86 -> 8.36)
     assert all(b < a for a, b in itertools.pairwise(losses)) and losses[-1] < losses[0] - 0.25, losses

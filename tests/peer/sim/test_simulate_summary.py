@@ -78,6 +78,16 @@ def test_the_run_is_split_by_role_into_utilization_and_busy_share_of_wall_time()
     assert set(summarize({"peer0": full})["by_role"]) == {"full"}
 
 
+def test_inner_steps_waiting_for_their_turn_count_as_waiting_not_compute() -> None:
+    full = [{**_rec(r, {"0": "a"}, 9.0, 10), "compute_s": 2.0, "comm_s": 0.5, "wait_s": 1.0, "turn_wait_s": 0.5}
+            for r in range(2)]
+    report = summarize({"peer0": full})
+    assert report["by_role"]["full"] == {"compute_s": 4.0, "comm_s": 1.0, "wait_s": 3.0, "utilization": 0.8,
+                                         "busy": 0.5}
+    assert [r["turn_wait_s"] for r in report["rounds"]] == [0.5, 0.5]
+    assert report["time_s"]["turn_wait"] == 1.0
+
+
 def test_phases_are_averaged_per_peer_and_round() -> None:
     a, b = _rec(0, {"0": "x"}, 9.0, 100), _rec(0, {"0": "x"}, 9.0, 100)
     a["phases"] = {"close": 1.0, "verify": 0.5}

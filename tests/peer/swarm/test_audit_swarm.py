@@ -13,6 +13,8 @@ a frame (what the auditor checks is what the neighbours hold, signed by the liar
 from __future__ import annotations
 
 import tempfile
+import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -36,6 +38,7 @@ from hlbp.peer.swarm.server import StageServer, max_body_bytes
 from hlbp.peer.swarm.transcript import Notary
 from hlbp.peer.swarm.worker import StageWorker
 from hlbp.peer.train.trainer import OptimConfig, lr_at, skeleton
+from hlbp.peer.train.turns import Turns
 from hlbp.protocol.identity import Identity
 from hlbp.protocol.transcript import AUDIT_PREFIX
 
@@ -92,10 +95,12 @@ def network() -> Iterator[tuple[list[hivemind.DHT], list[Identity]]]:
 
 def run_swarm(network: tuple[list[hivemind.DHT], list[Identity]], lie: tuple[str, str, int] | None,
               wire: str = "fp32", samples: int = 2, seeds: tuple[int, ...] = (0,),
-              later: int = 0, later_chance: float = 1.0, audited: int = 1) -> tuple[list[Any], list[Any]]:
+              later: int = 0, later_chance: float = 1.0, audited: int = 1, turns: Turns | None = None,
+              fetches: list[str] | None = None) -> tuple[list[Any], list[Any]]:
     """STEPS steps of a 3-stage swarm in round 0 (stage 1 lying as ``lie`` says), then the verdicts of an audit
     of stage ``audited`` (1, or 0: the driver) per seed with ``samples`` samples of the phase's first step (and
-    ``later`` of one later step), and the micro-batch attempts it lied on."""
+    ``later`` of one later step), and the micro-batch attempts it lied on. ``turns``: the auditor's; ``fetches``:
+    the name of every blob the auditor fetches is appended there."""
     dhts, identities = network
     workers = [StageWorker(s, OPTIM, torch.device("cpu")) for s in stages()]
     middle: Any = workers[1] if lie is None else LyingWorker(workers[1], *lie)
@@ -117,9 +122,14 @@ def run_swarm(network: tuple[list[hivemind.DHT], list[Identity]], lie: tuple[str
         for step in range(STEPS):
             x = torch.randint(0, CONFIG.vocab_size, (8, 17))
             driver.train_step(x[:, :-1], x[:, 1:], step, lr_at(step, OPTIM), round_r=0, inner=step)
-        auditor = Auditor(transports[3].fetch, codec(wire), CONFIG.vocab_size, body,
+        def fetch(peer: str, name: str, *args: Any, **kwargs: Any) -> bytes:
+            if fetches is not None:
+                fetches.append(name)
+            return transports[3].fetch(peer, name, *args, **kwargs)
+
+        auditor = Auditor(fetch, codec(wire), CONFIG.vocab_size, body,
                           AuditConfig(samples=samples, later=later, later_chance=later_chance,
-                                      timeout_s=FETCH_TIMEOUT_S))
+                                      timeout_s=FETCH_TIMEOUT_S), turns)
         # round 0's anchor: the run's initial weights, run through a skeleton of the stage (no parameter memory)
         anchor = initial_state(CONFIG, 0)
         swarm = [driver.peer_id, *(s.peer_id for s in servers)]
@@ -169,6 +179,42 @@ def test_an_honest_middle_stage_passes_every_sample(network: Any) -> None:
                                      max(ratio, c.token_ratio, 1 / c.token_ratio))
     print("honest frames against the anchor, by inner step: (worst error, per-token cosine, norm ratio)", worst)
     assert worst[0][0] < 1e-5  # the phase's first step is at the anchor: exact up to float reduction order
+
+
+def test_an_audit_fetches_its_evidence_beside_a_training_step_and_recomputes_only_in_its_turn(network: Any) -> None:
+    """A coordinator's audits run in its exchange thread beside its training steps: every frame is fetched while a
+    step runs, and the recomputation (the stage's parameters read, its forward and backward) waits for the step's
+    end instead of adding its memory to the step's peak (hlbp.peer.train.turns)."""
+    turns = Turns()
+    fetches: list[str] = []
+    seen: dict[str, Any] = {}
+    release = threading.Event()
+
+    def step() -> None:  # a training step that lasts until the audit has fetched everything and asked for a turn
+        with turns.step():
+            release.wait(120)
+
+    def watch() -> None:
+        deadline = time.monotonic() + 120
+        while not turns.waiting and time.monotonic() < deadline:
+            time.sleep(0.05)
+        seen["waiting"], seen["fetched"] = turns.waiting, len(fetches)
+        time.sleep(0.5)  # nothing more is fetched while it waits: it had everything
+        seen["fetched later"] = len(fetches)
+        release.set()
+
+    holder = threading.Thread(target=step)
+    holder.start()
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        verdicts, _ = run_swarm(network, None, samples=2, turns=turns, fetches=fetches)
+    finally:
+        release.set()
+        holder.join(10)
+        watcher.join(10)
+    assert seen["waiting"] == 1 and seen["fetched"] == seen["fetched later"] == len(fetches) > 0, (seen, fetches)
+    assert len(verdicts) == 2 and all(v.result.finding is Finding.CLEAN for v in verdicts), verdicts
 
 
 @pytest.mark.parametrize("where", ["forward", "backward"])
