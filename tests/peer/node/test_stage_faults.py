@@ -54,7 +54,9 @@ def _wait(sw: Swarm, fn: Callable[[], Any], what: str) -> Any:
 
 
 def _round(records: list[dict[str, Any]], r: int) -> dict[str, Any] | None:
-    return next((x for x in records if x["round"] == r), None)
+    """A peer's record of round ``r``; a restarted peer's later record of a round wins (the one it wrote on its way
+    out, reporting an exchange its stop cut short, is not what it holds now)."""
+    return next((x for x in reversed(records) if x["round"] == r), None)
 
 
 def _start(sw: Swarm, servers: list[str], n_full: int) -> Replica:
