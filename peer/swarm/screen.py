@@ -58,14 +58,15 @@ class FrameStats:
 
 def frame_stats(t: torch.Tensor) -> FrameStats | None:
     """The screen's statistics of a frame whose last dimension is one token's vector; None for a frame that has
-    none (fewer than two tokens, a zero token, or not finite: nothing to compare)."""
+    none (fewer than two tokens, a zero token, or not finite, or so large that its squares are not: nothing to
+    compare)."""
     if t.dim() < 1 or t.numel() == 0 or t.shape[-1] == 0:
         return None
     rows = t.detach().float().reshape(-1, t.shape[-1])
     if rows.shape[0] < 2 or not bool(torch.isfinite(rows).all()):
         return None
     rms = rows.pow(2).mean(dim=1).sqrt()
-    if not bool((rms > 0).all()):
+    if not bool(((rms > 0) & torch.isfinite(rms)).all()):  # squares of finite values past 1e19 overflow
         return None
     spread = float(rms.log().std())
     whole = float(rows.pow(2).mean().sqrt())
@@ -178,10 +179,12 @@ class BoundaryScreen:
 
     def _start(self) -> None:
         """Averages from the warm-up's frames: the medians of scale and spread, and the mean of the frames whose
-        scale is within the band of the median's (a frame x10 among them sets nothing)."""
+        scale is within the band of the median's (a frame x10 among them sets nothing). The scale's median is the
+        lower middle frame's, not the midpoint of the two middle ones: frames at two scales far apart (a sender
+        that lies on half of them, or gradients that shrink fast) would leave no frame near a midpoint."""
         first = [f for _, f in self._first]
         self._first = []
-        self.log_scale = statistics.median(f.log_scale for f in first)
+        self.log_scale = statistics.median_low(f.log_scale for f in first)
         self.log_spread = statistics.median(f.log_spread for f in first)
         self.log_coherence = statistics.median(f.log_coherence for f in first)
         near = [f.mean for f in first if abs(f.log_scale - self.log_scale) <= math.log(self.cfg.scale)]

@@ -91,11 +91,25 @@ def test_the_warm_up_starts_from_medians_and_marks_its_own_outliers_at_its_end()
     screen = BoundaryScreen(ScreenConfig(warmup=4))
     assert screen.observe(activations(0), 0) == {}
     assert screen.observe(activations(1) * 10, 1) == {}  # a lie among the first frames: nothing judged yet
-    for junk in (torch.zeros(2, 4, D), torch.full((2, 4, D), float("nan")), torch.ones(1, 1, D), torch.zeros(0, D)):
+    for junk in (torch.zeros(2, 4, D), torch.full((2, 4, D), float("nan")), torch.ones(1, 1, D), torch.zeros(0, D),
+                 torch.full((2, 4, D), 1e30)):
         assert frame_stats(junk) is None and screen.observe(junk, "junk") == {}
     assert screen.observe(activations(2), 2) == {}
     assert screen.observe(activations(3), 3) == {1: {Outlier.SCALE}}  # the averages start: the lie stands out
     assert outliers(screen, activations(4)) == frozenset()  # and it set nothing
+
+
+def test_a_warm_up_at_two_scales_far_apart_starts_from_one_of_them() -> None:
+    # half the warm-up x100: the midpoint of the two middle scales is 10x from every frame, so the screen must take
+    # one frame's scale (a sender could send this on purpose; it crashed the receiver's step once)
+    for direction in ("fwd", "bwd"):
+        screen = FrameScreen(ScreenConfig(warmup=4))
+        frames = [activations(0), activations(1) * 100, activations(2), activations(3) * 100]
+        found = {}
+        for i, t in enumerate(frames):
+            found = screen.observe("a", direction, t, i)
+        assert found == {1: {Outlier.SCALE}, 3: {Outlier.SCALE}}, direction
+        assert screen.observe("a", direction, activations(4), 4) == {}
 
 
 def test_the_screen_keeps_one_boundary_per_sender_and_direction_and_at_most_its_bound() -> None:
