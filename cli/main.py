@@ -74,6 +74,9 @@ def train(
     checkpoint_every: int = opt(100, "--checkpoint-every", env="CHECKPOINT_EVERY", help="Steps between checkpoints."),
     resume: bool = opt(False, "--resume/--no-resume", env="RESUME", help="Continue from --out-dir's checkpoint."),
     progress: bool = opt(True, "--progress/--no-progress", env="PROGRESS", help="Show a progress bar."),
+    recompute: bool = opt(False, "--recompute/--no-recompute", env="RECOMPUTE",
+                          help="Run each block's forward again in the backward instead of holding its activations: "
+                               "less memory, more compute, the same gradients."),
 ) -> None:
     """Train one model locally on this machine (no peers): the inner trainer on its own."""
     from hlbp.peer.train.local import LocalRunConfig, run_local_training
@@ -83,7 +86,7 @@ def train(
         model=model, steps=steps, batch_size=batch_size, seq_len=seq_len, data=data, vocab_size=vocab_size,
         tokenizer=tokenizer, cache_dir=cache_dir, eval_every=eval_every, eval_batches=eval_batches, seed=seed,
         device=device, threads=threads, out_dir=out_dir, checkpoint_every=checkpoint_every, resume=resume,
-        progress=progress,
+        progress=progress, recompute=recompute,
         optim=OptimConfig(lr=lr, warmup_steps=warmup, weight_decay=weight_decay, grad_clip=grad_clip, grad_accum=grad_accum),
     )
     run_local_training(cfg, console)

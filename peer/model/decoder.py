@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from hlbp.peer.common.errors import UserInputError
 from hlbp.peer.model.basis import fixed_table, project_rows, project_writer, subspace_basis
@@ -202,6 +203,10 @@ class Stage(nn.Module):
 
     Input: token ids [batch, seq] on the first stage, else hidden states [batch, seq, d_model].
     Output: logits [batch, seq, vocab] on the last stage, else hidden states.
+
+    ``recompute`` (off by default; a peer's own choice, ``hlbp join --recompute``) keeps only each block's input for
+    the backward and runs the block's forward again there: the activations inside the blocks are not held from the
+    forward to the backward, for about one more forward of compute. The gradients are the same bits on the CPU.
     """
 
     def __init__(self, config: ModelConfig, start: int, end: int) -> None:
@@ -210,6 +215,7 @@ class Stage(nn.Module):
             raise UserInputError(f"stage layers [{start}, {end}) do not fit a {config.n_layers}-layer model")
         self.config = config
         self.start, self.end = start, end
+        self.recompute = False
         self.is_first, self.is_last = start == 0, end == config.n_layers
         if self.is_first:
             self.embed = nn.Embedding(config.vocab_size, config.d_model)
@@ -260,8 +266,12 @@ class Stage(nn.Module):
         if x.shape[1] > self.config.max_seq_len:
             raise UserInputError(f"sequence of {x.shape[1]} tokens exceeds max_seq_len={self.config.max_seq_len}")
         basis = getattr(self, "subspace_basis", None)
+        recompute = self.recompute and torch.is_grad_enabled()
         for block in self.blocks.values():
-            x = block(x, self.rope_cos, self.rope_sin, basis)
+            if recompute:
+                x = checkpoint(block, x, self.rope_cos, self.rope_sin, basis, use_reentrant=False)
+            else:
+                x = block(x, self.rope_cos, self.rope_sin, basis)
         if self.is_last:
             x = self.head(self.norm(x))
         return x

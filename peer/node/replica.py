@@ -77,6 +77,7 @@ class ReplicaOptions:
     # how this peer stores its own optimizer state, never sent or checksummed (a key of STATE_LAYOUTS)
     state_dtype: str = "bf16"
     state_on_disk: bool = True  # the anchor and error feedback in files under the out dir (common.spill), not memory
+    recompute: bool = False  # each block's forward run again in the backward, its activations not held (Stage)
     # a fault test's change to the runner's parts before it starts (it wraps them: tests/peer/rounds/faulty_peer.py);
     # production: None
     faults: Callable[[Any], None] | None = None
@@ -146,6 +147,9 @@ def replica_model(m: Any, vocab_size: int) -> tuple[ModelConfig, Stage, Subspace
     constraint = SubspaceConstraint(dict(model.named_parameters()), config) if config.subspace_rank else None
     return config, model, constraint
 
+
+RECOMPUTE_NOTE = ", blocks recomputed in the backward"
+"""What a peer's start line adds under ``hlbp join --recompute``."""
 
 STATE_LAYOUTS = {
     "fp32": ("fp32", "fp32"),
@@ -290,6 +294,7 @@ def run_replica(ctx: TrainContext, options: ReplicaOptions, echo: Any = print) -
     memory.mark_baseline(device, warm=lambda: warm_runtime(replica_config(m, data.vocab_size), optim, device,
                                                            hp.batch_size, hp.seq_len))
     config, model, constraint = replica_model(m, data.vocab_size)  # every replica: bit-identical initial weights
+    model.recompute = options.recompute
     # beside the checkpoint, what it does not say: the model's shape and the run's tokenizer (hlbp export, generate)
     write_model_info(ctx.out_dir, ModelInfo(m.run_id, config, data.eot_id, hp.batch_size * hp.seq_len),
                      data.tokenizer_path)
@@ -362,7 +367,7 @@ def run_replica(ctx: TrainContext, options: ReplicaOptions, echo: Any = print) -
         options.faults(runner)
     start = time.perf_counter()
     how = runner.start()
-    echo(f"replica: {how}; starting at round {runner.round}")
+    echo(f"replica: {how}; starting at round {runner.round}" + (RECOMPUTE_NOTE if model.recompute else ""))
     if how.fresh and options.wait_replicas > 1:
         wait_for_replicas(lambda: expected().count, options.wait_replicas, options.wait_replicas_timeout_s, ctx.stop, echo)
     try:

@@ -39,7 +39,12 @@ from hlbp.peer.model.pipeline import initial_stage, initial_tensors, run_model_c
 from hlbp.peer.model.subspace import make_codec
 from hlbp.peer.node.join import TrainContext, data_rank
 from hlbp.peer.node.rebalance import Rebalancer
-from hlbp.peer.node.replica import STATE_LAYOUTS, codec_config, inner_schedule  # shared with full replicas
+from hlbp.peer.node.replica import (  # shared with full replicas
+    RECOMPUTE_NOTE,
+    STATE_LAYOUTS,
+    codec_config,
+    inner_schedule,
+)
 from hlbp.peer.node.roles import Role
 from hlbp.peer.node.stagerounds import PhaseStopped, make_stage_rounds, serve_phase
 from hlbp.peer.node.swarmview import SwarmView
@@ -87,6 +92,7 @@ class StageOptions:
     round_faults: Callable[[Any], None] | None = None  # a fault test's wrapper of the built round runner's parts
     state_dtype: str = "bf16"  # this peer's own AdamW moments and error feedback (replica.STATE_LAYOUTS)
     state_on_disk: bool = True  # the anchor and error feedback in files under the out dir (common.spill), not memory
+    recompute: bool = False  # each block's forward run again in the backward, its activations not held (Stage)
 
 
 def _build(ctx: TrainContext, options: StageOptions) -> tuple[Any, StageWorker, Any, int, dict[str, Any]]:
@@ -110,6 +116,7 @@ def _build(ctx: TrainContext, options: StageOptions) -> tuple[Any, StageWorker, 
     memory.mark_baseline(device, warm=lambda: warm_runtime(config, optim, device, m.hparams.batch_size,
                                                            m.hparams.seq_len))
     stage = initial_stage(config, m.seed, start, end)
+    stage.recompute = options.recompute
     embed = stage.embed.weight.detach().clone() if stage.is_first else \
         initial_tensors(config, m.seed, ["embed.weight"])["embed.weight"]
     table = fixed_table(config.vocab_size, config.d_model, config.subspace_seed, config.subspace_table_std) \
@@ -206,7 +213,8 @@ def _run_role(ctx: TrainContext, options: StageOptions,
     view = SwarmView(ctx.peer.plane, ctx.peer.manifest.manifest, role.swarm)
     where = f"stage {role.stage} of swarm {role.swarm}"
     echo(f"{where}: {sum(p.numel() for p in worker.stage.parameters()):,} parameters, codec {codec_config(ctx.peer.manifest.manifest).label(config.d_model)}"
-         + (f", resumed from step {info['resumed_step']}" if info["resumed_step"] is not None else ""))
+         + (f", resumed from step {info['resumed_step']}" if info["resumed_step"] is not None else "")
+         + (RECOMPUTE_NOTE if worker.stage.recompute else ""))
     moved: list[Role] = []
     if role.stage == 0:
         summary = _drive(ctx, options, worker, codec, vocab, view, echo, info["resumed_step"] or 0, config, moved)

@@ -102,6 +102,7 @@ class SimConfig:
     checkpoint_every_s: float | None = None  # every peer's --checkpoint-every (None: join's default; 0: every round)
     state_dtype: str | None = None  # every peer's --state-dtype (None: join's default)
     state_on_disk: bool | None = None  # every peer's --state-on-disk (None: join's default)
+    recompute: bool = False  # every peer's --recompute
 
     @property
     def schedule_total(self) -> int:
@@ -355,6 +356,8 @@ class Swarm:
             args += ["--state-dtype", self.cfg.state_dtype]
         if self.cfg.state_on_disk is not None:
             args += ["--state-on-disk" if self.cfg.state_on_disk else "--state-in-memory"]
+        if self.cfg.recompute:
+            args.append("--recompute")
         peer = Replica(name, identity, out_dir, self._spawn(name, args, program), old.peer_id if old else "")
         self.replicas[name] = peer
         return peer

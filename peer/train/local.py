@@ -49,6 +49,7 @@ class LocalRunConfig:
     checkpoint_every: int = 100  # optimizer steps between checkpoints; the last step is always saved
     resume: bool = False  # continue from out_dir's checkpoint if it exists
     progress: bool = True  # show a rich progress bar
+    recompute: bool = False  # each block's forward run again in the backward, its activations not held (Stage)
 
     def validate(self) -> None:
         for name in ("steps", "batch_size", "eval_every", "eval_batches", "checkpoint_every", "vocab_size"):
@@ -75,6 +76,7 @@ def run_local_training(cfg: LocalRunConfig, console: Console | None = None) -> d
         raise UserInputError(f"--seq-len {seq_len} exceeds the {cfg.model} preset's max of {config.max_seq_len}")
     torch.manual_seed(cfg.seed)
     model = build_model(config)
+    model.recompute = cfg.recompute
     stream = TokenStream(data.train, seq_len, cfg.batch_size, seed=cfg.seed, rank=cfg.rank)
     val = val_batches(data.val, seq_len, cfg.batch_size, cfg.eval_batches)
     optim = dataclasses.replace(cfg.optim, total_steps=cfg.steps)
@@ -145,6 +147,7 @@ def run_local_training(cfg: LocalRunConfig, console: Console | None = None) -> d
         "model": cfg.model,
         "params": n_params,
         "device": str(device),
+        "recompute": model.recompute,
         "steps": trainer.step,
         "tokens": trainer.tokens,
         "seconds": round(elapsed, 2),

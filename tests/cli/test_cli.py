@@ -52,6 +52,20 @@ def test_train_smoke_writes_metrics_checkpoint_and_resumes(small_text, tmp_path,
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["steps"] == 5
 
 
+def test_train_with_recomputed_blocks_makes_the_same_losses_bit_for_bit(small_text, tmp_path, cache_dir):
+    losses = {}
+    for flags in ([], ["--recompute"]):
+        out = tmp_path / ("recompute" if flags else "held")
+        proc = run("train", "--steps", "3", "--data", str(small_text), "--vocab-size", "512", "--batch-size", "4",
+                   "--seq-len", "32", "--eval-every", "3", "--eval-batches", "1", "--out-dir", str(out),
+                   "--no-progress", "--cache-dir", str(cache_dir), *flags)
+        assert proc.returncode == 0, proc.stderr
+        records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        losses[bool(flags)] = [(r["event"], r["loss"]) for r in records if "loss" in r]
+        assert json.loads((out / "summary.json").read_text())["recompute"] is bool(flags)
+    assert len(losses[False]) >= 3 and losses[True] == losses[False]
+
+
 @pytest.mark.parametrize(
     "args, message",
     [

@@ -24,6 +24,10 @@ def test_join_flags_become_the_plan_of_one_peer(monkeypatch):
     assert plan.replica.state_dtype == plan.stage.state_dtype == "bf16"  # the default: bf16 error feedback
     fp32 = join_plan(["--state-dtype", "fp32"])
     assert fp32.replica.state_dtype == fp32.stage.state_dtype == "fp32"
+    assert not plan.replica.recompute and not plan.stage.recompute  # activations held: no extra forward by default
+    monkeypatch.setenv("HLBP_RECOMPUTE", "1")
+    assert join_plan([]).replica.recompute and join_plan([]).stage.recompute
+    assert not join_plan(["--no-recompute"]).replica.recompute
     assert plan.stage.schedule is Schedule.UNIFORM  # the driver's default cut of a step's batch
     assert join_plan(["--micro-batch-schedule", "tapered"]).stage.schedule is Schedule.TAPERED
     assert set(SCHEDULES) == {s.value for s in Schedule}  # the flag's light list names every schedule

@@ -6,6 +6,7 @@ import itertools
 import pytest
 import torch
 
+from hlbp.peer.bench.stepcost import held_for_backward
 from hlbp.peer.common.errors import UserInputError
 from hlbp.peer.model.decoder import (
     PRESETS,
@@ -150,3 +151,34 @@ def test_the_forward_run_part_by_part_on_each_parts_parameters_is_the_forward_bi
             want = stage(x)
         assert sorted(read) == sorted(params) and len(read) == len(set(read))
         assert torch.equal(h, want), (stage.start, stage.end)
+
+
+def _held_and_grads(model, x, y) -> tuple[int, dict[str, torch.Tensor]]:
+    """Bytes ``model``'s forward holds for its backward (beyond the parameters), and the gradients it makes."""
+    held, loss = held_for_backward(model, x, y)
+    model.zero_grad(set_to_none=True)
+    loss.backward()
+    return held, {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("variant", ["plain", "subspace", "middle"])
+def test_recompute_holds_less_for_the_backward_and_makes_the_same_gradients_bit_for_bit(variant):
+    config = preset("tiny", vocab_size=300, n_layers=4,
+                    **({"subspace_rank": 16, "subspace_layers": 2} if variant == "subspace" else {}))
+    torch.manual_seed(0)
+    model = split(config, 3)[1] if variant == "middle" else build_model(config)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 64, config.d_model, generator=g) if variant == "middle" else \
+        torch.randint(0, 300, (2, 64), generator=g)
+    y = torch.randint(0, 300, (2, 64), generator=g)
+    if variant == "middle":  # a middle stage's loss: its output against a fixed projection, as if a head followed
+        model.loss = lambda out, targets: out.float().pow(2).mean()
+    held, grads = _held_and_grads(model, x, y)
+    model.recompute = True
+    held_again, grads_again = _held_and_grads(model, x, y)
+    # with it, what the head saves and each block's input (which checkpoint keeps outside autograd's hooks)
+    inputs = len(model.blocks) * x.shape[0] * x.shape[1] * config.d_model * 4
+    assert inputs < held_again < held / 2, (held_again, inputs, held)
+    assert grads_again.keys() == grads.keys()
+    for name, grad in grads.items():
+        assert torch.equal(grads_again[name], grad), name

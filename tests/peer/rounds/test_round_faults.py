@@ -8,6 +8,7 @@ join, die and restart are tests/peer/rounds/test_round_churn.py's.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 
 import pytest
@@ -23,6 +24,7 @@ from round_records import (
     wait_rounds,
 )
 
+from hlbp.peer.node.replica import RECOMPUTE_NOTE
 from hlbp.peer.sim.launcher import Replica, Swarm, checksums_agree, poll
 
 pytestmark = pytest.mark.slow
@@ -34,8 +36,8 @@ DELAY_S = 4.0  # the straggler's sleep per inner step: 24 s of inner phase again
 def swarm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Swarm]:
     with Swarm(rounds_config(), tmp_path_factory.mktemp("swarm")) as sw:
         sw.start()
-        for name in ("a", "b", "c"):
-            sw.add(name)
+        for name in ("a", "b", "c"):  # c recomputes its blocks in the backward: the same bits, so the same rounds
+            sw.add(name, *(["--recompute"] if name == "c" else []))
         sw.add("liar", program=program("corrupt"))
         sw.add("fat", program=program("oversize"))
         sw.add("slow", program=program(f"slow:{DELAY_S}"))
@@ -52,6 +54,7 @@ def test_checksums_agree_every_round_and_loss_falls(swarm: Swarm) -> None:
         in_sync = [rec for rec in rounds[r].values() if rec["in_sync"]]
         assert len(in_sync) >= 3 and checksums_agree(in_sync), (r, rounds[r])
         assert {"a", "b", "c"} <= {n for n, rec in rounds[r].items() if rec["accepted"]}, (r, rounds[r])
+    assert swarm.replicas["c"].proc.find(rf"^replica: .*{re.escape(RECOMPUTE_NOTE)}$")
     losses = [rounds[r]["a"]["val_loss"] for r in range(3)]
     assert losses[2] < losses[0], losses
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,7 @@ from hlbp.peer.data.streams import PreparedData, TokenStream
 from hlbp.peer.model.codec import CodecConfig
 from hlbp.peer.model.decoder import build_model, preset
 from hlbp.peer.model.pipeline import initial_state, run_model_config
-from hlbp.peer.node.replica import inner_schedule
+from hlbp.peer.node.replica import RECOMPUTE_NOTE, inner_schedule
 from hlbp.peer.sim.launcher import Replica, SimConfig, Swarm, poll
 from hlbp.peer.sim.pipeline import make_replica
 from hlbp.peer.train.checkpoint import load_checkpoint
@@ -41,10 +42,10 @@ def _out(peer: Replica, name: str) -> Path:
 
 
 def _start(sw: Swarm, stages: list[tuple[str, int]], driver_flags: list[str], steps: int | None,
-           server_steps: int | None) -> Replica:
+           server_steps: int | None, server_flags: tuple[str, ...] = ()) -> Replica:
     sw.start()
     for name, stage in stages:
-        sw.add_stage(name, stage, max_steps=server_steps).proc.wait_for("^announced", 60)
+        sw.add_stage(name, stage, *server_flags, max_steps=server_steps).proc.wait_for("^announced", 60)
     return sw.add_stage("s0", 0, "--micro-batches", str(MICRO), *driver_flags, max_steps=steps)
 
 
@@ -84,8 +85,9 @@ def _micro(stream: TokenStream) -> Callable[[int, int], tuple[torch.Tensor, torc
     return batch
 
 
-def _run(tmp: Path, codec: str, k: int, data: PreparedData) -> tuple[dict[str, torch.Tensor], dict[str, Any],
-                                                                    SimConfig]:
+def _run(tmp: Path, codec: str, k: int, data: PreparedData, *flags: str) -> tuple[dict[str, torch.Tensor],
+                                                                                 dict[str, Any], SimConfig]:
+    """Train the swarm (every peer given ``flags``); what each stage trained, the driver's summary, the config."""
     # a 1000-step schedule (30 warm-up steps) keeps the learning rate of these 8 steps small: AdamW turns the
     # last-bit differences of the micro-batch sum order into differences that grow with the learning rate
     # the servers' trained parameters are read back as anchor - error feedback: the buffer stays float32 here
@@ -93,8 +95,11 @@ def _run(tmp: Path, codec: str, k: int, data: PreparedData) -> tuple[dict[str, t
     cfg = SimConfig(n_full=0, n_stages=3, batch_size=8, seq_len=32, seed=5, run_id=f"pipe-{codec}", ttl_s=10.0,
                     codec=codec, codec_k=k, codec_dtype="fp32", schedule_steps=1000, state_dtype="fp32")
     with Swarm(cfg, tmp) as sw:
-        _start(sw, [("s1", 1), ("s2", 2)], ["--eval-every", "4"], STEPS, None)
+        _start(sw, [("s1", 1), ("s2", 2)], ["--eval-every", "4", *flags], STEPS, None, flags)
         _finish(sw, "s0", ["s1", "s2"])
+        if "--recompute" in flags:
+            for name in ("s0", "s1", "s2"):
+                assert sw.replicas[name].proc.find(rf"^stage \d of swarm 0: .*{re.escape(RECOMPUTE_NOTE)}"), name
         summary = json.loads(_out(sw.replicas["s0"], "summary.json").read_text())
         return _stage_params(sw, "s0", ["s1", "s2"]), summary, cfg
 
@@ -113,7 +118,8 @@ def _compare(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], init: 
 
 
 def test_dense_fp32_swarm_equals_the_whole_model(tmp_path: Path, builtin_data: PreparedData) -> None:
-    got, summary, cfg = _run(tmp_path, "dense", 0, builtin_data)
+    # every stage recomputes its blocks in the backward: the whole model below holds its activations
+    got, summary, cfg = _run(tmp_path, "dense", 0, builtin_data, "--recompute")
     assert summary["steps"] == STEPS and summary["microbatches"] == STEPS * MICRO
     assert summary["microbatches_retried"] == 0 and summary["steps_abandoned"] == 0
     assert len(summary["val_losses"]) == 3, summary["val_losses"]  # before training, after step 4 and step 8
