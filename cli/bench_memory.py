@@ -26,6 +26,8 @@ def memory(
     state_on_disk: bool | None = opt(None, "--state-on-disk/--state-in-memory", env="BENCH_STATE_ON_DISK",
                                      help="Every peer's --state-on-disk or --state-in-memory (default: hlbp join's, "
                                           "on disk)."),
+    recompute: bool = opt(False, "--recompute/--no-recompute", env="BENCH_RECOMPUTE",
+                          help="Every peer's --recompute: each block's forward run again in the backward."),
     workdir: Path | None = opt(None, "--workdir", env="BENCH_WORKDIR",
                                help="Keep the runs' logs and metrics here (default: a temporary directory)."),
 ) -> None:
@@ -36,7 +38,7 @@ def memory(
     from hlbp.peer.model.decoder import PRESETS
 
     cfg = MemoryBenchConfig.quick() if quick else MemoryBenchConfig()
-    changes: dict = {"workdir": workdir}
+    changes: dict = {"workdir": workdir, "recompute": recompute}
     if presets:
         changes["presets"] = tuple(p.strip() for p in presets.split(",") if p.strip())
     for name, value in (("stages", stages), ("rounds", rounds), ("overlap", overlap), ("state_dtype", state_dtype),

@@ -7,6 +7,10 @@ parameters it trains (``hlbp.peer.common.memory``). The budget is ``(peak - base
 a full replica trains every parameter, a stage peer its stage's (and keeps a copy of the shards it follows). Every
 peer saves its checkpoint after every round, so the peak includes a save (a real run saves every 5 minutes).
 
+What ``--recompute`` costs in time is measured apart, a step of each preset's whole model with and without it
+alternating in one process (:mod:`hlbp.peer.bench.stepcost`): the rounds' compute seconds share two cores with five
+other peers, too noisy for a ratio.
+
 The projection for larger presets multiplies the largest measured preset's budget by their parameter counts (built
 on the meta device: no memory) and adds the measured baseline, to say whether a full replica fits a host.
 """
@@ -23,6 +27,7 @@ from typing import Any
 from rich.console import Console
 
 from hlbp.peer.bench.report import print_table, write_result
+from hlbp.peer.bench.stepcost import recompute_cost
 from hlbp.peer.common.errors import RunFailed
 from hlbp.peer.sim.launcher import SimConfig
 from hlbp.peer.sim.report import is_stage
@@ -47,6 +52,9 @@ class MemoryBenchConfig:
     overlap: str = "eager"
     state_dtype: str | None = None  # every peer's --state-dtype (None: hlbp join's default, bf16)
     state_on_disk: bool | None = None  # every peer's --state-on-disk (None: hlbp join's default, on disk)
+    recompute: bool = False  # every peer's --recompute (blocks run again in the backward, activations not held)
+    step_samples: int = 4  # alternating steps timed with and without recompute, per preset and shape (stepcost)
+    step_shapes: tuple[tuple[int, int], ...] = ((4, 64), (16, 128))  # batch x tokens of those steps
     seed: int = 0
     timeout_s: float = 1800.0
     workdir: Path | None = None
@@ -54,7 +62,9 @@ class MemoryBenchConfig:
     @classmethod
     def quick(cls, **overrides: Any) -> MemoryBenchConfig:
         """CI-sized: the tiny model, 2 stages, 2 rounds (about a minute)."""
-        return dataclasses.replace(cls(presets=("tiny",), stages=2, rounds=2, inner_steps=3), **overrides)
+        return dataclasses.replace(cls(presets=("tiny",), stages=2, rounds=2, inner_steps=3, step_samples=3,
+                                       step_shapes=((4, 64),)),
+                                   **overrides)
 
 
 def role_budget(memory: dict[str, dict[str, int]], stage: bool) -> dict[str, Any] | None:
@@ -107,14 +117,19 @@ def preset_run(cfg: MemoryBenchConfig, preset: str, workdir: Path) -> dict[str, 
                     inner_steps=cfg.inner_steps, batch_size=cfg.batch_size, seq_len=cfg.seq_len, overlap=cfg.overlap,
                     seed=cfg.seed, threads=1, run_id=f"memory-{preset}", startup_timeout_s=600.0,
                     max_deadline_s=120.0, round_deadline_s=30.0, checkpoint_every_s=0.0, state_dtype=cfg.state_dtype,
-                    state_on_disk=cfg.state_on_disk)
+                    state_on_disk=cfg.state_on_disk, recompute=cfg.recompute)
     report = run_simulation(sim, workdir, cfg.timeout_s)
     memory = peak_memory(report["rounds"])
     require_roles(preset, memory, report.get("exit_codes", {}))
+    roles = report.get("by_role", {})
     return {
         "preset": preset,
         "full_replica": role_budget(memory, stage=False),
         "stage_peer": role_budget(memory, stage=True),
+        # what the settings cost in time: the role's training seconds over every round record of the run (a run with
+        # --recompute against one without, same settings otherwise)
+        "compute_s": {role: roles[key]["compute_s"] for role, key in (("full_replica", "full"), ("stage_peer", "stage"))
+                      if key in roles},
         "rounds": len(report["rounds"]),
         "rounds_agreed": sum(1 for r in report["rounds"] if r["checksums_equal"] and r["in_sync"]),
         "n_params": report.get("n_params"),
@@ -191,19 +206,26 @@ def run_memory_bench(cfg: MemoryBenchConfig, out: Path | None = None,
             rows.append([r["preset"], role.replace("_", " "), b["trained_params"], b["base_host_bytes"] / GIB,
                          b["peak_host_bytes"] / GIB, b["peak_host_bytes_per_param"],
                          b["peak_device_bytes_per_param"] if b["peak_device_bytes"] else "-",
-                         f"{r['rounds_agreed']}/{r['rounds']}"])
+                         r.get("compute_s", {}).get(role, "-"), f"{r['rounds_agreed']}/{r['rounds']}"])
     print_table(console, f"memory: peak above the pre-model baseline, {cfg.rounds} rounds of H={cfg.inner_steps}, "
                          f"overlap {cfg.overlap}, batch {cfg.batch_size}x{cfg.seq_len}, "
                          f"own state {cfg.state_dtype or 'bf16'}"
-                         f"{' in memory' if cfg.state_on_disk is False else ''}",
+                         f"{' in memory' if cfg.state_on_disk is False else ''}"
+                         f"{', blocks recomputed' if cfg.recompute else ''}",
                 ["preset", "role", "params trained", "baseline GiB", "peak GiB", "host B/param", "device B/param",
-                 "rounds agreed"], rows)
+                 "compute s", "rounds agreed"], rows)
     slopes = marginal(runs)
     if slopes:
         print_table(console, "bytes each further parameter costs, between two presets (no baseline involved)",
                     ["role", "from", "to", "host B/param", "device B/param"],
                     [[m["role"].replace("_", " "), m["from"], m["to"], m["host_bytes_per_param"],
                       m["device_bytes_per_param"] if m["device_bytes_per_param"] else "-"] for m in slopes])
+    costs = [recompute_cost(name, b, t, cfg.step_samples, cfg.seed) for name in cfg.presets for b, t in cfg.step_shapes]
+    print_table(console, f"--recompute in one training step of the whole model: bytes per parameter held for the "
+                         f"backward, and the median of {cfg.step_samples} alternating steps, in one process",
+                ["preset", "batch", "held B/param", "recomputed B/param", "held s", "recomputed s", "time ratio"],
+                [[c["preset"], "x".join(map(str, c["batch"])), c["held_bytes_per_param"],
+                  c["recomputed_bytes_per_param"], c["held_s"], c["recomputed_s"], c["ratio"]] for c in costs])
     projection = project(runs, cfg.projected)
     if projection:
         print_table(console, f"full replica projected from the largest measured preset (host budget {HOST_BUDGET_GIB:g} GiB)",
@@ -211,4 +233,4 @@ def run_memory_bench(cfg: MemoryBenchConfig, out: Path | None = None,
                     [[p["preset"], p["params"], p["bytes_per_param"], p["host_gib"], "yes" if p["fits_host"] else "no"]
                      for p in projection])
     return write_result(out, "memory", config, {"runs": runs, "marginal": slopes, "projection": projection,
-                                                      "complete": True})
+                                                      "recompute_step": costs, "complete": True})

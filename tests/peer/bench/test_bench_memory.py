@@ -45,12 +45,19 @@ def test_the_marginal_cost_of_a_parameter_ignores_what_every_process_holds() -> 
 
 def test_memory_bench_measures_both_roles_through_agreed_rounds(tmp_path: Path, builtin_data: object) -> None:
     out = tmp_path / "memory.json"
-    proc = subprocess.run([sys.executable, "-m", "hlbp.cli.main", "bench", "memory", "--quick", "--out", str(out)],
-                          check=False, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, timeout=600)
+    # every peer recomputes its blocks in the backward (--recompute): replicas and stages still agree every round
+    proc = subprocess.run([sys.executable, "-m", "hlbp.cli.main", "bench", "memory", "--quick", "--recompute", "--out",
+                           str(out)], check=False, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     doc = json.loads(out.read_text())
     (run,) = doc["result"]["runs"]
     assert run["preset"] == "tiny" and run["rounds"] == run["rounds_agreed"] == 2
+    assert doc["config"]["recompute"] is True
+    assert set(run["compute_s"]) == {"full_replica", "stage_peer"} and min(run["compute_s"].values()) > 0
+    (cost,) = doc["result"]["recompute_step"]  # what recomputing costs a step, timed beside a step without it
+    assert cost["preset"] == "tiny" and cost["held_s"] > 0 and cost["recomputed_s"] > 0
+    assert 0 < cost["recomputed_bytes_per_param"] < cost["held_bytes_per_param"]
+    assert cost["ratio"] == cost["recomputed_s"] / cost["held_s"]
     full, stage = run["full_replica"], run["stage_peer"]
     assert full["trained_params"] == run["n_params"] > stage["trained_params"] > 0
     for role in (full, stage):
