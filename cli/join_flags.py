@@ -138,6 +138,7 @@ class JoinFlags:
         from hlbp.peer.net.control import NetworkConfig
         from hlbp.peer.node.join import JoinConfig
         from hlbp.peer.node.replica import ReplicaOptions
+        from hlbp.peer.node.roles import StateLayout
         from hlbp.peer.node.session import JoinPlan
         from hlbp.peer.node.stage import StageOptions
         from hlbp.peer.swarm.step import Schedule
@@ -151,7 +152,7 @@ class JoinFlags:
             bandwidth=self.bandwidth, ttl=self.ttl, reachability=self.reachability,
             manifest_timeout_s=self.manifest_timeout, cache_dir=self.cache_dir,
             probe_bytes=int(self.probe_mb * (1 << 20)), train=self.train, max_steps=self.max_steps,
-            out_dir=self.out_dir,
+            out_dir=self.out_dir, layout=StateLayout(self.state_dtype, self.state_on_disk, self.recompute),
         )
         stage = StageOptions(micro_batches=self.micro_batches, schedule=Schedule(self.micro_batch_schedule),
                              in_flight=self.in_flight, deadline_s=self.stage_deadline,

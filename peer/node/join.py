@@ -15,6 +15,7 @@ The steps, in order, each with a bounded wait:
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import tempfile
@@ -31,10 +32,21 @@ from hlbp.peer.net.heartbeat import Heartbeat
 from hlbp.peer.net.reach import Reachability
 from hlbp.peer.net.validation import load_or_create_identity
 from hlbp.peer.node.capacity import measure, measure_bandwidth, measure_throughput, model_warmup
-from hlbp.peer.node.roles import Capacity, PeerView, Role, Thresholds, choose_role
+from hlbp.peer.node.roles import (
+    STAGE_EXTRA_GB,
+    Capacity,
+    PeerView,
+    Role,
+    StateLayout,
+    Thresholds,
+    activation_bytes,
+    choose_role,
+    recompute_hint,
+    training_memory_gb,
+)
 from hlbp.protocol.announcement import Announcement
 from hlbp.protocol.identity import sha256_hex
-from hlbp.protocol.manifest import SignedManifest
+from hlbp.protocol.manifest import Manifest, SignedManifest
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +74,7 @@ class JoinConfig:
     train: bool = True  # False: announce and hold the role without training (tests, dry runs)
     max_steps: int | None = None  # stop training after this many steps, then leave
     out_dir: Path = Path("runs/join")  # checkpoints and metrics of local training
+    layout: StateLayout = field(default_factory=StateLayout)  # how the state is kept: the memory a role needs
 
 
 @dataclass
@@ -155,18 +168,30 @@ def stage_refusal(maddrs: list[str], replica_fits: bool, checked: bool = True) -
             f"To fix it, {_port_fix(maddrs)}{instead}")
 
 
-def thresholds_for(signed: SignedManifest) -> Thresholds:
-    """Memory thresholds from the model's parameter counts (built on the meta device: no memory, no time)."""
+def thresholds_for(m: Manifest, layout: StateLayout | None = None) -> Thresholds:
+    """The memory a full replica and the most demanding stage of run ``m`` need, kept as ``layout`` says: their
+    parameters (counted on the meta device: no memory, no time) and what a step of the manifest's batch holds for
+    its backward (:func:`~hlbp.peer.node.roles.training_memory_gb`)."""
     import torch
 
     from hlbp.peer.model.decoder import Stage, build_model, count_parameters, preset
 
-    m = signed.manifest
+    layout = layout or StateLayout()
     config = preset(m.model, **m.model_overrides)
+    tokens = m.hparams.batch_size * m.hparams.seq_len  # a replica's step; every micro-batch of it in a stage at once
+
+    def need(n_params: int, layers: int, head: bool, extra_gb: float) -> float:
+        held = activation_bytes(config.d_model, config.d_ff, layers, config.vocab_size, tokens, layout.recompute,
+                                head)
+        return training_memory_gb(n_params, held, layout, extra_gb)
+
     with torch.device("meta"):
-        n_full = count_parameters(build_model(config))
-        largest = max(count_parameters(Stage(config, a, b)) for a, b in m.stages)
-    return Thresholds.for_model(n_full, largest, m.placement.replica_min_throughput, m.placement.max_peers_per_stage)
+        replica = need(count_parameters(build_model(config)), config.n_layers, True, 0.0)
+        stage = max(need(count_parameters(Stage(config, a, b)), b - a, b == config.n_layers, STAGE_EXTRA_GB)
+                    for a, b in m.stages)
+    return Thresholds(replica_memory_gb=replica, stage_memory_gb=stage,
+                      replica_min_throughput=m.placement.replica_min_throughput,
+                      max_peers_per_stage=m.placement.max_peers_per_stage)
 
 
 def _fetch_tokenizer(plane: ControlPlane, signed: SignedManifest, sources: list[str], cache: Path) -> Path:
@@ -236,7 +261,7 @@ def join(cfg: JoinConfig, echo: Callable[[str], None]) -> JoinedPeer:
         plane.serve_artifacts({m.tokenizer_hash: tokenizer_path})
         plane.serve_snapshot(m.run_id)
 
-        thresholds = thresholds_for(signed)
+        thresholds = thresholds_for(m, cfg.layout)
         probe_peer = sources[0] if sources else signed.signer
 
         def throughput_fn(memory_gb: float) -> float:
@@ -293,6 +318,12 @@ def join(cfg: JoinConfig, echo: Callable[[str], None]) -> JoinedPeer:
     seconds = time.perf_counter() - start
     where = "full replica" if role.kind == "replica" else f"stage {role.stage} of swarm {role.swarm}"
     echo(f"role: {where} ({role.reason})")
+    if role.kind == "stage" and not cfg.layout.recompute:
+        recomputed = thresholds_for(m, dataclasses.replace(cfg.layout, recompute=True))
+        forced = cfg.role is not None or cfg.stage is not None or cfg.swarm is not None
+        hint = recompute_hint(capacity.memory_gb, role, thresholds, recomputed, forced=forced)
+        if hint:
+            echo(f"hint: {hint}")
     echo(f"capacity: {capacity.memory_gb:.1f} GB, {capacity.throughput:,.0f} tok/s, "
          f"{capacity.bandwidth / 1e6:,.1f} MB/s (measured in {probe_s:.1f} s; --throughput and --bandwidth skip it)")
     echo(reachability_line(reachability, role.kind, maddrs, checked=cfg.reachability == "auto"))

@@ -15,7 +15,7 @@ one period, so a gap seen twice is real), with the reason in the log.
 
 Everything the rule needs comes in as arguments (no network, no clock), so each case is a unit test, and every
 peer of a run decides the same way from the same announcements. The thresholds that separate strong from weak come
-from the run manifest (throughput) and the model size (memory), see :meth:`Thresholds.for_model`.
+from the run manifest (throughput) and what training the model's parameters takes (memory, :func:`training_memory_gb`).
 """
 
 from __future__ import annotations
@@ -24,9 +24,50 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 MAX_SWARMS = 1 << 16  # swarm ids a peer may ask for with --swarm
-REPLICA_BYTES_PER_PARAM = 24  # fp32 params, grads, two AdamW moments, outer copy of θ(t), error-feedback buffer
-ACTIVATION_OVERHEAD = 1.25  # activations, allocator slack and temporary buffers on top of the states above
 RUNTIME_BASE_GB = 0.5  # torch, hivemind's p2pd and DHT process before any model
+STAGE_EXTRA_GB = 0.25  # a stage peer's codec, frame transcript and micro-batches on the wire (about 190 MiB on small)
+HEAP_SLACK_BYTES = 3.0  # per parameter: the round's transients and the heap two threads leave in pieces, measured
+# with hlbp bench memory (a full replica of small and 125m peaked 3.8-4.9 B/param above its state, of which its
+# activations at 4x64 tokens were 1.6-2.9)
+STEP_STATE_BYTES = {"fp32": 16.0, "bf16": 16.0, "bf16-v": 14.0, "bf16-all": 12.0}
+"""Per parameter while a step runs, by ``--state-dtype``: the parameters (4), their gradients (4) and AdamW's moments
+(8, or 6 and 4 with one or both in bf16)."""
+ROUND_STATE_BYTES = {"fp32": 8.0, "bf16": 6.0, "bf16-v": 6.0, "bf16-all": 6.0}
+"""Per parameter with ``--state-in-memory``: the anchor (4) and the error feedback (4 in fp32, else 2); on disk, 0."""
+
+
+@dataclass(frozen=True)
+class StateLayout:
+    """How this peer keeps its training state: ``hlbp join --state-dtype``, ``--state-on-disk``, ``--recompute``."""
+
+    state_dtype: str = "bf16"
+    on_disk: bool = True
+    recompute: bool = False
+
+    def bytes_per_param(self) -> float:
+        """What each trained parameter costs at a step's peak, activations apart (docs/design.md, "Memory per
+        parameter")."""
+        return (STEP_STATE_BYTES[self.state_dtype] + (0.0 if self.on_disk else ROUND_STATE_BYTES[self.state_dtype])
+                + HEAP_SLACK_BYTES)
+
+
+def activation_bytes(d_model: int, d_ff: int, layers: int, vocab: int, tokens: int, recompute: bool,
+                     head: bool) -> float:
+    """Bytes a forward of ``tokens`` tokens through ``layers`` blocks (and the head and loss when ``head``) holds
+    for its backward: per token and block 13 ``d_model`` + 3 ``d_ff`` float32 values (attention's inputs and
+    outputs, SwiGLU's three ``d_ff`` wide tensors, the norms; the fused attention keeps no score matrix), only the
+    block's input under recompute, and the logits with their softmax at the head. Counted exactly on tiny, small
+    and 125m (:func:`hlbp.peer.bench.stepcost.held_for_backward`), this is 1-22 % above (``tests/peer/node/test_roles.py``)."""
+    per_token = layers * (d_model if recompute else 13 * d_model + 3 * d_ff)
+    if head:
+        per_token += vocab + 16 * d_model
+    return 4.0 * tokens * per_token
+
+
+def training_memory_gb(n_params: int, activations: float, layout: StateLayout, extra_gb: float = 0.0) -> float:
+    """Memory, in GB, that training ``n_params`` parameters takes with ``activations`` bytes held for a step's
+    backward, kept as ``layout`` says, plus ``extra_gb`` and the runtime."""
+    return (n_params * layout.bytes_per_param() + activations) / 1e9 + RUNTIME_BASE_GB + extra_gb
 
 
 @dataclass(frozen=True)
@@ -58,21 +99,6 @@ class Thresholds:
     replica_min_throughput: float = 0.0  # full-model tokens/s a replica needs (from the manifest's placement)
     max_peers_per_stage: int = 1  # stage peers per stage of a swarm before a new swarm opens
 
-    @classmethod
-    def for_model(cls, n_params: int, largest_stage_params: int, replica_min_throughput: float = 0.0,
-                  max_peers_per_stage: int = 1) -> Thresholds:
-        """Memory thresholds estimated from parameter counts: states per parameter, activations, runtime."""
-        return cls(
-            replica_memory_gb=estimate_memory_gb(n_params),
-            stage_memory_gb=estimate_memory_gb(largest_stage_params),
-            replica_min_throughput=replica_min_throughput,
-            max_peers_per_stage=max_peers_per_stage,
-        )
-
-
-def estimate_memory_gb(n_params: int) -> float:
-    """Memory to train ``n_params`` parameters with AdamW plus SparseLoCo's outer state, in GB."""
-    return n_params * REPLICA_BYTES_PER_PARAM * ACTIVATION_OVERHEAD / 1e9 + RUNTIME_BASE_GB
 
 
 @dataclass(frozen=True)
@@ -84,6 +110,18 @@ class Role:
     stage: int | None = None  # set for stage peers
     reason: str = ""  # one sentence: why this role
     fits: bool = True  # False when the machine has less memory than the role needs (only a flag can force that)
+
+
+def recompute_hint(memory_gb: float, role: Role, needs: Thresholds, recomputed: Thresholds | None,
+                   forced: bool = False) -> str | None:
+    """A line for a peer that took a stage only for want of memory, when recomputing its blocks in the backward
+    would let it hold a full replica (``recomputed``: the thresholds with ``--recompute``; None when it is on;
+    ``forced``: the operator chose the role with a flag, so there is nothing to suggest)."""
+    if forced or role.kind != "stage" or recomputed is None or memory_gb >= needs.replica_memory_gb \
+            or memory_gb < recomputed.replica_memory_gb:
+        return None
+    return (f"with --recompute a full replica needs {recomputed.replica_memory_gb:.1f} GB, which this machine has "
+            f"({memory_gb:.1f} GB), for 14-19 % more compute a step")
 
 
 def choose_role(

@@ -52,7 +52,7 @@ def swarm(spawn, observer_factory, tmp_path_factory) -> Swarm:
     observer = observer_factory(maddr)
     signed = observer.find_manifest({boot_id}, False, 20)
     run_id = signed.manifest.run_id
-    thresholds = thresholds_for(signed)
+    thresholds = thresholds_for(signed.manifest)
     joiners, ids, predicted = [], [], []
     for i, (memory, tps) in enumerate(JOINERS):
         seen = poll(lambda n=i: len(_online(observer, run_id)) == n + 1 and _online(observer, run_id), 30,

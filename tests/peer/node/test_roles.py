@@ -3,8 +3,22 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
-from hlbp.peer.node.roles import Capacity, PeerView, Thresholds, choose_role, estimate_memory_gb
+from hlbp.peer.bench.stepcost import held_for_backward
+from hlbp.peer.model.decoder import build_model, preset
+from hlbp.peer.node.join import thresholds_for
+from hlbp.peer.node.roles import (
+    Capacity,
+    PeerView,
+    StateLayout,
+    Thresholds,
+    activation_bytes,
+    choose_role,
+    recompute_hint,
+    training_memory_gb,
+)
+from hlbp.protocol.manifest import Hyperparameters, Manifest
 
 T = Thresholds(replica_memory_gb=10.0, stage_memory_gb=3.0, replica_min_throughput=1000.0, max_peers_per_stage=1)
 STRONG = Capacity(memory_gb=32.0, throughput=5000.0, bandwidth=1e8)
@@ -87,9 +101,54 @@ def test_too_little_memory_for_any_stage_is_reported_not_hidden():
     assert not choose_role(tiny, [], 2, T).fits
 
 
-def test_memory_estimate_grows_with_parameters():
-    assert estimate_memory_gb(0) == pytest.approx(0.5)
-    assert estimate_memory_gb(1_000_000_000) == pytest.approx(30.5)
+def test_the_bytes_per_parameter_follow_the_dtypes_each_state_layout_keeps():
+    from hlbp.peer.node.replica import STATE_LAYOUTS
+    from hlbp.peer.node.roles import ROUND_STATE_BYTES, STEP_STATE_BYTES
+    from hlbp.peer.train.adamw import MOMENT_LAYOUTS, STATE_DTYPES
+
+    assert set(STEP_STATE_BYTES) == set(ROUND_STATE_BYTES) == set(STATE_LAYOUTS)
+    for name, (ef, moments) in STATE_LAYOUTS.items():
+        moment_bytes = sum(d.itemsize for d in MOMENT_LAYOUTS[moments].values())
+        assert STEP_STATE_BYTES[name] == 4 + 4 + moment_bytes, name  # parameters, gradients, moments
+        assert ROUND_STATE_BYTES[name] == 4 + STATE_DTYPES[ef].itemsize, name  # anchor, error feedback
+
+
+def test_each_parameter_costs_its_step_state_the_round_state_it_keeps_in_memory_and_the_heap_slack():
+    assert StateLayout().bytes_per_param() == 16 + 3  # parameters, gradients, fp32 moments; the round state on disk
+    assert StateLayout(on_disk=False).bytes_per_param() == 16 + 6 + 3  # + the anchor and a bf16 error feedback
+    assert StateLayout("fp32", on_disk=False).bytes_per_param() == 16 + 8 + 3
+    assert StateLayout("bf16-all").bytes_per_param() == 12 + 3
+    assert training_memory_gb(0, 0.0, StateLayout()) == pytest.approx(0.5)  # the runtime alone
+    assert training_memory_gb(10**9, 2e9, StateLayout(), extra_gb=0.25) == pytest.approx(19 + 2 + 0.5 + 0.25)
+
+
+@pytest.mark.parametrize("name", ["tiny", "small"])
+@pytest.mark.parametrize("recompute", [False, True])
+def test_the_activation_estimate_covers_what_a_step_holds_for_its_backward(name, recompute):
+    config = preset(name)
+    model = build_model(config)
+    model.recompute = recompute
+    for batch, tokens in ((2, 32), (4, 64)):
+        x = torch.randint(0, config.vocab_size, (batch, tokens))
+        held, _ = held_for_backward(model, x, x)
+        estimate = activation_bytes(config.d_model, config.d_ff, config.n_layers, config.vocab_size, batch * tokens,
+                                    recompute, head=True)
+        assert held <= estimate <= 1.25 * held, (held, estimate)  # measured: 1.06x, and 1.12-1.22x recomputed
+
+
+def _run(model: str, batch: int, seq: int, stages: tuple[tuple[int, int], ...]) -> Manifest:
+    return Manifest(run_id="need", seed=0, model=model, tokenizer_hash="0" * 64, stages=stages,
+                    hparams=Hyperparameters(batch_size=batch, seq_len=seq))
+
+
+def test_a_1b_replica_fits_24_gb_only_with_its_blocks_recomputed():
+    # the manifest's default batch, 16 x 128 tokens: the activations of a step outweigh what recomputing costs
+    m = _run("1b", 16, 128, ((0, 9), (9, 18)))
+    held, recomputed = thresholds_for(m), thresholds_for(m, StateLayout(recompute=True))
+    assert held.replica_memory_gb > 24 >= recomputed.replica_memory_gb > 21  # 19 B/param x 1.13 B alone is 21.5
+    assert thresholds_for(m, StateLayout(on_disk=False)).replica_memory_gb > held.replica_memory_gb + 6
+    # a stage needs its own parameters' share and its layers' activations, the last stage the head's as well
+    assert recomputed.stage_memory_gb < held.stage_memory_gb < held.replica_memory_gb / 1.5
 
 
 def test_a_spare_moves_to_the_one_stage_another_swarm_lacks():
@@ -141,3 +200,19 @@ def test_a_forced_swarm_gets_its_missing_stage():
         choose_role(WEAK, peers, 2, T, force_role="replica", force_swarm=1)
     with pytest.raises(ValueError):
         choose_role(WEAK, peers, 2, T, force_swarm=-1)
+
+
+def test_a_peer_that_would_hold_a_replica_with_recompute_is_told_so():
+    needs = Thresholds(replica_memory_gb=29.0, stage_memory_gb=15.0)
+    recomputed = Thresholds(replica_memory_gb=23.0, stage_memory_gb=12.0)
+    on_24 = Capacity(memory_gb=24.0, throughput=5000.0, bandwidth=1e8)
+    role = choose_role(on_24, [], 2, needs)
+    assert role.kind == "stage"
+    hint = recompute_hint(24.0, role, needs, recomputed)
+    assert hint is not None and "--recompute" in hint and "23.0 GB" in hint
+    assert recompute_hint(24.0, role, needs, None) is None  # it recomputes already
+    assert recompute_hint(20.0, choose_role(Capacity(20.0, 5000.0, 1e8), [], 2, needs), needs, recomputed) is None
+    forced = choose_role(on_24, [], 2, needs, force_role="stage")
+    assert recompute_hint(24.0, forced, needs, recomputed, forced=True) is None  # the operator chose the stage
+    replica = choose_role(Capacity(32.0, 5000.0, 1e8), [], 2, needs)
+    assert replica.kind == "replica" and recompute_hint(32.0, replica, needs, recomputed) is None
