@@ -32,6 +32,7 @@ from hlbp.peer.rounds.rules import (
     adapt_window,
     close_verdict,
     complete,
+    holds_up,
     pick_accepted,
     set_counts,
     turn_order,
@@ -185,6 +186,18 @@ class Closer:
         """Whether others already announced round r (or it closed)."""
         notices, sets = self.round_records(r, wait, self.records.phase_poller)
         return bool(sets) or any(sender != self.me and not self.bans.banned(sender, r) for sender in notices)
+
+    def holding_up(self, r: int) -> bool:
+        """Whether our inner phase of round r holds the round up (:func:`hlbp.peer.rounds.rules.holds_up`): we
+        come first in its turn order agreed before it and others announced it half a window ago. Answered from
+        what the phase's poller last read, never waiting (the phase asks between its steps)."""
+        prior = self.prior
+        if prior is None or prior[0] != r - 1 or self.me not in prior[1]:
+            return False
+        members = {p: s for p, s in prior[1].items() if not self.bans.refused_by_all(p, r)}
+        return holds_up(self.me, r, members, self.n_shards, self.prior_undialable,
+                        leads(self.seating.seats(r), self.seating.rule), self.first_seen.get(r), time.monotonic(),
+                        self.window)
 
     def round_records(self, r: int, wait: bool = True, poller: DhtPoll | None = None,
                       full: bool = False) -> tuple[dict[str, ContribNotice], list[AcceptedSet]]:

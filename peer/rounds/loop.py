@@ -125,7 +125,7 @@ class ReplicaBase(ABC):
         # signed round records: the inbox of pushed ones, the DHT pollers, whom we push ours to (rounds/records.py)
         self.records = RoundRecords(dht, identity, transport, cfg, stop, lambda: self.state.round, protect)
         self.phase = InnerPhase(trainer, cfg, stop, self.round_closed, self.round_started, self.phase_base,
-                                self._after_step, train, sit_out)
+                                self._after_step, train, sit_out, self.holding_up)
         self.syncer = StateSync(self.me, self.shards, self.held, self.shapes, cfg, outer, transport, self.records,
                                 self.agreement, member_votes=self.agreement.member_votes)
 
@@ -279,6 +279,11 @@ class ReplicaBase(ABC):
     def round_started(self, r: int, wait: bool = True) -> bool:
         """Whether other replicas have already finished their inner phase of round r (none can tell: False);
         ``wait`` as for :meth:`round_closed`."""
+        return False
+
+    def holding_up(self, r: int) -> bool:
+        """Whether the others wait for our close of round r while our inner phase runs (none can tell: False);
+        answered without waiting."""
         return False
 
     def bytes_served(self) -> int:

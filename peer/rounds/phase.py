@@ -25,14 +25,17 @@ class InnerPhase:
     False: answer from what was last polled or pushed, never waiting on the DHT). ``base()``: where the phase
     under way started (a rollback returns there). ``after_step(r, step)``: called on this thread after each step
     (an overlapped exchange lands its result there). ``steps(r)``: a phase whose steps run elsewhere (a stage
-    peer's are its swarm's), in place of the local trainer's.
+    peer's are its swarm's), in place of the local trainer's. ``holding_up(r)``: whether the others wait for our
+    close of round r (:func:`hlbp.peer.rounds.rules.holds_up`; never waiting on the DHT); the phase then ends.
     """
 
     def __init__(self, trainer: Any, cfg: RoundConfig, stop: Any, closed: Callable[[int, bool], bool],
                  started: Callable[[int, bool], bool], base: Callable[[], Mapping[str, torch.Tensor]],
                  after_step: Callable[[int, int], None],
-                 steps: Callable[[int], tuple[int, int]] | None = None, sit_out: bool = True) -> None:
+                 steps: Callable[[int], tuple[int, int]] | None = None, sit_out: bool = True,
+                 holding_up: Callable[[int], bool] = lambda r: False) -> None:
         self.trainer, self.cfg, self.stop, self.sit_out = trainer, cfg, stop, sit_out
+        self.holding_up = holding_up
         self.closed, self.started, self.base, self.after_step, self.steps = closed, started, base, after_step, steps
         self.just_synced = False  # set after a state sync: we arrive mid-run, and the next round may be under way
         # under overlap: the round whose phase started behind the others' (after a sit-out, or after our notice of
@@ -71,7 +74,9 @@ class InnerPhase:
     def train(self, r: int) -> tuple[int, int]:
         """The inner steps of round r: H AdamW steps of the local trainer (a stage peer's are its swarm's). When
         ``catch_up_round`` is r, set before the phase or by the exchange while it runs, the phase ends after at
-        least one step once others announce round r (see :meth:`run`)."""
+        least one step once others announce round r (see :meth:`run`). It also ends after at least one step when
+        the others wait for our close (``holding_up``): a slow head of the turn order contributes what it made
+        instead of holding every peer until the next in turn takes over."""
         tokens0 = self.trainer.tokens
         steps, last_check = 0, 0.0
         for _ in range(self.cfg.inner_steps):
@@ -85,6 +90,10 @@ class InnerPhase:
                 if self.catch_up_round == r and steps and self.started(r, False):
                     logger.info("round %d: others are announcing it; contributing the %d steps made since catching "
                                 "up", r, steps)
+                    break
+                if steps and self.holding_up(r):
+                    logger.info("round %d: the others announced it and wait for our close; contributing the %d steps "
+                                "made", r, steps)
                     break
             try:
                 self.trainer.train_step()

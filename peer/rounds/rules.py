@@ -112,6 +112,27 @@ def turn_order(round_: int, prior: Mapping[str, AbstractSet[int]], notices: Mapp
     return first + named + others
 
 
+HOLD_UP_SHARE = 0.5  # of the collection window: how long the others' notices wait for the head of the order's phase
+
+
+def holds_up(me: str, r: int, prior: Mapping[str, AbstractSet[int]], n_shards: int, undialable: AbstractSet[str],
+             lead: Sequence[str], first_seen: float | None, now: float, window: float) -> bool:
+    """Whether peer ``me``, still in its inner phase of round ``r``, holds the round up: it comes first in the turn
+    order agreed before the round (the committee's first lead, else the head of :func:`coordinator_ranking` over the
+    previous round's members, ``prior``), so every other peer waits for its close, and the first of the others'
+    notices came at least ``HOLD_UP_SHARE`` of the collection window ago (``first_seen``, None: none yet).
+
+    Such a peer ends its phase and contributes the steps it made (:class:`hlbp.peer.rounds.phase.InnerPhase`):
+    a slow head of the order is otherwise waited for until the next in turn takes over, a window and a takeover
+    delay after the first notice. A peer later in the order holds nothing up: the round closes without it."""
+    if first_seen is None or now < first_seen + HOLD_UP_SHARE * window:
+        return False
+    if lead:
+        return lead[0] == me
+    order = coordinator_ranking(r, prior, n_shards, undialable)
+    return bool(order) and order[0] == me
+
+
 def set_counts(s: AcceptedSet, order: Sequence[str], *, prior_known: bool, complete: bool, first_seen: float | None,
                now: float, window: float, max_window: float, takeover_s: float, min_contributors: int) -> bool:
     """Whether an accepted set published so far counts now, by the turn rule: a set is taken only from a peer whose

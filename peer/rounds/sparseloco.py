@@ -202,6 +202,9 @@ class RoundRunner(ReplicaBase):
     def round_started(self, r: int, wait: bool = True) -> bool:
         return self.closer.round_started(r, wait)
 
+    def holding_up(self, r: int) -> bool:
+        return self.closer.holding_up(r)
+
     def contribute(self, r: int, stats: RoundStats, steps: int, tokens: int,
                     base: Mapping[str, torch.Tensor]) -> dict[int, Contribution]:
         """Encode, serve and announce our contribution to round r, the pseudo-gradient of the inner phase that

@@ -8,6 +8,8 @@ from hlbp.peer.rounds.rules import (
     checkpoint_ahead,
     checks_settled,
     coordinator_order,
+    coordinator_ranking,
+    holds_up,
     majority_checksums,
     pick_accepted,
     widen_for_late,
@@ -24,6 +26,21 @@ def test_coordinator_order_is_the_same_from_any_view_and_changes_by_round():
     assert sorted(a) == sorted(PEERS)
     firsts = {coordinator_order(r, PEERS)[0] for r in range(40)}
     assert len(firsts) >= 4  # the duty rotates; no peer is a fixed server
+
+
+def test_only_the_head_of_the_agreed_order_holds_a_round_up_and_only_half_a_window_after_the_first_notice():
+    prior = {p: frozenset({0, 1}) for p in PEERS[:4]}
+    head, second = coordinator_ranking(5, prior, 2)[:2]
+
+    def held(me: str, now: float, lead: tuple[str, ...] = (), first: float | None = 100.0) -> bool:
+        return holds_up(me, 5, prior, 2, frozenset(), lead, first, now, window=6.0)
+
+    assert not held(head, 1000.0, first=None)  # nobody announced the round yet
+    assert not held(head, 102.9) and held(head, 103.0)  # half the 6 s window after the first notice
+    assert not held(second, 1000.0)  # the round closes without a later peer: it holds nothing up
+    assert held(second, 103.0, lead=(second, head)) and not held(head, 103.0, lead=(second, head))  # a committee
+    # a peer the head's ranking puts behind others because it holds fewer shards is never first
+    assert not holds_up(PEERS[5], 5, {**prior, PEERS[5]: frozenset({0})}, 2, frozenset(), (), 100.0, 1000.0, 6.0)
 
 
 def test_adapt_window_follows_arrivals_within_bounds():
