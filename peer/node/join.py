@@ -25,6 +25,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tokenizers import Tokenizer
+
 from hlbp.peer.common.errors import UserInputError
 from hlbp.peer.light.trust import trusted_signers
 from hlbp.peer.net.control import ControlPlane, NetworkConfig, software_version
@@ -168,16 +170,17 @@ def stage_refusal(maddrs: list[str], replica_fits: bool, checked: bool = True) -
             f"To fix it, {_port_fix(maddrs)}{instead}")
 
 
-def thresholds_for(m: Manifest, layout: StateLayout | None = None) -> Thresholds:
+def thresholds_for(m: Manifest, layout: StateLayout | None = None, vocab_size: int | None = None) -> Thresholds:
     """The memory a full replica and the most demanding stage of run ``m`` need, kept as ``layout`` says: their
     parameters (counted on the meta device: no memory, no time) and what a step of the manifest's batch holds for
-    its backward (:func:`~hlbp.peer.node.roles.training_memory_gb`)."""
+    its backward (:func:`~hlbp.peer.node.roles.training_memory_gb`). ``vocab_size``: the run tokenizer's, which
+    sizes the embedding and the head the peer will build (None: the preset's)."""
     import torch
 
     from hlbp.peer.model.decoder import Stage, build_model, count_parameters, preset
 
     layout = layout or StateLayout()
-    config = preset(m.model, **m.model_overrides)
+    config = preset(m.model, **{**m.model_overrides, **({"vocab_size": vocab_size} if vocab_size else {})})
     tokens = m.hparams.batch_size * m.hparams.seq_len  # a replica's step; every micro-batch of it in a stage at once
 
     def need(n_params: int, layers: int, head: bool, extra_gb: float) -> float:
@@ -261,7 +264,8 @@ def join(cfg: JoinConfig, echo: Callable[[str], None]) -> JoinedPeer:
         plane.serve_artifacts({m.tokenizer_hash: tokenizer_path})
         plane.serve_snapshot(m.run_id)
 
-        thresholds = thresholds_for(m, cfg.layout)
+        vocab_size = Tokenizer.from_file(str(tokenizer_path)).get_vocab_size(with_added_tokens=True)
+        thresholds = thresholds_for(m, cfg.layout, vocab_size)
         probe_peer = sources[0] if sources else signed.signer
 
         def throughput_fn(memory_gb: float) -> float:
@@ -319,7 +323,7 @@ def join(cfg: JoinConfig, echo: Callable[[str], None]) -> JoinedPeer:
     where = "full replica" if role.kind == "replica" else f"stage {role.stage} of swarm {role.swarm}"
     echo(f"role: {where} ({role.reason})")
     if role.kind == "stage" and not cfg.layout.recompute:
-        recomputed = thresholds_for(m, dataclasses.replace(cfg.layout, recompute=True))
+        recomputed = thresholds_for(m, dataclasses.replace(cfg.layout, recompute=True), vocab_size)
         forced = cfg.role is not None or cfg.stage is not None or cfg.swarm is not None
         hint = recompute_hint(capacity.memory_gb, role, thresholds, recomputed, forced=forced)
         if hint:

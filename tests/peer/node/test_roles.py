@@ -151,6 +151,17 @@ def test_a_1b_replica_fits_24_gb_only_with_its_blocks_recomputed():
     assert recomputed.stage_memory_gb < held.stage_memory_gb < held.replica_memory_gb / 1.5
 
 
+def test_the_run_tokenizers_vocabulary_sizes_the_embedding_and_head_a_role_needs():
+    m = _run("small", 16, 128, ((0, 3), (3, 6)))
+    preset_vocab = preset("small").vocab_size
+    same, larger = thresholds_for(m, vocab_size=preset_vocab), thresholds_for(m, vocab_size=4 * preset_vocab)
+    assert same == thresholds_for(m)
+    config = preset("small")
+    # the embedding and the head each grow by 3 x vocab x d_model parameters, and the head's logits per token
+    extra = 2 * 3 * preset_vocab * config.d_model * 19 + 3 * preset_vocab * 16 * 128 * 4
+    assert larger.replica_memory_gb - same.replica_memory_gb == pytest.approx(extra / 1e9, rel=0.05)
+
+
 def test_a_spare_moves_to_the_one_stage_another_swarm_lacks():
     from hlbp.peer.node.roles import propose_move
 
