@@ -101,6 +101,9 @@ class Closer:
         self.proofs: dict[int, dict[str, dict[str, bytes]]] = {}  # round -> the evidence of its members
         self.prior_read = -1  # the last round whose members were read from its records (learn_prior)
         self.first_seen: dict[int, float] = {}  # round -> when we first saw one of its notices (time.monotonic)
+        # round -> when we first saw a notice of it from another member of the round before (a key that was no
+        # member cannot move it: rules.holds_up)
+        self.member_seen: dict[int, float] = {}
         self.announced = UNKNOWN  # the expected contributors as last read (each close reads them anew)
         self._phase_expected: tuple[int, Expected] = (-1, UNKNOWN)  # read once a round by round_closed
         # the run's cap on a round's contributions, and who was selected when as the sets we took show (the replica
@@ -189,14 +192,15 @@ class Closer:
 
     def holding_up(self, r: int) -> bool:
         """Whether our inner phase of round r holds the round up (:func:`hlbp.peer.rounds.rules.holds_up`): we
-        come first in its turn order agreed before it and others announced it half a window ago. Answered from
-        what the phase's poller last read, never waiting (the phase asks between its steps)."""
+        come first in its turn order agreed before it and another member of round r - 1 announced it half a window
+        ago (notices under other keys do not count: a flood of them cannot cut an honest head's phase short).
+        Answered from what the phase's poller last read, never waiting (the phase asks between its steps)."""
         prior = self.prior
         if prior is None or prior[0] != r - 1 or self.me not in prior[1]:
             return False
         members = {p: s for p, s in prior[1].items() if not self.bans.refused_by_all(p, r)}
         return holds_up(self.me, r, members, self.n_shards, self.prior_undialable,
-                        leads(self.seating.seats(r), self.seating.rule), self.first_seen.get(r), time.monotonic(),
+                        leads(self.seating.seats(r), self.seating.rule), self.member_seen.get(r), time.monotonic(),
                         self.window)
 
     def round_records(self, r: int, wait: bool = True, poller: DhtPoll | None = None,
@@ -218,6 +222,11 @@ class Closer:
         if notices and r not in self.first_seen:
             self.first_seen = {k: t for k, t in self.first_seen.items() if k >= r - 2}
             self.first_seen[r] = time.monotonic()
+        prior = self.prior
+        if r not in self.member_seen and prior is not None and prior[0] == r - 1 \
+                and any(sender in prior[1] and sender != self.me for sender in notices):
+            self.member_seen = {k: t for k, t in self.member_seen.items() if k >= r - 2}
+            self.member_seen[r] = time.monotonic()
         return notices, self.records.records(keys[1], parse_accepted, accepted, round_=r)
 
     def turn(self, r: int, notices: dict[str, ContribNotice]) -> tuple[list[str], bool]:

@@ -119,8 +119,8 @@ def holds_up(me: str, r: int, prior: Mapping[str, AbstractSet[int]], n_shards: i
              lead: Sequence[str], first_seen: float | None, now: float, window: float) -> bool:
     """Whether peer ``me``, still in its inner phase of round ``r``, holds the round up: it comes first in the turn
     order agreed before the round (the committee's first lead, else the head of :func:`coordinator_ranking` over the
-    previous round's members, ``prior``), so every other peer waits for its close, and the first of the others'
-    notices came at least ``HOLD_UP_SHARE`` of the collection window ago (``first_seen``, None: none yet).
+    previous round's members, ``prior``), so every other peer waits for its close, and the first notice of another
+    of those members came at least ``HOLD_UP_SHARE`` of the collection window ago (``first_seen``, None: none yet).
 
     Such a peer ends its phase and contributes the steps it made (:class:`hlbp.peer.rounds.phase.InnerPhase`):
     a slow head of the order is otherwise waited for until the next in turn takes over, a window and a takeover
