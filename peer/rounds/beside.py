@@ -14,6 +14,13 @@ phase started from parameters nobody else holds: the round after it sits out, wi
 round's result replaces the model as usual. Its frames came from our wrong state, and an audit at the agreed one
 finds them wrong; that is what this loop gives up against waiting for the verdict every round.
 
+A resync that is over before the next phase starts is different: the state then names a later round (a peer that
+fell behind takes the members' newest state) while the model still holds the parameters it replaced. A phase
+trained from those under the new round's labels sends frames an audit at that round's anchor convicts as lies
+(an honest driver that resynced from round 4 to 19 was banned so, and its stage partner's work left out for
+every later round). So the next phase first joins a verification that is over or that moved the state's round,
+and starts from the state it loaded.
+
 A round is reported by the worker as soon as its verdict is in, with the validation loss scored right after the
 result was loaded, before the next phase trained it; :meth:`BesideLoop.run_round` returns it one call late, and
 :meth:`BesideLoop.finish` the last one when the peer stops.
@@ -90,6 +97,7 @@ class BesideLoop:
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hlbp-confirm")
         self.inflight: _Confirming | None = None
         self.stale = False  # a resync replaced the state the phase under way started from
+        self.next_round: int | None = None  # the round the last settle left the state at (None: none yet)
 
     def preview(self, r: int, final: bool = False) -> None:
         """Nothing lands mid-phase here."""
@@ -130,8 +138,18 @@ class BesideLoop:
         meanwhile (None on the first call, or for a round abandoned on SIGTERM)."""
         run = self.runner
         r = run.state.round
+        early = None
+        f = self.inflight
+        if f is not None and (f.future.done() or r != self.next_round):
+            # the verification is over, or it resynced the state to another round: the phase starts from what
+            # it loaded, not from the parameters it replaced (see the module docstring)
+            early = self._join()
+            if self.stale:
+                self.stale = False
+                run.load_anchor_into_model()
+            r = run.state.round
         stats, steps, tokens, served_before = run.begin_round(r)
-        finished = self._join()
+        finished = early if early is not None else self._join()
         if self.stale:
             # phase r trained from parameters a resync has since replaced: its steps are not a pseudo-gradient of
             # anything the others hold, so it sits this round out, as a freshly synced peer does
@@ -150,6 +168,7 @@ class BesideLoop:
         closed = settled.accepted is not None
         if closed or not run.stop.is_set():
             run.state.round = r + 1  # a round abandoned on SIGTERM is not ours to count: a restart syncs past it
+        self.next_round = run.state.round
         run.overlapping = True  # from here the verification must not touch the model: the next phase trains it
         scored: Future = Future()
         future = self.pool.submit(self._confirm, r, stats, settled, steps, served_before, comm_s, closed, scored)

@@ -41,15 +41,18 @@ class _Settled:
 
 
 class _Loop:
-    """Rounds whose verification of round ``resync_at`` resyncs, and which close without a set from
-    ``abandon_at`` on (the peer then stops)."""
+    """Rounds whose verification of round ``resync_at`` resyncs (to the state of round ``resync_to``), and which
+    close without a set from ``abandon_at`` on (the peer then stops)."""
 
-    def __init__(self, resync_at: int = -1, abandon_at: int = 99) -> None:
+    def __init__(self, resync_at: int = -1, abandon_at: int = 99, resync_to: int | None = None,
+                 waits: bool = True) -> None:
         self.state = _State()
         self.stop = threading.Event()
         self.taint = None
         self.overlapping = False
         self.resync_at, self.abandon_at = resync_at, abandon_at
+        self.resync_to = resync_to  # the round the resync's state is at (None: the one after the verified one)
+        self.waits = waits  # whether a verification ends only once the next phase has started
         self.phases: dict[int, threading.Event] = {}  # set as each phase starts
         self.log: list[tuple[Any, ...]] = []
         self.reports: list[tuple[int, float | None, float]] = []
@@ -72,10 +75,12 @@ class _Loop:
     def confirm(self, r: int, stats: RoundStats, settled: _Settled) -> ShardChecks:
         assert self.overlapping  # the next phase owns the model meanwhile
         # the verification ends once the next phase has started, or the test lets it (release)
-        assert self.phases.setdefault(r + 1, threading.Event()).wait(10.0)
+        if self.waits:
+            assert self.phases.setdefault(r + 1, threading.Event()).wait(10.0)
         if r == self.resync_at:
             stats.synced = True
-            self.state.round = r + 1  # the agreed state of round r, fetched from the members
+            # the agreed state of round r (or of a later one, for a peer that fell behind), fetched from the members
+            self.state.round = (r if self.resync_to is None else self.resync_to) + 1
         self.log.append(("confirmed", r, threading.current_thread() is threading.main_thread()))
         return ShardChecks("me", r, {0: f"round {r}"})
 
@@ -149,6 +154,25 @@ def test_a_resync_makes_the_next_phase_sit_out_and_its_loss_unreported() -> None
     assert run.reports == [(0, None, run.reports[0][2])]  # the loss scored before the resync is not reported
     loop.run_round()
     assert ("contribute", 2, 10, 100) in run.log  # the phase after trains and contributes again
+    run.release()
+    loop.finish()
+
+
+@pytest.mark.parametrize("resync_to", [0, 19])
+def test_a_phase_after_a_resync_that_is_over_starts_from_the_state_it_loaded(resync_to: int) -> None:
+    run = _Loop(resync_at=0, resync_to=resync_to, waits=False)
+    loop = BesideLoop(run)
+    loop.run_round()
+    deadline = time.monotonic() + 10.0
+    while not loop.inflight.future.done() and time.monotonic() < deadline:  # the verification resyncs at once
+        time.sleep(0.01)
+    reported = loop.run_round()
+    assert reported is not None and reported.round == 0 and reported.synced
+    # the model was loaded with the agreed state before the phase, which runs as that state's round with nothing
+    # beside it (a phase from the replaced parameters under these labels is what an audit convicts)
+    assert run.loaded == 1
+    assert ("phase", resync_to + 1, False) in run.log and ("contribute", resync_to + 1, 10, 100) in run.log
+    assert not any(e[0] == "phase" and e[1] == 1 and resync_to for e in run.log)
     run.release()
     loop.finish()
 
