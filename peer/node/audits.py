@@ -18,6 +18,11 @@ is drawn from this process's own randomness after the traffic, so no stage peer 
 
 Every audit is written to ``metrics.jsonl`` (event ``audit``: the round, the peer, each sample's finding, inner step,
 and the distances), which is how the tests and an operator see them.
+
+A convicted peer taints the work of whoever trades frames with it for as long as its ban lasts here
+(:class:`Convictions`: 2, 4, 8, ... rounds, as :class:`hlbp.peer.rounds.bans.RoundBans` bans it), not for good: an
+honest peer can be convicted (a stage peer whose resync raced its next phase trains it from the parameters the
+resync replaced), and a taint for good left its swarm's other stages out of every later round.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from collections.abc import Set as AbstractSet
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -43,6 +49,24 @@ from hlbp.peer.train.turns import Turns
 from hlbp.protocol.roundwire import ContribNotice
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Convictions:
+    """The stage peers this coordinator's audits convicted, each a liar until its ban here ends: 2 rounds after
+    the round of its first conviction, 4 after its second, 8 ... (``until``: peer -> (first round it is no longer
+    a liar, convictions so far)), the lengths :class:`hlbp.peer.rounds.bans.RoundBans` bans it for."""
+
+    until: dict[str, tuple[int, int]] = field(default_factory=dict)
+
+    def convict(self, peer: str, r: int) -> None:
+        """``peer``'s frames of round ``r`` convicted it."""
+        strikes = self.until.get(peer, (0, 0))[1] + 1
+        self.until[peer] = (r + 1 + 2**strikes, strikes)
+
+    def liars(self, r: int) -> set[str]:
+        """The peers whose frames taint the work they reached in round ``r``."""
+        return {p for p, (until, _) in self.until.items() if until > r}
 
 
 class PipelineAudits:
@@ -66,7 +90,7 @@ class PipelineAudits:
         self._lock = threading.Lock()  # one audit at a time: they share the codec's table and the skeletons
         self.audited = 0  # stage peers audited, for the summary
         self.caught: list[tuple[int, str]] = []  # (round, peer) of every conviction
-        self.liars: set[str] = set()  # every peer convicted here: work computed with its frames is never taken
+        self.convictions = Convictions()  # work computed with a convicted peer's frames is not taken while it lasts
         # built now, before training: a stage is made with its parameters (then dropped for the skeleton), and made
         # at a first audit, beside a training step, that transient added to the peer's peak (docs/design.md)
         for s in range(len(bounds)):
@@ -129,11 +153,12 @@ class PipelineAudits:
             self._record(found, s, time.perf_counter() - t0)
             if found.guilty is not None:
                 self.caught.append((r, peer))
-                self.liars.add(peer)
+                self.convictions.convict(peer, r)
+            liars = self.convictions.liars(r)
             exchanged |= found.exchanges()
             if found.guilty is None and not checked(found):
                 unchecked.add(peer)
-            for p, refusal in judge(found, s, self.liars).items():
+            for p, refusal in judge(found, s, liars).items():
                 refused.setdefault(p, refusal)
             # a peer that passed frames on in the chain without contributing is audited too: its lies reached the
             # work of the peers that did. Its stage is the one its own announcement names; the accused's transcript
@@ -145,15 +170,16 @@ class PipelineAudits:
             unchecked.update(unplaced)
             queued.update(p for p, _ in audit_next)
             queued.update(unplaced)
-        for p, liar in chain_of(self.liars, exchanged).items():
+        liars = self.convictions.liars(r)
+        for p, liar in chain_of(liars, exchanged).items():
             if p in stage_peers:
                 refused.setdefault(p, Refusal(f"its round-{r} work was computed in a chain with {liar[:16]}, caught "
                                               "lying", ban=False))
         # the work of a chain whose frames were not all cleared is left out with the peer that could not be checked:
         # it was computed on what that peer sent (a liar whose frames are not had, or whose audit the budget did not
         # reach, would otherwise see its neighbours' work taken, poisoned)
-        for p, source in chain_of(unchecked - self.liars, exchanged).items():
-            if p in stage_peers and p not in self.liars:
+        for p, source in chain_of(unchecked - liars, exchanged).items():
+            if p in stage_peers and p not in liars:
                 refused.setdefault(p, Refusal(f"its round-{r} work was computed in a chain with {source[:16]}, whose "
                                               "frames could not be checked", ban=False))
         # a refusal matters for a contribution of this round, or as a ban (of a liar that did not contribute)

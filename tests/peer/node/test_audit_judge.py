@@ -5,7 +5,7 @@ liar's whole chain of frame exchanges in the round is left out (``chain_of``), n
 
 from __future__ import annotations
 
-from hlbp.peer.node.audits import chain_of, checked, judge, unaudited_neighbours
+from hlbp.peer.node.audits import Convictions, chain_of, checked, judge, unaudited_neighbours
 from hlbp.peer.swarm.audit import AuditResult, Comparison, Finding
 from hlbp.peer.swarm.auditor import PeerAudit, Verdict
 
@@ -30,6 +30,15 @@ def test_a_conviction_bans_the_liar_and_leaves_out_the_chain_it_fed() -> None:
 def test_a_liar_banned_earlier_taints_whoever_still_trades_frames_with_it() -> None:
     out = judge(audit(Finding.CLEAN, Finding.CLEAN, neighbours=("liar", "down")), 2, {"liar"})
     assert set(out) == {"p"} and not out["p"].ban
+
+
+def test_a_conviction_taints_for_as_long_as_its_ban_and_a_repeat_for_twice_as_long() -> None:
+    c = Convictions()
+    c.convict("liar", 20)
+    assert [r for r in range(20, 30) if "liar" in c.liars(r)] == [20, 21, 22]  # banned until round 23
+    c.convict("liar", 30)
+    assert [r for r in range(30, 40) if "liar" in c.liars(r)] == [30, 31, 32, 33, 34]  # until 35: 4 rounds after
+    assert c.liars(35) == set()  # then its neighbours' work is taken again, its own frames audited as anyone's
 
 
 def test_stale_work_leaves_out_its_chain_and_bans_nobody() -> None:
