@@ -170,6 +170,17 @@ def stage_refusal(maddrs: list[str], replica_fits: bool, checked: bool = True) -
             f"To fix it, {_port_fix(maddrs)}{instead}")
 
 
+def tokenizer_vocab(path: Path) -> int | None:
+    """The vocabulary size of the run's tokenizer file at ``path``, or None where it does not load as one (the
+    file's hash matched the signed manifest, but a peer that only announces never parses it otherwise, and a role's
+    sizing must not stop it from joining: the preset's vocabulary is used then)."""
+    try:
+        return Tokenizer.from_file(str(path)).get_vocab_size(with_added_tokens=True)
+    except Exception as exc:  # noqa: BLE001 - the tokenizers library raises plain Exception for any bad file
+        logger.info("the run's tokenizer does not load (%s); sizing roles with the preset's vocabulary", exc)
+        return None
+
+
 def thresholds_for(m: Manifest, layout: StateLayout | None = None, vocab_size: int | None = None) -> Thresholds:
     """The memory a full replica and the most demanding stage of run ``m`` need, kept as ``layout`` says: their
     parameters (counted on the meta device: no memory, no time) and what a step of the manifest's batch holds for
@@ -264,7 +275,7 @@ def join(cfg: JoinConfig, echo: Callable[[str], None]) -> JoinedPeer:
         plane.serve_artifacts({m.tokenizer_hash: tokenizer_path})
         plane.serve_snapshot(m.run_id)
 
-        vocab_size = Tokenizer.from_file(str(tokenizer_path)).get_vocab_size(with_added_tokens=True)
+        vocab_size = tokenizer_vocab(tokenizer_path)
         thresholds = thresholds_for(m, cfg.layout, vocab_size)
         probe_peer = sources[0] if sources else signed.signer
 

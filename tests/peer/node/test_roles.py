@@ -7,7 +7,7 @@ import torch
 
 from hlbp.peer.bench.stepcost import held_for_backward
 from hlbp.peer.model.decoder import build_model, preset
-from hlbp.peer.node.join import thresholds_for
+from hlbp.peer.node.join import thresholds_for, tokenizer_vocab
 from hlbp.peer.node.roles import (
     Capacity,
     PeerView,
@@ -160,6 +160,19 @@ def test_the_run_tokenizers_vocabulary_sizes_the_embedding_and_head_a_role_needs
     # the embedding and the head each grow by 3 x vocab x d_model parameters, and the head's logits per token
     extra = 2 * 3 * preset_vocab * config.d_model * 19 + 3 * preset_vocab * 16 * 128 * 4
     assert larger.replica_memory_gb - same.replica_memory_gb == pytest.approx(extra / 1e9, rel=0.05)
+
+
+def test_a_tokenizer_file_that_does_not_load_leaves_the_presets_vocabulary(tmp_path):
+    from tokenizers import Tokenizer, models
+
+    real = tmp_path / "real.json"
+    Tokenizer(models.WordLevel({"a": 0, "b": 1, "[UNK]": 2}, unk_token="[UNK]")).save(str(real))
+    assert tokenizer_vocab(real) == 3
+    for name, text in (("stand-in", '{"model": "not a tokenizer"}'), ("broken", "{"), ("binary", "\x00\xff")):
+        bad = tmp_path / f"{name}.json"
+        bad.write_text(text)
+        assert tokenizer_vocab(bad) is None, name
+    assert tokenizer_vocab(tmp_path / "missing.json") is None
 
 
 def test_a_spare_moves_to_the_one_stage_another_swarm_lacks():
