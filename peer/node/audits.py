@@ -42,6 +42,7 @@ from hlbp.peer.model.codec import ActivationCodec
 from hlbp.peer.model.decoder import ModelConfig, Stage
 from hlbp.peer.rounds.admission import Refusal
 from hlbp.peer.rounds.anchor import Anchor
+from hlbp.peer.rounds.bans import ban_end
 from hlbp.peer.swarm.audit import Finding
 from hlbp.peer.swarm.auditor import AuditConfig, Auditor, Fetch, PeerAudit
 from hlbp.peer.train.trainer import skeleton
@@ -62,7 +63,7 @@ class Convictions:
     def convict(self, peer: str, r: int) -> None:
         """``peer``'s frames of round ``r`` convicted it."""
         strikes = self.until.get(peer, (0, 0))[1] + 1
-        self.until[peer] = (r + 1 + 2**strikes, strikes)
+        self.until[peer] = (ban_end(r, strikes), strikes)
 
     def liars(self, r: int) -> set[str]:
         """The peers whose frames taint the work they reached in round ``r``."""

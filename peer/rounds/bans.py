@@ -19,6 +19,11 @@ MAX_MISSERS = 4096  # senders whose misses are remembered
 MAX_SAVED_BANS = 1 << 16  # bans a checkpoint may name
 
 
+def ban_end(r: int, strikes: int) -> int:
+    """The first round after a ban imposed in round ``r`` on its ``strikes``-th strike: 2, 4, 8, ... rounds."""
+    return r + 1 + 2**strikes
+
+
 class RoundBans:
     """Whom this round loop refuses, and until which round.
 
@@ -43,7 +48,7 @@ class RoundBans:
         """Reject a sender's contribution and ban it for 2, 4, 8, ... rounds; the ban travels in the accepted set,
         marked when it is for undelivered contributions (``missed``) rather than for something false."""
         strikes = self.until.get(sender, (0, 0))[1] + 1
-        self.until[sender] = (r + 1 + 2**strikes, strikes)
+        self.until[sender] = (ban_end(r, strikes), strikes)
         if missed:
             self.missed.add(sender)
         else:
