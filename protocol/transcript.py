@@ -4,9 +4,12 @@ Every ``fwd`` and ``bwd`` hop of a pipeline swarm is signed by its sender (:func
 frame_commitment`), and its receiver keeps the whole message for a while. An auditor fetches, by name from the
 peer's blob transport:
 
-- ``audit/i/<round>``: the index of round ``round``, a canonical msgpack list of ``[sender, op, session, step, mb,
-  attempt, inner, flagged]`` entries, one per kept frame (``flagged``: 1 when the holder's screen found the frame
-  an outlier, :mod:`hlbp.peer.swarm.screen`; else 0) (:func:`decode_index`);
+- ``audit/i/<round>``: the index of round ``round``, a canonical msgpack ``[withdrawn, entries]``: ``entries`` a list
+  of ``[sender, op, session, step, mb, attempt, inner, flagged]``, one per kept frame (``flagged``: 1 when the
+  holder's screen found the frame an outlier, :mod:`hlbp.peer.swarm.screen`; else 0), and ``withdrawn`` 1 when the
+  holder takes its own work of the round back (it trained that phase from a state a resync then replaced, so its
+  frames are not the round's anchor's; the auditor then leaves its work and its chain's out, banning nobody)
+  (:func:`decode_index`);
 - ``audit/f/<sender>/<op>/<session>/<step>/<mb>/<attempt>``: one kept frame, ``[sender, message bytes]``
   (:func:`decode_kept`), whose signature the auditor checks against ``sender`` before it believes a byte.
 
@@ -69,10 +72,18 @@ def index_name(r: int) -> str:
     return f"{INDEX_PREFIX}{r}"
 
 
-def encode_index(entries: list[IndexEntry]) -> bytes:
+@dataclass(frozen=True)
+class RoundIndex:
+    """A holder's index of one round: the frames it kept, and whether it withdrew its own work of the round."""
+
+    entries: list[IndexEntry]
+    withdrawn: bool = False
+
+
+def encode_index(entries: list[IndexEntry], withdrawn: bool = False) -> bytes:
     rows = [[e.key.sender, e.key.op, e.key.session, e.key.step, e.key.mb, e.key.attempt, e.inner, int(e.flagged)]
             for e in entries[:MAX_INDEX_ENTRIES]]
-    return msgpack.packb(rows, use_bin_type=True)
+    return msgpack.packb([int(withdrawn), rows], use_bin_type=True)
 
 
 def _nat(value: object, hi: int) -> int:
@@ -81,11 +92,14 @@ def _nat(value: object, hi: int) -> int:
     return value
 
 
-def decode_index(data: bytes, max_entries: int = MAX_INDEX_ENTRIES) -> list[IndexEntry]:
-    """An untrusted index's entries; any defect raises :class:`ProtocolError`."""
-    rows = unpack_msgpack(data, max_bytes=16 + max_entries * _ENTRY_BYTES, what="audit index", max_depth=2)
+def decode_index(data: bytes, max_entries: int = MAX_INDEX_ENTRIES) -> RoundIndex:
+    """An untrusted index; any defect raises :class:`ProtocolError`."""
+    obj = unpack_msgpack(data, max_bytes=16 + max_entries * _ENTRY_BYTES, what="audit index", max_depth=3)
+    if not isinstance(obj, list) or len(obj) != 2:
+        raise ProtocolError("an audit index must be [withdrawn, entries]")
+    withdrawn, rows = obj
     if not isinstance(rows, list) or len(rows) > max_entries:
-        raise ProtocolError(f"an audit index must be a list of at most {max_entries} entries")
+        raise ProtocolError(f"an audit index must list at most {max_entries} entries")
     out = []
     for row in rows:
         if not isinstance(row, list) or len(row) != 8:
@@ -98,7 +112,7 @@ def decode_index(data: bytes, max_entries: int = MAX_INDEX_ENTRIES) -> list[Inde
         key = FrameKey(sender, op, _nat(row[2], 2**63 - 1), _nat(row[3], 2**40), _nat(row[4], 1 << 16),
                        _nat(row[5], 1 << 16))
         out.append(IndexEntry(key, _nat(row[6], 1 << 20), bool(_nat(row[7], 1))))
-    return out
+    return RoundIndex(out, bool(_nat(withdrawn, 1)))
 
 
 def encode_kept(sender: str, message: bytes) -> bytes:

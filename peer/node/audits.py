@@ -198,7 +198,7 @@ class PipelineAudits:
             logger.warning("round %d: stage peer %s of stage %d caught lying (%s)", found.round, found.accused[:16],
                            stage, guilty.result.finding.value)
         self.metrics.write(event="audit", round=found.round, peer=found.accused, stage=stage,
-                           guilty=guilty is not None, samples=samples, neighbours=sorted(found.neighbours),
+                           guilty=guilty is not None, withdrawn=found.withdrawn, samples=samples, neighbours=sorted(found.neighbours),
                            seconds=round(seconds, 4), compute_s=round(found.compute_s, 4), flagged=found.flagged)
 
 
@@ -245,7 +245,8 @@ def judge(found: PeerAudit, stage: int, liars: AbstractSet[str]) -> dict[str, Re
 
     - its own signed frames convict it: it is banned, and the peers it exchanged frames with are left out;
     - it exchanged frames with a peer convicted earlier (``liars``): it is left out;
-    - its first step was computed on other weights than the anchor (stale): it and its chain are left out;
+    - its first step was computed on other weights than the anchor (stale), or its index withdraws its work of
+      the round (it knows it trained from a state a resync replaced): it and its chain are left out;
     - nothing of its first step could be checked (it showed none of it, or its neighbours did not): it is left
       out, since work that cannot be checked is not taken (an honest standby switched in after the first step
       loses that round's work);
@@ -265,6 +266,9 @@ def judge(found: PeerAudit, stage: int, liars: AbstractSet[str]) -> dict[str, Re
     if tainted:  # a liar banned earlier that its swarm still routes through
         return {peer: Refusal(f"its round-{r} work was computed with frames from {tainted[0][:16]}, caught lying "
                               "earlier", ban=False)}
+    if found.withdrawn:  # honest, its state replaced under the phase, or a liar taking its lie back: not the round's
+        return {p: Refusal(f"round-{r} work of stage {stage} ({peer[:16]}) was withdrawn by that peer (it trained "
+                           "from a state a resync replaced)", ban=False) for p in (peer, *sorted(found.reached))}
     if found.stale is not None:  # honest, late: its work and its chain's is not the round's
         return {p: Refusal(f"round-{r} work of stage {stage} ({peer[:16]}) was computed on other weights than the "
                            "round's anchor", ban=False) for p in (peer, *sorted(found.reached))}

@@ -26,7 +26,7 @@ from hlbp.peer.model.decoder import Stage
 from hlbp.peer.swarm.audit import AuditResult, Evidence, Finding, Frame, Tolerance, audit, judge_step
 from hlbp.peer.train.turns import Turns, side_turn
 from hlbp.protocol import ProtocolError
-from hlbp.protocol.transcript import FrameKey, IndexEntry, decode_index, decode_kept, index_name
+from hlbp.protocol.transcript import FrameKey, RoundIndex, decode_index, decode_kept, index_name
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +72,7 @@ class PeerAudit:
     # each neighbour's side: -1 upstream (it sent the accused activations, or got gradients from it), +1 downstream
     sides: Mapping[str, int] = field(default_factory=dict)
     fed_by: frozenset[str] = frozenset()
+    withdrawn: bool = False  # the accused's index takes its work of the round back: nothing of it was recomputed
 
     @property
     def neighbours(self) -> frozenset[str]:
@@ -161,12 +162,12 @@ class Auditor:
         self.fetch, self.codec, self.vocab_size, self.max_body = fetch, codec, vocab_size, max_body
         self.turns = turns  # each recomputation waits for the auditing peer's training step under way (None: no wait)
         self.cfg = cfg or AuditConfig()
-        self._indexes: dict[tuple[str, int], list[IndexEntry]] = {}  # (peer, round) -> its index, this round only
+        self._indexes: dict[tuple[str, int], RoundIndex] = {}  # (peer, round) -> its index, this round only
 
     def _fetch(self, peer: str, name: str, max_size: int) -> bytes:
         return fetch_again_if_fast(self.fetch, peer, name, max_size, self.cfg.timeout_s)
 
-    def _index(self, peer: str, r: int) -> list[IndexEntry]:
+    def _index(self, peer: str, r: int) -> RoundIndex:
         """``peer``'s index of round ``r``, fetched once per round (every audit of the round reads them)."""
         if (peer, r) not in self._indexes:
             self._indexes = {k: v for k, v in self._indexes.items() if k[1] >= r}
@@ -174,7 +175,7 @@ class Auditor:
                 self._indexes[(peer, r)] = decode_index(self._fetch(peer, index_name(r), 16 << 20))
             except (ConnectionError, ProtocolError) as exc:
                 logger.info("no audit index of round %d from %s: %s", r, peer[:12], exc)
-                self._indexes[(peer, r)] = []
+                self._indexes[(peer, r)] = RoundIndex([])
         return self._indexes[(peer, r)]
 
     def _frame(self, holder: str, key: FrameKey) -> Frame | None:
@@ -216,7 +217,8 @@ class Auditor:
         (a stored anchor reads a file) and every sample recomputed, so neither the parameters nor the recomputation
         are held while the frames travel beside the auditing peer's training step. The frames of every sample (at
         most ``samples + later``, four each, each at most ``max_body``) are held together until then."""
-        own = self._index(accused, r)
+        index = self._index(accused, r)
+        own = index.entries
         received = {(e.key.op, e.key.micro_batch()): e.key for e in own}
         # each neighbour's side: -1 upstream (it sent us activations), +1 downstream (it sent us gradients)
         sides = {e.key.sender: -1 if e.key.op == "fwd" else 1 for e in own}
@@ -230,7 +232,7 @@ class Auditor:
         for peer in dict.fromkeys([*swarm, *sorted(sides)]):
             if peer == accused:
                 continue
-            for e in self._index(peer, r):
+            for e in self._index(peer, r).entries:
                 if e.key.sender == accused:
                     sides.setdefault(peer, 1 if e.key.op == "fwd" else -1)
                     reached.add(peer)
@@ -239,7 +241,9 @@ class Auditor:
                     sent.setdefault(mb, e.inner)
                     if e.flagged:
                         flagged.add(mb)
-        count = self.cfg.samples if samples is None else samples
+        # a withdrawn round is not recomputed: the accused says its work is not at the anchor, and it and its
+        # chain are left out whatever a sample would show (a liar can withdraw too, taking its lie's reach with it)
+        count = 0 if index.withdrawn else self.cfg.samples if samples is None else samples
         # stage 0's later steps are not judged: its siblings are not alike by construction (the embedding rows a
         # micro-batch reads drift with how often the phase trained those tokens), so they would convict an honest
         # driver; its first step is recomputed exactly like any stage's
@@ -263,4 +267,5 @@ class Auditor:
         judged = judge_step([res for _, res, _ in found], self.cfg.tolerance)
         verdicts = [Verdict(accused, r, mb, res, held) for (mb, _, held), res in zip(found, judged)]
         sides.pop(accused, None)
-        return PeerAudit(accused, r, verdicts, frozenset(reached), compute_s, len(flagged), sides, fed_by)
+        return PeerAudit(accused, r, verdicts, frozenset(reached), compute_s, len(flagged), sides, fed_by,
+                         index.withdrawn)

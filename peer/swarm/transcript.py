@@ -33,6 +33,7 @@ from hlbp.protocol.transcript import (
 )
 
 DEFAULT_MAX_BYTES = 256 << 20  # what a peer keeps for audits: a few rounds of compressed frames
+MAX_WITHDRAWN = 256  # rounds whose withdrawal a peer remembers (the newest; audits look at the last round or two)
 
 
 class Transcript:
@@ -41,9 +42,14 @@ class Transcript:
 
     def __init__(self, max_bytes: int = DEFAULT_MAX_BYTES) -> None:
         self.max_bytes = max_bytes
-        self._frames: OrderedDict[FrameKey, tuple[int, int, bytes]] = OrderedDict()  # key -> (round, inner, message)
+        # key -> (round, inner, message, the count of frames kept before it)
+        self._frames: OrderedDict[FrameKey, tuple[int, int, bytes, int]] = OrderedDict()
         self._flagged: set[FrameKey] = set()  # kept frames the screen found outlying
         self._bytes = 0
+        self._kept = 0  # frames kept so far
+        self._phase: tuple[int, int] | None = None  # (round, frames kept before it) of this peer's phase under way
+        self._withdrawing = False  # every frame kept now has its round withdrawn (until the next phase starts)
+        self._withdrawn: set[int] = set()  # rounds whose work this peer takes back (:meth:`withdraw_phase`)
         self.dropped = 0
         self._lock = threading.Lock()
 
@@ -56,10 +62,13 @@ class Transcript:
             if old is not None:
                 self._bytes -= len(old[2])
                 self._flagged.discard(key)
-            self._frames[key] = (msg.round, msg.inner, message)
+            self._frames[key] = (msg.round, msg.inner, message, self._kept)
+            self._kept += 1
+            if self._withdrawing:
+                self._withdraw({msg.round})
             self._bytes += len(message)
             while self._bytes > self.max_bytes and self._frames:
-                gone_key, (_, _, gone) = self._frames.popitem(last=False)
+                gone_key, (_, _, gone, _) = self._frames.popitem(last=False)
                 self._bytes -= len(gone)
                 self._flagged.discard(gone_key)
                 self.dropped += 1
@@ -71,6 +80,35 @@ class Transcript:
             if key in self._frames:
                 self._flagged.add(key)
 
+    def phase_started(self, r: int) -> None:
+        """This peer's inner phase of round ``r`` starts: the frames kept from now on are what it computed from."""
+        with self._lock:
+            self._phase = (r, self._kept)
+            self._withdrawing = False
+
+    def withdraw_phase(self, r: int) -> bool:
+        """Take back this peer's work of the phase of round ``r`` if it is the phase under way (a resync replaced
+        the state it trained from, so nothing it computed there is at the round's anchor): the round of every
+        frame kept since the phase started, and of every frame kept until the next phase starts, is listed as
+        withdrawn in its index. Returns whether it was the phase under way."""
+        with self._lock:
+            if self._phase is None or self._phase[0] != r:
+                return False
+            start = self._phase[1]
+            self._withdraw({rr for rr, _, _, seq in self._frames.values() if seq >= start} | {r})
+            self._withdrawing = True
+            return True
+
+    def _withdraw(self, rounds: set[int]) -> None:
+        self._withdrawn |= rounds
+        while len(self._withdrawn) > MAX_WITHDRAWN:
+            self._withdrawn.discard(min(self._withdrawn))
+
+    def withdrawn(self, r: int) -> bool:
+        """Whether this peer took back its work of round ``r``."""
+        with self._lock:
+            return r in self._withdrawn
+
     def frame(self, key: FrameKey) -> bytes | None:
         """The kept frame ``key`` as served (:func:`~hlbp.protocol.transcript.encode_kept`), or None."""
         with self._lock:
@@ -80,14 +118,17 @@ class Transcript:
     def index(self, r: int) -> list[IndexEntry]:
         """The kept frames of round ``r``."""
         with self._lock:
-            return [IndexEntry(k, inner, k in self._flagged) for k, (rr, inner, _) in self._frames.items() if rr == r]
+            return [IndexEntry(k, inner, k in self._flagged)
+                    for k, (rr, inner, _, _) in self._frames.items() if rr == r]
 
     def resolve(self, name: str) -> bytes | None:
         """The bytes served under blob name ``name`` (an index or a frame), or None: the data plane's answer to an
         auditor (``transport.put_lazy_prefix``). Names are untrusted: anything unparsable is "not here"."""
         if name.startswith(INDEX_PREFIX):
             tail = name[len(INDEX_PREFIX):]
-            return encode_index(self.index(int(tail))) if tail.isdigit() and len(tail) < 16 else None
+            if not (tail.isdigit() and len(tail) < 16):
+                return None
+            return encode_index(self.index(int(tail)), self.withdrawn(int(tail)))
         parts = name[len(FRAME_PREFIX):].split("/") if name.startswith(FRAME_PREFIX) else []
         if len(parts) != 6 or parts[1] not in SIGNED_OPS or not all(p.isdigit() and len(p) < 20 for p in parts[2:]):
             return None

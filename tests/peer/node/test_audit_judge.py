@@ -46,6 +46,13 @@ def test_stale_work_leaves_out_its_chain_and_bans_nobody() -> None:
     assert set(out) == {"p", "up", "down"} and not any(r.ban for r in out.values())
 
 
+def test_withdrawn_work_leaves_out_its_chain_and_bans_nobody() -> None:
+    found = PeerAudit("p", 4, [], frozenset({"up", "down"}), fed_by=frozenset({"up", "down"}), withdrawn=True)
+    out = judge(found, 1, set())
+    assert set(out) == {"p", "up", "down"} and not any(r.ban for r in out.values())
+    assert "withdrawn" in out["p"].reason and not checked(found)
+
+
 def test_work_that_could_not_be_checked_is_not_taken_on_any_stage() -> None:
     for nothing in (audit(), audit(Finding.INCONCLUSIVE, Finding.INCONCLUSIVE), audit(Finding.UNJUDGED)):
         for stage in (0, 1):  # stage 0 too: the token window it signs with its frames makes it recomputable

@@ -96,11 +96,13 @@ def network() -> Iterator[tuple[list[hivemind.DHT], list[Identity]]]:
 def run_swarm(network: tuple[list[hivemind.DHT], list[Identity]], lie: tuple[str, str, int] | None,
               wire: str = "fp32", samples: int = 2, seeds: tuple[int, ...] = (0,),
               later: int = 0, later_chance: float = 1.0, audited: int = 1, turns: Turns | None = None,
-              fetches: list[str] | None = None) -> tuple[list[Any], list[Any]]:
+              fetches: list[str] | None = None, withdraw: bool = False,
+              audits: list[Any] | None = None) -> tuple[list[Any], list[Any]]:
     """STEPS steps of a 3-stage swarm in round 0 (stage 1 lying as ``lie`` says), then the verdicts of an audit
     of stage ``audited`` (1, or 0: the driver) per seed with ``samples`` samples of the phase's first step (and
     ``later`` of one later step), and the micro-batch attempts it lied on. ``turns``: the auditor's; ``fetches``:
-    the name of every blob the auditor fetches is appended there."""
+    the name of every blob the auditor fetches is appended there. ``withdraw``: the audited peer takes its phase
+    of round 0 back after it (as after a resync); ``audits``: each :class:`PeerAudit` is appended there."""
     dhts, identities = network
     workers = [StageWorker(s, OPTIM, torch.device("cpu")) for s in stages()]
     middle: Any = workers[1] if lie is None else LyingWorker(workers[1], *lie)
@@ -118,10 +120,14 @@ def run_swarm(network: tuple[list[hivemind.DHT], list[Identity]], lie: tuple[str
     try:
         for t, n in zip(transports, notaries):
             t.put_lazy_prefix(AUDIT_PREFIX, n.transcript.resolve)
+        for n in notaries:
+            n.transcript.phase_started(0)
         torch.manual_seed(7)
         for step in range(STEPS):
             x = torch.randint(0, CONFIG.vocab_size, (8, 17))
             driver.train_step(x[:, :-1], x[:, 1:], step, lr_at(step, OPTIM), round_r=0, inner=step)
+        if withdraw:
+            assert notaries[audited].transcript.withdraw_phase(0)
         def fetch(peer: str, name: str, *args: Any, **kwargs: Any) -> bytes:
             if fetches is not None:
                 fetches.append(name)
@@ -144,6 +150,8 @@ def run_swarm(network: tuple[list[hivemind.DHT], list[Identity]], lie: tuple[str
             # every exchange went both ways, and each holder's transcript lists it
             assert found.reached == found.fed_by == set(sides)
             verdicts += found.verdicts
+            if audits is not None:
+                audits.append(found)
         return verdicts, lied
     finally:
         for t in transports:
@@ -261,3 +269,17 @@ def test_a_rare_lie_the_receivers_screen_marked_is_drawn_by_every_audit(network:
         # the first step is judged exactly; of a later step's two frames that are not alike either could be the lie
         # (a x10 frame makes its honest sibling as far from it): both convict the peer that signed them
         assert all(v.result.finding is Finding.CLEAN for v in draw if v.result.inner == 0 and v.micro_batch not in lied)
+
+
+@pytest.mark.parametrize("audited", [0, 1])
+def test_a_peer_that_withdrew_its_phase_is_not_recomputed_and_its_chain_is_still_named(network: Any,
+                                                                                        audited: int) -> None:
+    """A stage peer whose resync replaced the state its phase trained from lists the round as withdrawn: the
+    audit fetches none of its frames (a lie among them is not judged either) and still names every peer its frames
+    reached, whose work the coordinator leaves out with its own (``judge``)."""
+    fetches: list[str] = []
+    audits: list[Any] = []
+    verdicts, _ = run_swarm(network, ("forward", "noise", 1) if audited == 1 else None, audited=audited,
+                            fetches=fetches, withdraw=True, audits=audits)
+    assert verdicts == [] and [a.withdrawn for a in audits] == [True]
+    assert fetches and all(name.startswith("audit/i/") for name in fetches), fetches

@@ -17,6 +17,7 @@ from hlbp.protocol.stagewire import StageMessage, decode_message, encode_message
 from hlbp.protocol.transcript import (
     FrameKey,
     IndexEntry,
+    RoundIndex,
     decode_index,
     decode_kept,
     encode_index,
@@ -67,11 +68,11 @@ def test_a_served_frame_decodes_to_the_frame_received_and_an_index_lists_it_by_r
     assert served is not None
     msg, body = decode_kept(served, key, 4096)
     assert body == BODY and (msg.weight, msg.round, msg.inner, msg.sig) == (0.25, 5, 2, sealed.sig)
-    assert decode_index(receiver.transcript.resolve(index_name(5)) or b"") == [IndexEntry(key, 2)]
-    assert decode_index(receiver.transcript.resolve(index_name(4)) or b"") == []
+    assert decode_index(receiver.transcript.resolve(index_name(5)) or b"") == RoundIndex([IndexEntry(key, 2)])
+    assert decode_index(receiver.transcript.resolve(index_name(4)) or b"") == RoundIndex([])
     receiver.transcript.flag(key)  # its screen found it an outlier: listed so, and nothing else changes
     receiver.transcript.flag(replace(key, mb=9))  # a frame not kept is not marked
-    assert decode_index(receiver.transcript.resolve(index_name(5)) or b"") == [IndexEntry(key, 2, flagged=True)]
+    assert decode_index(receiver.transcript.resolve(index_name(5)) or b"") == RoundIndex([IndexEntry(key, 2, True)])
     for name in ("audit/i/x", "audit/f/a/b", f"audit/f/{ALICE.peer_id}/fwd/7/3/1/9", "audit/f/../fwd/1/2/3/4",
                  "audit/i/" + "9" * 40, "elsewhere"):
         assert receiver.transcript.resolve(name) is None
@@ -99,13 +100,18 @@ def test_a_kept_frame_that_lies_about_what_it_is_proves_nothing() -> None:
 def test_an_index_from_a_hostile_holder_raises_one_error_type() -> None:
     entry = IndexEntry(FrameKey(ALICE.peer_id, "bwd", 1, 2, 3, 4), 0)
     marked = IndexEntry(FrameKey(ALICE.peer_id, "fwd", 1, 2, 3, 4), 5, flagged=True)
-    assert decode_index(encode_index([entry, marked])) == [entry, marked]
+    assert decode_index(encode_index([entry, marked])) == RoundIndex([entry, marked])
+    assert decode_index(encode_index([entry], withdrawn=True)) == RoundIndex([entry], withdrawn=True)
     for rows in ([[ALICE.peer_id, "ping", 1, 2, 3, 4, 0, 0]], [[ALICE.peer_id, "fwd", -1, 2, 3, 4, 0, 0]],
                  [["not/a peer", "fwd", 1, 2, 3, 4, 0, 0]], [[ALICE.peer_id, "fwd", 1, 2, 3, 4, 0]], {"a": 1},
                  [[ALICE.peer_id, "fwd", True, 2, 3, 4, 0, 0]], [[ALICE.peer_id, "fwd", 1, 2, 3, 4, 0, 2]],
                  [[ALICE.peer_id, "fwd", 1, 2, 3, 4, 0, 0, 0]]):
+        for index in ([0, rows], rows):
+            with pytest.raises(ProtocolError):
+                decode_index(msgpack.packb(index, use_bin_type=True))
+    for bad in ([2, []], [True, []], [-1, []], [0, [], 0], [0], [0, {}], [[], 0]):
         with pytest.raises(ProtocolError):
-            decode_index(msgpack.packb(rows, use_bin_type=True))
+            decode_index(msgpack.packb(bad, use_bin_type=True))
     with pytest.raises(ProtocolError):
         decode_index(encode_index([entry] * 3), max_entries=2)
 
@@ -138,3 +144,27 @@ def test_a_stage_is_tainted_by_a_peer_of_its_own_swarm_the_round_newly_banned() 
     assert not tainted(5, ["someone", "liar"])  # its ban carried over: left behind in round 4, not in round 5's chain
     assert not tainted(6, ["other-swarm's liar", "liar"])
     assert not ChainTaint(receiver, None).tainted(5, ["liar"])  # type: ignore[arg-type]
+
+
+def test_a_phase_withdrawn_after_a_resync_lists_its_rounds_as_withdrawn_until_the_next_phase() -> None:
+    notary = Notary(ALICE)
+    kept = Transcript()
+
+    def keep(r: int, mb: int) -> None:
+        kept.keep(ALICE.peer_id, notary.seal(replace(FWD, round=r, mb=mb), BODY), BODY)
+
+    kept.phase_started(4)
+    keep(4, 0)
+    kept.phase_started(5)
+    keep(5, 0)
+    assert not kept.withdraw_phase(4)  # not the phase under way: the resync ended before phase 5 began
+    assert not any(kept.withdrawn(r) for r in (4, 5))
+    assert kept.withdraw_phase(5)  # phase 5 trained from the state the resync replaced
+    keep(6, 1)  # a driver already at round 6 sends on frames this stage still computes from that state
+    kept.phase_started(6)  # phase 6 starts from the synced state
+    keep(6, 2)
+    keep(7, 0)
+    assert [r for r in range(3, 9) if kept.withdrawn(r)] == [5, 6]
+    assert decode_index(kept.resolve(index_name(5)) or b"").withdrawn
+    assert not decode_index(kept.resolve(index_name(7)) or b"").withdrawn
+    assert [e.key.mb for e in decode_index(kept.resolve(index_name(6)) or b"").entries] == [1, 2]
