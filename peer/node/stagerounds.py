@@ -126,7 +126,8 @@ class ChainTaint:
     it received frames from in that round (its transcript says from whom) or a peer of its own swarm (the
     announcements say who: a lie two hops up or down the chain reached it through an honest neighbour, who is not
     banned; only a mate the round newly banned counts), and forgetting clears its AdamW state. ``swarm_mates()``:
-    the other peers announcing our swarm (our own ban, for a contribution we did not deliver, taints nothing)."""
+    the other peers announcing our swarm (our own ban, for a contribution we did not deliver, taints nothing).
+    A phase withdrawn after a resync is listed so in the transcript's index (:meth:`Transcript.withdraw_phase`)."""
 
     def __init__(self, notary: Notary, worker: StageWorker,
                  swarm_mates: Callable[[], AbstractSet[str]] = frozenset) -> None:
@@ -142,6 +143,14 @@ class ChainTaint:
 
     def forget(self) -> None:
         self.worker.forget_moments()
+
+    def phase_started(self, r: int) -> None:
+        self.notary.transcript.phase_started(r)
+
+    def withdraw_phase(self, r: int) -> None:
+        if self.notary.transcript.withdraw_phase(r):
+            logger.warning("round %d: this stage's phase trained from a state a resync replaced; its frames are "
+                           "withdrawn from the round's audits", r)
 
 
 def make_stage_rounds(ctx: Any, worker: StageWorker, config: Any, phase: Callable[[int], tuple[int, int]],

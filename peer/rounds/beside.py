@@ -12,7 +12,10 @@ If it finds us out of sync (our result differs from the members' majority althou
 set), the worker reloads the state but not the model, which the phase under way owns (``overlapping``). That
 phase started from parameters nobody else holds: the round after it sits out, without a contribution, and the
 round's result replaces the model as usual. Its frames came from our wrong state, and an audit at the agreed one
-finds them wrong; that is what this loop gives up against waiting for the verdict every round.
+would find them wrong and convict us: so the worker takes the phase's work back at once, through the round loop's
+``taint`` (:meth:`~hlbp.peer.rounds.sparseloco.Taint.withdraw_phase`: the stage's transcript index then says so, and
+the auditor leaves our work and our chain's out of the round without a ban). The swarm's work of that round is
+what this loop gives up against waiting for the verdict every round.
 
 A resync that is over before the next phase starts is different: the state then names a later round (a peer that
 fell behind takes the members' newest state) while the model still holds the parameters it replaced. A phase
@@ -106,11 +109,15 @@ class BesideLoop:
         """Nothing lands mid-phase here."""
 
     def _confirm(self, r: int, stats: RoundStats, settled: Any, steps: int, served_before: int, comm_s: float,
-                 closed: bool, scored: Future) -> RoundStats | None:
+                 closed: bool, scored: Future, phase: int) -> RoundStats | None:
         """The worker thread: verify round ``r`` and report it at once (not at the next phase's end: a peer
-        whose run has stopped sending rounds would otherwise hold its last report for a whole phase)."""
+        whose run has stopped sending rounds would otherwise hold its last report for a whole phase). ``phase``:
+        the round of the phase that starts from round r's result, whose work a resync takes back if it is under
+        way."""
         run = self.runner
         checks = run.confirm(r, stats, settled)
+        if stats.synced and run.taint is not None:
+            run.taint.withdraw_phase(phase)  # before the round's audits, where it can: the phase's frames are wrong
         stats.comm_s = comm_s  # the verification's seconds ran beside the phase: stats.phases["verify"]
         stats.bytes_sent = run.bytes_served() - served_before
         if not closed and run.stop.is_set():
@@ -148,6 +155,8 @@ class BesideLoop:
                 self.stale = False
                 run.load_anchor_into_model()
             r = run.state.round
+        if run.taint is not None:
+            run.taint.phase_started(r)
         stats, steps, tokens, served_before = run.begin_round(r)
         finished = early if early is not None else self._join()
         if self.stale:
@@ -156,6 +165,8 @@ class BesideLoop:
             logger.info("round %d: discarding the inner phase trained before the resync", r)
             steps = tokens = 0
             self.stale = False
+            if run.taint is not None:
+                run.taint.withdraw_phase(r)  # the worker did, unless its resync ended just before the phase began
         if finished is not None:
             run.save_if_due()  # the state is verified (or resynced) now
         start = run.state.anchor.snapshot() if run.taint is not None else None
@@ -171,7 +182,8 @@ class BesideLoop:
         self.next_round = run.state.round
         run.overlapping = True  # from here the verification must not touch the model: the next phase trains it
         scored: Future = Future()
-        future = self.pool.submit(self._confirm, r, stats, settled, steps, served_before, comm_s, closed, scored)
+        future = self.pool.submit(self._confirm, r, stats, settled, steps, served_before, comm_s, closed, scored,
+                                  self.next_round)
         self.inflight = _Confirming(stats, future)
         try:  # right after the settle, while the model holds the result, before the next phase trains it
             scored.set_result(Scored(run.reporter.score(run.state.anchor) if closed else None))

@@ -62,7 +62,8 @@ logger = logging.getLogger(__name__)
 class Taint(Protocol):
     """A stage peer's check that its round's work is poisoned: computed with frames from a peer the round bans (a
     neighbour caught lying). Such a contribution, when the round leaves it out, is dropped instead of kept in the
-    error-feedback buffer for a later round, and what the inner optimizer learned from it is forgotten."""
+    error-feedback buffer for a later round, and what the inner optimizer learned from it is forgotten. It also
+    takes back the work of a phase that a resync showed was trained from a wrong state (:meth:`withdraw_phase`)."""
 
     def tainted(self, r: int, banned: Sequence[str]) -> bool:
         """Whether this peer's round-``r`` work was computed with frames from one of ``banned`` (the bans in force
@@ -73,6 +74,15 @@ class Taint(Protocol):
 
     def forget(self) -> None:
         """Clear what the inner optimizer learned from the tainted phase."""
+        ...
+
+    def phase_started(self, r: int) -> None:
+        """This peer's inner phase of round ``r`` starts, from the state the round loop holds now."""
+        ...
+
+    def withdraw_phase(self, r: int) -> None:
+        """A resync replaced the state this peer's phase of round ``r`` started from, if that phase is the one
+        under way: take its work back from the round's audits (its frames are not at the round's anchor)."""
         ...
 
 

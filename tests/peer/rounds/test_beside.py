@@ -19,6 +19,7 @@ import pytest
 from hlbp.peer.rounds.beside import BesideLoop
 from hlbp.peer.rounds.config import RoundStats
 from hlbp.peer.rounds.report import Scored
+from hlbp.peer.swarm.transcript import Transcript
 from hlbp.protocol.roundwire import ShardChecks
 
 
@@ -187,6 +188,47 @@ def test_a_round_abandoned_on_stop_keeps_its_number_and_is_not_reported() -> Non
     run.release()
     assert loop.finish() is None
     assert [r for r, _, _ in run.reports] == [0]
+
+
+class _Taint:
+    """A stage's taint over a real transcript: what the loop says of its phases, as the stage's index shows it."""
+
+    def __init__(self) -> None:
+        self.transcript = Transcript()
+
+    def phase_started(self, r: int) -> None:
+        self.transcript.phase_started(r)
+
+    def withdraw_phase(self, r: int) -> None:
+        self.transcript.withdraw_phase(r)
+
+
+def test_a_resync_under_a_phase_withdraws_that_phase_from_the_audits() -> None:
+    run = _Loop(resync_at=0)
+    run.taint = taint = _Taint()
+    loop = BesideLoop(run)
+    loop.run_round()
+    loop.run_round()  # phase 1 trained from round 0's unverified result, which the verification replaced
+    assert taint.transcript.withdrawn(1) and not taint.transcript.withdrawn(0)
+    loop.run_round()
+    run.release()
+    loop.finish()
+    assert [r for r in range(4) if taint.transcript.withdrawn(r)] == [1]
+
+
+@pytest.mark.parametrize("resync_to", [0, 19])
+def test_a_resync_over_before_the_phase_withdraws_nothing(resync_to: int) -> None:
+    run = _Loop(resync_at=0, resync_to=resync_to, waits=False)
+    run.taint = taint = _Taint()
+    loop = BesideLoop(run)
+    loop.run_round()
+    deadline = time.monotonic() + 10.0
+    while not loop.inflight.future.done() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    loop.run_round()  # the phase ran from the state the resync loaded
+    run.release()
+    loop.finish()
+    assert not any(taint.transcript.withdrawn(r) for r in range(resync_to + 3))
 
 
 def test_finish_after_a_resync_loads_the_agreed_state_into_the_model() -> None:
