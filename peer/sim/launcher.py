@@ -46,6 +46,8 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
+ROUNDS_WAIT_S = 240.0  # :meth:`Swarm.wait`'s bound on a few rounds of small steps on 2 busy cores, not a duration
+
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 HLBP_PROGRAM = (sys.executable, "-m", "hlbp.cli.control_cmds")  # what runs `bootstrap` and `join` by default
 
@@ -277,10 +279,14 @@ class Replica:
 
     def rounds(self) -> list[dict[str, Any]]:
         """This peer's round records so far (empty before the first round)."""
+        return self.events("round")
+
+    def events(self, event: str) -> list[dict[str, Any]]:
+        """This peer's records of ``event`` in its ``metrics.jsonl`` so far (empty before it wrote one)."""
         path = self.metrics_path()
         if path is None or not path.exists():
             return []
-        return [r for r in read_metrics(path) if r.get("event") == "round"]
+        return [r for r in read_metrics(path) if r.get("event") == event]
 
 
 @dataclass
@@ -386,6 +392,11 @@ class Swarm:
     def records(self) -> dict[str, list[dict[str, Any]]]:
         """Every replica's round records so far, by replica name."""
         return {name: r.rounds() for name, r in self.replicas.items()}
+
+    def wait(self, fn: Callable[[], Any], what: str, timeout: float = ROUNDS_WAIT_S) -> Any:
+        """:func:`poll` for ``fn``; a timeout names ``what`` and quotes the end of every replica's output."""
+        return poll(fn, timeout, lambda: what + "\n" + "\n".join(f"--- {n}\n{r.proc.output[-2500:]}"
+                                                                  for n, r in self.replicas.items()))
 
     def close(self) -> None:
         """Stop every process this swarm started: replicas first (SIGTERM, then SIGKILL), the bootstrap last."""

@@ -17,18 +17,16 @@ from __future__ import annotations
 
 import json
 import subprocess
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from hlbp.peer.sim.launcher import HLBP_PROGRAM, Replica, SimConfig, Swarm, poll
+from hlbp.peer.sim.launcher import HLBP_PROGRAM, Replica, SimConfig, Swarm
 from hlbp.peer.train.metricslog import read_metrics
 
 pytestmark = pytest.mark.slow
 
-TIMEOUT_S = 240.0  # a bound on a few rounds of small steps on 2 busy cores, not an expected duration
 H = 6
 
 
@@ -37,20 +35,8 @@ def _cfg(run_id: str, **kw: Any) -> SimConfig:
                      micro_batches=2, **kw)
 
 
-def _records(peer: Replica, event: str = "round") -> list[dict[str, Any]]:
-    path = peer.metrics_path()
-    return [r for r in read_metrics(path) if r.get("event") == event] if path is not None and path.exists() else []
-
-
 def _logs(sw: Swarm) -> str:
     return "\n".join(f"--- {n}\n{r.proc.output[-2500:]}" for n, r in sw.replicas.items())
-
-
-def _wait(sw: Swarm, fn: Callable[[], Any], what: str) -> Any:
-    try:
-        return poll(fn, TIMEOUT_S, what)
-    except TimeoutError as exc:
-        raise AssertionError(f"{exc}\n{_logs(sw)}") from None
 
 
 def _round(records: list[dict[str, Any]], r: int) -> dict[str, Any] | None:
@@ -86,8 +72,8 @@ def _serving(sw: Swarm, names: list[str], peer_id: str) -> str:
 
 def _mid_round_step(driver: Replica, after_round: int) -> dict[str, Any] | None:
     """A completed step of the driver two or more steps into a round after ``after_round``, not its last step."""
-    steps = [s for s in _records(driver, "step") if "chain" in s and s["round"] > after_round]
-    if not steps or _round(_records(driver), steps[-1]["round"]) is not None:
+    steps = [s for s in driver.events("step") if "chain" in s and s["round"] > after_round]
+    if not steps or _round(driver.rounds(), steps[-1]["round"]) is not None:
         return None
     n = sum(1 for s in steps if s["round"] == steps[-1]["round"])
     return steps[-1] if 2 <= n < H - 1 else None
@@ -97,17 +83,17 @@ def test_sigkill_of_a_stage_peer_mid_round_with_a_standby(tmp_path: Path) -> Non
     with Swarm(_cfg("fault-standby", max_peers_per_stage=2), tmp_path) as sw:
         driver = _start(sw, ["sw0s1", "sw1s1"], n_full=1)
         full = sw.replicas["peer0"]
-        step = _wait(sw, lambda: _mid_round_step(driver, 1), "the driver two steps into round 2")
+        step = sw.wait(lambda: _mid_round_step(driver, 1), "the driver two steps into round 2")
         victim = _serving(sw, ["sw0s1", "sw1s1"], step["chain"][0])
         standby = "sw1s1" if victim == "sw0s1" else "sw0s1"
         killed_in = step["round"]  # the round the swarm was training when the kill landed
         sw.replicas[victim].proc.kill()  # main process, its DHT process and p2pd, as a spot instance dies
         last = killed_in + 3
-        _wait(sw, lambda: all(_round(_records(p), last) for p in (full, sw.replicas[standby], driver)),
-              f"round {last} on the full replica, the standby and the driver")
+        sw.wait(lambda: all(_round(p.rounds(), last) for p in (full, sw.replicas[standby], driver)),
+                f"round {last} on the full replica, the standby and the driver")
         standby_id = sw.replicas[standby].proc.find(r"serving stage 1 as (\S+)")[0].group(1)
         victim_id = sw.replicas[victim].proc.find(r"serving stage 1 as (\S+)")[0].group(1)
-        steps = [s for s in _records(driver, "step") if "chain" in s]
+        steps = [s for s in driver.events("step") if "chain" in s]
         logs = _logs(sw)
         alive = {n: r.proc.alive for n, r in sw.replicas.items()}
 
@@ -115,7 +101,7 @@ def test_sigkill_of_a_stage_peer_mid_round_with_a_standby(tmp_path: Path) -> Non
     # the swarm's steps after the kill went through the standby; none was lost silently
     assert any(s["chain"] == [standby_id] for s in steps), logs
     assert "failed; banned" in driver.proc.output
-    fulls, stands, drives = (_records(sw.replicas[n]) for n in ("peer0", standby, "sw0s0"))
+    fulls, stands, drives = (sw.replicas[n].rounds() for n in ("peer0", standby, "sw0s0"))
     for r in range(killed_in, last + 1):
         f, s, d = _round(fulls, r), _round(stands, r), _round(drives, r)
         assert f is not None and s is not None and d is not None, (r, logs)
@@ -124,7 +110,7 @@ def test_sigkill_of_a_stage_peer_mid_round_with_a_standby(tmp_path: Path) -> Non
         assert f["in_sync"] and s["in_sync"] and d["in_sync"], (r, f, s, d)
     # the round of the kill completed; from the next one on the standby's contributions are accepted (it trained),
     # and audited clean: it never served a step of a round before holding that round's result (the round gate)
-    every = {(a["round"], a["peer"]): a for a in _records(sw.replicas["peer0"], "audit")}
+    every = {(a["round"], a["peer"]): a for a in sw.replicas["peer0"].events("audit")}
     # the victim, dead with frames of the round it died in, is audited as its neighbours' transcripts name it: it
     # shows nothing (inconclusive), so that round's work of its chain is left out, and it is convicted of nothing
     assert all(r <= killed_in and not a["guilty"] for (r, p), a in every.items() if p == victim_id), every
@@ -145,28 +131,28 @@ def test_sigkill_without_a_standby_makes_a_straggler_until_a_joiner_fills_the_st
     with Swarm(_cfg("fault-straggler"), tmp_path) as sw:
         driver = _start(sw, ["sw0s1"], n_full=1)
         full = sw.replicas["peer0"]
-        step = _wait(sw, lambda: _mid_round_step(driver, 1), "the driver two steps into round 2")
+        step = sw.wait(lambda: _mid_round_step(driver, 1), "the driver two steps into round 2")
         sw.replicas["sw0s1"].proc.kill()
         killed_in = step["round"]
         # the run goes on without the swarm: the full replica completes rounds on its own, the driver waits
-        _wait(sw, lambda: len(_records(full)) > killed_in + 2, "two rounds of the full replica after the kill")
+        sw.wait(lambda: len(full.rounds()) > killed_in + 2, "two rounds of the full replica after the kill")
         assert driver.proc.alive, driver.proc.output[-3000:]
         # a new joiner with no stage flag, once the dead peer's record has expired (it cannot say it left): the
         # policy gives it the missing stage of swarm 0
-        _wait(sw, lambda: not _online_at(sw, 0, 1), "the killed peer's record to expire")
+        sw.wait(lambda: not _online_at(sw, 0, 1), "the killed peer's record to expire")
         joiner = sw._join("sw0s1b", ["--role", "stage", "--throughput", "1000"], None)
         joiner.proc.wait_for("^announced", 60)
-        joined_at = len(_records(full))
+        joined_at = len(full.rounds())
         def back() -> int | None:
             """The first round in which both stage peers' contributions were accepted."""
-            drives = {r["round"] for r in _records(driver) if r["accepted"]}
-            return next((r["round"] for r in _records(joiner) if r["accepted"] and r["round"] in drives), None)
+            drives = {r["round"] for r in driver.rounds() if r["accepted"]}
+            return next((r["round"] for r in joiner.rounds() if r["accepted"] and r["round"] in drives), None)
 
-        first_back = _wait(sw, back, "a round with both stages of the swarm accepted")
+        first_back = sw.wait(back, "a round with both stages of the swarm accepted")
         stop_at = first_back + 1
-        _wait(sw, lambda: all(_round(_records(p), stop_at) for p in (full, joiner, driver)),
-              f"round {stop_at} on the full replica and both stage peers")
-        fulls, joins, drives = _records(full), _records(joiner), _records(driver)
+        sw.wait(lambda: all(_round(p.rounds(), stop_at) for p in (full, joiner, driver)),
+                f"round {stop_at} on the full replica and both stage peers")
+        fulls, joins, drives = full.rounds(), joiner.rounds(), driver.rounds()
         logs = _logs(sw)
         alive = {n: r.proc.alive for n, r in sw.replicas.items()}
 
@@ -192,27 +178,27 @@ def test_sigterm_of_a_full_replica_and_a_stage_peer_together_then_both_resume(tm
     # as a straggler of the rounds checked here (right in a real run; it would make this test pass by luck)
     with Swarm(_cfg("fault-sigterm", round_deadline_s=8.0, min_deadline_s=8.0), tmp_path) as sw:
         driver = _start(sw, ["sw0s1"], n_full=2)
-        step = _wait(sw, lambda: _mid_round_step(driver, 1), "the driver two steps into round 2")
+        step = sw.wait(lambda: _mid_round_step(driver, 1), "the driver two steps into round 2")
         leavers = [sw.replicas["peer1"].proc, sw.replicas["sw0s1"].proc]
         for proc in leavers:  # together, as an operator stopping two machines
             proc.popen.send_signal(15)
         exits = [proc.popen.wait(timeout=60) for proc in leavers]
         outputs = [proc.output for proc in leavers]
         assert exits == [0, 0], outputs
-        left_at = max(len(_records(sw.replicas[n])) for n in ("peer1", "sw0s1"))
+        left_at = max(len(sw.replicas[n].rounds()) for n in ("peer1", "sw0s1"))
         full_back = sw.add("peer1", rounds=1000)
         stage_back = sw.add_stage("sw0s1", 1)
 
         # both contribute again, accepted, beside the peers that stayed, in two rounds
         def two_rounds_back() -> list[int] | None:
-            rounds = [{r["round"] for r in _records(sw.replicas[n])[left_at:] if r["accepted"]}
+            rounds = [{r["round"] for r in sw.replicas[n].rounds()[left_at:] if r["accepted"]}
                       for n in ("peer0", "peer1", "sw0s0", "sw0s1")]
             common = sorted(set.intersection(*rounds))
             return common[:2] if len(common) >= 2 else None
 
-        first_back, again = _wait(sw, two_rounds_back, "two rounds with all four contributions accepted after the "
-                                                       "restart")
-        recs = {n: _records(r) for n, r in sw.replicas.items()}
+        first_back, again = sw.wait(two_rounds_back, "two rounds with all four contributions accepted after the "
+                                                     "restart")
+        recs = {n: r.rounds() for n, r in sw.replicas.items()}
         logs = _logs(sw)
 
     # both said they left (marked offline) instead of just vanishing
@@ -247,22 +233,22 @@ def test_an_idle_spare_moves_to_complete_another_swarm(tmp_path: Path) -> None:
         # swarm 1 has a driver and lacks only stage 1
         lone = sw.add_stage("sw1s0", 0, "--micro-batches", "2", "--eval-every", "0", swarm=1)
         lone.proc.wait_for("^announced", 60)
-        mover = _wait(sw, lambda: next((n for n in ("sw0s1", "sw2s1") if sw.replicas[n].proc.find("^moving from")),
-                                       None), "a spare to move")
+        mover = sw.wait(lambda: next((n for n in ("sw0s1", "sw2s1") if sw.replicas[n].proc.find("^moving from")),
+                                     None), "a spare to move")
         moved = sw.replicas[mover].proc.find("^moving from")[0].string
-        moved_at = len(_records(sw.replicas["peer0"]))
+        moved_at = len(sw.replicas["peer0"].rounds())
 
         def whole() -> int | None:
             """A round after the move with all five contributions accepted (both swarms and the full replica)."""
-            recs = {n: _records(r) for n, r in sw.replicas.items()}
+            recs = {n: r.rounds() for n, r in sw.replicas.items()}
             for r in recs["peer0"][moved_at:]:
                 rows = [_round(v, r["round"]) for v in recs.values()]
                 if r["members"] == 5 and all(x is not None and x["accepted"] for x in rows):
                     return r["round"]
             return None
 
-        first = _wait(sw, whole, "a round with both swarms whole")
-        recs = {n: _records(r) for n, r in sw.replicas.items()}
+        first = sw.wait(whole, "a round with both swarms whole")
+        recs = {n: r.rounds() for n, r in sw.replicas.items()}
         logs = _logs(sw)
         alive = {n: r.proc.alive for n, r in sw.replicas.items()}
 

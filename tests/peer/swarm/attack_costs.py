@@ -24,15 +24,9 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from lying_stage_peer import program
 
-from hlbp.peer.sim.launcher import Replica, SimConfig, Swarm, poll
-from hlbp.peer.train.metricslog import read_metrics
+from hlbp.peer.sim.launcher import SimConfig, Swarm, poll
 
 LIES = ("forward:noise", "forward:scale", "backward:flip", "forward:noise:10")
-
-
-def _records(peer: Replica, event: str) -> list[dict[str, Any]]:
-    path = peer.metrics_path()
-    return [r for r in read_metrics(path) if r.get("event") == event] if path is not None and path.exists() else []
 
 
 def run(lie: str | None, rounds: int, full_replicas: int = 1, timeout_s: float = 900.0) -> dict[str, Any]:
@@ -49,20 +43,20 @@ def run(lie: str | None, rounds: int, full_replicas: int = 1, timeout_s: float =
         for i in range(1, full_replicas):
             sw.add(f"peer{i}", "--wait-replicas", waited, rounds=1000)
         driver = sw.add_stage("s0", 0, "--micro-batches", "2", "--eval-every", "0")
-        poll(lambda: [r for r in _records(driver, "round") if r.get("contributed")] or None, timeout_s,
+        poll(lambda: [r for r in driver.events("round") if r.get("contributed")] or None, timeout_s,
              "the swarm's first contribution")
         sw.add_stage("s1b", 1, swarm=0)
-        poll(lambda: [r for r in _records(full, "round") if r["round"] >= rounds - 1 and r.get("val_loss") is not None]
+        poll(lambda: [r for r in full.events("round") if r["round"] >= rounds - 1 and r.get("val_loss") is not None]
              or None, timeout_s, f"{rounds} rounds of the full replica")
-        losses = {r["round"]: r["val_loss"] for r in _records(full, "round")
+        losses = {r["round"]: r["val_loss"] for r in full.events("round")
                   if r.get("val_loss") is not None and r["round"] < rounds}
-        caught = sorted({a["round"] for i in range(full_replicas) for a in _records(sw.replicas[f"peer{i}"], "audit")
+        caught = sorted({a["round"] for i in range(full_replicas) for a in sw.replicas[f"peer{i}"].events("audit")
                          if a["guilty"]})
         return {"lie": lie or "honest", "full_replicas": full_replicas, "final_loss": losses[max(losses)],
                 "losses": losses,
                 "caught_in": caught[0] if caught else None,
-                "swarm_accepted": [r["round"] for r in _records(driver, "round") if r.get("accepted")],
-                "tainted": {n: [r["round"] for r in _records(sw.replicas[n], "round") if r.get("tainted")]
+                "swarm_accepted": [r["round"] for r in driver.events("round") if r.get("accepted")],
+                "tainted": {n: [r["round"] for r in sw.replicas[n].events("round") if r.get("tainted")]
                             for n in ("s0", "s2")}}
 
 

@@ -11,33 +11,16 @@ replica's loss falls throughout."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
 from lying_stage_peer import program
 
-from hlbp.peer.sim.launcher import Replica, SimConfig, Swarm, poll
-from hlbp.peer.train.metricslog import read_metrics
+from hlbp.peer.sim.launcher import Replica, SimConfig, Swarm
 
 pytestmark = pytest.mark.slow
 
-TIMEOUT_S = 240.0  # a bound on a few rounds of small steps on 2 busy cores, not an expected duration
 H = 4
-
-
-def _records(peer: Replica, event: str) -> list[dict[str, Any]]:
-    path = peer.metrics_path()
-    return [r for r in read_metrics(path) if r.get("event") == event] if path is not None and path.exists() else []
-
-
-def _wait(sw: Swarm, fn: Callable[[], Any], what: str) -> Any:
-    try:
-        return poll(fn, TIMEOUT_S, what)
-    except TimeoutError as exc:
-        logs = "\n".join(f"--- {n}\n{r.proc.output[-2500:]}" for n, r in sw.replicas.items())
-        raise AssertionError(f"{exc}\n{logs}") from None
 
 
 def _peer_id(r: Replica) -> str:
@@ -63,34 +46,34 @@ def test_a_lying_middle_stage_is_caught_banned_and_its_swarms_work_never_accepte
         full, driver, ids = _start(sw, program(lie), wait_replicas=4)
 
         # the swarm's first contributions are audited in the round they are sent for
-        caught = _wait(sw, lambda: next((a for a in _records(full, "audit") if a["guilty"]), None),
-                       "the full replica to catch the liar")
+        caught = sw.wait(lambda: next((a for a in full.events("audit") if a["guilty"]), None),
+                         "the full replica to catch the liar")
         assert caught["peer"] == ids["s1"] and caught["stage"] == 1, caught
         assert set(caught["neighbours"]) == {ids["s0"], ids["s2"]}, caught
         # convicted by what it lied about (a later step whose frames are all lies may be unjudged beside it)
         bad = [s for s in caught["samples"] if s["finding"] not in ("clean", "unjudged")]
         assert bad and all(s["finding"] == lie.split(":")[0] for s in bad), caught
         detected = caught["round"]
-        sent = _wait(sw, lambda: [r["round"] for r in _records(driver, "round")
-                                  if r["round"] <= detected and r["contributed"]] or None,
-                     "the driver's record of the round it was caught in")
+        sent = sw.wait(lambda: [r["round"] for r in driver.events("round")
+                                if r["round"] <= detected and r["contributed"]] or None,
+                       "the driver's record of the round it was caught in")
         first_sent = min(sent)
         assert detected <= first_sent + 1, (detected, first_sent)
         # honest stage peers are audited too, and clean
-        assert any(a["peer"] == ids["s2"] and not a["guilty"] for a in _records(full, "audit"))
+        assert any(a["peer"] == ids["s2"] and not a["guilty"] for a in full.events("audit"))
 
         # from the round of detection on, no accepted set holds the swarm's work; the full replica goes on
-        _wait(sw, lambda: [r for r in _records(full, "round") if r["round"] >= detected + 2] or None,
-              "two more rounds of the full replica")
-        rounds = [r for r in _records(full, "round") if r["round"] >= detected]
+        sw.wait(lambda: [r for r in full.events("round") if r["round"] >= detected + 2] or None,
+                "two more rounds of the full replica")
+        rounds = [r for r in full.events("round") if r["round"] >= detected]
         assert all(r["members"] == 1 and r["accepted"] for r in rounds), rounds  # the full replica's alone
         for name in ("s0", "s1", "s2"):
-            assert not any(r["accepted"] for r in _records(sw.replicas[name], "round") if r["round"] >= detected)
+            assert not any(r["accepted"] for r in sw.replicas[name].events("round") if r["round"] >= detected)
         assert any(ids["s1"] in r["banned"] for r in rounds), rounds
         # its neighbours' work of that round was computed with its frames: dropped, not kept for a later round
         for name in ("s0", "s2"):
-            rec = _wait(sw, lambda n=name: next((r for r in _records(sw.replicas[n], "round")
-                                                 if r["round"] == detected), None), f"{name}'s record of the round")
+            rec = sw.wait(lambda n=name: next((r for r in sw.replicas[n].events("round")
+                                               if r["round"] == detected), None), f"{name}'s record of the round")
             assert rec["tainted"] and not rec["accepted"], rec
         if lie != "forward:noise":
             return
@@ -98,17 +81,17 @@ def test_a_lying_middle_stage_is_caught_banned_and_its_swarms_work_never_accepte
         # an honest peer of stage 1 joins: the swarm's chain runs through it and its work is accepted again, audited
         # clean from the frames it exchanged with the new peer
         honest_id = _peer_id(sw.add_stage("s1b", 1, swarm=0))
-        back = _wait(sw, lambda: next((r["round"] for r in _records(driver, "round")
-                                       if r["round"] > detected and r["accepted"]), None),
-                     "the swarm's contributions to be accepted again")
-        audits = {a["peer"]: a for a in _records(full, "audit") if a["round"] == back}
+        back = sw.wait(lambda: next((r["round"] for r in driver.events("round")
+                                     if r["round"] > detected and r["accepted"]), None),
+                       "the swarm's contributions to be accepted again")
+        audits = {a["peer"]: a for a in full.events("audit") if a["round"] == back}
         assert ids["s1"] not in audits and not any(a["guilty"] for a in audits.values()), audits
         last = audits[ids["s2"]]
         assert last["neighbours"] == [honest_id] and last["samples"], last
         # the first step exactly clean; a later step clean, or unjudged where drift left no informative sibling
         assert [s["finding"] for s in last["samples"] if s["inner"] == 0] == ["clean"], last
         assert all(s["finding"] in ("clean", "unjudged") for s in last["samples"]), last
-        losses = [r["val_loss"] for r in _records(full, "round") if r.get("val_loss") is not None]
+        losses = [r["val_loss"] for r in full.events("round") if r.get("val_loss") is not None]
         assert losses[-1] < losses[0], losses
 
 
@@ -127,19 +110,19 @@ def test_a_lying_driver_is_caught_from_its_signed_input_and_its_whole_chain_drop
         full = sw.add("peer0", "--wait-replicas", "4", rounds=1000)
         sw.add_stage("s0", 0, "--micro-batches", "2", "--eval-every", "0", program=program("forward:scale"))
         ids = {n: _peer_id(sw.replicas[n]) for n in ("s0", "s1", "s2", "peer0")}
-        caught = _wait(sw, lambda: next((a for a in _records(full, "audit") if a["guilty"]), None),
-                       "the full replica to catch the lying driver")
+        caught = sw.wait(lambda: next((a for a in full.events("audit") if a["guilty"]), None),
+                         "the full replica to catch the lying driver")
         assert caught["peer"] == ids["s0"] and caught["stage"] == 0 and caught["neighbours"] == [ids["s1"]], caught
         assert [s["finding"] for s in caught["samples"] if s["inner"] == 0] == ["forward"], caught
         detected = caught["round"]
-        _wait(sw, lambda: [r for r in _records(full, "round") if r["round"] >= detected + 1] or None,
-              "a further round of the full replica")
-        rounds = [r for r in _records(full, "round") if r["round"] >= detected]
+        sw.wait(lambda: [r for r in full.events("round") if r["round"] >= detected + 1] or None,
+                "a further round of the full replica")
+        rounds = [r for r in full.events("round") if r["round"] >= detected]
         assert all(r["members"] == 1 and r["accepted"] for r in rounds), rounds
         assert ids["s0"] in rounds[0]["banned"], rounds[0]
         for name in ("s1", "s2"):  # the neighbour and the stage two hops away
-            rec = _wait(sw, lambda n=name: next((r for r in _records(sw.replicas[n], "round")
-                                                 if r["round"] == detected), None), f"{name}'s record of the round")
+            rec = sw.wait(lambda n=name: next((r for r in sw.replicas[n].events("round")
+                                               if r["round"] == detected), None), f"{name}'s record of the round")
             assert rec["contributed"] and rec["tainted"] and not rec["accepted"], (name, rec)
 
 
@@ -153,21 +136,21 @@ def test_a_liar_that_never_contributes_is_audited_through_its_neighbours_and_its
                     micro_batches=2)
     with Swarm(cfg, tmp_path) as sw:
         full, driver, ids = _start(sw, program("backward:flip:1:silent"), wait_replicas=3)
-        caught = _wait(sw, lambda: next((a for a in _records(full, "audit") if a["guilty"]), None),
-                       "the full replica to catch the silent liar")
+        caught = sw.wait(lambda: next((a for a in full.events("audit") if a["guilty"]), None),
+                         "the full replica to catch the silent liar")
         assert caught["peer"] == ids["s1"] and caught["stage"] == 1, caught
         assert [s["finding"] for s in caught["samples"] if s["inner"] == 0] == ["backward"], caught
         detected = caught["round"]
-        first_sent = min(_wait(sw, lambda: [r["round"] for r in _records(driver, "round") if r["contributed"]]
-                               or None, "the driver's first contribution"))
+        first_sent = min(sw.wait(lambda: [r["round"] for r in driver.events("round") if r["contributed"]]
+                                       or None, "the driver's first contribution"))
         assert detected == first_sent, (detected, first_sent)  # the round its poison would have entered
-        _wait(sw, lambda: [r for r in _records(full, "round") if r["round"] >= detected + 1] or None,
-              "a further round of the full replica")
-        rounds = [r for r in _records(full, "round") if r["round"] <= detected + 1]
+        sw.wait(lambda: [r for r in full.events("round") if r["round"] >= detected + 1] or None,
+                "a further round of the full replica")
+        rounds = [r for r in full.events("round") if r["round"] <= detected + 1]
         assert all(r["members"] == 1 and r["accepted"] for r in rounds), rounds  # the full replica's alone
         assert ids["s1"] in next(r for r in rounds if r["round"] == detected)["banned"], rounds
         for name in ("s0", "s2"):
-            rec = _wait(sw, lambda n=name: next((r for r in _records(sw.replicas[n], "round")
-                                                 if r["round"] == detected), None), f"{name}'s record of the round")
+            rec = sw.wait(lambda n=name: next((r for r in sw.replicas[n].events("round")
+                                               if r["round"] == detected), None), f"{name}'s record of the round")
             assert rec["contributed"] and rec["tainted"] and not rec["accepted"], (name, rec)
-            assert not any(r["accepted"] for r in _records(sw.replicas[name], "round"))
+            assert not any(r["accepted"] for r in sw.replicas[name].events("round"))

@@ -11,34 +11,19 @@ anchor and convicts the driver of lying (its frames came from the damaged weight
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 from corrupt_state_peer import program
 
-from hlbp.peer.sim.launcher import Replica, SimConfig, Swarm, poll
+from hlbp.peer.sim.launcher import SimConfig, Swarm
 from hlbp.peer.sim.report import checksums_agree
-from hlbp.peer.train.metricslog import read_metrics
 
 pytestmark = pytest.mark.slow
 
 TIMEOUT_S = 240.0  # a bound on a few rounds of small steps on 2 busy cores, not an expected duration
 DAMAGED = 2  # the round after whose apply the driver's state is damaged
-
-
-def _records(peer: Replica, event: str) -> list[dict[str, Any]]:
-    path = peer.metrics_path()
-    return [r for r in read_metrics(path) if r.get("event") == event] if path is not None and path.exists() else []
-
-
-def _wait(sw: Swarm, fn: Callable[[], Any], what: str) -> Any:
-    try:
-        return poll(fn, TIMEOUT_S, what)
-    except TimeoutError as exc:
-        logs = "\n".join(f"--- {n}\n{r.proc.output[-2500:]}" for n, r in sw.replicas.items())
-        raise AssertionError(f"{exc}\n{logs}") from None
 
 
 def test_a_stage_peer_resynced_under_its_phase_withdraws_it_and_is_not_convicted(tmp_path: Path) -> None:
@@ -54,26 +39,26 @@ def test_a_stage_peer_resynced_under_its_phase_withdraws_it_and_is_not_convicted
         driver.proc.wait_for("damaged the state after round 2", TIMEOUT_S)
 
         def audits() -> list[dict[str, Any]]:
-            return [a for f in fulls for a in _records(f, "audit")]
+            return [a for f in fulls for a in f.events("audit")]
 
         # the coordinator of the damaged phase's round audits the driver and finds the round withdrawn
-        found = _wait(sw, lambda: next((a for a in audits() if a["round"] == withdrawn and a["peer"] == ids["s0"]),
-                                       None), "the audit of the driver's damaged phase")
+        found = sw.wait(lambda: next((a for a in audits() if a["round"] == withdrawn and a["peer"] == ids["s0"]),
+                                     None), "the audit of the driver's damaged phase")
         assert found["withdrawn"] and not found["guilty"] and found["samples"] == [], found
         assert ids["s1"] in found["neighbours"], found
         assert driver.proc.find(rf"round {withdrawn}: this stage's phase trained from a state a resync replaced")
         # the swarm's work is taken again later, and nobody was convicted or banned for the damage
-        back = _wait(sw, lambda: next((r["round"] for r in _records(driver, "round")
-                                       if r["round"] > withdrawn and r["accepted"]), None),
-                     "the swarm's work to be accepted again")
-        rounds = [r for f in fulls for r in _records(f, "round") if r["round"] <= back]
+        back = sw.wait(lambda: next((r["round"] for r in driver.events("round")
+                                     if r["round"] > withdrawn and r["accepted"]), None),
+                       "the swarm's work to be accepted again")
+        rounds = [r for f in fulls for r in f.events("round") if r["round"] <= back]
         assert not any(a["guilty"] for a in audits()), [a for a in audits() if a["guilty"]]
         assert not any(ids["s0"] in r["banned"] or ids["s1"] in r["banned"] for r in rounds), rounds
         # the last stage's work of the withdrawn round, computed from the damaged frames, was not taken
-        last = _wait(sw, lambda: next((r for r in _records(sw.replicas["s1"], "round") if r["round"] == withdrawn),
-                                      None), "the last stage's record of the withdrawn round")
+        last = sw.wait(lambda: next((r for r in sw.replicas["s1"].events("round") if r["round"] == withdrawn),
+                                    None), "the last stage's record of the withdrawn round")
         assert not last["accepted"], last
         # every peer of the run agrees on the state of every round up to then (the driver from its resync on)
-        records = {n: _records(r, "round") for n, r in sw.replicas.items() if n != "bootstrap"}
+        records = {n: r.events("round") for n, r in sw.replicas.items() if n != "bootstrap"}
         for r in range(back + 1):
             assert checksums_agree(rec for recs in records.values() for rec in recs if rec["round"] == r), r
