@@ -21,8 +21,9 @@ and the distances), which is how the tests and an operator see them.
 
 A convicted peer taints the work of whoever trades frames with it for as long as its ban lasts here
 (:class:`Convictions`: 2, 4, 8, ... rounds, as :class:`hlbp.peer.rounds.bans.RoundBans` bans it), not for good: an
-honest peer can be convicted (a stage peer whose resync raced its next phase trains it from the parameters the
-resync replaced), and a taint for good left its swarm's other stages out of every later round.
+honest peer can be convicted (a stage peer whose resync replaced the state its phase trained from, when the verdict
+came after the round's audits; one that knew in time withdrew the phase, ``PeerAudit.withdrawn``), and a taint for
+good left its swarm's other stages out of every later round.
 """
 
 from __future__ import annotations
@@ -198,8 +199,8 @@ class PipelineAudits:
             logger.warning("round %d: stage peer %s of stage %d caught lying (%s)", found.round, found.accused[:16],
                            stage, guilty.result.finding.value)
         self.metrics.write(event="audit", round=found.round, peer=found.accused, stage=stage,
-                           guilty=guilty is not None, withdrawn=found.withdrawn, samples=samples, neighbours=sorted(found.neighbours),
-                           seconds=round(seconds, 4), compute_s=round(found.compute_s, 4), flagged=found.flagged)
+                           guilty=guilty is not None, withdrawn=found.withdrawn, samples=samples,
+                           neighbours=sorted(found.neighbours), seconds=round(seconds, 4), compute_s=round(found.compute_s, 4), flagged=found.flagged)
 
 
 def unaudited_neighbours(found: PeerAudit, stage: int, n_stages: int, audited: AbstractSet[str],
