@@ -3,7 +3,8 @@ and checkpoint hold from the forward for the backward, and the step's time, with
 and with the blocks run again in the backward, side by side in one process.
 
 The held bytes are counted exactly (every tensor saved for the backward, each storage once, the parameters left
-out; under recompute each block's input, which checkpoint keeps outside autograd's hooks), so they compare across
+out; under recompute each block's input, which checkpoint keeps, counted once whether or not autograd's hooks
+see it), so they compare across
 runs and token shapes. The steps are timed alternately, a step of one then a step of the other on the same
 batches, so a change of the box's load meets both alike; the figure is the median over the steps. The memory of
 whole peers through real rounds is the rest of ``hlbp bench memory`` (a run with ``--recompute`` against one
@@ -35,17 +36,19 @@ def held_for_backward(model: Stage, x: torch.Tensor, y: torch.Tensor) -> tuple[i
             held[ptr] = t.untyped_storage().nbytes()
         return t
 
-    inputs: list[int] = []
-    hooks = [b.register_forward_pre_hook(lambda _m, args: inputs.append(args[0].numel() * args[0].element_size()))
+    def block_input(_module: torch.nn.Module, args: tuple[torch.Tensor, ...]) -> None:
+        pack(args[0])  # checkpoint keeps it, whether or not autograd's hooks see it: counted once either way
+
+    hooks = [b.register_forward_pre_hook(block_input)
              for b in model.blocks.values()] if model.recompute and torch.is_grad_enabled() else []
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            loss = model.loss(model(x), y)
+            loss = model.loss_of(x, y)
     finally:
         for h in hooks:
             h.remove()
     # the pre-hooks also run in the backward's recomputation, which has not happened yet: one input per block
-    return sum(held.values()) + sum(inputs), loss
+    return sum(held.values()), loss
 
 
 def recompute_cost(name: str, batch_size: int, seq_len: int, steps: int, seed: int = 0, threads: int = 1,

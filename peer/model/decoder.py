@@ -22,6 +22,7 @@ from torch.utils.checkpoint import checkpoint
 
 from hlbp.peer.common.errors import UserInputError
 from hlbp.peer.model.basis import fixed_table, project_rows, project_writer, subspace_basis
+from hlbp.peer.model.ops import head_cross_entropy, rms_norm, swiglu_down
 
 
 @dataclass(frozen=True)
@@ -106,8 +107,7 @@ class FixedNorm(nn.Module):
         self.gain, self.eps = gain, eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.gain
+        return rms_norm(x, None, self.eps, self.gain)
 
 
 class RMSNorm(nn.Module):
@@ -117,9 +117,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32 so that bf16 autocast does not lose the mean-square.
-        xf = x.float()
-        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
+        # Normalised in fp32 so that bf16 autocast does not lose the mean-square.
+        return rms_norm(x, self.weight, self.eps)
 
 
 def rope_tables(config: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
@@ -168,7 +167,7 @@ class FeedForward(nn.Module):
 
     def forward(self, x: torch.Tensor, basis: torch.Tensor | None = None) -> torch.Tensor:
         w2 = self.w2.weight if basis is None else project_writer(self.w2.weight, basis)
-        return F.linear(F.silu(self.w1(x)) * self.w3(x), w2)
+        return swiglu_down(self.w1(x), self.w3(x), w2)
 
 
 class Block(nn.Module):
@@ -261,6 +260,17 @@ class Stage(nn.Module):
         return trained + self.fixed_table[ids].to(e.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self._blocks(x)
+        return self.head(self.norm(x)) if self.is_last else x
+
+    def loss_of(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Last stage: ``loss(forward(x), targets)`` without the logits held for the backward or made whole
+        (:func:`hlbp.peer.model.ops.head_cross_entropy`); what a training step calls."""
+        if not self.is_last:
+            raise ValueError("only the last stage has a loss")
+        return head_cross_entropy(self.norm(self._blocks(x)), self.head.weight, targets)
+
+    def _blocks(self, x: torch.Tensor) -> torch.Tensor:
         if self.is_first:
             x = self.embed_tokens(x)
         if x.shape[1] > self.config.max_seq_len:
@@ -272,8 +282,6 @@ class Stage(nn.Module):
                 x = checkpoint(block, x, self.rope_cos, self.rope_sin, basis, use_reentrant=False)
             else:
                 x = block(x, self.rope_cos, self.rope_sin, basis)
-        if self.is_last:
-            x = self.head(self.norm(x))
         return x
 
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -75,6 +75,14 @@ class PipelineModel(nn.Module):
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return self.stages[-1].loss(logits, targets)
 
+    def loss_of(self, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """``loss(forward(ids), targets)`` with the last stage's logits neither held nor made whole
+        (:meth:`Stage.loss_of`): what a training step calls."""
+        h = ids
+        for codec, stage in zip(self.codecs, self.stages[:-1]):
+            h = codec(stage(h), ids)
+        return self.stages[-1].loss_of(h, targets)
+
     def boundary_states(self, ids: torch.Tensor) -> list[torch.Tensor]:
         """Hidden states leaving each stage but the last, with no codec in between (for measurements)."""
         out, h = [], self.stages[0](ids)

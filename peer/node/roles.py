@@ -54,14 +54,23 @@ class StateLayout:
 def activation_bytes(d_model: int, d_ff: int, layers: int, vocab: int, tokens: int, recompute: bool,
                      head: bool) -> float:
     """Bytes a forward of ``tokens`` tokens through ``layers`` blocks (and the head and loss when ``head``) holds
-    for its backward: per token and block 13 ``d_model`` + 3 ``d_ff`` float32 values (attention's inputs and
-    outputs, SwiGLU's three ``d_ff`` wide tensors, the norms; the fused attention keeps no score matrix), only the
-    block's input under recompute, and the logits with their softmax at the head. Counted exactly on tiny, small
-    and 125m (:func:`hlbp.peer.bench.stepcost.held_for_backward`), this is 1-22 % above (``tests/peer/node/test_roles.py``)."""
-    per_token = layers * (d_model if recompute else 13 * d_model + 3 * d_ff)
+    for its backward: per token and block 10 ``d_model`` + 2 ``d_ff`` float32 values (the block's input and its
+    residual, the two norms' outputs, attention's q, k, v and output and the output's copy, SwiGLU's gate and up
+    projection: :mod:`hlbp.peer.model.ops`; the fused attention keeps no score matrix), only the block's input
+    under recompute; at the head, 4 ``d_model`` per token (its norm and the gradient of its input) and either the
+    log-probabilities (tokens x vocab) or the head's gradient (vocab x ``d_model``), whichever the loss holds
+    (:func:`~hlbp.peer.model.ops.fused_head`: the smaller, give or take the tokens' gradient). Counted
+    exactly on tiny, small and 125m (:func:`hlbp.peer.bench.stepcost.held_for_backward`), this is 0-20 % above
+    (``tests/peer/node/test_roles.py``)."""
+    # imported here: the flags' parsing imports this module, and importing torch takes seconds
+    from hlbp.peer.model.ops import fused_head
+
+    per_token = layers * (d_model if recompute else 10 * d_model + 2 * d_ff)
+    held = 4.0 * tokens * per_token
     if head:
-        per_token += vocab + 16 * d_model
-    return 4.0 * tokens * per_token
+        held += 4.0 * (4 * d_model * tokens + (vocab * d_model if fused_head(tokens, vocab, d_model) else
+                                                 vocab * tokens))
+    return held
 
 
 def training_memory_gb(n_params: int, activations: float, layout: StateLayout, extra_gb: float = 0.0) -> float:

@@ -112,7 +112,7 @@ class StageWorker:
             x = inp
         self.stage.train(True)
         with autocast(self.device):
-            loss = self.stage.loss(self.stage(x), targets.to(self.device))
+            loss = self.stage.loss_of(x, targets.to(self.device))
         value = float(loss.detach())
         grad = self._backward(mb, _Saved(attempt, inp, loss * weight), None)
         return value, grad

@@ -170,7 +170,7 @@ class InnerTrainer:
         for micro in range(self.cfg.grad_accum):
             x, y = (t.to(self.device, non_blocking=True) for t in self.batch_fn(self.step, micro))
             with autocast(self.device):
-                loss = self.model.loss(self.model(x), y) / self.cfg.grad_accum
+                loss = self.model.loss_of(x, y) / self.cfg.grad_accum
             loss.backward()
             total += loss.item()
             self.tokens += y.numel()
@@ -199,7 +199,7 @@ class InnerTrainer:
         self.model.train()
         x, y = (t.to(self.device) for t in self.batch_fn(self.step, 0))
         with autocast(self.device):
-            self.model.loss(self.model(x), y).backward()
+            self.model.loss_of(x, y).backward()
         self.optimizer.zero_grad(set_to_none=True)
 
     @torch.no_grad()
@@ -289,7 +289,7 @@ def throwaway_step(config: Any, optim: OptimConfig, device: torch.device, batch_
     opt = make_adamw(model, optim)
     x = torch.randint(0, one.vocab_size, (batch_size, min(seq_len, one.max_seq_len)), device=device)
     with torch.enable_grad(), autocast(device):  # also where its caller turned gradients off
-        loss = model.loss(model(x), x)
+        loss = model.loss_of(x, x)
         loss.backward()
     opt.step()
     return float(loss.detach())

@@ -20,6 +20,7 @@ from hlbp.peer.model.decoder import (
     preset,
     split,
 )
+from hlbp.peer.model.ops import fused_head
 
 
 def _chain(stages, x):
@@ -172,7 +173,7 @@ def test_recompute_holds_less_for_the_backward_and_makes_the_same_gradients_bit_
         torch.randint(0, 300, (2, 64), generator=g)
     y = torch.randint(0, 300, (2, 64), generator=g)
     if variant == "middle":  # a middle stage's loss: its output against a fixed projection, as if a head followed
-        model.loss = lambda out, targets: out.float().pow(2).mean()
+        model.loss_of = lambda x, targets: model(x).float().pow(2).mean()
     held, grads = _held_and_grads(model, x, y)
     model.recompute = True
     held_again, grads_again = _held_and_grads(model, x, y)
@@ -182,3 +183,30 @@ def test_recompute_holds_less_for_the_backward_and_makes_the_same_gradients_bit_
     assert grads_again.keys() == grads.keys()
     for name, grad in grads.items():
         assert torch.equal(grads_again[name], grad), name
+
+
+@pytest.mark.parametrize("variant", ["plain", "subspace", "last"])
+@pytest.mark.parametrize("tokens", [8, 64])  # the plain head loss; the fused one (fused_head)
+def test_a_training_steps_loss_is_the_loss_of_the_logits_with_the_same_gradients(variant, tokens):
+    config = preset("tiny", vocab_size=300, n_layers=4,
+                    **({"subspace_rank": 16, "subspace_layers": 2} if variant == "subspace" else {}))
+    torch.manual_seed(0)
+    model = split(config, 2)[1] if variant == "last" else build_model(config)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(4, tokens, config.d_model, generator=g) if variant == "last" else \
+        torch.randint(0, 300, (4, tokens), generator=g)
+    y = torch.randint(0, 300, (4, tokens), generator=g)
+    assert fused_head(y.numel(), 300, config.d_model) == (tokens == 64)
+    model.zero_grad(set_to_none=True)
+    plain = model.loss(model(x), y)
+    plain.backward()
+    want = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    loss = model.loss_of(x, y)
+    loss.backward()
+    assert float(loss.detach()) == pytest.approx(float(plain.detach()), rel=1e-6)
+    for name, grad in want.items():
+        got = model.get_parameter(name).grad
+        assert float((got - grad).norm()) <= 1e-5 * float(grad.norm()) + 1e-9, name
+    with pytest.raises(ValueError):
+        split(config, 2)[0].loss_of(torch.randint(0, 300, (1, 4)), torch.randint(0, 300, (1, 4)))
