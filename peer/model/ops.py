@@ -1,15 +1,15 @@
 """The decoder's lean operations: the same functions as their plain torch compositions, holding less for the backward.
 
 What a training step holds from the forward for the backward grows with its tokens, and at a volunteer's batch it
-outweighs the parameters' own state (docs/results.md, "Recomputed blocks"). Three places of the decoder held more
-than their backward needs:
+outweighs the parameters' own state (docs/results.md, "Lean operations"). In three places the plain composition
+holds more than its backward needs:
 
-- an RMS norm held its input and its normalised input; :func:`rms_norm` holds the input and one scale per token,
-  and normalises again in the backward;
-- SwiGLU's down projection held the gate, the up projection, ``silu(gate)`` and their product (four tensors of the
-  hidden width); :func:`swiglu_down` holds the gate and the up projection and recomputes the rest, elementwise;
-- the head's cross-entropy held the log-probabilities of every token over the whole vocabulary and, in the
-  backward, made two more such tensors; for a batch of more tokens than about the model's width,
+- an RMS norm's holds its input and its normalised input; :func:`rms_norm` holds the input and one scale per
+  token, and normalises again in the backward;
+- SwiGLU's down projection's holds the gate, the up projection, ``silu(gate)`` and their product (four tensors of
+  the hidden width); :func:`swiglu_down` holds the gate and the up projection and recomputes the rest, elementwise;
+- the head's cross-entropy holds the log-probabilities of every token over the whole vocabulary and, in the
+  backward, makes two more such tensors; for a batch of more tokens than about the model's width,
   :func:`head_cross_entropy` takes the head's gradients chunk by chunk in the forward instead (a fused linear
   cross-entropy, as Liger-Kernel's), so that no vocabulary-wide tensor larger than one chunk exists and none is
   held.
