@@ -4,8 +4,7 @@ and with the blocks run again in the backward, side by side in one process.
 
 The held bytes are counted exactly (every tensor saved for the backward, each storage once, the parameters left
 out; under recompute each block's input, which checkpoint keeps, counted once whether or not autograd's hooks
-see it), so they compare across
-runs and token shapes. The steps are timed alternately, a step of one then a step of the other on the same
+see it), so they compare across runs and token shapes. The steps are timed alternately, a step of one then a step of the other on the same
 batches, so a change of the box's load meets both alike; the figure is the median over the steps. The memory of
 whole peers through real rounds is the rest of ``hlbp bench memory`` (a run with ``--recompute`` against one
 without).

@@ -22,7 +22,7 @@ from torch.utils.checkpoint import checkpoint
 
 from hlbp.peer.common.errors import UserInputError
 from hlbp.peer.model.basis import fixed_table, project_rows, project_writer, subspace_basis
-from hlbp.peer.model.ops import head_cross_entropy, rms_norm, swiglu_down
+from hlbp.peer.model.ops import cross_entropy, head_cross_entropy, rms_norm, swiglu_down
 
 
 @dataclass(frozen=True)
@@ -286,7 +286,7 @@ class Stage(nn.Module):
 
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean next-token cross-entropy; only meaningful on the last stage."""
-        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+        return cross_entropy(logits, targets)
 
 
 class _Part(nn.Module):

@@ -159,6 +159,10 @@ def head_cross_entropy(h: torch.Tensor, w: torch.Tensor, targets: torch.Tensor) 
     if not torch.is_grad_enabled() or not (h.requires_grad or w.requires_grad):
         return _chunked_loss(h, w, targets, False, False)[0]
     if not fused_head(targets.numel(), w.shape[0], w.shape[1]):
-        logits = F.linear(h, w).float()
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+        return cross_entropy(F.linear(h, w), targets)
     return _HeadCrossEntropy.apply(h, w, targets)
+
+
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The mean next-token cross-entropy of whole ``logits`` [..., vocab] against ``targets`` [...], in float32."""
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
