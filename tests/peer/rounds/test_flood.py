@@ -46,7 +46,10 @@ def test_a_flood_of_pushes_and_state_requests_is_refused_and_moves_nothing(
     def allowed(seconds: float) -> float:  # what the honest peers' push limits let through from one sender
         return len(HONEST) * (PUSH_BURST + PUSH_RATE * seconds)
 
-    assert pushes >= 2 * allowed(flood_s), last.group(0)  # a flood: at least twice what the limits let through
+    # a flood: at least twice the rate the limits sustain (it is paced at four times it), and more than they let
+    # through with their bursts. Twice the bursts too would need a flood of over 5 s, longer than the run may last
+    # after its first round on a fast box
+    assert pushes >= 2 * len(HONEST) * PUSH_RATE * flood_s and pushes > allowed(flood_s), last.group(0)
     # the limits held: of all it pushed in its life (its honest records too), no more got through than they allow
     assert accepted <= allowed(alive_s), last.group(0)
     assert refused > 0, last.group(0)

@@ -64,9 +64,14 @@ def test_sigkill_mid_round_survivors_complete_and_agree(swarm: Swarm) -> None:
         return all(n in rounds.get(killed_in + 1, {}) for n in ("a", "b"))
 
     poll(survivors_done, ROUND_TIMEOUT_S, f"a and b to finish rounds {killed_in} and {killed_in + 1} without c")
+    # a survivor that could not fetch an accepted payload of c's resyncs in that round and records the state it
+    # loaded (state_round, a later round's): compared with a's record of that round
+    rounds = rounds_as_of(swarm, [rounds[r][n] for r in (killed_in, killed_in + 1) for n in ("a", "b")])
     for r in (killed_in, killed_in + 1):
         a, b = rounds[r]["a"], rounds[r]["b"]
-        assert a["in_sync"] and b["in_sync"] and a["checksums"] == b["checksums"], (r, a, b)
+        for rec in (a, b):
+            assert rec["in_sync"] and rec["checksums"] == rounds[state_round(rec)]["a"]["checksums"], \
+                (r, rec["state_round"], rec["synced"], rec["in_sync"], rec["checksums"], rounds[state_round(rec)]["a"])
         assert a["accepted"] and b["accepted"], (r, a, b)
         # closed by the deadline, not by waiting for c: at most the longest window and one takeover (under overlap
         # c may have announced the round it died in and be first in its turn order: the next-ranked coordinator
