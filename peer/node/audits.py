@@ -24,6 +24,13 @@ A convicted peer taints the work of whoever trades frames with it for as long as
 honest peer can be convicted (a stage peer whose resync replaced the state its phase trained from, when the verdict
 came after the round's audits; one that knew in time withdrew the phase, ``PeerAudit.withdrawn``), and a taint for
 good left its swarm's other stages out of every later round.
+
+A peer whose index withdraws its work of a round is not banned for it once: an honest peer does that after a resync
+replaced the state its phase trained from. Each withdrawal still costs its whole chain that round's work, so a peer
+that withdraws again and again would make its swarm's work worthless for good while looking honest. A second
+withdrawal within ``WITHDRAW_WINDOW`` rounds, as this coordinator's audits found them (:class:`Withdrawals`), bans it
+as undelivered work (the miss rule's two in eight rounds, :mod:`hlbp.peer.rounds.bans`): not as a liar, so its
+neighbours' work is not tainted, and its swarm's drivers route around it while the ban lasts.
 """
 
 from __future__ import annotations
@@ -71,6 +78,31 @@ class Convictions:
         return {p for p, (until, _) in self.until.items() if until > r}
 
 
+WITHDRAW_WINDOW = 8  # rounds: two withdrawals of a peer's work within this many, as audits found them, ban it
+MAX_WITHDRAWERS = 4096  # peers whose withdrawals are remembered
+
+
+@dataclass
+class Withdrawals:
+    """The rounds whose work each stage peer withdrew, as this coordinator's audits found (``seen``: peer -> its
+    recent such rounds, oldest first; at most ``MAX_WITHDRAWERS`` peers, the least recent forgotten first)."""
+
+    seen: dict[str, list[int]] = field(default_factory=dict)
+
+    def withdrew(self, peer: str, r: int) -> bool:
+        """``peer``'s index withdrew its work of round ``r``; returns whether that is its second withdrawal within
+        ``WITHDRAW_WINDOW`` rounds, which bans it. The rounds counted for a ban are then forgotten: a peer banned
+        again needs two more."""
+        recent = [x for x in self.seen.pop(peer, []) if r - WITHDRAW_WINDOW < x < r] + [r]
+        self.seen[peer] = recent
+        while len(self.seen) > MAX_WITHDRAWERS:
+            self.seen.pop(next(iter(self.seen)))
+        if len(recent) < 2:
+            return False
+        self.seen[peer] = []
+        return True
+
+
 class PipelineAudits:
     """The coordinator's screen (:class:`hlbp.peer.rounds.admission.Screen`) of stage peers' contributions.
 
@@ -93,6 +125,7 @@ class PipelineAudits:
         self.audited = 0  # stage peers audited, for the summary
         self.caught: list[tuple[int, str]] = []  # (round, peer) of every conviction
         self.convictions = Convictions()  # work computed with a convicted peer's frames is not taken while it lasts
+        self.withdrawals = Withdrawals()  # a peer that withdraws its work again and again is banned as a drag
         # built now, before training: a stage is made with its parameters (then dropped for the skeleton), and made
         # at a first audit, beside a training step, that transient added to the peer's peak (docs/design.md)
         for s in range(len(bounds)):
@@ -162,6 +195,10 @@ class PipelineAudits:
                 unchecked.add(peer)
             for p, refusal in judge(found, s, liars).items():
                 refused.setdefault(p, refusal)
+            if found.withdrawn and self.withdrawals.withdrew(peer, r):
+                refused[peer] = Refusal(f"withdrew its work of round {r} and of another round within the last "
+                                        f"{WITHDRAW_WINDOW}: its swarm's work is worthless while it serves",
+                                        ban=True, undelivered=True)
             # a peer that passed frames on in the chain without contributing is audited too: its lies reached the
             # work of the peers that did. Its stage is the one its own announcement names; the accused's transcript
             # only says where it stood, and a liar naming an honest peer at another stage would have it recomputed

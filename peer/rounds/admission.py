@@ -27,10 +27,13 @@ MAX_NEWCOMER_FETCHES = 32  # parallel fetches at admission when more contributio
 @dataclass(frozen=True)
 class Refusal:
     """Why a screen leaves a contribution out of the round it coordinates: its sender lied (``ban``), or its work
-    was computed on what a liar sent it (left out, not banned)."""
+    was computed on what a liar sent it (left out, not banned). ``undelivered``: a ban for work the sender kept
+    failing to deliver as the round's, not for something false it sent; its ban travels marked so
+    (:meth:`~hlbp.peer.rounds.bans.RoundBans.ban`, ``missed``) and taints nobody's work."""
 
     reason: str
     ban: bool
+    undelivered: bool = False
 
 
 class Screen(Protocol):
@@ -132,7 +135,7 @@ class Admission:
         if self.screen is not None and screened and admitted:
             for sender, refusal in self.screen.refuse(r, dict(admitted)).items():
                 if refusal.ban:
-                    self.bans.ban(r, sender, refusal.reason)
+                    self.bans.ban(r, sender, refusal.reason, missed=refusal.undelivered)
                 else:
                     logger.warning("round %d: leaving out the contribution of %s: %s", r, sender[:16], refusal.reason)
                 admitted.pop(sender, None)

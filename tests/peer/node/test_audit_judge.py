@@ -1,11 +1,21 @@
 """What one stage peer's audit does to a round's contributions (``judge``, pure): a conviction bans the liar and
 leaves out its chain, a liar banned earlier taints who still trades frames with it, stale work leaves out its chain
 without a ban, and work that could not be checked is not taken unless its stage cannot be recomputed at all; a
-liar's whole chain of frame exchanges in the round is left out (``chain_of``), not its neighbours alone."""
+liar's whole chain of frame exchanges in the round is left out (``chain_of``), not its neighbours alone; a second
+withdrawal within the window bans (``Withdrawals``)."""
 
 from __future__ import annotations
 
-from hlbp.peer.node.audits import Convictions, chain_of, checked, judge, unaudited_neighbours
+from hlbp.peer.node.audits import (
+    MAX_WITHDRAWERS,
+    WITHDRAW_WINDOW,
+    Convictions,
+    Withdrawals,
+    chain_of,
+    checked,
+    judge,
+    unaudited_neighbours,
+)
 from hlbp.peer.swarm.audit import AuditResult, Comparison, Finding
 from hlbp.peer.swarm.auditor import PeerAudit, Verdict
 
@@ -51,6 +61,26 @@ def test_withdrawn_work_leaves_out_its_chain_and_bans_nobody() -> None:
     out = judge(found, 1, set())
     assert set(out) == {"p", "up", "down"} and not any(r.ban for r in out.values())
     assert "withdrawn" in out["p"].reason and not checked(found)
+
+
+def test_a_second_withdrawal_within_the_window_bans_and_the_count_starts_again() -> None:
+    w = Withdrawals()
+    assert not w.withdrew("p", 10)  # once: an honest peer resynced under its phase
+    assert not w.withdrew("q", 11)  # another peer's count is its own
+    assert w.withdrew("p", 10 + WITHDRAW_WINDOW - 1)  # twice within the window: banned
+    assert not w.withdrew("p", 10 + WITHDRAW_WINDOW)  # the rounds that banned it count no more
+    assert w.withdrew("p", 10 + WITHDRAW_WINDOW + 1)  # a ban again needs two more
+    assert not w.withdrew("q", 11 + WITHDRAW_WINDOW)  # its first withdrawal is out of the window by now
+    assert not w.withdrew("q", 11 + WITHDRAW_WINDOW)  # the same round found twice counts once
+    assert w.withdrew("q", 12 + WITHDRAW_WINDOW)
+
+
+def test_withdrawals_remember_a_bounded_number_of_peers_the_least_recent_forgotten() -> None:
+    w = Withdrawals()
+    for i in range(MAX_WITHDRAWERS + 1):
+        w.withdrew(f"p{i}", 5)
+    assert len(w.seen) == MAX_WITHDRAWERS and "p0" not in w.seen
+    assert not w.withdrew("p0", 6) and w.withdrew(f"p{MAX_WITHDRAWERS}", 6)
 
 
 def test_work_that_could_not_be_checked_is_not_taken_on_any_stage() -> None:
