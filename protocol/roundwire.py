@@ -116,12 +116,18 @@ class AcceptedSet:
     # the banned senders whose ban is for contributions they announced and did not deliver, sorted: no evidence that
     # anything they sent was false, so a stage peer that received their frames keeps its work (ChainTaint)
     missed: tuple[str, ...] = ()
+    # the contributors left out with a chain of frames the coordinator could not take (fed by a peer whose work was
+    # withdrawn, computed on other weights or not checked), sorted: each takes that phase out of its error feedback,
+    # as a ban's taint would, instead of sending it again in a later round
+    dropped: tuple[str, ...] = ()
 
     def to_body(self, run_id: str) -> dict[str, Any]:
         body = {"run": run_id, "round": self.round, "members": [[s, t, _keys(d)] for s, t, d in self.members],
                 "banned": [[p, u] for p, u in self.banned]}
         if self.missed:
             body["missed"] = list(self.missed)
+        if self.dropped:
+            body["dropped"] = list(self.dropped)
         return body
 
     def senders(self) -> list[str]:
@@ -216,7 +222,13 @@ def parse_accepted(data: Any, signer: str, run_id: str, round_: int | None = Non
     if (not isinstance(missed, list) or not all(isinstance(p, str) for p in missed) or missed != sorted(set(missed))
             or not set(missed) <= {p for p, _ in banned}):
         raise ProtocolError("accepted set's missed list must name banned peers, each once and sorted")
-    return AcceptedSet(signer, r, tuple(members), tuple(banned), tuple(missed))
+    dropped = body.get("dropped", [])  # absent in records of older peers
+    if (not isinstance(dropped, list) or len(dropped) > MAX_MEMBERS
+            or not all(isinstance(p, str) and _PEER.fullmatch(p) for p in dropped)
+            or dropped != sorted(set(dropped)) or set(dropped) & set(senders)):
+        raise ProtocolError("accepted set's dropped list must name peer ids that are no members, each once and "
+                            "sorted")
+    return AcceptedSet(signer, r, tuple(members), tuple(banned), tuple(missed), tuple(dropped))
 
 
 def parse_checks(data: Any, signer: str, run_id: str) -> ShardChecks:

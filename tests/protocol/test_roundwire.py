@@ -10,6 +10,7 @@ from hlbp.protocol.roundwire import (
     KIND_ACCEPTED,
     KIND_CHECKS,
     KIND_CONTRIB,
+    MAX_MEMBERS,
     AcceptedSet,
     ContribNotice,
     ShardChecks,
@@ -117,5 +118,21 @@ def test_the_bans_for_undelivered_contributions_travel_marked_and_a_malformed_ma
     banned = [[OTHER.peer_id, 9]]
     for bad in ("x", [1], [[OTHER.peer_id]], [OTHER.peer_id, OTHER.peer_id], [ME.peer_id], [{"a": 1}], None):
         body = {"run": "run", "round": 5, "members": [], "banned": banned, "missed": bad}
+        with pytest.raises(ProtocolError):
+            parse_accepted(sign(KIND_ACCEPTED, body, ME), ME.peer_id, "run")
+
+
+def test_the_contributors_left_out_with_a_chain_travel_named_and_a_malformed_list_is_refused():
+    a = AcceptedSet(ME.peer_id, 5, ((ME.peer_id, 3, {0: "a" * 64}),), (), (), (OTHER.peer_id,))
+    back = parse_accepted(sign(KIND_ACCEPTED, a.to_body("run"), ME), ME.peer_id, "run")
+    assert back == a and back.dropped == (OTHER.peer_id,)
+    # an older peer's record names none
+    assert parse_accepted(sign(KIND_ACCEPTED, AcceptedSet(ME.peer_id, 5, ()).to_body("run"), ME), ME.peer_id,
+                          "run").dropped == ()
+    members = [[ME.peer_id, 3, {"0": "a" * 64}]]
+    many = sorted("12D3KooW" + "".join("123456789A"[int(c)] for c in f"{i:044d}") for i in range(MAX_MEMBERS + 1))
+    for bad in ("x", [1], [OTHER.peer_id, OTHER.peer_id], [ME.peer_id], ["not a peer"], [{"a": 1}], None, many,
+                sorted([OTHER.peer_id, "12D3KooW" + "1" * 44], reverse=True)):
+        body = {"run": "run", "round": 5, "members": members, "banned": [], "dropped": bad}
         with pytest.raises(ProtocolError):
             parse_accepted(sign(KIND_ACCEPTED, body, ME), ME.peer_id, "run")
