@@ -10,7 +10,9 @@ neighbours sent on (:func:`chain_of`: in a swarm of four or more stages a lie re
 stage's output at the anchor computed on other weights (it had not loaded the round's result when it served the
 step): its work and its chain's are left out of the round, and nobody is banned. Work nothing of which could be
 checked (no frame of the phase's first step shown, or the audits' time budget for the round spent) is left out
-too, without a ban (:func:`judge`), with its chain's. A peer that passed frames on without contributing is audited
+too, without a ban (:func:`judge`), with its chain's. Whoever is left out without a ban is named in the round's
+accepted set (``AcceptedSet.dropped``) and takes that phase out of its error feedback: kept, work computed with
+frames nobody could check would be sent, unaudited, in a later round. A peer that passed frames on without contributing is audited
 as well, at the stage its own announcement names where its neighbours' transcripts agree
 (:func:`unaudited_neighbours`): a liar that never announces a contribution still reaches the work of the peers
 that do. Which micro-batches are checked

@@ -50,6 +50,12 @@ class Admission:
                  screen: Screen | None = None) -> None:
         self.me, self.cfg, self.n_shards, self.payloads, self.bans = me, cfg, n_shards, payloads, bans
         self.screen = screen
+        self._dropped: dict[int, frozenset[str]] = {}  # round -> the screen's refusals without a ban (last few rounds)
+
+    def dropped(self, r: int) -> frozenset[str]:
+        """The senders the screen left out of round r without banning them (their work was computed with frames
+        it could not take), as the accepted set names them (``AcceptedSet.dropped``)."""
+        return self._dropped.get(r, frozenset())
 
     def check_bans(self, r: int, accepted: AcceptedSet, notices: dict[str, ContribNotice], window: float) -> None:
         """Check the bans round r's accepted set carries, in the background, before taking any: a coordinator's word
@@ -133,11 +139,14 @@ class Admission:
             self.bans.ban(r, sender, reason)
             del admitted[sender]
         if self.screen is not None and screened and admitted:
+            dropped = set()
             for sender, refusal in self.screen.refuse(r, dict(admitted)).items():
                 if refusal.ban:
                     self.bans.ban(r, sender, refusal.reason, missed=refusal.undelivered)
                 else:
                     logger.warning("round %d: leaving out the contribution of %s: %s", r, sender[:16], refusal.reason)
+                    dropped.add(sender)
                 admitted.pop(sender, None)
+            self._dropped = {**{k: v for k, v in self._dropped.items() if r - 4 < k < r}, r: frozenset(dropped)}
         return admitted
 

@@ -393,7 +393,8 @@ class Closer:
         saw) and the live peers; with a committee, passed to its seats with the members' notices instead, and the
         seats relay it on."""
         members = tuple((s, n.tokens, n.digests) for s, n in sorted(admitted.items()))
-        chosen = AcceptedSet(self.me, r, members, self.bans.travelling(r), self.bans.travelling_missed(r))
+        dropped = tuple(sorted(self.admission.dropped(r) - set(admitted)))
+        chosen = AcceptedSet(self.me, r, members, self.bans.travelling(r), self.bans.travelling_missed(r), dropped)
         key, body = round_key(self.cfg.run_id, r, KIND_ACCEPTED), chosen.to_body(self.cfg.run_id)
         if seats:
             self.seating.publish(r, seats, chosen, self.records.store(key, body, KIND_ACCEPTED, only=frozenset()))

@@ -101,3 +101,6 @@ class RoundStats:
     # a stage peer's contribution left out because it was computed with frames from a peer banned in this round: it
     # was dropped, not kept in the error-feedback buffer, and the stage's AdamW moments were forgotten
     tainted: bool = False
+    # our contribution was left out with a chain of frames the coordinator could not take (its accepted set names us
+    # ``dropped``): its phase was taken out of the error-feedback buffer, not kept to be sent again
+    dropped: bool = False

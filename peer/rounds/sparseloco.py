@@ -291,11 +291,14 @@ class RoundRunner(ReplicaBase):
                            "dropping it, its phase from the error feedback and the inner optimizer's moments", r)
             stats.tainted = True
             taint.forget()
-            local = {n: p.detach() for n, p in self.trainer.model.named_parameters()}  # where the phase ended
-            begin = start if start is not None else self.state.anchor
-            for s, c in mine.items():  # what top-k did not send of the tainted phase is in the buffer too
-                names = self.shards[s]
-                self.state.outers[s].forget_phase(c, Subset(begin, names), {n: local[n] for n in names})
+            self.forget_phase(mine, start)
+        elif mine and not stats.accepted and accepted is not None and self.me in accepted.dropped:
+            # left out with frames the coordinator could not take (a neighbour's work withdrawn, stale or not
+            # checked, perhaps a lie): kept, it would come back unaudited in a later round's contribution
+            logger.warning("round %d: our contribution was left out with a chain of frames the coordinator could not "
+                           "take; dropping its phase from the error feedback", r)
+            stats.dropped = True
+            self.forget_phase(mine, start)
         elif mine and not stats.accepted:
             crowded = accepted is not None and not stats.refused and self.closer.selection.full_without(accepted, mine.keys())
             if not (crowded and self.cfg.unselected == "drop"):
@@ -323,6 +326,15 @@ class RoundRunner(ReplicaBase):
                                 sampled=settled.sample is not None)
             stats.phases["publish"] = time.perf_counter() - t4
         return settled
+
+    def forget_phase(self, mine: Mapping[int, Contribution], start: Mapping[str, torch.Tensor] | None) -> None:
+        """Take the phase that made ``mine`` (started at ``start``, default the anchor) out of the error-feedback
+        buffers: what top-k did not send of it is in there too (:meth:`~hlbp.peer.rounds.outer.Outer.forget_phase`)."""
+        local = {n: p.detach() for n, p in self.trainer.model.named_parameters()}  # where the phase ended
+        begin = start if start is not None else self.state.anchor
+        for s, c in mine.items():
+            names = self.shards[s]
+            self.state.outers[s].forget_phase(c, Subset(begin, names), {n: local[n] for n in names})
 
     def confirm(self, r: int, stats: RoundStats, settled: Settled) -> ShardChecks:
         """The rest of round r after :meth:`settle`: compare our checksums with the members', follow the followed

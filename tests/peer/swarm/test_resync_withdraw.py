@@ -57,7 +57,8 @@ def test_a_stage_peer_resynced_under_its_phase_withdraws_it_and_is_not_convicted
         # the last stage's work of the withdrawn round, computed from the damaged frames, was not taken
         last = sw.wait(lambda: next((r for r in sw.replicas["s1"].events("round") if r["round"] == withdrawn),
                                     None), "the last stage's record of the withdrawn round")
-        assert not last["accepted"], last
+        # and was taken out of its error feedback (the accepted set named it dropped), not kept for a later round
+        assert last["contributed"] and not last["accepted"] and last["dropped"], last
         # every peer of the run agrees on the state of every round up to then (the driver from its resync on)
         records = {n: r.events("round") for n, r in sw.replicas.items() if n != "bootstrap"}
         for r in range(back + 1):
