@@ -22,10 +22,11 @@ Every audit is written to ``metrics.jsonl`` (event ``audit``: the round, the pee
 and the distances), which is how the tests and an operator see them.
 
 A convicted peer taints the work of whoever trades frames with it for as long as its ban lasts here
-(:class:`Convictions`: 2, 4, 8, ... rounds, as :class:`hlbp.peer.rounds.bans.RoundBans` bans it), not for good: an
-honest peer can be convicted (a stage peer whose resync replaced the state its phase trained from, when the verdict
-came after the round's audits; one that knew in time withdrew the phase, ``PeerAudit.withdrawn``), and a taint for
-good left its swarm's other stages out of every later round.
+(:class:`Convictions`: 2, 4, 8, ... rounds, as :class:`hlbp.peer.rounds.bans.RoundBans` bans it), not for good: a
+taint for good left its swarm's other stages out of every later round. A stage peer whose resync replaced the state
+its phase trained from is not convicted: one that knew in time withdrew the phase (``PeerAudit.withdrawn``), and one
+whose verdict came after the round's audits had published checksums of that state which differ from the anchor's
+(:func:`disowned`).
 
 A peer whose index withdraws its work of a round is not banned for it once: an honest peer does that after a resync
 replaced the state its phase trained from. Each withdrawal still costs its whole chain that round's work, so a peer
@@ -44,6 +45,7 @@ import time
 from collections.abc import Callable, Mapping
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
@@ -53,6 +55,7 @@ from hlbp.peer.model.decoder import ModelConfig, Stage
 from hlbp.peer.rounds.admission import Refusal
 from hlbp.peer.rounds.anchor import Anchor
 from hlbp.peer.rounds.bans import ban_end
+from hlbp.peer.rounds.statesync import shard_checksum
 from hlbp.peer.swarm.audit import Finding
 from hlbp.peer.swarm.auditor import AuditConfig, Auditor, Fetch, PeerAudit
 from hlbp.peer.train.trainer import skeleton
@@ -92,9 +95,9 @@ class Withdrawals:
     seen: dict[str, list[int]] = field(default_factory=dict)
 
     def withdrew(self, peer: str, r: int) -> bool:
-        """``peer``'s index withdrew its work of round ``r``; returns whether that is its second withdrawal within
-        ``WITHDRAW_WINDOW`` rounds, which bans it. The rounds counted for a ban are then forgotten: a peer banned
-        again needs two more."""
+        """``peer`` took back its work of round ``r`` (its index withdrew it, or its own checksums disowned the state
+        it started from, :func:`disowned`); returns whether that is its second within ``WITHDRAW_WINDOW`` rounds,
+        which bans it. The rounds counted for a ban are then forgotten: a peer banned again needs two more."""
         recent = [x for x in self.seen.pop(peer, []) if r - WITHDRAW_WINDOW < x < r] + [r]
         self.seen[peer] = recent
         while len(self.seen) > MAX_WITHDRAWERS:
@@ -117,9 +120,11 @@ class PipelineAudits:
     def __init__(self, config: ModelConfig, bounds: list[tuple[int, int]], codec: ActivationCodec, vocab_size: int,
                  max_body: int, fetch: Fetch, anchor: Callable[[], Mapping[str, torch.Tensor] | None], metrics: Any,
                  cfg: AuditConfig | None = None, stage_of: Callable[[str], int | None] = lambda peer: None,
-                 turns: Turns | None = None) -> None:
+                 turns: Turns | None = None,
+                 published: Callable[[str, int], tuple[int, str] | None] = lambda peer, shard: None) -> None:
         self.config, self.bounds, self.codec = config, bounds, codec
         self.anchor, self.metrics = anchor, metrics
+        self.published = published  # a peer's latest published checksum of a shard, with its round (None: none)
         self.stage_of = stage_of  # the stage a peer's own signed announcement names (None: not known)
         self.auditor = Auditor(fetch, codec, vocab_size, max_body, cfg, turns)
         self._skeletons: dict[int, Stage] = {}
@@ -186,18 +191,22 @@ class PipelineAudits:
                 continue  # a shard this coordinator does not hold (it is a stage peer itself)
             t0 = time.perf_counter()
             found = self.auditor.audit_peer(r, peer, stage, swarm, seed=secrets.randbits(64), params=anchor)
+            # frames that convict are not a lie when the peer's own checksums already said its state was not the
+            # anchor (its verification outlasted these audits, so it could not withdraw in time)
+            off = found.guilty is not None and disowned(
+                self.published(peer, s), r, partial(shard_checksum, anchor, [n for n, _ in stage.named_parameters()]))
             self.audited += 1
-            self._record(found, s, time.perf_counter() - t0)
-            if found.guilty is not None:
+            self._record(found, s, time.perf_counter() - t0, off)
+            if found.guilty is not None and not off:
                 self.caught.append((r, peer))
                 self.convictions.convict(peer, r)
             liars = self.convictions.liars(r)
             exchanged |= found.exchanges()
             if found.guilty is None and not checked(found):
                 unchecked.add(peer)
-            for p, refusal in judge(found, s, liars).items():
+            for p, refusal in judge(found, s, liars, off).items():
                 refused.setdefault(p, refusal)
-            if found.withdrawn and self.withdrawals.withdrew(peer, r):
+            if (found.withdrawn or off) and self.withdrawals.withdrew(peer, r):
                 refused[peer] = Refusal(f"withdrew its work of round {r} and of another round within the last "
                                         f"{WITHDRAW_WINDOW}: its swarm's work is worthless while it serves",
                                         ban=True, undelivered=True)
@@ -226,19 +235,19 @@ class PipelineAudits:
         # a refusal matters for a contribution of this round, or as a ban (of a liar that did not contribute)
         return {p: refusal for p, refusal in refused.items() if refusal.ban or p in stage_peers}
 
-    def _record(self, found: PeerAudit, stage: int, seconds: float) -> None:
+    def _record(self, found: PeerAudit, stage: int, seconds: float, off: bool = False) -> None:
         samples = [{"finding": v.result.finding.value, "inner": v.result.inner, "step": v.micro_batch[1],
                     **({"detail": v.result.detail[:200]} if v.result.detail else {}),
                     "mb": v.micro_batch[2], "holders": sorted(v.holders),
                     **{k: [c.error, c.cosine, c.ratio] for k, c in (("forward", v.result.forward),
                                                                    ("backward", v.result.backward)) if c is not None}}
                    for v in found.verdicts]
-        guilty = found.guilty
+        guilty = None if off else found.guilty
         if guilty is not None:
             logger.warning("round %d: stage peer %s of stage %d caught lying (%s)", found.round, found.accused[:16],
                            stage, guilty.result.finding.value)
         self.metrics.write(event="audit", round=found.round, peer=found.accused, stage=stage,
-                           guilty=guilty is not None, withdrawn=found.withdrawn, samples=samples,
+                           guilty=guilty is not None, withdrawn=found.withdrawn, disowned=off, samples=samples,
                            neighbours=sorted(found.neighbours), seconds=round(seconds, 4), compute_s=round(found.compute_s, 4), flagged=found.flagged)
 
 
@@ -280,10 +289,22 @@ def chain_of(liars: AbstractSet[str], exchanged: AbstractSet[tuple[str, str]]) -
     return reached
 
 
-def judge(found: PeerAudit, stage: int, liars: AbstractSet[str]) -> dict[str, Refusal]:
+def disowned(published: tuple[int, str] | None, r: int, expected: Callable[[], str]) -> bool:
+    """Whether a stage peer's own checksums say that its phase of round ``r`` started from another state than round
+    r - 1's result: ``published`` (the round and checksum of its shard it last published) is of round r - 1 and
+    differs from the anchor's (``expected()``, computed only then; SparseLoCo's checksum covers the parameters
+    alone). Pure but for ``expected``. A peer whose published checksum is of another round, or absent, proves
+    nothing either way. A liar gains nothing by claiming so: its work and its chain's are left out all the same and
+    dropped from their error feedback, and it is counted as a withdrawal (:class:`Withdrawals`)."""
+    return published is not None and published[0] == r - 1 and published[1] != expected()
+
+
+def judge(found: PeerAudit, stage: int, liars: AbstractSet[str], off_state: bool = False) -> dict[str, Refusal]:
     """Which contributions of ``found.round`` one stage peer's audit leaves out, and why (pure).
 
-    - its own signed frames convict it: it is banned, and the peers it exchanged frames with are left out;
+    - its own signed frames convict it: it is banned, and the peers it exchanged frames with are left out; unless
+      ``off_state`` (its own checksums said its state was not the anchor, :func:`disowned`): then it and its chain
+      are left out, and nobody is banned;
     - it exchanged frames with a peer convicted earlier (``liars``): it is left out;
     - its first step was computed on other weights than the anchor (stale), or its index withdraws its work of
       the round (it knows it trained from a state a resync replaced): it and its chain are left out;
@@ -293,6 +314,9 @@ def judge(found: PeerAudit, stage: int, liars: AbstractSet[str]) -> dict[str, Re
     - else nothing."""
     r, peer = found.round, found.accused
     guilty = found.guilty
+    if guilty is not None and off_state:  # its frames are wrong, but not a lie: its own checksums said so first
+        return {p: Refusal(f"round-{r} work of stage {stage} ({peer[:16]}) was computed from a state its own "
+                           f"checksums of round {r - 1} disowned", ban=False) for p in (peer, *sorted(found.reached))}
     if guilty is not None:
         result = guilty.result
         out = {peer: Refusal(f"caught lying by a pipeline audit of stage {stage} in round {r}: "

@@ -39,6 +39,7 @@ from hlbp.peer.node.join import TrainContext, data_rank
 from hlbp.peer.rounds.diloco import DenseRoundRunner
 from hlbp.peer.rounds.guard import GuardConfig
 from hlbp.peer.rounds.outer import OuterConfig
+from hlbp.peer.rounds.records import RoundRecords
 from hlbp.peer.rounds.rules import Expected
 from hlbp.peer.rounds.sparseloco import RoundConfig, RoundRunner, RoundStats
 from hlbp.peer.swarm.auditor import AuditConfig
@@ -112,10 +113,13 @@ def codec_config(m: Any) -> CodecConfig:
 
 def pipeline_audits(m: Any, config: ModelConfig, model: Stage, transport: P2PBlobTransport,
                     anchor: Callable[[], Mapping[str, torch.Tensor] | None], metrics: Any,
-                    stage_of: Callable[[str], int | None], turns: Turns | None = None) -> PipelineAudits:
+                    stage_of: Callable[[str], int | None], turns: Turns | None = None,
+                    published: Callable[[str, int], tuple[int, str] | None] = lambda peer, shard: None,
+                    ) -> PipelineAudits:
     """The audits this full replica runs on the run's stage peers when it coordinates (hlbp.peer.node.audits),
     with the run's codec and the largest stage frame the run allows; ``stage_of``: the stage a peer announces;
-    ``turns``: where each recomputation waits for the training step under way."""
+    ``turns``: where each recomputation waits for the training step under way; ``published``: a peer's latest
+    published checksum of a shard and its round."""
     cc = codec_config(m)
     table = fixed_table(config.vocab_size, config.d_model, config.subspace_seed, config.subspace_table_std) \
         if config.subspace_rank else None
@@ -124,7 +128,14 @@ def pipeline_audits(m: Any, config: ModelConfig, model: Stage, transport: P2PBlo
                        model.embed.weight.detach().cpu().clone(), max_tokens=tokens)
     return PipelineAudits(config, [tuple(b) for b in m.stages], codec, config.vocab_size,
                           max_body_bytes(codec, tokens, config.vocab_size), transport.fetch, anchor, metrics,
-                          stage_of=stage_of, turns=turns)
+                          stage_of=stage_of, turns=turns, published=published)
+
+
+def latest_checksum(records: RoundRecords, peer: str, shard: int) -> tuple[int, str] | None:
+    """The round and checksum of ``shard`` that ``peer`` last published (its checksum record holds its latest round
+    only), or None."""
+    rec = next((c for c in records.latest_checks() if c.peer == peer), None)
+    return None if rec is None or shard not in rec.checksums else (rec.round, rec.checksums[shard])
 
 
 def replica_config(m: Any, vocab_size: int) -> ModelConfig:
@@ -354,7 +365,7 @@ def run_replica(ctx: TrainContext, options: ReplicaOptions, echo: Any = print) -
     extra = {} if runner_cls is DenseRoundRunner or len(bounds) < 2 else {
         "screen": pipeline_audits(m, config, model, transport,
                                   lambda: box[0].state.anchor if box[0].in_sync else None, metrics, book.stage,
-                                  trainer.turns)}
+                                  trainer.turns, lambda peer, shard: latest_checksum(box[0].records, peer, shard))}
     runner = runner_cls(
         peer.plane.dht, peer.plane.identity, transport, trainer, outer, shards, rcfg, ctx.stop,
         checkpoint=ctx.out_dir / "checkpoint.safetensors", metrics=metrics, expected=expected, on_round=on_round,

@@ -13,6 +13,7 @@ from hlbp.peer.node.audits import (
     Withdrawals,
     chain_of,
     checked,
+    disowned,
     judge,
     unaudited_neighbours,
 )
@@ -61,6 +62,26 @@ def test_withdrawn_work_leaves_out_its_chain_and_bans_nobody() -> None:
     out = judge(found, 1, set())
     assert set(out) == {"p", "up", "down"} and not any(r.ban for r in out.values())
     assert "withdrawn" in out["p"].reason and not checked(found)
+
+
+def test_frames_that_convict_a_peer_whose_own_checksums_disowned_its_state_ban_nobody() -> None:
+    out = judge(audit(Finding.CLEAN, Finding.FORWARD), 1, set(), off_state=True)
+    assert set(out) == {"p", "up", "down"} and not any(r.ban for r in out.values())
+    assert "disowned" in out["p"].reason
+
+
+def test_a_peer_disowns_its_state_only_by_a_checksum_of_the_phases_start_round_that_differs() -> None:
+    asked = []
+
+    def anchor() -> str:
+        asked.append(1)
+        return "a" * 64
+
+    assert disowned((4, "b" * 64), 5, anchor)  # published after round 4, the start of phase 5: not the anchor
+    assert not disowned((4, "a" * 64), 5, anchor)  # the anchor's own: its frames are judged as they are
+    assert not disowned((3, "b" * 64), 5, anchor) and not disowned((5, "b" * 64), 5, anchor)  # another round's
+    assert not disowned(None, 5, anchor)
+    assert len(asked) == 2  # the anchor's checksum is computed only for a record of the right round
 
 
 def test_a_second_withdrawal_within_the_window_bans_and_the_count_starts_again() -> None:

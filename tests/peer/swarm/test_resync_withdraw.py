@@ -7,6 +7,11 @@ once (its audit index withdraws the round), so the coordinator's audit of the ro
 leaves out the swarm's work of that round and convicts nobody; the driver is never banned, and the swarm's work is
 accepted again in a later round. Without the withdrawal the audit recomputes the phase's first step at the agreed
 anchor and convicts the driver of lying (its frames came from the damaged weights).
+
+``late``: the verification is held until the round of that phase has closed as well, so the coordinator audits the
+phase's frames before the driver can withdraw them, and finds them wrong. What must hold then: the driver's own
+checksums of round 2, published before, differ from the anchor's, so the audit records the frames as disowned,
+not as a lie; nobody is convicted or banned, and the swarm's work of that round is left out and dropped as before.
 """
 
 from __future__ import annotations
@@ -26,14 +31,15 @@ TIMEOUT_S = 240.0  # a bound on a few rounds of small steps on 2 busy cores, not
 DAMAGED = 2  # the round after whose apply the driver's state is damaged
 
 
-def test_a_stage_peer_resynced_under_its_phase_withdraws_it_and_is_not_convicted(tmp_path: Path) -> None:
+@pytest.mark.parametrize("late", [False, True], ids=["withdrawn", "verified-after-the-audits"])
+def test_a_stage_peer_resynced_under_its_phase_withdraws_it_and_is_not_convicted(tmp_path: Path, late: bool) -> None:
     cfg = SimConfig(n_stages=2, inner_steps=4, batch_size=4, seq_len=64, seed=6, run_id="withdraw", ttl_s=8.0,
                     micro_batches=2)
     with Swarm(cfg, tmp_path) as sw:
         sw.start()
         sw.add_stage("s1", 1).proc.wait_for("^announced", 60)
         fulls = [sw.add(f"peer{i}", "--wait-replicas", "4", rounds=1000) for i in range(2)]
-        driver = sw.add_stage("s0", 0, "--micro-batches", "2", "--eval-every", "0", program=program(DAMAGED))
+        driver = sw.add_stage("s0", 0, "--micro-batches", "2", "--eval-every", "0", program=program(DAMAGED, late))
         ids = {n: r.proc.wait_for(r"^connected as (\S+)", 60).group(1) for n, r in sw.replicas.items()}
         withdrawn = DAMAGED + 1
         driver.proc.wait_for("damaged the state after round 2", TIMEOUT_S)
@@ -41,12 +47,18 @@ def test_a_stage_peer_resynced_under_its_phase_withdraws_it_and_is_not_convicted
         def audits() -> list[dict[str, Any]]:
             return [a for f in fulls for a in f.events("audit")]
 
-        # the coordinator of the damaged phase's round audits the driver and finds the round withdrawn
+        # the coordinator of the damaged phase's round audits the driver and finds the round withdrawn, or, when
+        # it audited before the driver knew, frames its own checksums had disowned
         found = sw.wait(lambda: next((a for a in audits() if a["round"] == withdrawn and a["peer"] == ids["s0"]),
                                      None), "the audit of the driver's damaged phase")
-        assert found["withdrawn"] and not found["guilty"] and found["samples"] == [], found
-        assert ids["s1"] in found["neighbours"], found
-        assert driver.proc.find(rf"round {withdrawn}: this stage's phase trained from a state a resync replaced")
+        assert not found["guilty"] and ids["s1"] in found["neighbours"], found
+        if late:
+            assert found["disowned"] and not found["withdrawn"] and found["samples"], found
+            assert any(x["finding"] != "clean" for x in found["samples"]), found  # its frames were wrong
+            assert driver.proc.find(f"verifying round {DAMAGED} after round {withdrawn} closed")
+        else:
+            assert found["withdrawn"] and found["samples"] == [], found
+            assert driver.proc.find(rf"round {withdrawn}: this stage's phase trained from a state a resync replaced")
         # the swarm's work is taken again later, and nobody was convicted or banned for the damage
         back = sw.wait(lambda: next((r["round"] for r in driver.events("round")
                                      if r["round"] > withdrawn and r["accepted"]), None),
