@@ -12,11 +12,11 @@ step): its work and its chain's are left out of the round, and nobody is banned.
 checked (no frame of the phase's first step shown, or the audits' time budget for the round spent) is left out
 too, without a ban (:func:`judge`), with its chain's. Whoever is left out without a ban is named in the round's
 accepted set (``AcceptedSet.dropped``) and takes that phase out of its error feedback: kept, work computed with
-frames nobody could check would be sent, unaudited, in a later round. A peer that passed frames on without contributing is audited
-as well, at the stage its own announcement names where its neighbours' transcripts agree
-(:func:`unaudited_neighbours`): a liar that never announces a contribution still reaches the work of the peers
-that do. Which micro-batches are checked
-is drawn from this process's own randomness after the traffic, so no stage peer could know it when it computed.
+frames nobody could check would be sent, unaudited, in a later round. A peer that passed frames on without
+contributing is audited as well, at the stage its own announcement names where its neighbours' transcripts agree
+(:func:`unaudited_neighbours`): a liar that never announces a contribution still reaches the work of the peers that
+do. Which micro-batches are checked is drawn from this process's own randomness after the traffic, so no stage peer
+could know it when it computed.
 
 Every audit is written to ``metrics.jsonl`` (event ``audit``: the round, the peer, each sample's finding, inner step,
 and the distances), which is how the tests and an operator see them.
@@ -207,9 +207,9 @@ class PipelineAudits:
             for p, refusal in judge(found, s, liars, off).items():
                 refused.setdefault(p, refusal)
             if (found.withdrawn or off) and self.withdrawals.withdrew(peer, r):
-                refused[peer] = Refusal(f"withdrew its work of round {r} and of another round within the last "
-                                        f"{WITHDRAW_WINDOW}: its swarm's work is worthless while it serves",
-                                        ban=True, undelivered=True)
+                refused[peer] = Refusal(f"took back its work of round {r} (withdrawn or disowned) and of another "
+                                        f"round within the last {WITHDRAW_WINDOW}: its swarm's work is worthless "
+                                        "while it serves", ban=True, undelivered=True)
             # a peer that passed frames on in the chain without contributing is audited too: its lies reached the
             # work of the peers that did. Its stage is the one its own announcement names; the accused's transcript
             # only says where it stood, and a liar naming an honest peer at another stage would have it recomputed
