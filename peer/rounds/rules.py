@@ -13,7 +13,6 @@ from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, replace
 from enum import Enum
 
-from hlbp.peer.rounds.statesync import fingerprints_agree
 from hlbp.protocol.roundwire import AcceptedSet, ShardChecks
 
 
@@ -274,6 +273,12 @@ def vote_checks(checks: Sequence[ShardChecks], round_: int, members: Mapping[str
            for c in member_checks(checks, round_, set(members))]
     return Votes([c for c in cut if c.checksums],
                  frozenset(c.peer for c in cut if c.checksums and holds_all(members[c.peer], n_shards)))
+
+
+def fingerprints_agree(a: tuple[float, float], b: tuple[float, float], rtol: float = 1e-5) -> bool:
+    """Whether two shard fingerprints describe the same parameters up to float rounding."""
+    scale = max(a[1], b[1], 1e-30)
+    return abs(a[0] - b[0]) <= rtol * scale and abs(a[1] - b[1]) <= rtol * scale
 
 
 def fingerprint_cluster(checks: Sequence[ShardChecks], round_: int, rtol: float = 1e-5) -> list[ShardChecks]:

@@ -81,12 +81,6 @@ def shard_fingerprint(params: dict[str, torch.Tensor], names: Sequence[str]) -> 
     return dot, sq**0.5
 
 
-def fingerprints_agree(a: tuple[float, float], b: tuple[float, float], rtol: float = 1e-5) -> bool:
-    """Whether two shard fingerprints describe the same parameters up to float rounding."""
-    scale = max(a[1], b[1], 1e-30)
-    return abs(a[0] - b[0]) <= rtol * scale and abs(a[1] - b[1]) <= rtol * scale
-
-
 def state_name(round_: int, shard: int) -> str:
     """Transport name of a shard's state after ``round_``."""
     return f"{STATE_PREFIX}{round_}/{shard}"

@@ -30,7 +30,7 @@ def checksums_agree(records: Iterable[dict[str, Any]]) -> bool:
 def states_agree(records: Iterable[dict[str, Any]]) -> bool:
     """True when the in-sync records of one round describe the same parameters: equal checksums, or (a dense
     run, whose all-reduce leaves ulp-level differences) fingerprints that agree within float rounding."""
-    from hlbp.peer.rounds.statesync import fingerprints_agree
+    from hlbp.peer.rounds.rules import fingerprints_agree
 
     recs = [r for r in records if r.get("in_sync", True) and of_its_round(r)]
     if checksums_agree(recs):

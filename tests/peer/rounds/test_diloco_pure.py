@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from hlbp.peer.rounds.diloco import dense_allreduce_bytes, parse_gathered, round_group_bits
-from hlbp.peer.rounds.rules import fingerprint_cluster
-from hlbp.peer.rounds.statesync import fingerprints_agree, shard_fingerprint
+from hlbp.peer.rounds.rules import fingerprint_cluster, fingerprints_agree
+from hlbp.peer.rounds.statesync import shard_fingerprint
 from hlbp.peer.sim.launcher import states_agree
 from hlbp.protocol import ProtocolError
 from hlbp.protocol.identity import Identity
