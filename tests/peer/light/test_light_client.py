@@ -23,7 +23,7 @@ pytestmark = pytest.mark.slow
 
 HERE = Path(__file__).resolve().parent
 # `hlbp` itself, in a process that reports at exit which of these top-level packages it ever imported
-TRACKED = ("hivemind", "libp2p", "trio")
+TRACKED = ("hivemind", "libp2p", "torch", "trio")
 _REPORT_MODULES = ("import atexit, sys\n"
                    "atexit.register(lambda: print('LOADED', *sorted({m.split('.')[0] for m in sys.modules} & "
                    f"{set(TRACKED)!r}), file=sys.stderr))\n"
@@ -83,10 +83,10 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
         yield run
 
 
-def test_light_status_shows_the_peers_that_status_shows_and_never_loads_hivemind(run: Run):
+def test_light_status_shows_the_peers_that_status_shows_and_never_loads_hivemind_or_torch(run: Run):
     everyone = {run.boot_id, *run.replica_ids, run.stage_id}
     light, modules = light_json(run, run.maddr)
-    assert "hivemind" not in modules and {"libp2p", "trio"} <= modules
+    assert "hivemind" not in modules and "torch" not in modules and {"libp2p", "trio"} <= modules
     assert light["light"] and light["rejected"] == [] and light["signer"] == run.boot_id
 
     full = subprocess.run([*HLBP_P2PD, "status", "--json", "--initial-peers", run.maddr], capture_output=True,
@@ -112,14 +112,14 @@ def test_light_status_shows_the_peers_that_status_shows_and_never_loads_hivemind
         assert "hivemind" not in modules
 
 
-def test_light_fetch_downloads_the_tokenizer_and_checks_its_hash(run: Run, tmp_path: Path):
+def test_light_fetch_downloads_the_tokenizer_checks_its_hash_and_never_loads_torch(run: Run, tmp_path: Path):
     sha = hashlib.sha256(run.tokenizer).hexdigest()
     out = tmp_path / "tok.json"
     proc = hlbp(run, "fetch", sha[:12], "--light", "--initial-peers", run.maddr, "--out", str(out))
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout)
     assert result["sha256"] == sha and result["size"] == len(run.tokenizer) and out.read_bytes() == run.tokenizer
-    assert "hivemind" not in loaded(proc) and not list(tmp_path.glob("*.partial"))
+    assert not {"hivemind", "torch"} & loaded(proc) and not list(tmp_path.glob("*.partial"))
 
     missing = hlbp(run, "fetch", "0123456789ab", "--light", "--initial-peers", run.maddr, "--out", str(out))
     assert missing.returncode == 2 and "lists no artifact with hash 0123456789ab" in missing.stderr
