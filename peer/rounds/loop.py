@@ -189,6 +189,12 @@ class ReplicaBase(ABC):
             # a swarm restarted together publishes as each peer comes up: deciding before the other members of our
             # checkpoint's round did would sync a newer checkpoint back a round, or leave an older one behind
             self.syncer.await_members(self.state.round - 1, self.stop, RESUME_SYNC_ATTEMPTS, RESUME_SYNC_PAUSE_S)
+        # the round after the newest agreed state (or after our checkpoint's) may have closed just before the others
+        # stopped: its members come back holding its result, and publish it as they resume. Deciding before they
+        # did resumed the peers a round apart (one had applied that round before its stop, another not)
+        found = self.syncer.agreed_round()
+        after = max(found[0] + 1 if found is not None else 0, self.state.round if resumed else 0)
+        self.syncer.await_result(after, self.stop, RESUME_SYNC_ATTEMPTS, RESUME_SYNC_PAUSE_S)
         current = self.syncer.current(self.state) if self.state.in_sync else False  # saved out of sync: it syncs
         if current is None:
             return Start(StartKind.RESUMED if resumed else StartKind.FRESH)

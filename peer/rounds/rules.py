@@ -233,6 +233,15 @@ def behind_members(members: AbstractSet[str], checks: Sequence[ShardChecks], rou
     return {p for p in members if p != me and latest.get(p, -1) < round_}
 
 
+def result_unpublished(members: AbstractSet[str], checks: Sequence[ShardChecks], round_: int, me: str) -> bool:
+    """Whether round ``round_`` closed with members other than ``me`` (``members``: its accepted set's senders) and
+    none of them has published a state of that round or a later one (``checks``: each peer's latest record): its
+    result then exists only in the members' memory or checkpoints, as when a swarm stopped right after the round
+    closed comes back."""
+    others = set(members) - {me}
+    return bool(others) and behind_members(others, checks, round_, me) == others
+
+
 def member_checks(checks: Sequence[ShardChecks], round_: int, members: AbstractSet[str]) -> list[ShardChecks]:
     """The checksum records of round ``round_`` that count: those of its members. Votes from keys that were not
     members (unannounced, newly minted, or simply left out) never move the majority."""

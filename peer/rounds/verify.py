@@ -33,6 +33,7 @@ from hlbp.peer.rounds.rules import (
     behind_members,
     checkpoint_ahead,
     checks_settled,
+    result_unpublished,
     round_member_shards,
     vote_checks,
 )
@@ -204,6 +205,19 @@ class StateSync:
                 return
             if attempt == 0:
                 logger.info("waiting for %d members of round %d to come back before comparing states", len(waiting), r)
+            if stop.wait(pause_s):
+                return
+
+    def await_result(self, r: int, stop: Any, attempts: int, pause_s: float) -> None:
+        """Wait, at most ``attempts`` looks ``pause_s`` apart (or until ``stop`` is set), while round ``r`` closed and
+        none of its other members has published its result (:func:`~hlbp.peer.rounds.rules.result_unpublished`):
+        a peer starting beside members that are coming back with that result would otherwise take the older state
+        and redo the round they hold."""
+        for attempt in range(attempts):
+            if not result_unpublished(self.members(r) or {}, self.records.latest_checks(), r, self.me):
+                return
+            if attempt == 0:
+                logger.info("round %d closed and none of its members has published its result yet; waiting", r)
             if stop.wait(pause_s):
                 return
 

@@ -12,6 +12,7 @@ from hlbp.peer.rounds.rules import (
     holds_up,
     majority_checksums,
     pick_accepted,
+    result_unpublished,
     widen_for_late,
 )
 from hlbp.peer.rounds.statesync import shard_checksum
@@ -446,3 +447,17 @@ def test_a_checkpoint_newer_than_the_members_latest_agreed_round_is_kept() -> No
     assert checkpoint_ahead(5, 3) and checkpoint_ahead(5, 2)
     assert not checkpoint_ahead(5, 5) and not checkpoint_ahead(5, 9)
     assert not checkpoint_ahead(0, 0)  # a fresh peer is never ahead
+
+
+def test_a_closed_rounds_result_is_unpublished_until_one_of_its_other_members_publishes_it() -> None:
+    """Round 6 closed with c and d as members. Before either publishes a state of round 6 or later (their records
+    are of round 5, from before they stopped), a starting peer waits; once one of them does, it takes that. A round
+    with no member but the peer itself, or no known member, is not waited for."""
+    before = [ShardChecks("c", 5, {0: "a" * 64}), ShardChecks("d", 5, {0: "a" * 64})]
+    assert result_unpublished({"c", "d"}, before, 6, "me")
+    assert result_unpublished({"c", "d"}, before[:1], 6, "me")  # d has published nothing at all yet
+    after = [ShardChecks("c", 6, {0: "b" * 64}), ShardChecks("d", 5, {0: "a" * 64})]
+    assert not result_unpublished({"c", "d"}, after, 6, "me")
+    assert not result_unpublished({"c", "d"}, [ShardChecks("c", 9, {0: "b" * 64})], 6, "me")  # a later round's
+    assert not result_unpublished({"me"}, before, 6, "me") and not result_unpublished(set(), before, 6, "me")
+    assert result_unpublished({"c", "me"}, before, 6, "me")  # the peer's own membership waits for nothing of its own
