@@ -30,10 +30,10 @@ whose verdict came after the round's audits had published checksums of that stat
 
 A peer whose index withdraws its work of a round is not banned for it once: an honest peer does that after a resync
 replaced the state its phase trained from. Each withdrawal still costs its whole chain that round's work, so a peer
-that withdraws again and again would make its swarm's work worthless for good while looking honest. A second
-withdrawal within ``WITHDRAW_WINDOW`` rounds, as this coordinator's audits found them (:class:`Withdrawals`), bans it
-as undelivered work (the miss rule's two in eight rounds, :mod:`hlbp.peer.rounds.bans`): not as a liar, so its
-neighbours' work is not tainted, and its swarm's drivers route around it while the ban lasts.
+that withdraws again and again would make its swarm's work worthless for good while looking honest. When two of a
+peer's last ``WITHDRAW_AUDITS`` audits by this coordinator found its work taken back (:class:`Withdrawals`), it is
+banned as undelivered work (as the miss rule bans, :mod:`hlbp.peer.rounds.bans`): not as a liar, so its neighbours'
+work is not tainted, and its swarm's drivers route around it while the ban lasts.
 """
 
 from __future__ import annotations
@@ -83,26 +83,33 @@ class Convictions:
         return {p for p, (until, _) in self.until.items() if until > r}
 
 
-WITHDRAW_WINDOW = 8  # rounds: two withdrawals of a peer's work within this many, as audits found them, ban it
-MAX_WITHDRAWERS = 4096  # peers whose withdrawals are remembered
+WITHDRAW_AUDITS = 4  # a stage peer whose work two of its last this many audits here found taken back is banned
+MAX_WITHDRAWERS = 4096  # peers whose audits are remembered
 
 
 @dataclass
 class Withdrawals:
-    """The rounds whose work each stage peer withdrew, as this coordinator's audits found (``seen``: peer -> its
-    recent such rounds, oldest first; at most ``MAX_WITHDRAWERS`` peers, the least recent forgotten first)."""
+    """Each stage peer's latest audits by this coordinator, and whether each found its work taken back (``seen``:
+    peer -> (round, taken back) of its last ``WITHDRAW_AUDITS`` audits here since a peer first took work back; at
+    most ``MAX_WITHDRAWERS`` peers, the least recently audited forgotten first).
 
-    seen: dict[str, list[int]] = field(default_factory=dict)
+    Counted per audit, not per round: with many full replicas each audits a peer seldom, and a window of rounds
+    would let a peer take its work back every round without one coordinator seeing it twice."""
 
-    def withdrew(self, peer: str, r: int) -> bool:
-        """``peer`` took back its work of round ``r`` (its index withdrew it, or its own checksums disowned the state
-        it started from, :func:`disowned`); returns whether that is its second within ``WITHDRAW_WINDOW`` rounds,
-        which bans it. The rounds counted for a ban are then forgotten: a peer banned again needs two more."""
-        recent = [x for x in self.seen.pop(peer, []) if r - WITHDRAW_WINDOW < x < r] + [r]
+    seen: dict[str, list[tuple[int, bool]]] = field(default_factory=dict)
+
+    def audited(self, peer: str, r: int, taken_back: bool) -> bool:
+        """This coordinator audited ``peer``'s work of round ``r`` and found it ``taken_back`` (its index withdrew
+        it, or its own checksums disowned the state it started from, :func:`disowned`) or not; returns whether two
+        of its last ``WITHDRAW_AUDITS`` audits here found that, which bans it. Those audits then count no more: a
+        peer banned again needs two more."""
+        if not taken_back and peer not in self.seen:
+            return False  # nothing taken back to count against it
+        recent = ([x for x in self.seen.pop(peer, []) if x[0] != r] + [(r, taken_back)])[-WITHDRAW_AUDITS:]
         self.seen[peer] = recent
         while len(self.seen) > MAX_WITHDRAWERS:
             self.seen.pop(next(iter(self.seen)))
-        if len(recent) < 2:
+        if sum(back for _, back in recent) < 2:
             return False
         self.seen[peer] = []
         return True
@@ -206,10 +213,10 @@ class PipelineAudits:
                 unchecked.add(peer)
             for p, refusal in judge(found, s, liars, off).items():
                 refused.setdefault(p, refusal)
-            if (found.withdrawn or off) and self.withdrawals.withdrew(peer, r):
-                refused[peer] = Refusal(f"took back its work of round {r} (withdrawn or disowned) and of another "
-                                        f"round within the last {WITHDRAW_WINDOW}: its swarm's work is worthless "
-                                        "while it serves", ban=True, undelivered=True)
+            if self.withdrawals.audited(peer, r, found.withdrawn or off):
+                refused[peer] = Refusal(f"took back its work of round {r} (withdrawn or disowned), as in another of "
+                                        f"its last {WITHDRAW_AUDITS} audits here: its swarm's work is worthless while "
+                                        "it serves", ban=True, undelivered=True)
             # a peer that passed frames on in the chain without contributing is audited too: its lies reached the
             # work of the peers that did. Its stage is the one its own announcement names; the accused's transcript
             # only says where it stood, and a liar naming an honest peer at another stage would have it recomputed

@@ -1,14 +1,13 @@
 """What one stage peer's audit does to a round's contributions (``judge``, pure): a conviction bans the liar and
 leaves out its chain, a liar banned earlier taints who still trades frames with it, stale work leaves out its chain
 without a ban, and work that could not be checked is not taken unless its stage cannot be recomputed at all; a
-liar's whole chain of frame exchanges in the round is left out (``chain_of``), not its neighbours alone; a second
-withdrawal within the window bans (``Withdrawals``)."""
+liar's whole chain of frame exchanges in the round is left out (``chain_of``), not its neighbours alone; two of a
+peer's last four audits taking its work back ban it (``Withdrawals``)."""
 
 from __future__ import annotations
 
 from hlbp.peer.node.audits import (
     MAX_WITHDRAWERS,
-    WITHDRAW_WINDOW,
     Convictions,
     Withdrawals,
     chain_of,
@@ -84,24 +83,26 @@ def test_a_peer_disowns_its_state_only_by_a_checksum_of_the_phases_start_round_t
     assert len(asked) == 2  # the anchor's checksum is computed only for a record of the right round
 
 
-def test_a_second_withdrawal_within_the_window_bans_and_the_count_starts_again() -> None:
+def test_two_of_a_peers_last_four_audits_taking_its_work_back_ban_it_and_the_count_starts_again() -> None:
     w = Withdrawals()
-    assert not w.withdrew("p", 10)  # once: an honest peer resynced under its phase
-    assert not w.withdrew("q", 11)  # another peer's count is its own
-    assert w.withdrew("p", 10 + WITHDRAW_WINDOW - 1)  # twice within the window: banned
-    assert not w.withdrew("p", 10 + WITHDRAW_WINDOW)  # the rounds that banned it count no more
-    assert w.withdrew("p", 10 + WITHDRAW_WINDOW + 1)  # a ban again needs two more
-    assert not w.withdrew("q", 11 + WITHDRAW_WINDOW)  # its first withdrawal is out of the window by now
-    assert not w.withdrew("q", 11 + WITHDRAW_WINDOW)  # the same round found twice counts once
-    assert w.withdrew("q", 12 + WITHDRAW_WINDOW)
+    assert not w.audited("p", 10, True)  # once: an honest peer resynced under its phase
+    assert not w.audited("q", 11, True)  # another peer's count is its own
+    assert not w.audited("p", 10, True)  # the same round found twice counts once
+    assert w.audited("p", 40, True)  # twice in its last four audits here, however many rounds apart: banned
+    assert not w.audited("p", 41, True)  # the audits that banned it count no more
+    assert w.audited("p", 42, True)  # a ban again needs two more
+    for r in (12, 13, 14):  # clean audits push q's one withdrawal out of its last four
+        assert not w.audited("q", r, False)
+    assert not w.audited("q", 15, True) and w.audited("q", 16, True)
+    assert not w.audited("clean", 5, False) and "clean" not in w.seen  # a peer that never took work back
 
 
 def test_withdrawals_remember_a_bounded_number_of_peers_the_least_recent_forgotten() -> None:
     w = Withdrawals()
     for i in range(MAX_WITHDRAWERS + 1):
-        w.withdrew(f"p{i}", 5)
+        w.audited(f"p{i}", 5, True)
     assert len(w.seen) == MAX_WITHDRAWERS and "p0" not in w.seen
-    assert not w.withdrew("p0", 6) and w.withdrew(f"p{MAX_WITHDRAWERS}", 6)
+    assert not w.audited("p0", 6, True) and w.audited(f"p{MAX_WITHDRAWERS}", 6, True)
 
 
 def test_work_that_could_not_be_checked_is_not_taken_on_any_stage() -> None:

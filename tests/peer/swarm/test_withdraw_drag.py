@@ -5,7 +5,7 @@ replicas and a 2-stage swarm whose only stage-1 peer at first serves indexes tha
 Withdrawing is what an honest peer does once after a resync, so one withdrawal bans nobody; but each costs the
 whole chain its round's work, and a peer that did it every round would keep its swarm's work out of the run for good
 while nothing convicts it. What must hold: the coordinators' audits find its work withdrawn and convict nobody; a
-coordinator that finds it withdrawn a second time within eight rounds bans it, as undelivered work (the ban travels
+coordinator whose audits find it withdrawn twice (of its last four there) bans it, as undelivered work (the ban travels
 marked so: the driver's work is not tainted by it); each round it withdrew, the driver's contribution is left out
 and named dropped in the accepted set, so the driver takes that phase out of its error feedback; the driver then
 routes around it, to an honest stage-1 peer that joined after the first withdrawal was found, and the swarm's work
