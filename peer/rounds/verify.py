@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import random
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -199,25 +199,26 @@ class StateSync:
         """Wait, at most ``attempts`` looks ``pause_s`` apart (or until ``stop`` is set), until every other member
         of round ``r`` has published checksums of round r or later: before a resumed peer compares its state with
         the others', the members that may be restarting beside it show whether a newer state exists."""
-        for attempt in range(attempts):
-            waiting = behind_members(self.members(r) or {}, self.records.latest_checks(), r, self.me)
-            if not waiting:
-                return
-            if attempt == 0:
-                logger.info("waiting for %d members of round %d to come back before comparing states", len(waiting), r)
-            if stop.wait(pause_s):
-                return
+        self._await(r, lambda members, checks: bool(behind_members(members, checks, r, self.me)), stop, attempts,
+                    pause_s, "waiting for the members of round %d to come back before comparing states")
 
     def await_result(self, r: int, stop: Any, attempts: int, pause_s: float) -> None:
         """Wait, at most ``attempts`` looks ``pause_s`` apart (or until ``stop`` is set), while round ``r`` closed and
         none of its other members has published its result (:func:`~hlbp.peer.rounds.rules.result_unpublished`):
         a peer starting beside members that are coming back with that result would otherwise take the older state
         and redo the round they hold."""
+        self._await(r, lambda members, checks: result_unpublished(members, checks, r, self.me), stop, attempts,
+                    pause_s, "round %d closed and none of its members has published its result yet; waiting")
+
+    def _await(self, r: int, waiting: Callable[[AbstractSet[str], list[ShardChecks]], bool], stop: Any,
+               attempts: int, pause_s: float, note: str) -> None:
+        """Look at round ``r``'s members and every peer's latest checksums up to ``attempts`` times, ``pause_s``
+        apart, while ``waiting(members, checks)`` says so (logging ``note`` once), or until ``stop`` is set."""
         for attempt in range(attempts):
-            if not result_unpublished(self.members(r) or {}, self.records.latest_checks(), r, self.me):
+            if not waiting(set(self.members(r) or {}), self.records.latest_checks()):
                 return
             if attempt == 0:
-                logger.info("round %d closed and none of its members has published its result yet; waiting", r)
+                logger.info(note, r)
             if stop.wait(pause_s):
                 return
 
