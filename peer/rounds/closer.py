@@ -32,6 +32,7 @@ from hlbp.peer.rounds.rules import (
     adapt_window,
     close_verdict,
     complete,
+    dropped_named,
     holds_up,
     pick_accepted,
     set_counts,
@@ -45,6 +46,7 @@ from hlbp.protocol import ProtocolError
 from hlbp.protocol.roundwire import (
     KIND_ACCEPTED,
     KIND_CONTRIB,
+    MAX_MEMBERS,
     AcceptedSet,
     ContribNotice,
     parse_accepted,
@@ -393,7 +395,7 @@ class Closer:
         saw) and the live peers; with a committee, passed to its seats with the members' notices instead, and the
         seats relay it on."""
         members = tuple((s, n.tokens, n.digests) for s, n in sorted(admitted.items()))
-        dropped = tuple(sorted(self.admission.dropped(r) - set(admitted)))
+        dropped = dropped_named(self.admission.dropped(r), set(admitted), MAX_MEMBERS)
         chosen = AcceptedSet(self.me, r, members, self.bans.travelling(r), self.bans.travelling_missed(r), dropped)
         key, body = round_key(self.cfg.run_id, r, KIND_ACCEPTED), chosen.to_body(self.cfg.run_id)
         if seats:

@@ -242,6 +242,14 @@ def result_unpublished(members: AbstractSet[str], checks: Sequence[ShardChecks],
     return bool(others) and behind_members(others, checks, round_, me) == others
 
 
+def dropped_named(dropped: AbstractSet[str], members: AbstractSet[str], limit: int) -> tuple[str, ...]:
+    """The contributors an accepted set names as dropped (``AcceptedSet.dropped``): ``dropped`` that are no
+    ``members``, sorted, and no more than the ``limit`` ids a set may name less its members (a set that names more
+    is too large to be read anywhere, and its round would close only by a takeover). Those past the bound keep the
+    phase in their error feedback, as before the list existed."""
+    return tuple(sorted(set(dropped) - set(members)))[:max(0, limit - len(members))]
+
+
 def member_checks(checks: Sequence[ShardChecks], round_: int, members: AbstractSet[str]) -> list[ShardChecks]:
     """The checksum records of round ``round_`` that count: those of its members. Votes from keys that were not
     members (unannounced, newly minted, or simply left out) never move the majority."""

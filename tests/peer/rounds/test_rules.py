@@ -9,6 +9,7 @@ from hlbp.peer.rounds.rules import (
     checks_settled,
     coordinator_order,
     coordinator_ranking,
+    dropped_named,
     holds_up,
     majority_checksums,
     pick_accepted,
@@ -461,3 +462,9 @@ def test_a_closed_rounds_result_is_unpublished_until_one_of_its_other_members_pu
     assert not result_unpublished({"c", "d"}, [ShardChecks("c", 9, {0: "b" * 64})], 6, "me")  # a later round's
     assert not result_unpublished({"me"}, before, 6, "me") and not result_unpublished(set(), before, 6, "me")
     assert result_unpublished({"c", "me"}, before, 6, "me")  # the peer's own membership waits for nothing of its own
+
+
+def test_a_set_names_as_dropped_only_non_members_sorted_and_no_more_than_its_members_leave_room_for() -> None:
+    assert dropped_named({"c", "a", "m"}, {"m"}, 256) == ("a", "c")  # a member is never named dropped
+    assert dropped_named({"c", "b", "a"}, {"m", "n"}, 4) == ("a", "b")  # 2 members leave room for 2 of 4 ids
+    assert dropped_named({"a"}, {f"p{i}" for i in range(5)}, 4) == ()  # no room: nobody named, the set stays readable
