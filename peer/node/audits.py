@@ -31,9 +31,9 @@ whose verdict came after the round's audits had published checksums of that stat
 A peer whose index withdraws its work of a round is not banned for it once: an honest peer does that after a resync
 replaced the state its phase trained from. Each withdrawal still costs its whole chain that round's work, so a peer
 that withdraws again and again would make its swarm's work worthless for good while looking honest. When two of a
-peer's last ``WITHDRAW_AUDITS`` audits by this coordinator found its work taken back (:class:`Withdrawals`), it is
-banned as undelivered work (as the miss rule bans, :mod:`hlbp.peer.rounds.bans`): not as a liar, so its neighbours'
-work is not tainted, and its swarm's drivers route around it while the ban lasts.
+peer's last ``WITHDRAW_AUDITS`` audits by this coordinator found its work taken back, in rounds not adjacent
+(:class:`Withdrawals`), it is banned as undelivered work (as the miss rule bans, :mod:`hlbp.peer.rounds.bans`): not
+as a liar, so its neighbours' work is not tainted, and its swarm's drivers route around it while the ban lasts.
 """
 
 from __future__ import annotations
@@ -101,15 +101,18 @@ class Withdrawals:
     def audited(self, peer: str, r: int, taken_back: bool) -> bool:
         """This coordinator audited ``peer``'s work of round ``r`` and found it ``taken_back`` (its index withdrew
         it, or its own checksums disowned the state it started from, :func:`disowned`) or not; returns whether two
-        of its last ``WITHDRAW_AUDITS`` audits here found that, which bans it. Those audits then count no more: a
-        peer banned again needs two more."""
+        of its last ``WITHDRAW_AUDITS`` audits here found that for rounds at least two apart, which bans it. Those
+        audits then count no more: a peer banned again needs two more. Two adjacent rounds are one incident: an
+        honest peer's resync takes back the phase it spoils and the one it then sits out (both audited here when
+        this coordinator closes both rounds)."""
         if not taken_back and peer not in self.seen:
             return False  # nothing taken back to count against it
         recent = ([x for x in self.seen.pop(peer, []) if x[0] != r] + [(r, taken_back)])[-WITHDRAW_AUDITS:]
         self.seen[peer] = recent
         while len(self.seen) > MAX_WITHDRAWERS:
             self.seen.pop(next(iter(self.seen)))
-        if sum(back for _, back in recent) < 2:
+        backs = [x for x, back in recent if back]
+        if len(backs) < 2 or max(backs) - min(backs) < 2:
             return False
         self.seen[peer] = []
         return True

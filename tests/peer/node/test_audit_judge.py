@@ -90,10 +90,11 @@ def test_two_of_a_peers_last_four_audits_taking_its_work_back_ban_it_and_the_cou
     assert not w.audited("p", 10, True)  # the same round found twice counts once
     assert w.audited("p", 40, True)  # twice in its last four audits here, however many rounds apart: banned
     assert not w.audited("p", 41, True)  # the audits that banned it count no more
-    assert w.audited("p", 42, True)  # a ban again needs two more
+    assert not w.audited("p", 42, True)  # adjacent rounds are one incident: an honest resync takes back two
+    assert w.audited("p", 43, True)  # a third round in a row is a second
     for r in (12, 13, 14):  # clean audits push q's one withdrawal out of its last four
         assert not w.audited("q", r, False)
-    assert not w.audited("q", 15, True) and w.audited("q", 16, True)
+    assert not w.audited("q", 15, True) and w.audited("q", 17, True)
     assert not w.audited("clean", 5, False) and "clean" not in w.seen  # a peer that never took work back
 
 
@@ -102,7 +103,7 @@ def test_withdrawals_remember_a_bounded_number_of_peers_the_least_recent_forgott
     for i in range(MAX_WITHDRAWERS + 1):
         w.audited(f"p{i}", 5, True)
     assert len(w.seen) == MAX_WITHDRAWERS and "p0" not in w.seen
-    assert not w.audited("p0", 6, True) and w.audited(f"p{MAX_WITHDRAWERS}", 6, True)
+    assert not w.audited("p0", 7, True) and w.audited(f"p{MAX_WITHDRAWERS}", 7, True)
 
 
 def test_work_that_could_not_be_checked_is_not_taken_on_any_stage() -> None:
