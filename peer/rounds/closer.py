@@ -287,7 +287,7 @@ class Closer:
         first_seen: float | None = None
         held: float | None = None  # when a set counted while a member's notice was still unread here
         arrivals: dict[str, float] = {}
-        give_up = time.monotonic() + self.cfg.max_deadline_s + 30 * self.cfg.takeover_s
+        give_up = time.monotonic() + self.cfg.longest_open_s()
         seats = self.seats(r)
         # a count of 0 means the announcements could not be read: wait out the window rather than close on the first
         # (with a committee only its seats need them)

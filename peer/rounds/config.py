@@ -52,6 +52,11 @@ class RoundConfig:
     # feedback is OuterConfig.ef_dir): "" in memory, else in files under this directory (hlbp.peer.common.spill)
     state_dir: str = ""
 
+    def longest_open_s(self) -> float:
+        """How long a round can stay open: the longest window and 30 coordinators' takeovers past it. A closer gives
+        up waiting for the round's accepted set after this, so a round that has not closed by then never will."""
+        return self.max_deadline_s + 30 * self.takeover_s
+
     def admits(self, peer_id: str) -> bool:
         """Whether ``peer_id``'s round records count in this run (the manifest's allow-list)."""
         return not self.allowed_peers or peer_id in self.allowed_peers
