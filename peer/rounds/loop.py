@@ -189,6 +189,9 @@ class ReplicaBase(ABC):
             # a swarm restarted together publishes as each peer comes up: deciding before the other members of our
             # checkpoint's round did would sync a newer checkpoint back a round, or leave an older one behind
             self.syncer.await_members(self.state.round - 1, self.stop, RESUME_SYNC_ATTEMPTS, RESUME_SYNC_PAUSE_S)
+            # our checkpoint may hold a round whose accepted set never reached the others (we stopped as we closed
+            # it): while they are still closing that round, resuming ours would run the next rounds alone
+            self.syncer.await_closing(self.state.round, self.stop, RESUME_SYNC_PAUSE_S)
         # the round after the newest agreed state (or after our checkpoint's) may have closed just before the others
         # stopped: its members come back holding its result, and publish it as they resume. Deciding before they
         # did resumed the peers a round apart (one had applied that round before its stop, another not)

@@ -242,6 +242,16 @@ def result_unpublished(members: AbstractSet[str], checks: Sequence[ShardChecks],
     return bool(others) and behind_members(others, checks, round_, me) == others
 
 
+def result_pending(next_round: int, latest_agreed: int, closing: AbstractSet[str], me: str) -> bool:
+    """Whether a resumed checkpoint whose next round is ``next_round`` must wait for the others before it counts as
+    the newest state: it holds the result of round ``next_round - 1``, the newest state the members agreed on is of
+    the round before (``latest_agreed``), and members of that agreed round other than ``me`` announced contributions
+    to ``next_round - 1`` (``closing``), so they are still closing it. The set this peer applied may never have
+    reached them (it stopped as it closed the round), and the result they take may differ from ours; resuming ours
+    at once ran rounds alone, a round ahead of everybody."""
+    return next_round == latest_agreed + 2 and bool(set(closing) - {me})
+
+
 def dropped_named(dropped: AbstractSet[str], members: AbstractSet[str], limit: int) -> tuple[str, ...]:
     """The contributors an accepted set names as dropped (``AcceptedSet.dropped``): ``dropped`` that are no
     ``members``, sorted, and no more than the ``limit`` ids a set may name less its members (a set that names more

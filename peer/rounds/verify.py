@@ -15,6 +15,7 @@ their checksums to each other (:mod:`hlbp.peer.rounds.inbox`), so the wait usual
 
 from __future__ import annotations
 
+import itertools
 import logging
 import random
 import time
@@ -33,6 +34,7 @@ from hlbp.peer.rounds.rules import (
     behind_members,
     checkpoint_ahead,
     checks_settled,
+    result_pending,
     result_unpublished,
     round_member_shards,
     vote_checks,
@@ -183,6 +185,33 @@ class StateSync:
             if votes.checks:
                 return r, votes
         return None
+
+    def contributors(self, r: int) -> set[str]:
+        """The peers whose contribution notices of round ``r`` we can read (signed, of this run)."""
+        key = round_key(self.cfg.run_id, r, KIND_CONTRIB)
+        (raw,) = self.records.read(key)
+        return {n.sender for n in self.records.records(key, parse_contrib, raw, round_=r)}
+
+    def await_closing(self, next_round: int, stop: Any, pause_s: float) -> None:
+        """Wait, looking every ``pause_s`` (or until ``stop`` is set), while a resumed checkpoint whose next round is
+        ``next_round`` holds a round the members of the newest agreed state are still closing
+        (:func:`~hlbp.peer.rounds.rules.result_pending`), and at most as long as a round can stay open: once they
+        publish its result, :meth:`current` compares ours with theirs. Only members of the agreed round count, so
+        notices under throwaway keys hold nobody up."""
+        deadline = time.monotonic() + self.cfg.longest_open_s()
+        for attempt in itertools.count():
+            found = self.agreed_round()
+            if found is None:
+                return
+            latest, votes = found
+            closing = self.contributors(next_round - 1) & {c.peer for c in votes.checks}
+            if not result_pending(next_round, latest, closing, self.me):
+                return
+            if attempt == 0:
+                logger.info("members of round %d are still closing round %d, which our checkpoint holds; waiting "
+                            "for their result before resuming", latest, next_round - 1)
+            if time.monotonic() >= deadline or stop.wait(pause_s):
+                return
 
     def members(self, r: int) -> dict[str, frozenset[int]] | None:
         """The members of round ``r`` and the shards each contributed, as its records (or a checkpoint's evidence,

@@ -13,6 +13,7 @@ from hlbp.peer.rounds.rules import (
     holds_up,
     majority_checksums,
     pick_accepted,
+    result_pending,
     result_unpublished,
     widen_for_late,
 )
@@ -462,6 +463,19 @@ def test_a_closed_rounds_result_is_unpublished_until_one_of_its_other_members_pu
     assert not result_unpublished({"c", "d"}, [ShardChecks("c", 9, {0: "b" * 64})], 6, "me")  # a later round's
     assert not result_unpublished({"me"}, before, 6, "me") and not result_unpublished(set(), before, 6, "me")
     assert result_unpublished({"c", "me"}, before, 6, "me")  # the peer's own membership waits for nothing of its own
+
+
+def test_a_checkpoint_one_round_past_the_agreed_state_waits_while_that_rounds_members_are_closing_it() -> None:
+    """The members agreed on round 1; our checkpoint holds round 2 (next round 3) and peers of round 1 announced
+    contributions to round 2: they are closing it, so we wait for their result. Not when the checkpoint is the
+    agreed state's successor (next round 2: nothing of ours is unconfirmed), when it is further ahead (the others came
+    back from older checkpoints and sync from ours), or when nobody but us is closing the round."""
+    assert result_pending(3, 1, {"a", "b"}, "me")
+    assert result_pending(3, 1, {"a", "me"}, "me")
+    assert not result_pending(2, 1, {"a", "b"}, "me")
+    assert not result_pending(4, 1, {"a", "b"}, "me")
+    assert not result_pending(3, 2, {"a", "b"}, "me")  # they published round 2: compare, do not wait
+    assert not result_pending(3, 1, {"me"}, "me") and not result_pending(3, 1, set(), "me")
 
 
 def test_a_set_names_as_dropped_only_non_members_sorted_and_no_more_than_its_members_leave_room_for() -> None:
