@@ -28,7 +28,7 @@ from hlbp.peer.net.transport import PUSH_RATE, STATE_RATE
 from hlbp.peer.rounds.outer import Contribution
 
 
-class _Delegate:
+class Delegate:
     """Wraps a part of the round loop: every attribute not overridden is the wrapped part's."""
 
     def __init__(self, inner: Any) -> None:
@@ -38,7 +38,7 @@ class _Delegate:
         return getattr(self.inner, name)
 
 
-class SlowTrainer(_Delegate):
+class SlowTrainer(Delegate):
     """A straggler: sleeps after every inner step."""
 
     def __init__(self, inner: Any, seconds: float) -> None:
@@ -51,7 +51,7 @@ class SlowTrainer(_Delegate):
         return out
 
 
-class CorruptEncoder(_Delegate):
+class CorruptEncoder(Delegate):
     """Serves bytes that match its signed digest but do not decode (everything after the first 64 flipped)."""
 
     def encode(self, r: int, s: int, c: Contribution) -> bytes:
@@ -59,7 +59,7 @@ class CorruptEncoder(_Delegate):
         return blob[:64] + bytes(b ^ 0x5A for b in blob[64:])
 
 
-class OversizeEncoder(_Delegate):
+class OversizeEncoder(Delegate):
     """Announces and serves a payload one byte above the receivers' limit."""
 
     def encode(self, r: int, s: int, c: Contribution) -> bytes:
@@ -67,7 +67,7 @@ class OversizeEncoder(_Delegate):
         return blob + bytes(self.inner.limits[s] + 1 - len(blob))
 
 
-class RewriteEncoder(_Delegate):
+class RewriteEncoder(Delegate):
     """A well-formed, finite lie: each sparse tensor rewritten before encoding, so the payload decodes cleanly
     (our own error feedback keeps the true contribution)."""
 
@@ -91,7 +91,7 @@ def scaled(factor: float) -> Callable[[Any], Any]:
     return rewrite
 
 
-class NearBoundEncoder(_Delegate):
+class NearBoundEncoder(Delegate):
     """A poisoner that stays under the bounds: every contribution sign-flipped and scaled to ``ratio`` times its
     shard's parameter norm (the guard refuses above ``max_contribution_ratio``, 8 by default)."""
 
@@ -123,7 +123,7 @@ def nan_table(t: Any) -> Any:
     return replace(t, table=torch.full((4,), float("nan")))
 
 
-class FreezingEncoder(_Delegate):
+class FreezingEncoder(Delegate):
     """Freezes its own process (SIGSTOP: alive, not answering) half a second after building its payload of round
     ``round``, so that others are fetching from it when the test acts."""
 
@@ -139,7 +139,7 @@ class FreezingEncoder(_Delegate):
         return blob
 
 
-class DyingSync(_Delegate):
+class DyingSync(Delegate):
     """Applies round ``round`` (its contribution accepted), stalls two seconds while the others fetch from it,
     then SIGKILLs itself before it publishes its checksums."""
 
@@ -155,7 +155,7 @@ class DyingSync(_Delegate):
         self.inner.publish(state, mine, to, sampled)
 
 
-class UsurpingCloser(_Delegate):
+class UsurpingCloser(Delegate):
     """Publishes its own accepted set of every round as soon as its exchange starts, whoever's turn it is: one
     holding only its own contribution, or (``empty``) none at all; then closes the round as an honest peer would."""
 
@@ -177,7 +177,7 @@ class UsurpingCloser(_Delegate):
         return self.inner.close(r)
 
 
-class SybilChecks(_Delegate):
+class SybilChecks(Delegate):
     """After every round, serves a poisoned state (the agreed parameters plus noise) and publishes its checksums
     under its own key and under ``keys`` throwaway keys that never announced or contributed: a majority of
     checksum records for a state only it serves."""
@@ -209,7 +209,7 @@ class SybilChecks(_Delegate):
         print(f"sybil checksums for round {mine.round}", flush=True)
 
 
-class FakeNotices(_Delegate):
+class FakeNotices(Delegate):
     """With each of its own contribution notices, stores notices of the same round under ``keys`` throwaway keys
     (the same keys every round) for payloads that exist nowhere: contributions announced and never delivered."""
 
@@ -318,7 +318,7 @@ class Flood:
                   f"state requests {self.served} served, {self.refused} refused", flush=True)
 
 
-class LyingPartner(_Delegate):
+class LyingPartner(Delegate):
     """A NoLoCo replica whose messages are poison within the protocol: its progress scaled by ``factor`` and, with
     ``weights``, its outer weights too (finite, well-formed, the right shapes)."""
 
