@@ -21,18 +21,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-
-class _Delegate:
-    """Wraps a part of the round loop: every attribute not overridden is the wrapped part's."""
-
-    def __init__(self, inner: Any) -> None:
-        self.inner = inner
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
+from faulty_peer import Delegate
 
 
-class SecretCloser(_Delegate):
+class SecretCloser(Delegate):
     """Closes each round from ``start`` on with an unseen set of its own contribution alone, until one counts (its
     turn came first): then that round is the one it stops after."""
 
@@ -63,7 +55,7 @@ class SecretCloser(_Delegate):
         return accepted
 
 
-class StoppingSync(_Delegate):
+class StoppingSync(Delegate):
     """Stops the peer (SIGTERM) instead of publishing its checksums of the round it closed in secret."""
 
     def __init__(self, inner: Any, closer: SecretCloser) -> None:
@@ -78,7 +70,7 @@ class StoppingSync(_Delegate):
         self.inner.publish(state, mine, to, sampled)
 
 
-class ProoflessCheckpoints(_Delegate):
+class ProoflessCheckpoints(Delegate):
     """Saves checkpoints without the proof of the secret round's set (what a peer stopped mid-close may lack)."""
 
     def __init__(self, inner: Any, closer: SecretCloser) -> None:
