@@ -149,12 +149,27 @@ class ShardChecks:
     # shard -> (dot with a fixed sign pattern, L2 norm) in float64: dense all-reduce leaves replicas equal only up to
     # float rounding, so a dense run compares these with a tolerance where a sparse run compares exact checksums
     fingerprints: dict[int, tuple[float, float]] = field(default_factory=dict)
+    # the same peer's checksums after the round before (empty: none published, or not carried): a peer's record
+    # holds its latest round only, so a member verifying round r late, after the others published r + 1, still
+    # reads their votes on r here instead of finding only its own
+    previous: dict[int, str] = field(default_factory=dict)
 
     def to_body(self, run_id: str) -> dict[str, Any]:
         body = {"run": run_id, "round": self.round, "checksums": _keys(self.checksums)}
         if self.fingerprints:
             body["fingerprints"] = {str(k): [float(a), float(b)] for k, (a, b) in self.fingerprints.items()}
+        if self.previous:
+            body["previous"] = _keys(self.previous)
         return body
+
+    def as_of(self, round_: int) -> ShardChecks | None:
+        """This record's vote on round ``round_``: itself when it is of that round, its ``previous`` checksums when
+        it is of the round after, else None."""
+        if self.round == round_:
+            return self
+        if self.round == round_ + 1 and self.previous:
+            return ShardChecks(self.peer, round_, dict(self.previous))
+        return None
 
 
 def sign(kind: str, body: dict[str, Any], identity: Identity) -> bytes:
@@ -244,4 +259,8 @@ def parse_checks(data: Any, signer: str, run_id: str) -> ShardChecks:
                 or not all(isinstance(v, float) and math.isfinite(v) for v in value) or value[1] < 0):
             raise ProtocolError(f"checks fingerprint of shard {shard} must be [dot, norm >= 0], finite floats")
         fingerprints[shard] = (value[0], value[1])
-    return ShardChecks(signer, _round(body, None), checksums, fingerprints)
+    previous = _digests(body.get("previous", {}), "previous checksums")  # absent in older peers' records
+    r = _round(body, None)
+    if previous and r == 0:
+        raise ProtocolError("checks of round 0 cannot carry a previous round's")
+    return ShardChecks(signer, r, checksums, fingerprints, previous)

@@ -33,6 +33,31 @@ def test_round_trips():
     assert parse_checks(sign(KIND_CHECKS, c.to_body("run"), ME), ME.peer_id, "run") == c
 
 
+def test_checks_carry_the_round_before_and_vote_on_it_for_a_late_reader():
+    c = ShardChecks(ME.peer_id, 6, {0: D, 1: D}, previous={0: "cd" * 32, 1: D})
+    parsed = parse_checks(sign(KIND_CHECKS, c.to_body("run"), ME), ME.peer_id, "run")
+    assert parsed == c
+    assert parsed.as_of(6) is parsed
+    assert parsed.as_of(5) == ShardChecks(ME.peer_id, 5, {0: "cd" * 32, 1: D})
+    assert parsed.as_of(4) is None and parsed.as_of(7) is None
+    plain = ShardChecks(ME.peer_id, 6, {0: D})
+    assert "previous" not in plain.to_body("run")  # the bytes an older peer signs and expects
+    assert plain.as_of(5) is None  # a record without the round before votes on its own round only
+
+
+@pytest.mark.parametrize(("previous", "round_", "match"), [
+    ({"0": "zz" * 32}, 6, "previous checksums: shard 0 digest is not 64 hex digits"),
+    ({"01": D}, 6, "previous checksums: bad shard index"),
+    ([D], 6, "previous checksums must map at most 256 shards"),
+    ({str(i): D for i in range(257)}, 6, "previous checksums"),
+    ({"0": D}, 0, "checks of round 0 cannot carry a previous round's"),
+])
+def test_malformed_previous_checksums_are_refused(previous, round_, match):
+    body = {"run": "run", "round": round_, "checksums": {"0": D}, "previous": previous}
+    with pytest.raises(ProtocolError, match=match):
+        parse_checks(sign(KIND_CHECKS, body, ME), ME.peer_id, "run")
+
+
 def test_a_notice_says_when_its_sender_cannot_be_dialled_and_a_dialable_one_is_unchanged():
     behind_nat = ContribNotice(ME.peer_id, 5, 1, {0: D}, {0: 10}, dialable=False)
     assert parse_contrib(sign(KIND_CONTRIB, behind_nat.to_body("run"), ME), ME.peer_id, "run", 5) == behind_nat
