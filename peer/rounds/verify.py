@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from typing import Any
 
 from hlbp.peer.net.transport import TransportError
@@ -91,8 +92,9 @@ def wait_for_checks(records: RoundRecords, r: int, members: Mapping[str, Abstrac
     while True:
         raw_checks, raw_peers = records.poller.entries(checks_key(run), peers_key(run))
         latest = records.records(checks_key(run), parse_checks, raw_checks)
-        checks = [c for c in latest if c.round == r]
-        moved_on = {c.peer for c in latest if c.round > r}  # their round-r records are gone: none will come
+        # a member that published round r + 1 since votes on r with the checksums its record carries from r
+        checks = [vote for c in latest if (vote := c.as_of(r)) is not None]
+        moved_on = {c.peer for c in latest if c.round > r}  # no round-r record of theirs will come
         online = online_members(raw_peers, run, get_dht_time(), records.me, set(members))
         if (checks_settled(checks, mine, members, online, moved_on, n_shards) or time.monotonic() >= deadline
                 or records.stop.is_set()):
@@ -134,6 +136,7 @@ class StateSync:
         # only a round's members vote on its state (rounds with accepted sets); the dense baseline's all-reduce
         # publishes no accepted set, so there every checksum record of the round counts
         self.member_votes = member_votes
+        self.last_published: ShardChecks | None = None  # our latest published checksums, carried in the next
 
     def checks(self, state: ReplicaState, r: int) -> ShardChecks:
         """Our checksums (and fingerprints) of the held shards, as after round r."""
@@ -146,6 +149,9 @@ class StateSync:
         served for fetching (:func:`~hlbp.peer.rounds.records.checks_name`), and pushed to the round's members
         ``to`` as well as the live peers, unless the round's readers ``sampled`` them (a committee)."""
         r = mine.round
+        last, self.last_published = self.last_published, mine
+        if self.member_votes and last is not None and last.round == r - 1 and not mine.previous:
+            mine = replace(mine, previous=dict(last.checksums))  # for members verifying round r - 1 late
         for s in self.held:
             self.transport.put_lazy(state_name(r, s), ServedState(state.anchor, self.shards[s],
                                                                   state.outers[s].state_tensors()))
