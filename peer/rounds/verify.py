@@ -192,25 +192,32 @@ class StateSync:
                 return r, votes
         return None
 
-    def contributors(self, r: int) -> set[str]:
-        """The peers whose contribution notices of round ``r`` we can read (signed, of this run)."""
-        key = round_key(self.cfg.run_id, r, KIND_CONTRIB)
-        (raw,) = self.records.read(key)
-        return {n.sender for n in self.records.records(key, parse_contrib, raw, round_=r)}
+    def closing(self, r: int, members: AbstractSet[str]) -> set[str]:
+        """The ``members`` that announced contributions to round ``r`` (signed notices of this run) and are online
+        by their announcements, when those could be read: the peers that may still close round r. One that left or
+        died closes nothing, and a resumed peer does not wait for it."""
+        from hivemind.utils import get_dht_time
+
+        run = self.cfg.run_id
+        key = round_key(run, r, KIND_CONTRIB)
+        raw, peers = self.records.read(key, peers_key(run))
+        senders = {n.sender for n in self.records.records(key, parse_contrib, raw, round_=r)} & set(members)
+        online = online_members(peers, run, get_dht_time(), self.me, senders)
+        return senders if online is None else senders & online
 
     def await_closing(self, next_round: int, stop: Any, pause_s: float) -> None:
         """Wait, looking every ``pause_s`` (or until ``stop`` is set), while a resumed checkpoint whose next round is
         ``next_round`` holds a round the members of the newest agreed state are still closing
         (:func:`~hlbp.peer.rounds.rules.result_pending`), and at most as long as a round can stay open: once they
-        publish its result, :meth:`current` compares ours with theirs. Only members of the agreed round count, so
-        notices under throwaway keys hold nobody up."""
+        publish its result, :meth:`current` compares ours with theirs. Only members of the agreed round that are
+        online count (:meth:`closing`), so notices under throwaway keys, or of peers gone since, hold nobody up."""
         deadline = time.monotonic() + self.cfg.longest_open_s()
         for attempt in itertools.count():
             found = self.agreed_round()
             if found is None:
                 return
             latest, votes = found
-            closing = self.contributors(next_round - 1) & {c.peer for c in votes.checks}
+            closing = self.closing(next_round - 1, {c.peer for c in votes.checks})
             if not result_pending(next_round, latest, closing, self.me):
                 return
             if attempt == 0:
