@@ -217,6 +217,8 @@ class StateSync:
             if found is None:
                 return
             latest, votes = found
+            if next_round != latest + 2:
+                return  # not one round past the agreed state: no DHT read on an ordinary resume
             closing = self.closing(next_round - 1, {c.peer for c in votes.checks})
             if not result_pending(next_round, latest, closing, self.me):
                 return
