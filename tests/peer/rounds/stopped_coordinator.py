@@ -32,6 +32,9 @@ class SecretCloser(Delegate):
         super().__init__(inner)
         self.runner, self.start = runner, start
         self.secret_round: int | None = None
+        self.secret_keys: set[str] = set()  # the keys of the sets it kept to itself: never stored in the DHT
+        keep = runner.records.keep_store
+        runner.records.keep_store = lambda k: k not in self.secret_keys and keep(k)
 
     def close(self, r: int) -> Any:
         from hlbp.protocol.roundwire import KIND_ACCEPTED, AcceptedSet, round_key
@@ -43,11 +46,9 @@ class SecretCloser(Delegate):
         if mine is None:
             return self.inner.close(r)
         key = round_key(self.inner.cfg.run_id, r, KIND_ACCEPTED)
-        records = self.runner.records
-        keep = records.keep_store
-        records.keep_store = lambda k: k != key and keep(k)  # never to the DHT
+        self.secret_keys.add(key)
         body = AcceptedSet(self.inner.me, r, ((mine.sender, mine.tokens, mine.digests),)).to_body(self.inner.cfg.run_id)
-        records.store(key, body, KIND_ACCEPTED, only=frozenset())  # pushed to nobody: only our own inbox has it
+        self.runner.records.store(key, body, KIND_ACCEPTED, only=frozenset())  # pushed to nobody: our inbox only
         accepted = self.inner.close(r)
         if accepted is not None and accepted.coordinator == self.inner.me and len(accepted.members) == 1:
             self.secret_round = r
