@@ -48,7 +48,7 @@ from hlbp.peer.swarm.events import (
 )
 from hlbp.peer.swarm.links import Conn, StageLinks
 from hlbp.peer.swarm.routing import LatencyTracker
-from hlbp.peer.swarm.scoring import ChainScorer
+from hlbp.peer.swarm.scoring import ChainBroke, ChainScorer
 from hlbp.peer.swarm.server import max_body_bytes
 from hlbp.peer.swarm.step import (
     Abandon,
@@ -402,11 +402,15 @@ class Driver:
             raise self._abandon(step.mbs, Abandon.ALREADY_APPLIED, f"{event.peer[:12]}… {event.msg.reason}")
         return PeerFailed(event.peer)
 
+    def _failed(self, peer: str) -> None:
+        """``peer`` failed: counted, and banned from this driver's chains for a backoff."""
+        self.counters.failures += 1
+        seconds = self.chains.fail(peer)
+        logger.warning("stage peer %s failed; banned for %.0f s", peer[:12], seconds)
+
     def _reroute(self, step: StepState, failed: str) -> None:
         """A stage peer failed: ban it, choose another chain, re-run what went through the old one."""
-        self.counters.failures += 1
-        seconds = self.chains.fail(failed)
-        logger.warning("stage peer %s failed; banned for %.0f s", failed[:12], seconds)
+        self._failed(failed)
         if failed == self.peer_id:
             raise self._abandon(step.mbs, Abandon.NAMED_AS_FAILED, "this driver was named as failed")
         chain = self.chains.choose(step.mbs[0].y.numel(), step.give_up, self.peer_id)
@@ -450,7 +454,15 @@ class Driver:
         chain = self.chains.choose(batches[0][1].numel(), me=self.peer_id) if batches else None
         if chain is None:
             return None
-        return self.scorer.evaluate(chain, self.session, self.step_seq, batches, max(30.0, self.latency.deadline()))
+        return self._scored(self.scorer.evaluate(chain, self.session, self.step_seq, batches,
+                                                 max(30.0, self.latency.deadline())))
+
+    def _scored(self, outcome: float | ChainBroke | None) -> float | None:
+        """A scoring pass's loss; a chain that broke under it has its first peer banned (None)."""
+        if isinstance(outcome, ChainBroke):
+            self._failed(outcome.peer)
+            return None
+        return outcome
 
     def guard_loss(self, r: int, params: Mapping[str, torch.Tensor], batch: tuple[torch.Tensor, torch.Tensor],
                    timeout_s: float) -> float | None:
@@ -460,7 +472,8 @@ class Driver:
         :meth:`ChainScorer.guard` says."""
         if self._stepped_round != r or not self.chains.chain:
             return None
-        return self.scorer.guard(list(self.chains.chain), self.session, self.step_seq, r, params, batch, timeout_s)
+        return self._scored(self.scorer.guard(list(self.chains.chain), self.session, self.step_seq, r, params, batch,
+                                              timeout_s))
 
     def busy_fractions(self, wall_s: float) -> dict[str, float]:
         return {p: s / max(wall_s, 1e-9) for p, s in self.counters.busy_s.items()}

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -23,6 +24,15 @@ from hlbp.protocol.stagewire import Reason, StageMessage, encode_message, encode
 Batch = tuple[torch.Tensor, torch.Tensor]
 
 
+@dataclass(frozen=True)
+class ChainBroke:
+    """The stream to the chain's first ``peer`` closed while a pass was waiting for its answer: that peer failed
+    (died, or dropped us), and no answer will come. The driver bans it as it bans a peer that fails a step, so that
+    its next step goes to another chain at once instead of finding the dead peer again."""
+
+    peer: str
+
+
 class ChainScorer:
     """Scores batches through a chain for the driver that owns ``links`` and ``inbox``."""
 
@@ -31,8 +41,11 @@ class ChainScorer:
         self.worker, self.codec, self.vocab_size, self.links, self.inbox = worker, codec, vocab_size, links, inbox
 
     def evaluate(self, chain: Sequence[str], session: int, step: int, batches: Sequence[Batch],
-                 timeout_s: float) -> float | None:
-        """Token-weighted mean loss over ``batches`` through ``chain``; None if it could not finish."""
+                 timeout_s: float) -> float | ChainBroke | None:
+        """Token-weighted mean loss over ``batches`` through ``chain``; :class:`ChainBroke` as soon as the stream to
+        the chain's first peer closes (a peer that died mid-evaluation answers nothing: waiting out ``timeout_s``
+        kept a driver from its steps and rounds for that long); None if no answer came in time or it could not be
+        sent."""
         waiting: dict[int, int] = {}
         for i, (x, y) in enumerate(batches):
             out = self.worker.forward(i, 0, x, train=False)
@@ -46,7 +59,9 @@ class ChainScorer:
         total, count = 0.0, 0
         deadline = time.monotonic() + timeout_s
         while waiting and time.monotonic() < deadline:
-            event = self.inbox.get(timeout=0.5)
+            event = self.inbox.get(timeout=min(0.5, max(0.01, deadline - time.monotonic())))
+            if isinstance(event, StreamClosed) and event.conn.peer == chain[0]:
+                return ChainBroke(chain[0])
             if isinstance(event, Loss) and event.msg.session == session and event.msg.mb in waiting:
                 n = waiting.pop(event.msg.mb)
                 total += event.msg.loss * n
@@ -54,10 +69,10 @@ class ChainScorer:
         return total / count if not waiting and count else None
 
     def guard(self, chain: Sequence[str], session: int, step: int, r: int, params: Mapping[str, torch.Tensor],
-              batch: Batch, timeout_s: float) -> float | None:
+              batch: Batch, timeout_s: float) -> float | ChainBroke | None:
         """The loss of the guard ``batch`` through ``chain`` with every stage at round ``r``'s candidate result (this
-        stage's is ``params``); None when a stage of the chain answers that it holds no candidate, when the chain's
-        stream closes, or when no answer came within ``timeout_s``."""
+        stage's is ``params``); :class:`ChainBroke` when the chain's stream closes; None when a stage of the chain
+        answers that it holds no candidate, or when no answer came within ``timeout_s``."""
         x, y = batch
         out = self.worker.forward_at(params, x)
         data = self.codec.encode_forward(out, x, 0) + encode_tokens(x, y, self.vocab_size)
@@ -70,7 +85,7 @@ class ChainScorer:
         while time.monotonic() < deadline:
             event = self.inbox.get(timeout=min(0.5, max(0.01, deadline - time.monotonic())))
             if isinstance(event, StreamClosed) and event.conn.peer == chain[0]:
-                return None
+                return ChainBroke(chain[0])
             if isinstance(event, GuardLoss) and event.conn.peer == chain[0] and (event.msg.round, event.msg.mb) == (r, 0):
                 return None if event.msg.code == Reason.UNSCORED else event.msg.loss
         return None
