@@ -86,13 +86,19 @@ def test_sigkill_of_a_stage_peer_mid_round_with_a_standby(tmp_path: Path) -> Non
         step = sw.wait(lambda: _mid_round_step(driver, 1), "the driver two steps into round 2")
         victim = _serving(sw, ["sw0s1", "sw1s1"], step["chain"][0])
         standby = "sw1s1" if victim == "sw0s1" else "sw0s1"
-        killed_in = step["round"]  # the round the swarm was training when the kill landed
         sw.replicas[victim].proc.kill()  # main process, its DHT process and p2pd, as a spot instance dies
+        standby_id = sw.replicas[standby].proc.find(r"serving stage 1 as (\S+)")[0].group(1)
+        victim_id = step["chain"][0]
+        # the round the kill landed in: the one whose steps moved to the standby. On a loaded box the driver may
+        # finish the round it was seen in between that look and the kill; the dead peer then had only frames of the
+        # next round's first step, and the standby served that round from its start
+        took_over = sw.wait(lambda: next((s for s in driver.events("step") if s.get("chain") == [standby_id]
+                                          and s["step"] > step["step"]), None), "a step of the driver through the standby")
+        killed_in = took_over["round"]
+        assert killed_in >= step["round"]
         last = killed_in + 3
         sw.wait(lambda: all(_round(p.rounds(), last) for p in (full, sw.replicas[standby], driver)),
                 f"round {last} on the full replica, the standby and the driver")
-        standby_id = sw.replicas[standby].proc.find(r"serving stage 1 as (\S+)")[0].group(1)
-        victim_id = sw.replicas[victim].proc.find(r"serving stage 1 as (\S+)")[0].group(1)
         steps = [s for s in driver.events("step") if "chain" in s]
         logs = _logs(sw)
         alive = {n: r.proc.alive for n, r in sw.replicas.items()}
