@@ -22,6 +22,7 @@ from stage_parts import CONFIG, dense_codec, stage_workers, started_dhts
 from hlbp.peer.model.decoder import build_model, load_from_full
 from hlbp.peer.model.pipeline import initial_state
 from hlbp.peer.rounds import guard
+from hlbp.peer.sim.launcher import poll
 from hlbp.peer.swarm.driver import Driver, DriverConfig
 from hlbp.peer.swarm.guardslot import GuardSlot
 from hlbp.peer.swarm.routing import Candidate
@@ -119,6 +120,9 @@ def test_a_poisoned_candidate_moves_the_loss_past_the_guard(chain) -> None:
     poisoned = {n: -40.0 * t for n, t in _params(workers[1]).items()}
     out: list = []
     thread = _score_on_stage(slot, poisoned, 0.0, out)
+    # the stage holds it before the guard is sent: a guard of a round whose candidate the stage has already scored
+    # and let go is answered at once as unscored (a loaded box can start the thread after the guard arrives)
+    poll(lambda: slot.params(ROUND) is poisoned, 30.0, "the poisoned candidate held on the stage")
     loss = driver.guard_loss(ROUND, c0, batch, timeout_s=30.0)
     thread.join(timeout=60)
     print(f"guard loss: honest candidate {honest:.4f}, poisoned {loss:.4f}")
