@@ -16,8 +16,9 @@ stage queueing its AdamW step before it passes ``done`` on. Every answer goes up
 micro-batch's ``bwd`` on the stream of its ``fwd``, a step's ``done`` on the stream of its ``finish``, so peers
 above that feed this stage in one step each hear about their own micro-batches.
 
-Guard traffic (a round's candidate scored through the chain before it is committed) shares the streams and the
-compute thread; :class:`~hlbp.peer.swarm.guardrelay.GuardRelay` owns it.
+Guard traffic (a round's candidate scored through the chain before it is committed) and validation traffic share
+the streams and the compute thread; :class:`~hlbp.peer.swarm.guardrelay.GuardRelay` and
+:class:`~hlbp.peer.swarm.evalrelay.EvalRelay` own them.
 
 Failures: a downstream stream that closes with micro-batches still waiting for their backward, or a peer that
 cannot be dialled, becomes a ``fail`` naming that peer, sent upstream to the driver, which re-runs the step's
@@ -37,6 +38,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from hlbp.peer.model.codec import ActivationCodec
+from hlbp.peer.swarm.evalrelay import EvalRelay
 from hlbp.peer.swarm.gate import RoundGate
 from hlbp.peer.swarm.guardrelay import GuardRelay
 from hlbp.peer.swarm.guardslot import GuardSlot
@@ -125,9 +127,9 @@ class StageServer:
         self._step_round: int | None = None  # the outer round of the step under way, as its frames say
         self.ledger = StepLedger()  # what this stage said about the step under way, to check its end against
         self._pending: dict[tuple[int, int], Pending] = {}  # (mb, attempt) -> where it came from and went
-        self._eval_upstream: dict[tuple[int, int], Conn] = {}
         self.guard = GuardRelay(slot, worker, codec, vocab_size, lambda job: self._put(FORWARD, job), self._pass_on,
                                 self._count_eval)
+        self.evals = EvalRelay(worker, vocab_size, self._pass_on, self._count_eval, self._fail)
         self._warned: set[str] = set()
         self._stop = threading.Event()
         self.links = StageLinks(dht, self._on_message, self._on_closed, self._on_bad, self._may_call,
@@ -197,9 +199,7 @@ class StageServer:
             self._put(APPLY, lambda: self._apply(msg))
             self._send_up(msg)
         elif msg.op == "loss":
-            up = self._eval_upstream.pop((msg.mb, msg.attempt), None)
-            if up is not None:
-                up.send(encode_message(msg))
+            self.evals.answered(msg)
         elif msg.op == "guard":
             self.guard.arrived(conn, msg, body)
         elif msg.op == "gloss":
@@ -291,7 +291,7 @@ class StageServer:
         if self.slot is not None and msg.op == "fwd":
             self.slot.served(msg.round)
         if msg.op == "eval":
-            self._eval(conn, msg, received, window, shape)
+            self.evals.run(conn, msg, received, window, shape)
             return
         new_step = (msg.session, msg.step) != (self.worker.session, self.worker.step)
         if self.gate is not None and new_step and not self.gate.enter(self.gate_timeout_s, msg.round):
@@ -328,20 +328,6 @@ class StageServer:
             self._fail(nxt, Reason.UNREACHABLE, str(exc))
             return
         down.send(sealed(self.notary, replace(msg, route=rest), data + window))
-
-    def _eval(self, conn: Conn, msg: StageMessage, received: Any, window: bytes,
-              shape: tuple[int, int]) -> None:
-        targets = decode_targets(window, shape, self.vocab_size)
-        self.counters.evals += 1
-        if self.is_last:
-            loss = self.worker.eval_loss(received.tensor, targets)
-            conn.send(encode_message(StageMessage("loss", session=msg.session, step=msg.step, mb=msg.mb,
-                                                  attempt=msg.attempt, loss=min(loss, 1e6))))
-            return
-        self._eval_upstream[(msg.mb, msg.attempt)] = conn
-        out = self.worker.forward(msg.mb, msg.attempt, received.tensor, train=False)
-        self._pass_on(msg, received, out, window,
-                      lambda exc: self._fail(msg.route[0], Reason.UNREACHABLE, str(exc)))
 
     def _count_eval(self) -> None:
         self.counters.evals += 1
