@@ -42,8 +42,9 @@ class GuardRelay:
         self.is_last = worker.stage.is_last
         self._queue, self._pass_on, self._counted = queue, pass_on, counted
         self._lock = threading.Lock()
-        # (round, mb) -> (where its gloss goes, the peer the guard was passed on to, whose gloss alone counts)
-        self._upstream: dict[tuple[int, int], tuple[Conn, str]] = {}
+        # (round, mb) -> (where its gloss goes, the peer the guard was passed on to, whose gloss alone counts, the
+        # guard itself)
+        self._upstream: dict[tuple[int, int], tuple[Conn, str, StageMessage]] = {}
 
     def arrived(self, conn: Conn, msg: StageMessage, body: bytes) -> None:
         """A guard from upstream: queued at once when its round's candidate is held under guard, else kept until it
@@ -68,15 +69,30 @@ class GuardRelay:
         on, from the peer it passed it to."""
         with self._lock:
             key = (msg.round, msg.mb)
-            up, down = self._upstream.get(key, (None, ""))
+            up, down, _guard = self._upstream.get(key, (None, "", None))
             if up is not None and down == conn.peer:
                 del self._upstream[key]
             else:
                 up = None
         if up is not None:
-            if self.slot is not None and msg.code != Reason.UNSCORED:
-                self.slot.record(msg.round, msg.mb, msg.loss)
+            if self.slot is not None:
+                if msg.code == Reason.UNSCORED:
+                    self.slot.unscored(msg.round)
+                else:
+                    self.slot.record(msg.round, msg.mb, msg.loss)
             up.send(encode_message(msg))
+
+    def closed(self, peer: str) -> None:
+        """The stream to ``peer`` closed: every guard passed to it is answered unscored, up its stream and to this
+        stage's slot, so that neither the driver nor this stage waits out its timeout for a loss that cannot come."""
+        with self._lock:
+            ended = {k: v for k, v in self._upstream.items() if v[1] == peer}
+            for k in ended:
+                del self._upstream[k]
+        for up, _down, msg in ended.values():
+            if self.slot is not None:
+                self.slot.unscored(msg.round)
+            self._unscored(up, msg)
 
     def _unscored(self, conn: Conn, msg: StageMessage) -> None:
         conn.send(encode_message(StageMessage("gloss", session=msg.session, step=msg.step, mb=msg.mb,
@@ -85,8 +101,9 @@ class GuardRelay:
     def _guard(self, conn: Conn, msg: StageMessage, body: bytes) -> None:
         """One guard micro-batch through this stage at its round's candidate: passed on down its route, or, on the
         last stage, scored, recorded and answered with a ``gloss``."""
-        assert self.slot is not None
-        params = self.slot.params(msg.round)
+        slot = self.slot
+        assert slot is not None
+        params = slot.params(msg.round)
         if params is None:  # decided meanwhile
             self._unscored(conn, msg)
             return
@@ -99,7 +116,7 @@ class GuardRelay:
         if self.is_last:
             loss = self.worker.eval_loss_at(params, received.tensor, targets)
             loss = min(loss, 1e6) if math.isfinite(loss) else 1e6  # a non-finite loss travels as the largest
-            self.slot.record(msg.round, msg.mb, loss)
+            slot.record(msg.round, msg.mb, loss)
             conn.send(encode_message(StageMessage("gloss", session=msg.session, step=msg.step, mb=msg.mb,
                                                   round=msg.round, loss=loss,
                                                   busy=(time.perf_counter() - start,))))
@@ -109,10 +126,13 @@ class GuardRelay:
         out = self.worker.forward_at(params, received.tensor)
         with self._lock:
             self._upstream = {k: v for k, v in self._upstream.items() if k[0] >= msg.round}
-            self._upstream[(msg.round, msg.mb)] = (conn, msg.route[0])
+            self._upstream[(msg.round, msg.mb)] = (conn, msg.route[0], msg)
 
         def unreachable(exc: ConnectionError) -> None:
             logger.info("the guard of round %d could not reach %s: %s", msg.round, msg.route[0][:12], exc)
+            with self._lock:
+                self._upstream.pop((msg.round, msg.mb), None)
+            slot.unscored(msg.round)
             self._unscored(conn, msg)
 
         self._pass_on(msg, received, out, window, unreachable)

@@ -55,6 +55,7 @@ class GuardSlot:
         self._held: list[tuple[int, Callable[[], None], Callable[[], None]]] = []  # (round, run, refuse)
         self._arrived: set[int] = set()  # rounds whose guard reached this stage, run or held
         self._losses: dict[int, float] = {}  # micro-batch -> loss, of the round under guard
+        self._unscored = False  # a guard of the round under guard was answered unscored: its losses cannot all come
         self._served: list[int] = []
 
     # --- the server's side ----------------------------------------------------------------------------------------
@@ -93,6 +94,14 @@ class GuardSlot:
                 self._losses.setdefault(mb, loss)
                 self._cond.notify_all()
 
+    def unscored(self, r: int) -> None:
+        """A guard of round ``r`` passed this stage on its way up answered unscored (a stage below holds no
+        candidate, or the chain broke below): that round's score waits no longer."""
+        with self._cond:
+            if r == self._round and self._params is not None:
+                self._unscored = True
+                self._cond.notify_all()
+
     # --- the round thread's side ----------------------------------------------------------------------------------
 
     def score(self, r: int, params: Mapping[str, torch.Tensor], count: int = 1, grace_s: float = GUARD_GRACE_S,
@@ -102,7 +111,7 @@ class GuardSlot:
         None when this stage served none of round r's steps (a standby: no guard comes its way), when no guard
         arrived within ``grace_s``, or when the losses did not come within ``timeout_s``."""
         with self._cond:
-            self._round, self._params, self._losses = r, params, {}
+            self._round, self._params, self._losses, self._unscored = r, params, {}, False
             ready = [run for rr, run, _ in self._held if rr == r]
             passed = [refuse for rr, _, refuse in self._held if rr < r]
             self._held = [h for h in self._held if h[0] > r]
@@ -130,7 +139,7 @@ class GuardSlot:
                 self._cond.wait(left)
             while len(self._losses) < count:
                 left = start + timeout_s - time.monotonic()
-                if left <= 0:
+                if left <= 0 or self._unscored:
                     return None
                 self._cond.wait(left)
             return sum(self._losses[mb] for mb in sorted(self._losses)[:count]) / count

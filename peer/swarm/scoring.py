@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from hlbp.peer.model.codec import ActivationCodec
-from hlbp.peer.swarm.events import EventQueue, GuardLoss, Loss, StreamClosed
+from hlbp.peer.swarm.events import EventQueue, FailReport, GuardLoss, Loss, StreamClosed
 from hlbp.peer.swarm.links import StageLinks
 from hlbp.peer.swarm.worker import StageWorker
 from hlbp.protocol.stagewire import Reason, StageMessage, encode_message, encode_tokens
@@ -26,9 +26,11 @@ Batch = tuple[torch.Tensor, torch.Tensor]
 
 @dataclass(frozen=True)
 class ChainBroke:
-    """The stream to the chain's first ``peer`` closed while a pass was waiting for its answer: that peer failed
-    (died, or dropped us), and no answer will come. The driver bans it as it bans a peer that fails a step, so that
-    its next step goes to another chain at once instead of finding the dead peer again."""
+    """``peer`` of the chain failed while a pass was waiting for its answer, and no answer will come: the stream to
+    the chain's first peer closed (it died, or dropped us), or a stage named a peer further down in a ``fail`` about
+    this pass (the stream to it closed, or it could not be dialled: :mod:`hlbp.peer.swarm.evalrelay`). The driver
+    bans it as it bans a peer that fails a step, so that its next step goes to another chain at once instead of
+    finding the dead peer again."""
 
     peer: str
 
@@ -42,8 +44,8 @@ class ChainScorer:
 
     def evaluate(self, chain: Sequence[str], session: int, step: int, batches: Sequence[Batch],
                  timeout_s: float) -> float | ChainBroke | None:
-        """Token-weighted mean loss over ``batches`` through ``chain``; :class:`ChainBroke` as soon as the stream to
-        the chain's first peer closes (a peer that died mid-evaluation answers nothing: waiting out ``timeout_s``
+        """Token-weighted mean loss over ``batches`` through ``chain``; :class:`ChainBroke` as soon as a peer of the
+        chain is known to have failed (a peer that died mid-evaluation answers nothing: waiting out ``timeout_s``
         kept a driver from its steps and rounds for that long); None if no answer came in time or it could not be
         sent."""
         waiting: dict[int, int] = {}
@@ -62,6 +64,8 @@ class ChainScorer:
             event = self.inbox.get(timeout=min(0.5, max(0.01, deadline - time.monotonic())))
             if isinstance(event, StreamClosed) and event.conn.peer == chain[0]:
                 return ChainBroke(chain[0])
+            if isinstance(event, FailReport) and event.belongs_to(session, step) and event.peer in chain:
+                return ChainBroke(event.peer)
             if isinstance(event, Loss) and event.msg.session == session and event.msg.mb in waiting:
                 n = waiting.pop(event.msg.mb)
                 total += event.msg.loss * n
@@ -72,7 +76,8 @@ class ChainScorer:
               batch: Batch, timeout_s: float) -> float | ChainBroke | None:
         """The loss of the guard ``batch`` through ``chain`` with every stage at round ``r``'s candidate result (this
         stage's is ``params``); :class:`ChainBroke` when the chain's stream closes; None when a stage of the chain
-        answers that it holds no candidate, or when no answer came within ``timeout_s``."""
+        answers that it holds no candidate or that the chain broke below it, or when no answer came within
+        ``timeout_s``."""
         x, y = batch
         out = self.worker.forward_at(params, x)
         data = self.codec.encode_forward(out, x, 0) + encode_tokens(x, y, self.vocab_size)

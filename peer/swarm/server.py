@@ -129,7 +129,7 @@ class StageServer:
         self._pending: dict[tuple[int, int], Pending] = {}  # (mb, attempt) -> where it came from and went
         self.guard = GuardRelay(slot, worker, codec, vocab_size, lambda job: self._put(FORWARD, job), self._pass_on,
                                 self._count_eval)
-        self.evals = EvalRelay(worker, vocab_size, self._pass_on, self._count_eval, self._fail)
+        self.evals = EvalRelay(worker, vocab_size, self._pass_on, self._count_eval)
         self._warned: set[str] = set()
         self._stop = threading.Event()
         self.links = StageLinks(dht, self._on_message, self._on_closed, self._on_bad, self._may_call,
@@ -199,17 +199,19 @@ class StageServer:
             self._put(APPLY, lambda: self._apply(msg))
             self._send_up(msg)
         elif msg.op == "loss":
-            self.evals.answered(msg)
+            self.evals.answered(conn, msg)
         elif msg.op == "guard":
             self.guard.arrived(conn, msg, body)
         elif msg.op == "gloss":
             self.guard.answered(conn, msg)
-        elif msg.op == "fail":
+        elif msg.op == "fail" and not self.evals.failed(conn, msg):
             self._send_up(msg)
 
     def _on_closed(self, conn: Conn) -> None:
         if not conn.dialled:
             return
+        self.evals.closed(conn.peer)
+        self.guard.closed(conn.peer)
         with self._lock:
             lost = [key for key, pending in self._pending.items() if pending.down == conn.peer]
         if lost:
