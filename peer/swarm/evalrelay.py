@@ -97,23 +97,24 @@ class EvalRelay:
         that peer (same session and step); the evaluation's other micro-batches through it end with it."""
         with self._lock:
             ended = self._take(lambda p: p.down == conn.peer and (p.session, p.step) == (msg.session, msg.step))
-        for up in ended:
-            up.send(encode_message(msg))
+        for passed in ended:
+            passed.up.send(encode_message(msg))
         return bool(ended)
 
     def closed(self, peer: str) -> None:
         """The stream to ``peer`` closed: every evaluation passed to it ends with a ``fail`` naming it."""
         with self._lock:
             ended = self._take(lambda p: p.down == peer)
-        for passed in ended.values():
+        for passed in ended:
             _fail_up(passed, Reason.STREAM_CLOSED, "the stream closed with an evaluation in flight")
 
-    def _take(self, which: Callable[[Passed], bool]) -> dict[Conn, Passed]:
-        """Drop the passed evaluations ``which`` selects (the lock held); one of them per stream they came down."""
+    def _take(self, which: Callable[[Passed], bool]) -> set[Passed]:
+        """Drop the passed evaluations ``which`` selects (the lock held); one of them per evaluation (stream it came
+        down, session and step), which is what a ``fail`` answers."""
         taken = {k: p for k, p in self._passed.items() if which(p)}
         for k in taken:
             del self._passed[k]
-        return {p.up: p for p in taken.values()}
+        return set(taken.values())
 
 
 def _fail_up(passed: Passed, code: Reason, reason: str) -> None:
