@@ -42,9 +42,9 @@ class GuardRelay:
         self.is_last = worker.stage.is_last
         self._queue, self._pass_on, self._counted = queue, pass_on, counted
         self._lock = threading.Lock()
-        # (round, mb) -> (where its gloss goes, the peer the guard was passed on to, whose gloss alone counts, the
-        # guard itself)
-        self._upstream: dict[tuple[int, int], tuple[Conn, str, StageMessage]] = {}
+        # (round, mb) -> (where its gloss goes, the guard as it came: the next peer of its route is the one it was
+        # passed on to, whose gloss alone counts)
+        self._upstream: dict[tuple[int, int], tuple[Conn, StageMessage]] = {}
 
     def arrived(self, conn: Conn, msg: StageMessage, body: bytes) -> None:
         """A guard from upstream: queued at once when its round's candidate is held under guard, else kept until it
@@ -69,30 +69,33 @@ class GuardRelay:
         on, from the peer it passed it to."""
         with self._lock:
             key = (msg.round, msg.mb)
-            up, down, _guard = self._upstream.get(key, (None, "", None))
-            if up is not None and down == conn.peer:
-                del self._upstream[key]
-            else:
-                up = None
-        if up is not None:
-            if self.slot is not None:
-                if msg.code == Reason.UNSCORED:
-                    self.slot.unscored(msg.round)
-                else:
-                    self.slot.record(msg.round, msg.mb, msg.loss)
-            up.send(encode_message(msg))
+            up, guard = self._upstream.get(key, (None, None))
+            if up is None or guard is None or guard.route[0] != conn.peer:
+                return
+            del self._upstream[key]
+        if msg.code == Reason.UNSCORED:
+            self._give_up(up, guard)
+            return
+        if self.slot is not None:
+            self.slot.record(msg.round, msg.mb, msg.loss)
+        up.send(encode_message(msg))
 
     def closed(self, peer: str) -> None:
         """The stream to ``peer`` closed: every guard passed to it is answered unscored, up its stream and to this
         stage's slot, so that neither the driver nor this stage waits out its timeout for a loss that cannot come."""
         with self._lock:
-            ended = {k: v for k, v in self._upstream.items() if v[1] == peer}
+            ended = {k: v for k, v in self._upstream.items() if v[1].route[0] == peer}
             for k in ended:
                 del self._upstream[k]
-        for up, _down, msg in ended.values():
-            if self.slot is not None:
-                self.slot.unscored(msg.round)
-            self._unscored(up, msg)
+        for up, guard in ended.values():
+            self._give_up(up, guard)
+
+    def _give_up(self, up: Conn, guard: StageMessage) -> None:
+        """A guard this stage passed on will bring no loss: answered unscored up its stream, and this stage's slot
+        stops waiting for its round's."""
+        if self.slot is not None:
+            self.slot.unscored(guard.round)
+        self._unscored(up, guard)
 
     def _unscored(self, conn: Conn, msg: StageMessage) -> None:
         conn.send(encode_message(StageMessage("gloss", session=msg.session, step=msg.step, mb=msg.mb,
@@ -126,13 +129,12 @@ class GuardRelay:
         out = self.worker.forward_at(params, received.tensor)
         with self._lock:
             self._upstream = {k: v for k, v in self._upstream.items() if k[0] >= msg.round}
-            self._upstream[(msg.round, msg.mb)] = (conn, msg.route[0], msg)
+            self._upstream[(msg.round, msg.mb)] = (conn, msg)
 
         def unreachable(exc: ConnectionError) -> None:
             logger.info("the guard of round %d could not reach %s: %s", msg.round, msg.route[0][:12], exc)
             with self._lock:
                 self._upstream.pop((msg.round, msg.mb), None)
-            slot.unscored(msg.round)
-            self._unscored(conn, msg)
+            self._give_up(conn, msg)
 
         self._pass_on(msg, received, out, window, unreachable)
