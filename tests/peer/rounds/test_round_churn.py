@@ -75,9 +75,11 @@ def test_sigkill_mid_round_survivors_complete_and_agree(swarm: Swarm) -> None:
         assert a["accepted"] and b["accepted"], (r, a, b)
         # closed by the deadline, not by waiting for c: at most the longest window and one takeover (under overlap
         # c may have announced the round it died in and be first in its turn order: the next-ranked coordinator
-        # then takes over, 19 s seen in a loaded suite run) and what the exchange takes after its close
-        assert max(a["wait_s"], b["wait_s"]) <= MAX_DEADLINE_S + TAKEOVER_S + CLOSE_SLACK_S, \
-            (r, a["wait_s"], b["wait_s"])
+        # then takes over, 19 s seen in a loaded suite run). The close alone is bounded: what the exchange takes
+        # after it (fetching, applying, verifying) is the box's load, not c's absence
+        for rec in (a, b):
+            assert rec["phases"]["close"] <= MAX_DEADLINE_S + TAKEOVER_S + CLOSE_SLACK_S, \
+                (r, rec["wait_s"], rec["phases"])
     assert not c.proc.alive
 
 
