@@ -1,7 +1,7 @@
 """The state of one inner step of a swarm's driver (pure, no network): its micro-batches, the chain they travel,
 and which of them are in flight, to be sent, or done.
 
-:class:`hlbp.peer.swarm.driver.Driver` owns one :class:`StepState` per step and changes it from its event
+:class:`hlbp.peer.swarm.stepper.StepRunner` owns one :class:`StepState` per step and changes it from its event
 handlers; the questions asked of it (what is in flight, what is left to send, how the batch splits) live here so
 they can be tested without a swarm.
 """

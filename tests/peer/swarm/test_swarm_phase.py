@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from hlbp.peer.swarm.driver import DriverCounters, StepAbandoned, StepResult
+from hlbp.peer.swarm.driver import StepAbandoned, StepResult
 from hlbp.peer.swarm.phase import (
     PhaseConfig,
     StepLimitReached,
@@ -24,6 +24,7 @@ from hlbp.peer.swarm.phase import (
     needs_last_validation,
 )
 from hlbp.peer.swarm.step import Abandon
+from hlbp.peer.swarm.stepper import DriverCounters
 
 
 @dataclass
