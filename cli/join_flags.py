@@ -106,6 +106,9 @@ class JoinFlags:
     stage_deadline: float | None = flag(None, "--stage-deadline", env="STAGE_DEADLINE",
                                         help="Stage 0: seconds a micro-batch may take before the chain is checked "
                                              "[default: 3x the recent p95 round trip, within 5..120 s].")
+    switch_factor: float = flag(2.0, "--switch-factor", env="SWITCH_FACTOR",
+                                help="Stage 0: at a phase's first step, hand a stage to a peer at least this many "
+                                     "times faster than the one serving it (measured, else announced; 0: never).")
     rebalance_period: float | None = flag(
         None, "--rebalance-period", env="REBALANCE_PERIOD",
         help="Stage peer: move to a stage another swarm lacks only when idle and when the same move was seen twice "
@@ -125,9 +128,10 @@ class JoinFlags:
             raise UserInputError(f"--metrics-port must be 0..65535, got {self.metrics_port}")
         if self.micro_batches < 1 or self.in_flight is not None and self.in_flight < 1 or self.eval_every < 0 \
                 or self.stage_deadline is not None and self.stage_deadline <= 0 \
-                or self.rebalance_period is not None and self.rebalance_period < 0:
+                or self.rebalance_period is not None and self.rebalance_period < 0 \
+                or not (self.switch_factor == 0 or 1 < self.switch_factor < float("inf")):
             raise UserInputError("--micro-batches and --in-flight must be >= 1, --eval-every and "
-                                 "--rebalance-period >= 0 and --stage-deadline > 0")
+                                 "--rebalance-period >= 0, --stage-deadline > 0 and --switch-factor 0 or > 1")
         if (self.rounds is not None and self.rounds < 0 or self.checkpoint_every < 0 or self.wait_replicas < 0
                 or self.wait_replicas_timeout < 0):
             raise UserInputError("--rounds, --checkpoint-every, --wait-replicas and --wait-replicas-timeout "
@@ -156,6 +160,7 @@ class JoinFlags:
         )
         stage = StageOptions(micro_batches=self.micro_batches, schedule=Schedule(self.micro_batch_schedule),
                              in_flight=self.in_flight, deadline_s=self.stage_deadline,
+                             switch_factor=self.switch_factor,
                              eval_every=self.eval_every, threads=self.threads, checkpoint_every_s=self.checkpoint_every,
                              rebalance_period_s=self.rebalance_period, state_dtype=self.state_dtype,
                              state_on_disk=self.state_on_disk, recompute=self.recompute)

@@ -81,6 +81,7 @@ class StageOptions:
     schedule: Schedule = Schedule.UNIFORM  # driver: how a step's batch is cut into them
     in_flight: int | None = None  # driver: most micro-batches in the chain at once (None: all of a step's)
     deadline_s: float | None = None  # driver: fixed per-micro-batch deadline (None: from measured latency)
+    switch_factor: float = 2.0  # driver: at a phase's first step a stage goes to a peer this many times faster
     eval_every: int = 10  # driver: validation loss every this many steps (0: never)
     eval_batches: int = 4  # as a full replica's, so a swarm's and a replica's validation losses compare
     threads: int | None = None
@@ -375,7 +376,8 @@ def _swarm_phase(ctx: TrainContext, options: StageOptions, worker: StageWorker, 
         out = banned()
         return [[Candidate(p, t) for p, t in view.at_stage(s) if p not in out] for s in range(1, n_stages)]
 
-    cfg = DriverConfig(micro_batches=options.micro_batches, schedule=options.schedule, in_flight=options.in_flight, deadline_s=options.deadline_s)
+    cfg = DriverConfig(micro_batches=options.micro_batches, schedule=options.schedule, in_flight=options.in_flight,
+                       deadline_s=options.deadline_s, switch_factor=options.switch_factor)
     step_tokens = m.hparams.batch_size * m.hparams.seq_len
     driver = Driver(peer.plane.dht, worker, codec, vocab, cfg, candidates, max_tokens=step_tokens, stop=ctx.stop,
                     notary=Notary(peer.plane.identity))

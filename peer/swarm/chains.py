@@ -40,17 +40,21 @@ class Chains:
         """Whether a complete chain of unbanned stage peers is announced now (no waiting)."""
         return choose_chain(self.options(), self.chain, self.bans, time.monotonic(), tokens) is not None
 
-    def choose(self, tokens: int, give_up: Callable[[], bool] | None = None, me: str = "") -> list[str] | None:
+    def choose(self, tokens: int, give_up: Callable[[], bool] | None = None, me: str = "",
+               switch_factor: float = 0.0) -> list[str] | None:
         """The chain for the next micro-batches of ``tokens`` tokens; waits up to ``wait_s`` for one (or until
-        ``give_up()`` or the stop event). ``me``: the driver's peer id, for the log."""
+        ``give_up()`` or the stop event). ``me``: the driver's peer id, for the log. ``switch_factor`` > 0 (a
+        phase's first step): a serving peer gives way to one at least that many times faster
+        (:func:`~hlbp.peer.swarm.routing.choose_chain`)."""
         deadline = time.monotonic() + self.wait_s
         announced_once = False
         while True:
             options = self.options()
-            chain = choose_chain(options, self.chain, self.bans, time.monotonic(), tokens)
+            chain = choose_chain(options, self.chain, self.bans, time.monotonic(), tokens, switch_factor)
             if chain is not None:
                 if chain != self.chain:
                     logger.info("pipeline chain: %s", " -> ".join(p[:12] for p in [me, *chain]))
+                    self._log_faster(options, chain)
                 self.chain = chain
                 return chain
             if time.monotonic() >= deadline or (self.stop is not None and self.stop.is_set()) \
@@ -61,6 +65,15 @@ class Chains:
                 logger.info("waiting for stage peers (stages without a usable peer: %s)", missing or "banned")
                 announced_once = True
             time.sleep(0.5)
+
+    def _log_faster(self, options: Sequence[Sequence[Candidate]], chain: Sequence[str]) -> None:
+        """Log each stage whose serving peer, neither banned nor gone, gave way to a faster one."""
+        now = time.monotonic()
+        rate = {c.peer: c.throughput for stage in options for c in stage}
+        for i, (old, new) in enumerate(zip(self.chain, chain)):
+            if old != new and old in rate and not self.bans.banned(old, now):
+                logger.warning("stage %d: %s (%.0f tokens/s) takes over from %s (%.0f tokens/s), a standby again",
+                               i + 1, new[:12], rate[new], old[:12], rate[old])
 
     def live(self) -> list[str]:
         """The peers of the chain in use that are not banned now."""

@@ -6,7 +6,10 @@
   trips, within bounds; an explicit value overrides it.
 - :func:`choose_chain`: one peer per stage by least expected finish time (queued tokens over measured throughput,
   SWARM's rule), sticky: the peer that served the stage last keeps it while it is not banned, because stage peers
-  of one stage do not share gradients and a switch costs the stage its inner progress (see the README).
+  of one stage do not share gradients and a switch mid-phase costs the stage its inner progress. At a phase's
+  first step a switch costs only the stage's AdamW moments (a standby holds the round's result), so there a peer
+  at least ``switch_factor`` times faster takes the stage: a slow peer that came first is a standby again, not a
+  drag on its swarm for the rest of the run.
 
 Nothing here touches the network or the clock: time comes in as arguments, so each rule is a unit test.
 """
@@ -96,21 +99,21 @@ def choose_chain(
     bans: Bans,
     now: float,
     tokens: int,
+    switch_factor: float = 0.0,
 ) -> list[str] | None:
     """One peer per stage (index 0 is the first stage after the driver), or None if some stage has no usable
-    peer. ``current[i]`` keeps stage i while it is a candidate and not banned; otherwise the least expected
+    peer. ``current[i]`` keeps stage i while it is a candidate and not banned, unless ``switch_factor`` > 0 and the
+    best usable peer's throughput is at least that many times the kept one's; otherwise the least expected
     finish time wins, ties broken by peer id so every run decides the same way."""
     chain = []
     for i, options in enumerate(candidates):
         usable = [c for c in options if not bans.banned(c.peer, now)]
         if not usable:
             return None
-        keep = current[i] if i < len(current) else None
-        if keep is not None and any(c.peer == keep for c in usable):
-            chain.append(keep)
-            continue
         best = min(usable, key=lambda c: (expected_finish(c, tokens), c.peer))
-        chain.append(best.peer)
+        keep = next((c for c in usable if i < len(current) and c.peer == current[i]), None)
+        faster = switch_factor > 0 and keep is not None and best.throughput >= switch_factor * keep.throughput
+        chain.append(keep.peer if keep is not None and not faster else best.peer)
     return chain
 
 

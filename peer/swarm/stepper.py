@@ -77,6 +77,9 @@ class DriverConfig:
     max_attempts: int = 4  # a micro-batch that fails this often abandons its step
     chain_wait_s: float = 60.0  # how long a step waits for a complete chain before it is abandoned
     ping_timeout_s: float = 3.0
+    # at a phase's first step, a stage's peer gives way to one at least this many times faster (measured, else
+    # announced; routing.choose_chain); 0: a peer keeps its stage until it fails
+    switch_factor: float = 2.0
 
 
 @dataclass
@@ -168,7 +171,10 @@ class StepRunner:
         start = time.perf_counter()
         self.seq += 1
         mbs = micro_batches(x, y, self.cfg.micro_batches, self.cfg.schedule)
-        chain = self.chains.choose(max(m.y.numel() for m in mbs), give_up, self.peer_id)
+        # a phase's first step may hand a stage to a faster peer: a standby holds the round's result, so the switch
+        # costs that stage its AdamW moments only, not steps of the phase
+        chain = self.chains.choose(max(m.y.numel() for m in mbs), give_up, self.peer_id,
+                                   self.cfg.switch_factor if inner == 0 else 0.0)
         if chain is None:
             raise self._abandon(mbs, Abandon.NO_CHAIN, "no complete chain of stage peers")
         self.worker.begin(self.session, self.seq)

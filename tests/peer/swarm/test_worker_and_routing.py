@@ -163,6 +163,22 @@ def test_chain_is_sticky_and_otherwise_least_expected_finish_time() -> None:
     assert choose_chain([stage, []], [None, None], bans, 1, 100) is None  # a stage nobody serves
 
 
+def test_at_a_phase_start_a_stage_goes_to_a_peer_at_least_switch_factor_times_faster() -> None:
+    bans = Bans()
+    stage = [Candidate("slow", 100.0), Candidate("fast", 250.0)]
+    assert choose_chain([stage], ["slow"], bans, 0, 100, switch_factor=2.0) == ["fast"]
+    assert choose_chain([stage], ["slow"], bans, 0, 100, switch_factor=3.0) == ["slow"]  # not fast enough for it
+    assert choose_chain([stage], ["slow"], bans, 0, 100) == ["slow"]  # mid-phase: never
+    # the fastest takes it, and only the stages with such a peer change
+    other = [Candidate("mid", 1000.0), Candidate("peer", 1500.0)]
+    three = stage + [Candidate("fastest", 400.0)]
+    assert choose_chain([three, other], ["slow", "mid"], bans, 0, 100, switch_factor=2.0) == ["fastest", "mid"]
+    # equal speeds never switch, whatever the factor; a banned faster peer is not taken
+    assert choose_chain([[Candidate("a", 5.0), Candidate("b", 5.0)]], ["b"], bans, 0, 100, switch_factor=1.01) == ["b"]
+    bans.fail("fast", 0)
+    assert choose_chain([stage], ["slow"], bans, 1, 100, switch_factor=2.0) == ["slow"]
+
+
 def test_a_done_that_does_not_add_up_is_refused() -> None:
     from hlbp.peer.swarm.worker import clip_scale, done_fault
 
