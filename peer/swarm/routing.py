@@ -111,7 +111,8 @@ def choose_chain(
         if not usable:
             return None
         best = min(usable, key=lambda c: (expected_finish(c, tokens), c.peer))
-        keep = next((c for c in usable if i < len(current) and c.peer == current[i]), None)
+        held = current[i] if i < len(current) else None
+        keep = next((c for c in usable if c.peer == held), None)
         faster = switch_factor > 0 and keep is not None and best.throughput >= switch_factor * keep.throughput
         chain.append(keep.peer if keep is not None and not faster else best.peer)
     return chain
