@@ -22,19 +22,30 @@ RATE_WEIGHT = 0.2  # weight of the newest step in a stage peer's measured throug
 
 
 class Chains:
-    """The driver's choice of chain. ``candidates()`` lists the announced peers of stages 1..S-1 (from the DHT);
-    ``wait_s``: how long :meth:`choose` waits for a complete chain; ``stop``: an event that ends the wait."""
+    """The driver's choice of chain. ``candidates()`` lists the announced peers of stages 1..S-1 (from the DHT),
+    at the throughput they announce in full-model tokens/s; ``wait_s``: how long :meth:`choose` waits for a complete
+    chain; ``stop``: an event that ends the wait. ``shares[i]``: stage i+1's fraction of the model's layers, which
+    turns the rate a stage peer is measured at (its stage's tokens/s) into the announcements' unit, as the capacity
+    warm-up does for a peer that measured one stage; without it a measured rate reads several times an announced
+    one and a switch compares the two wrongly."""
 
-    def __init__(self, candidates: CandidatesFn, wait_s: float, stop: Any = None) -> None:
+    def __init__(self, candidates: CandidatesFn, wait_s: float, stop: Any = None,
+                 shares: Sequence[float] = ()) -> None:
         self.candidates, self.wait_s, self.stop = candidates, wait_s, stop
+        self.shares = tuple(shares)
         self.chain: list[str] = []  # the chain in use (empty before the first step)
         self.bans = Bans()
-        self.measured: dict[str, float] = {}  # tokens/s per stage peer, from the busy times they report
+        self.measured: dict[str, float] = {}  # tokens/s of its stage per stage peer, from the busy times it reports
 
     def options(self) -> list[list[Candidate]]:
-        """Each stage's announced peers, at the throughput measured where there is one."""
-        return [[Candidate(c.peer, self.measured.get(c.peer) or c.throughput) for c in stage]
-                for stage in self.candidates()]
+        """Each stage's announced peers, at the throughput measured where there is one (in full-model tokens/s)."""
+        return [[Candidate(c.peer, self._rate(i, c)) for c in stage] for i, stage in enumerate(self.candidates())]
+
+    def _rate(self, i: int, c: Candidate) -> float:
+        rate = self.measured.get(c.peer)
+        if not rate:
+            return c.throughput
+        return rate * (self.shares[i] if i < len(self.shares) else 1.0)
 
     def available(self, tokens: int = 1) -> bool:
         """Whether a complete chain of unbanned stage peers is announced now (no waiting)."""

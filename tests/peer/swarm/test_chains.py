@@ -47,3 +47,21 @@ def test_measured_throughput_is_a_moving_average_that_routing_prefers() -> None:
     assert chains.measured["fast"] == 4000.0
     assert [c.throughput for c in chains.options()[0]] == [1000.0, 4000.0]
     assert chains.choose(64) == ["fast"]
+
+
+def test_a_measured_stage_rate_is_compared_with_announcements_in_full_model_tokens() -> None:
+    # stage 1 of 2 holds half the layers: measured at 3000 of its tokens/s it does 1500 full-model tokens/s, which a
+    # standby announcing 2500 does not beat by a factor 2; measured at 1000 (500 full-model) it does
+    stage = [Candidate("held", 1000.0), Candidate("standby", 2500.0)]
+    chains = Chains(lambda: [stage], wait_s=1.0, shares=[0.5])
+    assert chains.choose(64) == ["standby"]  # nothing measured: the announcements decide
+    chains.chain = ["held"]
+    chains.measure("held", 3000.0)
+    assert [c.throughput for c in chains.options()[0]] == [1500.0, 2500.0]
+    assert chains.choose(64, switch_factor=2.0) == ["held"]
+    chains.measured["held"] = 1000.0
+    assert chains.choose(64, switch_factor=2.0) == ["standby"]
+    # unconverted, the same 3000 would read as faster than the standby's 2500
+    raw = Chains(lambda: [stage], wait_s=1.0)
+    raw.measure("held", 3000.0)
+    assert raw.options()[0][0].throughput == 3000.0
