@@ -386,8 +386,11 @@ class Swarm:
         (``--swarm``) instead of where the role policy puts a peer of that stage."""
         steps = ["--max-steps", str(max_steps)] if max_steps is not None else []
         where = ["--swarm", str(swarm)] if swarm is not None else []
-        return self._join(name, ["--role", "stage", "--stage", str(stage), *where, "--throughput", "1000", *steps,
-                                 *extra], program, listen)
+        # every stage peer announces the same forced rate (no warm-up) while sharing this machine's cores, so a
+        # driver's measured rate against that number says nothing: no switch to a "faster" standby unless a test
+        # asks for one (a later --switch-factor in ``extra`` wins)
+        return self._join(name, ["--role", "stage", "--stage", str(stage), *where, "--throughput", "1000",
+                                 "--switch-factor", "0", *steps, *extra], program, listen)
 
     def records(self) -> dict[str, list[dict[str, Any]]]:
         """Every replica's round records so far, by replica name."""

@@ -44,7 +44,7 @@ def test_a_stage_goes_to_a_faster_peer_at_a_phase_start(tmp_path: Path) -> None:
         fast = sw.add_stage("fast", 1)
         fast.proc.wait_for("^announced", 60)
         full = sw.add("peer0", "--wait-replicas", "3", rounds=1000)
-        driver = sw.add_stage("sw0s0", 0, "--micro-batches", "2", "--eval-every", "0")
+        driver = sw.add_stage("sw0s0", 0, "--micro-batches", "2", "--eval-every", "0", "--switch-factor", "2")
         slow_id, fast_id = _id(slow), _id(fast)
 
         def steps() -> list[dict[str, Any]]:
