@@ -126,10 +126,15 @@ def test_sigkill_of_a_stage_peer_mid_round_with_a_standby(tmp_path: Path) -> Non
         assert _round(fulls, r)["members"] == 3, (r, _round(fulls, r))
     assert any(p == standby_id and r > killed_in for r, p in audits), audits  # its work was audited
     # the first step's samples exactly clean; a later step's clean, or unjudged where the stage's drift left no
-    # informative sibling (stage 0's embedding and first block drift fastest)
-    assert all(x["finding"] == "clean" or (x["finding"] == "unjudged" and x["inner"] > 0)
-               for a in audits.values() for x in a["samples"]), audits
-    assert all(x["finding"] == "clean" for a in audits.values() for x in a["samples"] if x["inner"] == 0), audits
+    # informative sibling (stage 0's embedding and first block drift fastest). In the round of the kill a neighbour
+    # of the victim may show inconclusive: the frames the victim held of its micro-batches died with it
+    def allowed(r: int, a: dict[str, Any], x: dict[str, Any]) -> bool:
+        if x["finding"] == "clean" or (x["finding"] == "unjudged" and x["inner"] > 0):
+            return True
+        return x["finding"] == "inconclusive" and r == killed_in and victim_id in a["neighbours"]
+
+    odd = [(r, p[-6:], x) for (r, p), a in audits.items() for x in a["samples"] if not allowed(r, a, x)]
+    assert not odd, (odd, victim_id[-6:], standby_id[-6:], killed_in, logs)
     assert not any(a["guilty"] for a in audits.values()), audits  # honest peers, never convicted
 
 
