@@ -34,7 +34,7 @@ from hlbp.peer.common import memory
 from hlbp.peer.common.files import atomic_write_bytes
 from hlbp.peer.data.streams import TokenStream, load_tokenizer, prepare_data, val_batches
 from hlbp.peer.model.basis import fixed_table
-from hlbp.peer.model.decoder import preset
+from hlbp.peer.model.decoder import compute_shares, preset
 from hlbp.peer.model.pipeline import initial_stage, initial_tensors, run_model_config
 from hlbp.peer.model.subspace import make_codec
 from hlbp.peer.node.join import TrainContext, data_rank
@@ -379,9 +379,9 @@ def _swarm_phase(ctx: TrainContext, options: StageOptions, worker: StageWorker, 
     cfg = DriverConfig(micro_batches=options.micro_batches, schedule=options.schedule, in_flight=options.in_flight,
                        deadline_s=options.deadline_s, switch_factor=options.switch_factor)
     step_tokens = m.hparams.batch_size * m.hparams.seq_len
-    layers = max(1, m.stages[-1][1])
+    shares = compute_shares(worker.stage.config, m.stages, m.hparams.seq_len)[1:]
     driver = Driver(peer.plane.dht, worker, codec, vocab, cfg, candidates, max_tokens=step_tokens, stop=ctx.stop,
-                    notary=Notary(peer.plane.identity), shares=[(end - start) / layers for start, end in m.stages[1:]])
+                    notary=Notary(peer.plane.identity), shares=shares)
     optim = inner_schedule(m.hparams.lr, m.hparams.schedule_total)
     phase_cfg = PhaseConfig(inner_steps=m.hparams.inner_steps, step_tokens=step_tokens,
                             eval_every=options.eval_every, checkpoint_every_s=options.checkpoint_every_s,

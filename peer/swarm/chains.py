@@ -24,9 +24,9 @@ RATE_WEIGHT = 0.2  # weight of the newest step in a stage peer's measured throug
 class Chains:
     """The driver's choice of chain. ``candidates()`` lists the announced peers of stages 1..S-1 (from the DHT),
     at the throughput they announce in full-model tokens/s; ``wait_s``: how long :meth:`choose` waits for a complete
-    chain; ``stop``: an event that ends the wait. ``shares[i]``: stage i+1's fraction of the model's layers, which
-    turns the rate a stage peer is measured at (its stage's tokens/s) into the announcements' unit, as the capacity
-    warm-up does for a peer that measured one stage; without it a measured rate reads several times an announced
+    chain; ``stop``: an event that ends the wait. ``shares[i]``: stage i+1's fraction of the model's compute per
+    token (:func:`~hlbp.peer.model.decoder.compute_shares`), which turns the rate a stage peer is measured at (its
+    stage's tokens/s) into the announcements' unit; without it a measured rate reads several times an announced
     one and a switch compares the two wrongly."""
 
     def __init__(self, candidates: CandidatesFn, wait_s: float, stop: Any = None,

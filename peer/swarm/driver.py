@@ -35,7 +35,7 @@ logger = logging.getLogger(__name__)
 
 class Driver:
     """Stage 0 of a swarm; ``candidates()`` lists the announced peers of stages 1..S-1 (from the DHT);
-    ``shares[i]``: stage i+1's fraction of the model's layers (:class:`~hlbp.peer.swarm.chains.Chains`)."""
+    ``shares[i]``: stage i+1's fraction of the model's compute per token (:class:`~hlbp.peer.swarm.chains.Chains`)."""
 
     def __init__(self, dht: Any, worker: StageWorker, codec: ActivationCodec, vocab_size: int, cfg: DriverConfig,
                  candidates: CandidatesFn, max_tokens: int, stop: Any = None, notary: Notary | None = None,

@@ -12,6 +12,7 @@ from hlbp.peer.model.decoder import (
     PRESETS,
     balanced_partition,
     build_model,
+    compute_shares,
     count_parameters,
     head_macs,
     layer_macs,
@@ -101,6 +102,20 @@ def test_the_balanced_partition_has_the_fastest_slowest_stage_of_every_split(nam
         best = min(max(_stage_macs(config, b, seq_len)) for b in _every_split(config.n_layers, n_stages))
         assert max(_stage_macs(config, bounds, seq_len)) == best
         assert best <= max(_stage_macs(config, partition(config.n_layers, n_stages), seq_len))
+
+
+@pytest.mark.parametrize("name", ["tiny", "125m"])
+def test_compute_shares_are_each_stages_fraction_of_the_models_multiply_accumulates(name):
+    config = preset(name)
+    for n_stages in (1, 2, 3):
+        bounds = partition(config.n_layers, n_stages)
+        shares = compute_shares(config, bounds, 64)
+        macs = _stage_macs(config, bounds, 64)
+        assert shares == pytest.approx([m / sum(macs) for m in macs]) and sum(shares) == pytest.approx(1.0)
+    tiny = compute_shares(preset("tiny"), [(0, 2), (2, 4)], 64)
+    assert tiny[1] == pytest.approx(0.7735, abs=1e-4)  # the head: more than the layers' half
+    free = dataclasses.replace(preset("small"), vocab_size=1)
+    assert compute_shares(free, [(0, 3), (3, 6)], 256)[0] == pytest.approx(0.5, abs=1e-3)
 
 
 def test_the_head_moves_layers_off_the_last_stage_and_a_free_head_leaves_the_even_split():

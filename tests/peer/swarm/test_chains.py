@@ -50,7 +50,7 @@ def test_measured_throughput_is_a_moving_average_that_routing_prefers() -> None:
 
 
 def test_a_measured_stage_rate_is_compared_with_announcements_in_full_model_tokens() -> None:
-    # stage 1 of 2 holds half the layers: measured at 3000 of its tokens/s it does 1500 full-model tokens/s, which a
+    # stage 1 of 2 does half the model's compute: measured at 3000 of its tokens/s it does 1500 full-model tokens/s, which a
     # standby announcing 2500 does not beat by a factor 2; measured at 1000 (500 full-model) it does
     stage = [Candidate("held", 1000.0), Candidate("standby", 2500.0)]
     chains = Chains(lambda: [stage], wait_s=1.0, shares=[0.5])
