@@ -26,7 +26,8 @@ NAMES = ("a", "b", "c", "d")
 
 @pytest.fixture(scope="module")
 def swarm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Swarm]:
-    with Swarm(rounds_config(), tmp_path_factory.mktemp("restart")) as sw:
+    # INFO: a failure shows what each peer saw as it decided how to start (:func:`_story`)
+    with Swarm(rounds_config(), tmp_path_factory.mktemp("restart"), env={"HLBP_LOG_LEVEL": "INFO"}) as sw:
         sw.start()
         for name in NAMES:
             sw.add(name, "--wait-replicas", "4")
@@ -40,6 +41,12 @@ def _sigterm(swarm: Swarm, names: tuple[str, ...]) -> None:
         p.send_signal(signal.SIGTERM)
     poll(lambda: all(p.poll() is not None for p in procs.values()), 30, f"{names} to exit on SIGTERM")
     assert all(p.returncode == 0 for p in procs.values()), {name: p.returncode for name, p in procs.items()}
+
+
+def _story(swarm: Swarm) -> dict[str, list[str]]:
+    """Each peer's log lines of the round loop since its restart: how it decided to resume, sync or wait."""
+    return {n: [line[11:] for line in swarm.replicas[n].proc.output.splitlines()
+                if "hlbp.peer.rounds" in line or "starting at round" in line][:20] for n in NAMES}
 
 
 def test_a_swarm_restarted_together_agrees_in_its_first_round(swarm: Swarm) -> None:
@@ -59,12 +66,12 @@ def test_a_swarm_restarted_together_agrees_in_its_first_round(swarm: Swarm) -> N
     at = {name: int(m.group(2)) for name, m in starts.items()}
     synced = {n for n, m in starts.items() if m.group(1).startswith("synced")}
     current = [n for n in NAMES if n not in synced]
-    assert {"a", "b"} <= synced, lines  # their checkpoints are behind: they take the newer state from the members
+    assert {"a", "b"} <= synced, _story(swarm)  # their checkpoints are behind: they take the members' newer state
     # the peers that resume their own checkpoint come back to the same round, and a synced peer is never behind
     # them. A synced peer may start later: a round closes without a peer still syncing (a straggler is never waited
     # for), and one whose first fetch came before the holders served takes the round that closed meanwhile
-    assert current and len({at[n] for n in current}) == 1, lines
-    assert all(at[n] >= at[current[0]] for n in synced), lines
+    assert current and len({at[n] for n in current}) == 1, _story(swarm)
+    assert all(at[n] >= at[current[0]] for n in synced), _story(swarm)
     # each peer's first round: every peer's record of that round agrees with it
     last = max(at.values())
     poll(lambda: all(any(rec["round"] == last for rec in swarm.replicas[n].rounds()[before[n]:]) for n in NAMES),
