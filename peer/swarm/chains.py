@@ -78,13 +78,19 @@ class Chains:
             time.sleep(0.5)
 
     def _log_faster(self, options: Sequence[Sequence[Candidate]], chain: Sequence[str]) -> None:
-        """Log each stage whose serving peer, neither banned nor gone, gave way to a faster one."""
+        """Log each stage whose serving peer, neither banned nor gone, gave way to a faster one, with each one's
+        rate in full-model tokens/s and whether it was measured or only announced (a stale announcement is what a
+        misjudged switch comes from)."""
         now = time.monotonic()
         rate = {c.peer: c.throughput for stage in options for c in stage}
+
+        def said(peer: str) -> str:
+            return f"{rate[peer]:.0f} full-model tokens/s, {'measured' if self.measured.get(peer) else 'announced'}"
+
         for i, (old, new) in enumerate(zip(self.chain, chain)):
             if old != new and old in rate and not self.bans.banned(old, now):
-                logger.warning("stage %d: %s (%.0f tokens/s) takes over from %s (%.0f tokens/s), a standby again",
-                               i + 1, new[:12], rate[new], old[:12], rate[old])
+                logger.warning("stage %d: %s (%s) takes over from %s (%s), a standby again",
+                               i + 1, new[:12], said(new), old[:12], said(old))
 
     def live(self) -> list[str]:
         """The peers of the chain in use that are not banned now."""

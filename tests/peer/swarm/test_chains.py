@@ -3,8 +3,10 @@ replaced, a wait that ends, and throughput measured as a moving average."""
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
+from typing import Any
 
 from hlbp.peer.swarm.chains import Chains
 from hlbp.peer.swarm.routing import Candidate
@@ -49,7 +51,7 @@ def test_measured_throughput_is_a_moving_average_that_routing_prefers() -> None:
     assert chains.choose(64) == ["fast"]
 
 
-def test_a_measured_stage_rate_is_compared_with_announcements_in_full_model_tokens() -> None:
+def test_a_measured_stage_rate_is_compared_with_announcements_in_full_model_tokens(caplog: Any) -> None:
     # stage 1 of 2 does half the model's compute: measured at 3000 of its tokens/s it does 1500 full-model tokens/s, which a
     # standby announcing 2500 does not beat by a factor 2; measured at 1000 (500 full-model) it does
     stage = [Candidate("held", 1000.0), Candidate("standby", 2500.0)]
@@ -60,7 +62,11 @@ def test_a_measured_stage_rate_is_compared_with_announcements_in_full_model_toke
     assert [c.throughput for c in chains.options()[0]] == [1500.0, 2500.0]
     assert chains.choose(64, switch_factor=2.0) == ["held"]
     chains.measured["held"] = 1000.0
-    assert chains.choose(64, switch_factor=2.0) == ["standby"]
+    with caplog.at_level(logging.WARNING, "hlbp.peer.swarm.chains"):
+        assert chains.choose(64, switch_factor=2.0) == ["standby"]
+    # the log says each rate's unit and source
+    assert "standby (2500 full-model tokens/s, announced) takes over from held (500 full-model tokens/s, measured)" \
+        in caplog.text
     # unconverted, the same 3000 would read as faster than the standby's 2500
     raw = Chains(lambda: [stage], wait_s=1.0)
     raw.measure("held", 3000.0)
