@@ -118,6 +118,61 @@ def choose_chain(
     return chain
 
 
+def assign_routes(tokens: Sequence[int], serving: Sequence[Sequence[Candidate]]) -> list[list[str]]:
+    """The route of each micro-batch of a step (micro-batch i has ``tokens[i]`` tokens): at every stage, the peer of
+    ``serving[s]`` that would finish it first, counting what the step's earlier micro-batches already put on each
+    (SWARM's least expected finish time). Ties go to the lower peer id, so the same view routes the same way."""
+    routes: list[list[str]] = [[] for _ in tokens]
+    for options in serving:
+        if not options:
+            raise ValueError("a stage without a serving peer")
+        queued = {c.peer: c.queued_tokens for c in options}
+        for i, t in enumerate(tokens):
+            best = min(options, key=lambda c: ((queued[c.peer] + t) / max(c.throughput, 1e-9), c.peer))
+            queued[best.peer] += t
+            routes[i].append(best.peer)
+    return routes
+
+
+def choose_serving(
+    candidates: Sequence[Sequence[Candidate]],
+    current: Sequence[Sequence[str]],
+    bans: Bans,
+    now: float,
+    tokens: Sequence[int],
+    most: int,
+    fresh: bool,
+    switch_factor: float = 0.0,
+) -> list[list[str]] | None:
+    """The peers that serve each stage in a step of micro-batches of ``tokens`` tokens, at most ``most`` per stage
+    (sorted by id), or None if some stage has no usable peer.
+
+    Peers that serve one stage together keep equal weights by summing their gradients each step, so a peer may
+    join them only where every peer of the stage holds the same weights: at a phase's first step (``fresh``), where
+    all of them start from the round's result. There the ``most`` fastest usable peers are chosen and those that
+    :func:`assign_routes` would give no micro-batch are left out (a peer so slow that it would only make the others
+    wait for its share). Within a phase a stage keeps the peers of ``current`` that are still usable; a stage left
+    without one takes the single best (:func:`choose_chain`: its lone peer starts from its own weights, as a
+    replacement always has). ``most`` 1 is :func:`choose_chain` with its sticky choice and ``switch_factor``."""
+    if most <= 1:
+        held = [stage[0] if stage else None for stage in current]
+        chain = choose_chain(candidates, held, bans, now, max(tokens, default=1), switch_factor if fresh else 0.0)
+        return None if chain is None else [[p] for p in chain]
+    serving = []
+    for i, options in enumerate(candidates):
+        usable = [c for c in options if not bans.banned(c.peer, now)]
+        if not usable:
+            return None
+        kept = [] if fresh else [c for c in usable if i < len(current) and c.peer in current[i]]
+        if not kept:
+            pool = usable if fresh else [min(usable, key=lambda c: (expected_finish(c, max(tokens, default=1)),
+                                                                     c.peer))]
+            kept = sorted(pool, key=lambda c: (-c.throughput, c.peer))[:most]
+        used = {peer for route in assign_routes(tokens, [kept]) for peer in route} if tokens else {kept[0].peer}
+        serving.append(sorted(c.peer for c in kept if c.peer in used))
+    return serving
+
+
 def throughput_of(peer: str, measured: Mapping[str, float], announced: Mapping[str, float]) -> float:
     """What the driver believes of ``peer``: its measured tokens/s, else what it announced, else 1."""
     return measured.get(peer) or announced.get(peer) or 1.0

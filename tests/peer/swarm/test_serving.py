@@ -1,0 +1,53 @@
+"""Several peers serving one stage (hlbp.peer.swarm.routing): which peers serve a step and which micro-batch goes
+through which of them. Pure rules, no network."""
+
+from __future__ import annotations
+
+import pytest
+
+from hlbp.peer.swarm.routing import Bans, Candidate, assign_routes, choose_serving
+
+
+def test_equal_peers_take_turns_and_a_twice_as_fast_peer_takes_twice_the_micro_batches() -> None:
+    routes = assign_routes([64] * 8, [[Candidate("a", 100.0), Candidate("b", 100.0)], [Candidate("c", 50.0)]])
+    assert routes == [["a", "c"], ["b", "c"]] * 4
+    fast = assign_routes([64] * 9, [[Candidate("slow", 100.0), Candidate("fast", 200.0)]])
+    assert sum(r == ["fast"] for r in fast) == 6 and sum(r == ["slow"] for r in fast) == 3
+
+
+def test_routing_counts_tokens_already_queued_and_breaks_ties_by_peer_id() -> None:
+    busy = [Candidate("a", 100.0, queued_tokens=256), Candidate("b", 100.0)]
+    assert assign_routes([64] * 4, [busy]) == [["b"]] * 4
+    assert assign_routes([64], [[Candidate("z", 1.0), Candidate("y", 1.0)]]) == [["y"]]
+    assert assign_routes([], [[Candidate("a", 1.0)]]) == []
+    with pytest.raises(ValueError):
+        assign_routes([64], [[]])
+
+
+def test_at_a_phase_start_the_fastest_peers_serve_and_one_too_slow_for_any_micro_batch_is_left_out() -> None:
+    stage = [Candidate("c", 40.0), Candidate("a", 100.0), Candidate("b", 90.0), Candidate("d", 1.0)]
+    serving = choose_serving([stage], [["d"]], Bans(), 0.0, [64] * 8, most=3, fresh=True)
+    assert serving == [["a", "b", "c"]]
+    assert choose_serving([stage], [], Bans(), 0.0, [64] * 4, most=3, fresh=True) == [["a", "b"]]  # c gets none
+    assert choose_serving([stage], [], Bans(), 0.0, [64] * 8, most=2, fresh=True) == [["a", "b"]]
+
+
+def test_within_a_phase_a_stage_keeps_its_peers_and_never_adds_one() -> None:
+    stage = [Candidate("a", 100.0), Candidate("b", 100.0), Candidate("c", 1000.0)]
+    assert choose_serving([stage], [["a", "b"]], Bans(), 0.0, [64] * 8, most=3, fresh=False) == [["a", "b"]]
+    bans = Bans()
+    bans.fail("a", 0.0)
+    assert choose_serving([stage], [["a", "b"]], bans, 1.0, [64] * 8, most=3, fresh=False) == [["b"]]
+    bans.fail("b", 0.0)
+    # every serving peer failed: a lone replacement, which starts from its own weights
+    assert choose_serving([stage], [["a", "b"]], bans, 1.0, [64] * 8, most=3, fresh=False) == [["c"]]
+    bans.fail("c", 0.0)
+    assert choose_serving([stage], [["a", "b"]], bans, 1.0, [64] * 8, most=3, fresh=False) is None
+
+
+def test_one_peer_per_stage_is_the_sticky_chain_with_its_switch_at_a_phase_start() -> None:
+    stage = [Candidate("a", 100.0), Candidate("b", 300.0)]
+    assert choose_serving([stage], [["a"]], Bans(), 0.0, [64], most=1, fresh=False) == [["a"]]
+    assert choose_serving([stage], [["a"]], Bans(), 0.0, [64], most=1, fresh=True) == [["a"]]
+    assert choose_serving([stage], [["a"]], Bans(), 0.0, [64], most=1, fresh=True, switch_factor=2.0) == [["b"]]
+    assert choose_serving([stage], [["a"]], Bans(), 0.0, [64], most=1, fresh=False, switch_factor=2.0) == [["a"]]
