@@ -45,18 +45,24 @@ from hlbp.protocol.errors import ProtocolError
 from hlbp.protocol.fields import _bool, _float, _int, _str
 from hlbp.protocol.untrusted import unpack_msgpack
 
-OPS = ("fwd", "bwd", "eval", "loss", "finish", "done", "fail", "abort", "ping", "pong", "guard", "gloss", "apply")
+OPS = ("fwd", "bwd", "eval", "loss", "finish", "done", "fail", "abort", "ping", "pong", "guard", "gloss", "apply",
+       "share")
 """Message kinds. Downstream (towards the last stage): fwd, eval, guard, finish, apply, abort, ping. Upstream: bwd,
-loss, gloss, done, fail, pong."""
+loss, gloss, done, fail, pong. Between peers of one stage that served the same step: share, apply."""
 DOWNSTREAM = frozenset({"fwd", "eval", "guard", "finish", "apply", "abort", "ping"})
 """Ops a stage accepts from its upstream neighbour (the stream it was called on)."""
 UPSTREAM = frozenset({"bwd", "loss", "gloss", "done", "fail", "pong"})
 """Ops a stage accepts from its downstream neighbour (the stream it dialled)."""
+SIBLING = frozenset({"share", "apply"})
+"""Ops a stage accepts from another peer of its own stage (a stream that peer opened)."""
 MAX_HEADER = 4096
 """Largest header in bytes."""
 MAX_ROUTE = 32
 """Most stages after the receiver that a route may name."""
 MAX_MICROBATCHES = 4096
+MAX_STAGE_PEERS = 8
+"""Most peers that may serve one stage in one step."""
+LINEAGE_BYTES = 32
 SIG_BYTES = 64  # an Ed25519 signature
 SIGNED_OPS = frozenset({"fwd", "bwd"})
 """Ops whose sender signs what it sends (:func:`frame_commitment`): the frames an audit recomputes."""
@@ -116,6 +122,11 @@ class StageMessage:
     round: int = 0
     inner: int = 0  # fwd/bwd: steps the swarm applied in that phase before this one (0: weights at the anchor)
     sig: bytes = b""  # fwd/bwd: the sender's Ed25519 signature over :func:`frame_commitment` of this hop
+    # finish: the peers that served each stage of [receiver, *route] in the step beside the one the finish goes
+    # through, ``per[i]`` of them for stage i, in order; share: every peer that served the sender's stage
+    peers: tuple[str, ...] = ()
+    per: tuple[int, ...] = ()
+    lineage: bytes = b""  # share: the digest of the steps the sender's optimizer state has seen (peer.swarm.shares)
 
 
 def _route(body: dict[str, Any]) -> tuple[str, ...]:
@@ -130,6 +141,24 @@ def _busy(body: dict[str, Any]) -> tuple[float, ...]:
     if not isinstance(value, list) or len(value) > MAX_ROUTE + 1:
         raise ProtocolError(f"stage message busy must be a list of at most {MAX_ROUTE + 1} numbers")
     return tuple(_float({"s": s}, "s", 0.0, 1e6) for s in value)
+
+
+def _peers(body: dict[str, Any]) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    peers, per = body.get("peers", []), body.get("per", [])
+    if not isinstance(peers, list) or not isinstance(per, list) or len(per) > MAX_ROUTE + 1 \
+            or len(peers) > MAX_STAGE_PEERS * (MAX_ROUTE + 1):
+        raise ProtocolError("stage message peers must be two short lists")
+    counts = tuple(_int({"n": n}, "n", 0, MAX_STAGE_PEERS) for n in per)
+    if per and sum(counts) != len(peers):
+        raise ProtocolError(f"stage message names {len(peers)} peers, its counts add up to {sum(counts)}")
+    return tuple(_str({"peer": p}, "peer", 128, pattern=_PEER) for p in peers), counts
+
+
+def _lineage(body: dict[str, Any]) -> bytes:
+    value = body.get("lineage", b"")
+    if not isinstance(value, bytes) or len(value) not in (0, LINEAGE_BYTES):
+        raise ProtocolError(f"stage message lineage must be {LINEAGE_BYTES} bytes")
+    return value
 
 
 def _reason(body: dict[str, Any]) -> Reason:
@@ -154,6 +183,7 @@ def parse_header(obj: Any) -> StageMessage:
     unknown = set(obj) - {f for f in StageMessage.__dataclass_fields__}
     if unknown:
         raise ProtocolError(f"stage message header has unknown fields {sorted(map(str, unknown))[:4]}")
+    peers, per = _peers(obj)
     return StageMessage(
         op=_str(obj, "op", 8, choices=OPS),
         session=_int(obj, "session", 0, 2**63 - 1, 0),
@@ -178,6 +208,9 @@ def parse_header(obj: Any) -> StageMessage:
         round=_int(obj, "round", 0, 2**40, 0),
         inner=_int(obj, "inner", 0, 1 << 20, 0),
         sig=_sig(obj),
+        peers=peers,
+        per=per,
+        lineage=_lineage(obj),
     )
 
 
@@ -229,16 +262,17 @@ def decode_header(data: bytes) -> StageMessage:
     return parse_header(unpack_msgpack(data, max_bytes=MAX_HEADER, what="stage message header", max_depth=2))
 
 
-def body_length(data: bytes, msg: StageMessage, max_body: int) -> int:
-    """Body length from its 4 bytes: at most ``max_body`` for ops that carry a frame, 0 for the others."""
+def body_length(data: bytes, msg: StageMessage, max_body: int, max_share: int = 0) -> int:
+    """Body length from its 4 bytes: at most ``max_body`` for ops that carry a frame, ``max_share`` for a gradient
+    share (:mod:`hlbp.protocol.gradshare`), 0 for the others."""
     (n,) = LENGTH.unpack(data)
-    limit = max_body if msg.op in ("fwd", "eval", "guard", "bwd") else 0
+    limit = max_body if msg.op in ("fwd", "eval", "guard", "bwd") else max_share if msg.op == "share" else 0
     if n > limit:
         raise ProtocolError(f"a {msg.op} message with a body of {n} bytes (the limit here is {limit})")
     return n
 
 
-def decode_message(data: bytes, max_body: int) -> tuple[StageMessage, bytes]:
+def decode_message(data: bytes, max_body: int, max_share: int = 0) -> tuple[StageMessage, bytes]:
     """A whole message held in memory (tests and fuzzing use this; streams read the same pieces in order)."""
     if len(data) < 8:
         raise ProtocolError(f"stage message of {len(data)} bytes is shorter than its two length fields")
@@ -246,7 +280,7 @@ def decode_message(data: bytes, max_body: int) -> tuple[StageMessage, bytes]:
     if len(data) < 8 + n:
         raise ProtocolError("stage message ends inside its header")
     msg = decode_header(data[4:4 + n])
-    size = body_length(data[4 + n:8 + n], msg, max_body)
+    size = body_length(data[4 + n:8 + n], msg, max_body, max_share)
     if len(data) != 8 + n + size:
         raise ProtocolError(f"stage message has {len(data) - 8 - n} body bytes, its length field says {size}")
     return msg, data[8 + n:]

@@ -97,13 +97,14 @@ class StageLinks:
 
     ``on_message(conn, msg, body)`` and ``on_closed(conn)`` run on the loop thread. ``on_bad(peer, error)`` is
     told about a protocol violation (the stream is closed after it). ``accept(peer)`` decides whether a peer may
-    open a stream to us (closed runs, swarm membership, bans). ``max_body`` bounds a frame-carrying body.
+    open a stream to us (closed runs, swarm membership, bans). ``max_body`` bounds a frame-carrying body,
+    ``max_share`` a gradient share's (0: this peer takes none).
     """
 
     def __init__(self, dht: Any, on_message: OnMessage, on_closed: Callable[[Conn], None],
-                 on_bad: Callable[[str, str], None], accept: Callable[[str], bool], max_body: int) -> None:
+                 on_bad: Callable[[str, str], None], accept: Callable[[str], bool], max_body: int, max_share: int = 0) -> None:
         self.on_message, self.on_closed, self.on_bad, self.accept = on_message, on_closed, on_bad, accept
-        self.max_body = max_body
+        self.max_body, self.max_share = max_body, max_share
         self.conns: dict[int, Conn] = {}
         # bytes of whole messages (length prefixes, header, body) by op, over every stream this peer had, closed
         # ones included: what a benchmark divides by tokens to get bytes per token at a boundary, each way
@@ -142,7 +143,7 @@ class StageLinks:
                 head = await asyncio.wait_for(reader.readexactly(n), MESSAGE_TIMEOUT_S)
                 msg = decode_header(head)
                 size = body_length(await asyncio.wait_for(reader.readexactly(LENGTH.size), MESSAGE_TIMEOUT_S),
-                                   msg, self.max_body)
+                                   msg, self.max_body, self.max_share)
                 body = await asyncio.wait_for(reader.readexactly(size), MESSAGE_TIMEOUT_S) if size else b""
                 conn.bytes_received += 8 + n + size
                 self._count(self.received_by_op, msg.op, 8 + n + size)

@@ -140,3 +140,28 @@ def test_reason_codes_travel_as_integers_and_an_unknown_one_is_refused() -> None
         head = msgpack.packb({"op": "fail", "code": bad}, use_bin_type=True)
         with pytest.raises(ProtocolError):
             decode_message(LENGTH.pack(len(head)) + head + LENGTH.pack(0), 0)
+
+
+def test_a_finish_names_the_peers_beside_its_route_and_a_share_carries_its_lineage_and_body() -> None:
+    finish = StageMessage("finish", session=1, step=2, count=8, route=("12D3KooWb",), peers=("12D3KooWq",),
+                          per=(1, 0))
+    assert decode_message(encode_message(finish), 0) == (finish, b"")
+    share = StageMessage("share", session=1, step=2, count=8, peers=("12D3KooWp", "12D3KooWq"), lineage=b"\x01" * 32)
+    data = encode_message(share, b"x" * 100)
+    assert decode_message(data, 0, 100) == (share, b"x" * 100)
+    with pytest.raises(ProtocolError):
+        decode_message(data, 10_000, 99)  # a share's body has its own limit, not the frames'
+
+
+@pytest.mark.parametrize("fields", [
+    {"peers": ["12D3KooWq"], "per": [2]},  # the counts do not add up
+    {"peers": ["12D3KooWq"], "per": [9]},  # more peers on a stage than may serve one
+    {"peers": "12D3KooWq"},
+    {"peers": ["not a peer id!"], "per": [1]},
+    {"lineage": b"\x00" * 31},
+    {"lineage": "text"},
+])
+def test_bad_peer_lists_and_lineages_are_refused(fields: dict) -> None:
+    head = msgpack.packb({"op": "share", **fields}, use_bin_type=True)
+    with pytest.raises(ProtocolError):
+        decode_message(LENGTH.pack(len(head)) + head + LENGTH.pack(0), 0)
