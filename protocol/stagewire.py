@@ -85,6 +85,8 @@ class Reason(IntEnum):
     ALREADY_APPLIED = 5  # fail: the named peer already applied this step; re-running it cannot help
     BAD_DONE = 6  # fail: the named peer sent a done that does not add up (rate, norm or scale); it was not applied
     BAD_FINISH = 7  # fail: the named peer sent a finish off the run's schedule (rate or clipping norm); not run
+    NO_SHARE = 9  # fail: the named peer of the receiver's stage sent no gradient share within the trade's time
+    BAD_SHARE = 10  # fail: the named peer of the receiver's stage sent a share that broke the rules (banned)
     UNSCORED = 8  # gloss: a stage of the chain holds no candidate of the guard's round (a round it passed or never
     # reached): the guard has no loss
 

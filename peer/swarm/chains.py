@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from hlbp.peer.swarm.routing import Bans, Candidate, choose_chain
+from hlbp.peer.swarm.routing import Bans, Candidate, assign_routes, choose_chain, choose_serving
 
 logger = logging.getLogger(__name__)
 
@@ -33,7 +33,8 @@ class Chains:
                  shares: Sequence[float] = ()) -> None:
         self.candidates, self.wait_s, self.stop = candidates, wait_s, stop
         self.shares = tuple(shares)
-        self.chain: list[str] = []  # the chain in use (empty before the first step)
+        self.chain: list[str] = []  # the chain in use (empty before the first step): the first serving peer of each
+        self.serving: list[list[str]] = []  # the peers that served each stage in the last step, sorted by id
         self.bans = Bans()
         self.measured: dict[str, float] = {}  # tokens/s of its stage per stage peer, from the busy times it reports
 
@@ -76,6 +77,36 @@ class Chains:
                 logger.info("waiting for stage peers (stages without a usable peer: %s)", missing or "banned")
                 announced_once = True
             time.sleep(0.5)
+
+    def pick(self, tokens: Sequence[int], give_up: Callable[[], bool] | None = None, me: str = "", most: int = 1,
+             fresh: bool = False, switch_factor: float = 0.0) -> list[list[str]] | None:
+        """The peers that serve each stage in a step of micro-batches of ``tokens`` tokens, at most ``most`` each
+        (:func:`~hlbp.peer.swarm.routing.choose_serving`; ``fresh``: the phase's first step); waits as
+        :meth:`choose` does. The chain in use becomes the first peer of each stage."""
+        if most <= 1:
+            chain = self.choose(max(tokens, default=1), give_up, me, switch_factor if fresh else 0.0)
+            self.serving = [] if chain is None else [[p] for p in chain]
+            return None if chain is None else self.serving
+        deadline = time.monotonic() + self.wait_s
+        while True:
+            serving = choose_serving(self.options(), self.serving, self.bans, time.monotonic(), tokens, most, fresh)
+            if serving is not None:
+                if serving != self.serving:
+                    logger.info("pipeline stages served by: %s", " -> ".join(
+                        "+".join(p[:12] for p in stage) for stage in [[me], *serving]))
+                self.serving, self.chain = serving, [stage[0] for stage in serving]
+                return serving
+            if time.monotonic() >= deadline or (self.stop is not None and self.stop.is_set()) \
+                    or (give_up is not None and give_up()):
+                return None
+            time.sleep(0.5)
+
+    def routes(self, serving: Sequence[Sequence[str]], tokens: Sequence[int],
+               keep: Sequence[Sequence[str]] = ()) -> list[list[str]]:
+        """Each micro-batch's route through ``serving`` by least expected finish at the rates believed now
+        (:func:`~hlbp.peer.swarm.routing.assign_routes`; ``keep``: routes of a re-run)."""
+        rate = {c.peer: c.throughput for stage in self.options() for c in stage}
+        return assign_routes(tokens, [[Candidate(p, rate.get(p, 1.0)) for p in stage] for stage in serving], keep)
 
     def _log_faster(self, options: Sequence[Sequence[Candidate]], chain: Sequence[str]) -> None:
         """Log each stage whose serving peer, neither banned nor gone, gave way to a faster one, with each one's

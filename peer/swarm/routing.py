@@ -118,19 +118,31 @@ def choose_chain(
     return chain
 
 
-def assign_routes(tokens: Sequence[int], serving: Sequence[Sequence[Candidate]]) -> list[list[str]]:
+def assign_routes(tokens: Sequence[int], serving: Sequence[Sequence[Candidate]],
+                  keep: Sequence[Sequence[str]] = ()) -> list[list[str]]:
     """The route of each micro-batch of a step (micro-batch i has ``tokens[i]`` tokens): at every stage, the peer of
     ``serving[s]`` that would finish it first, counting what the step's earlier micro-batches already put on each
-    (SWARM's least expected finish time). Ties go to the lower peer id, so the same view routes the same way."""
+    (SWARM's least expected finish time). Ties go to the lower peer id, so the same view routes the same way.
+
+    ``keep[i]``: micro-batch i's route so far (a re-run after a failure). Where its peer of a stage still serves,
+    it stays there: that peer has accumulated the micro-batch's gradient, and a second peer of the stage
+    accumulating it too would count it twice in their trade."""
     routes: list[list[str]] = [[] for _ in tokens]
-    for options in serving:
+    for s, options in enumerate(serving):
         if not options:
             raise ValueError("a stage without a serving peer")
         queued = {c.peer: c.queued_tokens for c in options}
+        held = [keep[i][s] if i < len(keep) and s < len(keep[i]) and keep[i][s] in queued else None
+                for i in range(len(tokens))]
         for i, t in enumerate(tokens):
-            best = min(options, key=lambda c: ((queued[c.peer] + t) / max(c.throughput, 1e-9), c.peer))
-            queued[best.peer] += t
-            routes[i].append(best.peer)
+            if held[i] is not None:
+                queued[held[i]] += t
+        for i, t in enumerate(tokens):
+            best = held[i] or min(options, key=lambda c: ((queued[c.peer] + t) / max(c.throughput, 1e-9),
+                                                          c.peer)).peer
+            if held[i] is None:
+                queued[best] += t
+            routes[i].append(best)
     return routes
 
 

@@ -44,12 +44,16 @@ from hlbp.peer.swarm.guardrelay import GuardRelay
 from hlbp.peer.swarm.guardslot import GuardSlot
 from hlbp.peer.swarm.links import Conn, StageLinks
 from hlbp.peer.swarm.routing import Bans
+from hlbp.peer.swarm.siblings import SiblingTrades, without_own
 from hlbp.peer.swarm.stepend import StepLedger
 from hlbp.peer.swarm.transcript import Notary, sealed
 from hlbp.peer.swarm.worker import StageStateError, StageWorker, finish_fault, wire_norm, wire_scale
 from hlbp.protocol import ProtocolError
+from hlbp.protocol.gradshare import max_share_bytes
 from hlbp.protocol.stagewire import (
     DOWNSTREAM,
+    MAX_MICROBATCHES,
+    SIBLING,
     UPSTREAM,
     Reason,
     StageMessage,
@@ -99,12 +103,15 @@ class Pending:
 
 
 class StageServer:
-    """Serves one stage of one swarm until :meth:`close`. ``accept(peer)`` says who may call it."""
+    """Serves one stage of one swarm until :meth:`close`. ``accept(peer)`` says who may call it (from an earlier
+    stage); ``sibling(peer)`` says which callers serve this same stage (they may only trade gradients,
+    :mod:`hlbp.peer.swarm.siblings`)."""
 
     def __init__(self, dht: Any, worker: StageWorker, codec: ActivationCodec, vocab_size: int,
                  accept: Callable[[str], bool], max_tokens: int, bans: Bans | None = None,
                  on_step: Callable[[StageMessage, bool], None] | None = None, gate: RoundGate | None = None,
-                 gate_timeout_s: float = 600.0, notary: Notary | None = None, slot: GuardSlot | None = None) -> None:
+                 gate_timeout_s: float = 600.0, notary: Notary | None = None, slot: GuardSlot | None = None,
+                 sibling: Callable[[str], bool] | None = None, trade_timeout_s: float = 20.0) -> None:
         self.worker, self.codec, self.vocab_size = worker, codec, vocab_size
         self.slot = slot  # the round's candidate parameters under the swarm's loss guard (None: no guard served)
         self.notary = notary  # signs what this stage sends, checks and keeps what it receives (commitments)
@@ -115,6 +122,7 @@ class StageServer:
         self.on_step = on_step
         self.counters = StageCounters()
         self._accept = accept
+        self._sibling = sibling or (lambda _peer: False)
         # (priority, arrival, job, the peer whose frame the job decodes: blamed when it does not decode)
         self._jobs: queue.PriorityQueue[tuple[int, int, Callable[[], None], str]] = queue.PriorityQueue()
         self._seq = itertools.count()
@@ -133,15 +141,18 @@ class StageServer:
         self._warned: set[str] = set()
         self._stop = threading.Event()
         self.links = StageLinks(dht, self._on_message, self._on_closed, self._on_bad, self._may_call,
-                                max_body_bytes(codec, max_tokens, vocab_size))
+                                max_body_bytes(codec, max_tokens, vocab_size),
+                                max_share_bytes(MAX_MICROBATCHES, worker.shapes()))
         self.peer_id = self.links.peer_id
+        self.trades = SiblingTrades(worker, self.links, self.peer_id, lambda job: self._put(BACKWARD, job),
+                                    self._fail, self._on_bad, trade_timeout_s, lambda job: self._put(FORWARD, job))
         self._thread = threading.Thread(target=self._compute_loop, name="hlbp-stage-compute", daemon=True)
         self._thread.start()
 
     # --- loop thread ------------------------------------------------------------------------------------------------
 
     def _may_call(self, peer: str) -> bool:
-        return not self.bans.banned(peer, time.monotonic()) and self._accept(peer)
+        return not self.bans.banned(peer, time.monotonic()) and (self._accept(peer) or self._sibling(peer))
 
     def _on_bad(self, peer: str, error: str) -> None:
         self.counters.frames_refused += 1
@@ -154,7 +165,7 @@ class StageServer:
                 conn.close()
 
     def _on_message(self, conn: Conn, msg: StageMessage, body: bytes) -> None:
-        allowed = UPSTREAM if conn.dialled else DOWNSTREAM
+        allowed = UPSTREAM if conn.dialled else SIBLING if self._sibling(conn.peer) else DOWNSTREAM
         if msg.op not in allowed:
             self._on_bad(conn.peer, f"a {msg.op} message on a stream where only {sorted(allowed)} belong")
             return
@@ -187,6 +198,10 @@ class StageServer:
             self._put(BACKWARD, lambda: self._finish(conn, msg))
         elif msg.op == "abort":
             self._put(APPLY, lambda: self._abort(msg))
+        elif msg.op == "share":
+            self._put(BACKWARD, lambda: self.trades.received(conn.peer, msg, body), conn.peer)
+        elif msg.op == "apply" and allowed is SIBLING:
+            self._put(APPLY, lambda: self._mirror_apply(conn.peer, msg), conn.peer)
         elif msg.op == "apply":
             self._apply_arrived(conn, msg)
         elif msg.op == "done":
@@ -284,6 +299,9 @@ class StageServer:
             self.counters.busy_s += time.perf_counter() - start
 
     def _forward(self, conn: Conn, msg: StageMessage, body: bytes) -> None:
+        if msg.op == "fwd" and (msg.session, msg.step) != (self.worker.session, self.worker.step) and \
+                self.trades.hold(lambda: self._forward(conn, msg, body)):
+            return  # a mirror's step is not applied yet: the next one's micro-batches wait for it
         start = time.perf_counter()
         frame, window = split_body(body, self.vocab_size)
         received = self.codec.decode_forward(frame)
@@ -373,6 +391,15 @@ class StageServer:
 
     def _finish(self, conn: Conn, msg: StageMessage) -> None:
         self._closer = conn  # one reference, set here and in _forward (this thread), read by _send_up
+        others = msg.peers[:msg.per[0]] if msg.per else ()
+        if others and self.trades.peers_of(msg.session, msg.step) != tuple(sorted({self.peer_id, *others})):
+            if (msg.session, msg.step) != (self.worker.session, self.worker.step):
+                self._fail(self.peer_id, Reason.INCOMPLETE, f"finish of step {msg.step}: none of it is here")
+                return
+            # several peers served this stage: trade gradients first, then finish with the whole step's
+            self.trades.lead(msg, others, lambda: self._finish(conn, msg))
+            return
+        msg = without_own(msg)
         if (msg.session, msg.step) != (self.worker.session, self.worker.step) or \
                 len(self.worker.accumulated) != msg.count:
             have = len(self.worker.accumulated) if msg.step == self.worker.step else 0
@@ -395,18 +422,33 @@ class StageServer:
         self._apply(done)
         self._send_up(done)
 
-    def _apply(self, msg: StageMessage) -> None:
+    def _mirror_apply(self, sender: str, msg: StageMessage) -> None:
+        """Compute thread: the step's apply from the peer of this stage that led its trade (checked against the
+        sum's norm computed here) is applied as a mirror."""
+        fault = self.trades.apply_fault(sender, msg)
+        if fault is not None:
+            self._on_bad(sender, fault)
+            return
+        self._apply(msg, mirror=True)
+
+    def _apply(self, msg: StageMessage, mirror: bool = False) -> None:
+        """Step (or skip) the step under way. A ``mirror`` (a peer of a shared stage that did not lead its trade)
+        steps the same, and its round gate does not count the step: the leader's contribution carries it."""
         if (msg.session, msg.step) != (self.worker.session, self.worker.step):
             raise StageStateError(f"done of step {msg.step}, this stage is at step {self.worker.step}")
         ok = msg.scale > 0 and self.worker.apply(msg.lr, msg.scale)
         if not ok:
             self.worker.reset()
+        self.worker.applied_with(msg.session, msg.step, self.trades.peers_of(msg.session, msg.step))
+        self.trades.applied(msg.session, msg.step)
+        if not mirror and msg.scale > 0:
+            self.trades.pass_apply(msg)
         self.counters.steps_applied += ok
         self.counters.steps_skipped += not ok
         self.worker.step = -1  # applied: the next fwd of this session starts the next step afresh
         if self.gate is not None:
             # the driver's count weighs this stage's contribution in token-weighted runs: never above a batch
-            self.gate.leave(ok, min(msg.tokens, self.max_tokens), msg.round_end, self._step_round)
+            self.gate.leave(ok and not mirror, min(msg.tokens, self.max_tokens), msg.round_end, self._step_round)
         if self.on_step is not None:
             self.on_step(msg, ok)
 

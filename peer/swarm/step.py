@@ -9,7 +9,7 @@ they can be tested without a swarm.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 
 import torch
@@ -79,6 +79,20 @@ class StepState:
     # the squared gradient norm of every later stage, as the newest backward brought it complete (None: it did not,
     # and the step asks for it with a finish)
     below: float | None = None
+    serving: list[list[str]] = field(default_factory=list)  # the peers serving each stage (chain[k] first of k)
+    routes: list[list[str]] = field(default_factory=list)  # each micro-batch's peer at each stage
+
+    def peers(self) -> list[str]:
+        """Every stage peer of the step: the chain's and those serving a stage beside it."""
+        return [p for stage in self.serving for p in stage] if self.serving else list(self.chain)
+
+    def shared(self) -> bool:
+        """Whether some stage is served by more than one peer (its peers trade gradients at the step's end)."""
+        return any(len(stage) > 1 for stage in self.serving)
+
+    def route(self, i: int) -> list[str]:
+        """The peers micro-batch ``i`` goes through."""
+        return self.routes[i] if i < len(self.routes) else self.chain
 
     def inflight(self) -> list[int]:
         """The micro-batches sent and not yet back."""

@@ -80,6 +80,9 @@ class DriverConfig:
     # at a phase's first step, a stage's peer gives way to one at least this many times faster (measured, else
     # announced; routing.choose_chain); 0: a peer keeps its stage until it fails
     switch_factor: float = 2.0
+    # most peers serving one stage in a step (they trade gradients at its end, hlbp.peer.swarm.siblings); 1: one
+    stage_peers: int = 1
+    share_wait_s: float = 30.0  # what a shared stage's trade may add to the finish's deadline
 
 
 @dataclass
@@ -115,6 +118,7 @@ class StepRunner:
         self.stepped_round = -1
         self.latency = LatencyTracker(override_s=cfg.deadline_s, min_s=cfg.min_deadline_s, max_s=cfg.max_deadline_s)
         self.counters = DriverCounters()
+        self._routes: list[list[str]] = []  # the distinct routes of the step under way (where an abort goes)
 
     def ping(self, peers: Sequence[str], round_: int = 0) -> tuple[list[str], list[str]]:
         """The peers of ``peers`` that do not answer a ping in time, and those that answer that they are
@@ -129,7 +133,7 @@ class StepRunner:
         return [p for p in peers if p not in answered], [p for p in peers if p in exchanging]
 
     def _send(self, i: int, step: StepState) -> None:
-        mb, chain = step.mbs[i], step.chain
+        mb, chain = step.mbs[i], step.route(i)
         mb.attempt += 1
         mb.done = False
         out = self.worker.forward(i, mb.attempt, mb.x)
@@ -144,11 +148,11 @@ class StepRunner:
         self.counters.steps_abandoned += 1
         self.counters.microbatches_abandoned += len(step_mbs)
         self.worker.reset()
-        if self.chains.chain:
+        routes = self._routes or ([self.chains.chain] if self.chains.chain else [])
+        for route in routes:
             try:
-                self.links.dial(self.chains.chain[0], 3).send(encode_message(StageMessage(
-                    "abort", session=self.session, step=self.seq, route=tuple(self.chains.chain[1:]),
-                    reason=reason[:200])))
+                self.links.dial(route[0], 3).send(encode_message(StageMessage(
+                    "abort", session=self.session, step=self.seq, route=tuple(route[1:]), reason=reason[:200])))
             except ConnectionError:
                 pass
         logger.warning("step %d abandoned (%d micro-batches): %s", self.seq, len(step_mbs), reason)
@@ -171,15 +175,19 @@ class StepRunner:
         start = time.perf_counter()
         self.seq += 1
         mbs = micro_batches(x, y, self.cfg.micro_batches, self.cfg.schedule)
-        # a phase's first step may hand a stage to a faster peer: a standby holds the round's result, so the switch
-        # costs that stage its AdamW moments only, not steps of the phase
-        chain = self.chains.choose(max(m.y.numel() for m in mbs), give_up, self.peer_id,
-                                   self.cfg.switch_factor if inner == 0 else 0.0)
-        if chain is None:
+        tokens = [m.y.numel() for m in mbs]
+        self._routes = []
+        # a phase's first step may hand a stage to a faster peer, or to several: a standby holds the round's result,
+        # so the switch costs that stage its AdamW moments only, not steps of the phase
+        serving = self.chains.pick(tokens, give_up, self.peer_id, self.cfg.stage_peers, inner == 0,
+                                   self.cfg.switch_factor)
+        if serving is None:
             raise self._abandon(mbs, Abandon.NO_CHAIN, "no complete chain of stage peers")
         self.worker.begin(self.session, self.seq)
         window = min(len(mbs), self.cfg.in_flight or len(mbs))
-        step = StepState(mbs, chain, window, opt_step, lr, int(y.numel()), round_end, give_up, start, round_r, inner)
+        step = StepState(mbs, [stage[0] for stage in serving], window, opt_step, lr, int(y.numel()), round_end,
+                         give_up, start, round_r, inner, serving=serving, routes=self.chains.routes(serving, tokens))
+        self._routes = _distinct(step.routes)
         while True:
             if self.stop is not None and self.stop.is_set():
                 raise self._abandon(mbs, Abandon.STOPPING, "this peer is stopping")
@@ -205,14 +213,14 @@ class StepRunner:
             except ConnectionError as exc:  # stage 1 cannot be dialled: it failed
                 logger.warning("%s", exc)
                 step.mbs[i].sent_at = 0.0
-                return PeerFailed(step.chain[0])
+                return PeerFailed(step.route(i)[0])
             inflight.append(i)
         if all(m.done for m in step.mbs):
-            if step.below is not None:
+            if step.below is not None and not step.shared():
                 return self._apply_down(step, step.below)
             step.finishing = True
             step.finish_at = time.monotonic()
-            self._send_finish(step.chain, len(step.mbs), step.opt_step, step.lr, step.tokens, step.round_end)
+            self._send_finish(step)
         return None
 
     def _apply_down(self, step: StepState, below: float) -> StepResult | PeerFailed:
@@ -234,7 +242,7 @@ class StepRunner:
         """Wait for the next event, at most until the oldest micro-batch (or the finish) is past its deadline,
         and handle it."""
         inflight = step.inflight()
-        deadline = self.latency.deadline()
+        deadline = self.latency.deadline() + (self.cfg.share_wait_s if step.finishing and step.shared() else 0.0)
         oldest = step.oldest_sent()
         wait = 1.0 if oldest is None else max(0.0, oldest + deadline - time.monotonic())
         event = self.inbox.get(timeout=min(wait, 1.0))
@@ -250,7 +258,7 @@ class StepRunner:
             return self._on_stream_closed(step, event, inflight)
         if isinstance(event, BadPeer):
             return self._on_bad_peer(step, event)
-        if isinstance(event, FailReport) and event.code == Reason.BAD_DONE and event.peer in step.chain \
+        if isinstance(event, FailReport) and event.code == Reason.BAD_DONE and event.peer in step.peers() \
                 and event.belongs_to(self.session, self.seq - 1):
             return PeerFailed(event.peer)  # the previous step's apply was refused below a peer that altered it
         if not event.belongs_to(self.session, self.seq):
@@ -266,18 +274,19 @@ class StepRunner:
     def _on_stream_closed(self, step: StepState, event: StreamClosed, inflight: list[int]) -> PeerFailed | None:
         """The stream to stage 1 closed while the step needs it: that peer failed."""
         closed = event.conn.peer
-        return PeerFailed(closed) if closed == step.chain[0] and (inflight or step.finishing) else None
+        waiting = step.finishing and closed == step.chain[0]
+        return PeerFailed(closed) if waiting or any(step.route(i)[0] == closed for i in inflight) else None
 
     def _on_bad_peer(self, step: StepState, event: BadPeer) -> PeerFailed | None:
         """A peer sent bytes that did not decode: banned; if it is in the chain, it failed."""
         self.chains.fail(event.peer)
-        return PeerFailed(event.peer) if event.peer in step.chain else None
+        return PeerFailed(event.peer) if event.peer in step.peers() else None
 
     def _on_deadline(self, step: StepState, inflight: list[int], deadline: float) -> PeerFailed | None:
         """The oldest micro-batch (or the finish) is past its deadline: ping the chain. A silent peer failed; a
         peer at its round gate gets a new deadline a few times; if everyone answers, the micro-batches were lost
         and go again."""
-        silent, exchanging = self.ping(step.chain, step.round)
+        silent, exchanging = self.ping(step.peers(), step.round)
         if silent:
             return PeerFailed(silent[0])
         if exchanging and step.waits < self.cfg.max_attempts:
@@ -317,7 +326,7 @@ class StepRunner:
         m.done, m.loss = True, msg.loss
         step.below = msg.sumsq if msg.count == len(step.mbs) else None  # the newest backward's word counts
         self.latency.add(time.monotonic() - m.sent_at)
-        self._account(step.chain, msg.busy, m.y.numel(), time.perf_counter() - t0)
+        self._account(step.route(msg.mb), msg.busy, m.y.numel(), time.perf_counter() - t0)
 
     def _on_done(self, step: StepState, event: Done) -> StepResult | PeerFailed:
         """The chain finished the step: apply it here too (or skip it everywhere, non-finite) and count it."""
@@ -340,7 +349,7 @@ class StepRunner:
         self.counters.steps += 1
         self.counters.microbatches += len(step.mbs)
         self.counters.tokens += step.tokens
-        self.chains.served(step.chain)
+        self.chains.served(step.peers())
         self.stepped_round = step.round  # the round whose guard this chain will score (guard_loss)
         return StepResult(step.loss(), time.perf_counter() - step.started, list(step.chain), step.retried)
 
@@ -361,8 +370,9 @@ class StepRunner:
         self.failed(failed)
         if failed == self.peer_id:
             raise self._abandon(step.mbs, Abandon.NAMED_AS_FAILED, "this driver was named as failed")
-        chain = self.chains.choose(step.mbs[0].y.numel(), step.give_up, self.peer_id)
-        if chain is None:
+        tokens = [m.y.numel() for m in step.mbs]
+        serving = self.chains.pick(tokens, step.give_up, self.peer_id, self.cfg.stage_peers)
+        if serving is None:
             raise self._abandon(step.mbs, Abandon.NO_REPLACEMENT, f"no stage peer can replace {failed[:12]}…")
         sent = [m for m in step.mbs if m.attempt >= 0]
         if any(m.attempt + 1 >= self.cfg.max_attempts for m in sent):
@@ -370,18 +380,27 @@ class StepRunner:
                                 f"a micro-batch failed {self.cfg.max_attempts} times")
         for m in sent:
             m.done, m.sent_at = False, 0.0
-        step.chain = chain
+        # a micro-batch stays with a peer that accumulated it and still serves (a trade must count it once)
+        step.routes = self.chains.routes(serving, tokens, step.routes)
+        step.serving, step.chain = serving, [stage[0] for stage in serving]
+        self._routes = _distinct(step.routes)
+        chain = step.chain
         step.retried += len(sent)
         self.counters.microbatches_retried += len(sent)
         step.finishing = False
         logger.warning("re-running %d micro-batches of step %d through %s", len(sent), self.seq,
                        " -> ".join(p[:12] for p in chain))
 
-    def _send_finish(self, chain: list[str], count: int, opt_step: int, lr: float, tokens: int,
-                     round_end: bool) -> None:
-        msg = StageMessage("finish", session=self.session, step=self.seq, count=count, opt_step=opt_step,
-                           lr=lr, max_norm=self.cfg.max_norm, sumsq=min(self.worker.sumsq(), 1e300),
-                           route=tuple(chain[1:]), tokens=tokens, round_end=round_end)
+    def _send_finish(self, step: StepState) -> None:
+        """The step's finish down its chain; where several peers served a stage it names the others beside the
+        chain's, which trade gradients with it first (hlbp.peer.swarm.siblings)."""
+        chain = step.chain
+        per = tuple(len(stage) - 1 for stage in step.serving) if step.shared() else ()
+        peers = tuple(p for stage in step.serving for p in stage[1:]) if per else ()
+        msg = StageMessage("finish", session=self.session, step=self.seq, count=len(step.mbs),
+                           opt_step=step.opt_step, lr=step.lr, max_norm=self.cfg.max_norm,
+                           sumsq=min(self.worker.sumsq(), 1e300), route=tuple(chain[1:]), tokens=step.tokens,
+                           round_end=step.round_end, peers=peers, per=per)
         try:
             self.links.dial(chain[0]).send(encode_message(msg))
         except ConnectionError:
@@ -394,3 +413,12 @@ class StepRunner:
             b[peer] = b.get(peer, 0.0) + seconds
             if seconds > 0:
                 self.chains.measure(peer, tokens / seconds)
+
+
+def _distinct(routes: Sequence[Sequence[str]]) -> list[list[str]]:
+    """The distinct routes among ``routes``, in first-seen order."""
+    out: list[list[str]] = []
+    for route in routes:
+        if list(route) not in out:
+            out.append(list(route))
+    return out

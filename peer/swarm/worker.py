@@ -24,6 +24,7 @@ from torch import nn
 
 from hlbp.peer.model.decoder import Stage
 from hlbp.peer.model.subspace import SubspaceConstraint
+from hlbp.peer.swarm.shares import fresh_lineage, next_lineage
 from hlbp.peer.train.trainer import OptimConfig, autocast, lr_at, make_adamw
 
 
@@ -55,6 +56,9 @@ class StageWorker:
         self.saved: OrderedDict[int, _Saved] = OrderedDict()
         self.accumulated: set[int] = set()  # micro-batches whose gradients are in .grad this step
         self.steps_applied = 0
+        # what this stage's AdamW state has seen (hlbp.peer.swarm.shares): peers that serve a stage together and
+        # find theirs unequal clear their moments together
+        self.lineage = fresh_lineage()
         self.dropped = 0  # stored micro-batches evicted because more than max_stored were in flight
 
     # --- step bookkeeping ---------------------------------------------------------------------------------------
@@ -184,10 +188,35 @@ class StageWorker:
         self.reset()
         return ok
 
-    def forget_moments(self) -> None:
+    def forget_moments(self, lineage: bytes | None = None) -> None:
         """Clear AdamW's state (its moments and step count), as a fresh standby's: what it learned from a phase whose
-        gradients came through a peer caught lying must not steer the next steps."""
+        gradients came through a peer caught lying must not steer the next steps. ``lineage``: the state's new
+        lineage (default: one no other peer shares)."""
         self.optimizer.state.clear()
+        self.lineage = fresh_lineage() if lineage is None else lineage
+
+    def applied_with(self, session: int, step: int, peers: list[str] | tuple[str, ...]) -> None:
+        """Step (``session``, ``step``) was applied (or skipped) with ``peers`` serving the stage: the lineage
+        moves on."""
+        self.lineage = next_lineage(self.lineage, session, step, peers)
+
+    # --- several peers of one stage -----------------------------------------------------------------------------
+
+    def gradients(self) -> dict[str, torch.Tensor]:
+        """This stage's accumulated gradient of the step under way, by parameter name (zeros where a parameter got
+        none): this peer's part of a trade (hlbp.peer.swarm.shares)."""
+        return {n: (p.grad.detach() if p.grad is not None else torch.zeros_like(p)).float()
+                for n, p in self.stage.named_parameters()}
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        return {n: tuple(p.shape) for n, p in self.stage.named_parameters()}
+
+    def take_gradients(self, total: Mapping[str, torch.Tensor], count: int) -> None:
+        """Replace the accumulated gradient with ``total``, the whole step's (every peer's part added), so every one
+        of the step's ``count`` micro-batches counts as accumulated here (a re-run only passes its gradient back)."""
+        for n, p in self.stage.named_parameters():
+            p.grad = total[n].to(device=p.device, dtype=p.dtype).clone()
+        self.accumulated = set(range(count))
 
     def parameters(self) -> dict[str, nn.Parameter]:
         return dict(self.stage.named_parameters())

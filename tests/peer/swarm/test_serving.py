@@ -51,3 +51,16 @@ def test_one_peer_per_stage_is_the_sticky_chain_with_its_switch_at_a_phase_start
     assert choose_serving([stage], [["a"]], Bans(), 0.0, [64], most=1, fresh=True) == [["a"]]
     assert choose_serving([stage], [["a"]], Bans(), 0.0, [64], most=1, fresh=True, switch_factor=2.0) == [["b"]]
     assert choose_serving([stage], [["a"]], Bans(), 0.0, [64], most=1, fresh=False, switch_factor=2.0) == [["a"]]
+
+
+def test_a_re_run_keeps_each_micro_batch_on_the_peer_that_accumulated_it_where_that_peer_still_serves() -> None:
+    old = [["a", "c"], ["b", "c"], ["a", "c"], ["b", "c"]]
+    # stage 2's c failed and d replaces it; stage 1 keeps its split
+    new = assign_routes([64] * 4, [[Candidate("a", 100.0), Candidate("b", 100.0)], [Candidate("d", 100.0)]], old)
+    assert new == [["a", "d"], ["b", "d"], ["a", "d"], ["b", "d"]]
+    # b failed: its micro-batches go to a, a's stay with a
+    alone = assign_routes([64] * 4, [[Candidate("a", 100.0)], [Candidate("c", 100.0)]], old)
+    assert alone == [["a", "c"]] * 4
+    # a kept micro-batch counts in its peer's queue: the others go to the emptier peer
+    fresh = assign_routes([64] * 3, [[Candidate("a", 100.0), Candidate("e", 100.0)]], [["a"], ["b"], ["b"]])
+    assert fresh == [["a"], ["e"], ["a"]]  # the last a tie, to the lower id

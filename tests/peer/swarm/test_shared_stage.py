@@ -1,0 +1,140 @@
+"""Two peers serving one stage in the same steps, on real hivemind P2P daemons on loopback: a driver (stage 0), two
+peers of stage 1 and a last stage, with the lossless dense fp32 codec.
+
+What must hold: the driver splits each step's micro-batches between the two stage-1 peers; at the step's end they
+trade gradients and step with the same bits, so their weights stay bit-identical; the update equals the one a single
+stage-1 peer makes on the same batches (up to the order of one addition); only the peer that led the trade counts
+the step for its round gate (the other is a mirror); and when one of the two stops, the next steps run through the
+other alone."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+
+import pytest
+import torch
+from stage_parts import CONFIG3, dense_codec, stage_workers, started_dhts
+
+from hlbp.peer.sim.launcher import poll
+from hlbp.peer.swarm.driver import Driver, DriverConfig
+from hlbp.peer.swarm.gate import RoundGate
+from hlbp.peer.swarm.routing import Candidate
+from hlbp.peer.swarm.server import StageServer
+from hlbp.peer.swarm.worker import StageWorker
+from hlbp.peer.train.trainer import OptimConfig, lr_at
+
+OPTIM = OptimConfig(lr=3e-3, warmup_steps=1, total_steps=20)
+
+
+def _batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(7)
+    out = []
+    for _ in range(n):
+        x = torch.randint(0, CONFIG3.vocab_size, (8, 17), generator=gen)
+        out.append((x[:, :-1], x[:, 1:]))
+    return out
+
+
+@contextmanager
+def _swarm(middles: int) -> Iterator[tuple[Driver, list[StageServer], StageServer, list[StageWorker]]]:
+    """A driver, ``middles`` stage-1 servers (siblings of each other) and a last stage, all from the initial
+    state."""
+    with started_dhts(2 + middles) as dhts, ExitStack() as stack:
+        workers = stage_workers(OPTIM, 0, *[1] * middles, 2, n_stages=3)
+        upstream: set[str] = set()
+        mids: list[StageServer] = []
+        for i in range(middles):
+            server = StageServer(dhts[1 + i], workers[1 + i], dense_codec(), CONFIG3.vocab_size,
+                                 lambda p: p in upstream, 4096, gate=RoundGate(),
+                                 sibling=lambda p: p in {m.peer_id for m in mids})
+            mids.append(server)
+            stack.callback(server.close)
+        last = StageServer(dhts[-1], workers[-1], dense_codec(), CONFIG3.vocab_size,
+                           lambda p: p in upstream or p in {m.peer_id for m in mids}, 4096)
+        stack.callback(last.close)
+        cfg = DriverConfig(micro_batches=4, stage_peers=2, max_norm=1.0)
+        driver = Driver(dhts[0], workers[0], dense_codec(), CONFIG3.vocab_size, cfg,
+                        lambda: [[Candidate(m.peer_id, 100.0) for m in mids], [Candidate(last.peer_id, 100.0)]],
+                        4096)
+        stack.callback(driver.close)
+        upstream.add(driver.peer_id)
+        yield driver, mids, last, workers
+
+
+def _params(worker: StageWorker) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in worker.stage.named_parameters()}
+
+
+def _same_update(got: torch.Tensor, want: torch.Tensor, init: torch.Tensor, name: str) -> None:
+    """``got`` made the update ``want`` made from ``init`` but for the order of float additions: AdamW divides by
+    the gradient's own scale, so an entry whose gradient is near zero may move differently; on average the two
+    differ by a millionth of the update (a missing part of the gradient moves them apart by a tenth or more)."""
+    diff = (got - want).abs()
+    update = (want - init).abs().mean()
+    assert float(update) > 0, name
+    assert float(diff.mean()) <= 1e-3 * float(update), (name, float(diff.mean()), float(update))
+    assert float((diff > 1e-5).float().mean()) <= 1e-3, (name, float((diff > 1e-5).float().mean()))
+
+
+def _train(driver: Driver, batches: list[tuple[torch.Tensor, torch.Tensor]], end: bool = True) -> list[list[str]]:
+    """The steps of ``batches``, the last one marked as the round's end if ``end`` (the servers' round gates then
+    close: no round loop opens them here)."""
+    chains = []
+    for step, (x, y) in enumerate(batches):
+        result = driver.train_step(x, y, step, lr_at(step, OPTIM), round_end=end and step == len(batches) - 1,
+                                   inner=step)
+        chains.append(result.chain)
+    return chains
+
+
+@pytest.mark.timeout(240)
+def test_two_peers_of_a_stage_split_each_step_and_stay_bit_identical_to_each_other() -> None:
+    batches = _batches(3)
+    with _swarm(1) as (driver, _mids, _last, workers):
+        init, init_last = _params(workers[1]), _params(workers[2])
+        _train(driver, batches)
+        poll(lambda: _mids[0].counters.steps_applied == 3 and _last.counters.steps_applied == 3, 30, "3 steps")
+        alone = _params(workers[1])
+        alone_last = _params(workers[2])
+    with _swarm(2) as (driver, mids, last, workers):
+        _train(driver, batches)
+        # the mirror applies when the leader's apply reaches it, after the driver's step returned
+        poll(lambda: all(m.counters.steps_applied == 3 for m in mids) and last.counters.steps_applied == 3, 30,
+             lambda: f"every stage peer to apply 3 steps: {[m.counters.steps_applied for m in mids]}")
+        a, b = _params(workers[1]), _params(workers[2])
+        assert driver.counters.steps == 3 and driver.counters.microbatches_retried == 0
+        assert all(m.counters.forwards > 0 for m in mids), [m.counters.forwards for m in mids]
+        assert sum(m.counters.forwards for m in mids) == 3 * 4
+        for name in a:
+            assert torch.equal(a[name].view(torch.int32), b[name].view(torch.int32)), name
+            _same_update(a[name], alone[name], init[name], name)
+        for name, t in _params(workers[3]).items():
+            _same_update(t, alone_last[name], init_last[name], name)
+        assert workers[1].lineage == workers[2].lineage
+        assert [m.trades.traded for m in mids] == [3, 3]
+        gates = [m.gate for m in mids]
+        assert all(g is not None for g in gates)
+        counted = sorted(g.take()[0] for g in gates if g is not None)
+        assert counted == [0, 3]  # the leader counts the phase's steps, the mirror none
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("stops", ["leader", "mirror"])
+def test_when_one_of_the_two_stops_the_other_serves_the_stage_alone(stops: str) -> None:
+    batches = _batches(4)
+    with _swarm(2) as (driver, mids, last, _workers):
+        _train(driver, batches[:2], end=False)
+        poll(lambda: all(m.counters.steps_applied == 2 for m in mids), 30, "both stage-1 peers to apply 2 steps")
+        leader = min(mids, key=lambda m: m.peer_id)  # the finish goes through the lower id
+        mirror = next(m for m in mids if m is not leader)
+        gone, other = (leader, mirror) if stops == "leader" else (mirror, leader)
+        gone.close()
+        for step, (x, y) in enumerate(batches[2:], start=2):
+            result = driver.train_step(x, y, step, lr_at(step, OPTIM), inner=step)
+            assert result.chain[0] == other.peer_id
+        assert driver.counters.steps == 4 and driver.counters.failures >= 1
+        poll(lambda: other.counters.steps_applied == 4 and last.counters.steps_applied == 4, 30,
+             lambda: f"the remaining peers to apply 4 steps: {other.counters.steps_applied}, "
+                     f"{last.counters.steps_applied}")
+        assert other.trades.traded == 2  # the two steps before the stop; alone it trades nothing
