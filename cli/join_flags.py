@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING
 from hlbp.cli.options import ANNOUNCE_HELP, INITIAL_PEERS_HELP, flag, parse_flags, split_values
 from hlbp.peer.common.errors import UserInputError
 
+MAX_STAGE_PEERS = 8  # hlbp.protocol.stagewire.MAX_STAGE_PEERS, not imported here: that module pulls in torch
+
 SCHEDULES = ("uniform", "tapered")  # hlbp.peer.swarm.step.Schedule's values (not imported here: it imports torch)
 
 if TYPE_CHECKING:
@@ -109,6 +111,9 @@ class JoinFlags:
     switch_factor: float = flag(2.0, "--switch-factor", env="SWITCH_FACTOR",
                                 help="Stage 0: at a phase's first step, hand a stage to a peer at least this many "
                                      "times faster than the one serving it (measured, else announced; 0: never).")
+    stage_peers: int = flag(1, "--stage-peers", env="STAGE_PEERS",
+                            help="Stage 0: at most this many peers serve each stage in a step, splitting its "
+                                 "micro-batches and trading gradients at its end (1: one peer, the others stand by).")
     rebalance_period: float | None = flag(
         None, "--rebalance-period", env="REBALANCE_PERIOD",
         help="Stage peer: move to a stage another swarm lacks only when idle and when the same move was seen twice "
@@ -129,9 +134,11 @@ class JoinFlags:
         if self.micro_batches < 1 or self.in_flight is not None and self.in_flight < 1 or self.eval_every < 0 \
                 or self.stage_deadline is not None and self.stage_deadline <= 0 \
                 or self.rebalance_period is not None and self.rebalance_period < 0 \
-                or not (self.switch_factor == 0 or 1 < self.switch_factor < float("inf")):
+                or not (self.switch_factor == 0 or 1 < self.switch_factor < float("inf")) \
+                or not 1 <= self.stage_peers <= MAX_STAGE_PEERS:
             raise UserInputError("--micro-batches and --in-flight must be >= 1, --eval-every and "
-                                 "--rebalance-period >= 0, --stage-deadline > 0 and --switch-factor 0 or > 1")
+                                 "--rebalance-period >= 0, --stage-deadline > 0, --switch-factor 0 or > 1 and "
+                                 f"--stage-peers 1..{MAX_STAGE_PEERS}")
         if (self.rounds is not None and self.rounds < 0 or self.checkpoint_every < 0 or self.wait_replicas < 0
                 or self.wait_replicas_timeout < 0):
             raise UserInputError("--rounds, --checkpoint-every, --wait-replicas and --wait-replicas-timeout "
@@ -160,7 +167,7 @@ class JoinFlags:
         )
         stage = StageOptions(micro_batches=self.micro_batches, schedule=Schedule(self.micro_batch_schedule),
                              in_flight=self.in_flight, deadline_s=self.stage_deadline,
-                             switch_factor=self.switch_factor,
+                             switch_factor=self.switch_factor, stage_peers=self.stage_peers,
                              eval_every=self.eval_every, threads=self.threads, checkpoint_every_s=self.checkpoint_every,
                              rebalance_period_s=self.rebalance_period, state_dtype=self.state_dtype,
                              state_on_disk=self.state_on_disk, recompute=self.recompute)

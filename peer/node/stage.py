@@ -82,6 +82,7 @@ class StageOptions:
     in_flight: int | None = None  # driver: most micro-batches in the chain at once (None: all of a step's)
     deadline_s: float | None = None  # driver: fixed per-micro-batch deadline (None: from measured latency)
     switch_factor: float = 2.0  # driver: at a phase's first step a stage goes to a peer this many times faster
+    stage_peers: int = 1  # driver: most peers serving one stage in a step (they trade gradients, swarm.siblings)
     eval_every: int = 10  # driver: validation loss every this many steps (0: never)
     eval_batches: int = 4  # as a full replica's, so a swarm's and a replica's validation losses compare
     threads: int | None = None
@@ -296,7 +297,7 @@ def _serve(ctx: TrainContext, options: StageOptions, worker: StageWorker, codec:
     server = StageServer(ctx.peer.plane.dht, worker, codec, vocab,
                          lambda p: view.may_call(p, stage),
                          max_tokens=m.hparams.batch_size * m.hparams.seq_len, on_step=on_step, gate=gate,
-                         notary=notary, slot=slot)
+                         notary=notary, slot=slot, sibling=lambda p: view.at_same_stage(p, stage))
     echo(f"serving stage {stage} as {server.peer_id}")
     thread = threading.Thread(target=rounds, name="hlbp-stage-rounds", daemon=True)
     try:
@@ -377,7 +378,8 @@ def _swarm_phase(ctx: TrainContext, options: StageOptions, worker: StageWorker, 
         return [[Candidate(p, t) for p, t in view.at_stage(s) if p not in out] for s in range(1, n_stages)]
 
     cfg = DriverConfig(micro_batches=options.micro_batches, schedule=options.schedule, in_flight=options.in_flight,
-                       deadline_s=options.deadline_s, switch_factor=options.switch_factor)
+                       deadline_s=options.deadline_s, switch_factor=options.switch_factor,
+                       stage_peers=options.stage_peers)
     step_tokens = m.hparams.batch_size * m.hparams.seq_len
     shares = compute_shares(worker.stage.config, m.stages, m.hparams.seq_len)[1:]
     driver = Driver(peer.plane.dht, worker, codec, vocab, cfg, candidates, max_tokens=step_tokens, stop=ctx.stop,

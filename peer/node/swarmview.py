@@ -41,6 +41,11 @@ class SwarmView:
         return sorted((p, a.throughput) for p, a in self.peers().items()
                       if a.role == "stage" and a.swarm == self.swarm and a.stage == stage)
 
+    def at_same_stage(self, peer: str, my_stage: int) -> bool:
+        """Whether ``peer`` announces this swarm's stage ``my_stage`` (it may trade gradients with us)."""
+        a = self.peers().get(peer)
+        return a is not None and a.role == "stage" and a.swarm == self.swarm and a.stage == my_stage
+
     def may_call(self, peer: str, my_stage: int) -> bool:
         a = self.peers().get(peer)
         if a is None:  # maybe it announced a moment ago

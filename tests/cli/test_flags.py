@@ -7,9 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from hlbp.cli.join_flags import SCHEDULES, JoinFlags, join_plan
+from hlbp.cli.join_flags import MAX_STAGE_PEERS, SCHEDULES, JoinFlags, join_plan
 from hlbp.peer.common.errors import UserInputError
 from hlbp.peer.swarm.step import Schedule
+from hlbp.protocol import stagewire
 
 
 def test_join_flags_become_the_plan_of_one_peer(monkeypatch):
@@ -31,6 +32,8 @@ def test_join_flags_become_the_plan_of_one_peer(monkeypatch):
     assert plan.stage.schedule is Schedule.UNIFORM  # the driver's default cut of a step's batch
     assert join_plan(["--micro-batch-schedule", "tapered"]).stage.schedule is Schedule.TAPERED
     assert set(SCHEDULES) == {s.value for s in Schedule}  # the flag's light list names every schedule
+    assert plan.stage.stage_peers == 1 and join_plan(["--stage-peers", "2"]).stage.stage_peers == 2
+    assert MAX_STAGE_PEERS == stagewire.MAX_STAGE_PEERS  # the flag's bound is the wire's
 
 
 @pytest.mark.parametrize(("changes", "message"), [
@@ -43,6 +46,8 @@ def test_join_flags_become_the_plan_of_one_peer(monkeypatch):
     ({"wait_replicas_timeout": -1.0}, "--wait-replicas-timeout must be >= 0"),
     ({"state_dtype": "fp8"}, "--state-dtype must be fp32, bf16, bf16-v or bf16-all, got 'fp8'"),
     ({"micro_batch_schedule": "1f1b"}, "--micro-batch-schedule must be uniform or tapered, got '1f1b'"),
+    ({"stage_peers": 0}, "--stage-peers 1..8"),
+    ({"stage_peers": 9}, "--stage-peers 1..8"),
 ])
 def test_join_flags_refuse_values_no_peer_runs_with(changes, message):
     with pytest.raises(UserInputError, match=message.replace(".", r"\.")):
