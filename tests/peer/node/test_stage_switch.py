@@ -2,7 +2,7 @@
 loopback.
 
 A full replica and a 2-stage swarm share the rounds; stage 1 has two peers. The first announces five times the
-other's throughput and is picked first, but it computes slowly (``slow_stage_peer.py``: each training pass
+other's throughput and is picked first, but it computes slowly (``hlbp.cli.slowstage``: each training pass
 sleeps). What must hold: once the driver has measured it, the first step of a later phase goes through the faster
 peer, with no failure and no ban; the swarm's steps get faster; the new peer's work is accepted, shard 1's checksum
 is the same on it, the slow peer and the full replica; and the slow peer stays alive and current.
@@ -15,8 +15,8 @@ from statistics import median
 from typing import Any
 
 import pytest
-from slow_stage_peer import program
 
+from hlbp.cli.slowstage import program
 from hlbp.peer.sim.launcher import Replica, SimConfig, Swarm
 
 pytestmark = pytest.mark.slow

@@ -1,9 +1,10 @@
 """``hlbp join`` as an honest stage peer that computes slowly: each training pass it runs (a forward, or the last
-stage's forward, loss and backward) sleeps first.
+stage's forward, loss and backward) sleeps first. A benchmark's slow device and a test's slow peer, on a machine
+whose cores the other peers share (a thread limit slows nobody down when every peer has one thread).
 
-Usage: ``python slow_stage_peer.py SECONDS join ...``. The built worker is wrapped from here, through the test entry
-point :func:`hlbp.peer.node.session.run_join`; the protocol's code calls no hook. Tests build the command with
-:func:`program`.
+Usage: ``python -m hlbp.cli.slowstage SECONDS join ...``. The built worker is wrapped from here, through the
+entry point :func:`hlbp.peer.node.session.run_join`; the protocol's code calls no hook. :func:`program` builds the
+command.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ from __future__ import annotations
 import logging
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -43,7 +43,7 @@ class SlowWorker:
 
 def program(delay: float) -> list[str]:
     """The command that starts a joined stage peer whose training passes each sleep ``delay`` seconds."""
-    return [sys.executable, str(Path(__file__).resolve()), str(delay)]
+    return [sys.executable, "-m", "hlbp.cli.slowstage", str(delay)]
 
 
 if __name__ == "__main__":
@@ -51,7 +51,7 @@ if __name__ == "__main__":
     from hlbp.peer.node.session import run_join
 
     if sys.argv[2:3] != ["join"]:
-        sys.exit(f"usage: {sys.argv[0]} SECONDS join [FLAGS]")
+        sys.exit("usage: python -m hlbp.cli.slowstage SECONDS join [FLAGS]")
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     seconds = float(sys.argv[1])
     run_join(join_plan(sys.argv[3:]), lambda line: print(line, flush=True), lambda worker: SlowWorker(worker, seconds))
