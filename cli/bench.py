@@ -449,6 +449,13 @@ def pipeline(
     seed: int = opt(0, "--seed", env="SEED", help="Seed of every run: initial weights, data order, U and T_fixed."),
     threads: int = opt(1, "--threads", env="THREADS", help="torch CPU threads per stage process."),
     cache_dir: Path | None = opt(None, "--cache-dir", env="CACHE", help="Cache for corpus and tokenizer."),
+    stage_peers: str = opt("1", "--stage-peers", env="BENCH_STAGE_PEERS",
+                           help="Comma-separated counts of peers on the slow stage, each run per codec back to back "
+                                "(e.g. 1,2: the ratio is printed; the driver runs with hlbp join --stage-peers)."),
+    slow_stage: int = opt(1, "--slow-stage", env="BENCH_SLOW_STAGE", help="The stage --slow-stage-s slows."),
+    slow_stage_s: float = opt(0.0, "--slow-stage-s", env="BENCH_SLOW_STAGE_S",
+                              help="Seconds each peer of --slow-stage sleeps before every training pass: a slow "
+                                   "device that makes that stage the bottleneck (0: none)."),
 ) -> None:
     """One pipeline swarm over emulated WAN links per codec: tokens/s, bytes/token, bottleneck busy, val loss."""
     import dataclasses
@@ -457,7 +464,12 @@ def pipeline(
 
     cfg = PipelineBenchConfig.quick() if quick else PipelineBenchConfig()
     changes: dict = {"stages": stages, "in_flight": in_flight, "wan_delay_ms": wan_delay_ms, "model": model,
-                     "seed": seed, "threads": threads, "cache_dir": cache_dir}
+                     "seed": seed, "threads": threads, "cache_dir": cache_dir, "slow_stage": slow_stage,
+                     "slow_stage_s": slow_stage_s}
+    try:
+        changes["stage_peers"] = tuple(int(c) for c in stage_peers.split(",") if c.strip())
+    except ValueError:
+        raise UserInputError(f"--stage-peers must be comma-separated counts, got {stage_peers!r}") from None
     if codecs is not None:
         changes["codecs"] = tuple(c.strip() for c in codecs.split(",") if c.strip())
     changes["schedules"] = tuple(c.strip() for c in schedules.split(",") if c.strip())

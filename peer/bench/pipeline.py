@@ -41,6 +41,14 @@ the codecs are link-bound again: a peer's proxy carries every connection it acce
 boundaries, so forward of one and backward of the other (about 37 B/token) shared one emulated 1 Mbit/s direction
 (``proxy_bytes`` in the JSON shows it).
 
+Several peers on one stage (``stage_peers`` 1,2: each codec runs once per count, back to back): the peers of the
+``slow_stage`` each sleep ``slow_stage_s`` before every training pass (:mod:`hlbp.cli.slowstage`, a slow device that
+does not take the shared cores from the others, as a thread limit would on a machine with cores to spare), so that
+stage is the bottleneck; with two of them the driver (``--stage-peers``) splits each step's micro-batches between them
+and they trade gradients at its end (:mod:`hlbp.peer.swarm.siblings`). The trade is a dense fp32 gradient of the
+stage each step, through the receiving peer's emulated link: run this arm with links fast enough for it
+(``wan_mbps`` 100 moves tiny's middle stage in about a tenth of a second).
+
 The driving peer's identity is derived from the seed (:func:`driver_identity`): its data order follows its key,
 so every codec, and every run of the same command, trains and is scored on the same batches.
 """
@@ -51,6 +59,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -71,6 +80,7 @@ SCHEDULES = tuple(s.value for s in Schedule)
 TARGET_SPEEDUP = 5.0  # the issue's target: the best subspace codec at >= 5x dense bf16 tokens/s
 TARGET_BUSY = 0.8  # and the bottleneck stage busy >= 80 %
 TARGET_BYTES = 2  # bytes per target id on the wire (vocabularies up to 65,536)
+TARGET_STAGE_PEERS = 1.5  # two peers on the bottleneck stage: >= 1.5x the swarm's tokens/s with one
 
 
 @dataclass
@@ -91,6 +101,9 @@ class PipelineBenchConfig:
     seed: int = 0
     threads: int = 1  # torch threads per stage process
     timeout_s: float = 600.0  # per codec
+    stage_peers: tuple[int, ...] = (1,)  # peers on ``slow_stage``; each codec runs once per count
+    slow_stage: int = 1  # the stage whose peers are slowed (when ``slow_stage_s`` > 0) and may be several
+    slow_stage_s: float = 0.0  # sleep of ``slow_stage``'s peers before each training pass (0: none)
     cache_dir: Path | None = None
 
     @classmethod
@@ -113,6 +126,11 @@ class PipelineBenchConfig:
         if not self.schedules or any(s not in SCHEDULES for s in self.schedules) \
                 or len(set(self.schedules)) != len(self.schedules):
             raise UserInputError(f"--schedules must name each of {', '.join(SCHEDULES)} at most once")
+        if not self.stage_peers or any(not 1 <= n <= 4 for n in self.stage_peers) \
+                or len(set(self.stage_peers)) != len(self.stage_peers):
+            raise UserInputError("--stage-peers must name distinct counts of 1 to 4")
+        if not 1 <= self.slow_stage < self.stages or self.slow_stage_s < 0:
+            raise UserInputError("--slow-stage must be a stage after the driver's and --slow-stage-s >= 0")
         for spec in self.codecs:
             parse_codec(spec, 128)
 
@@ -179,9 +197,9 @@ def _proxy_bytes(sw: Any) -> dict[str, dict[str, int]]:
 
 
 def run_codec(cfg: PipelineBenchConfig, spec: str, d_model: int, workdir: Path,
-              schedule: str = "uniform") -> dict[str, Any]:
-    """One swarm with codec ``spec``: start it, let stage 0 drive ``cfg.steps`` steps cutting each step's batch
-    as ``schedule`` says, and measure."""
+              schedule: str = "uniform", peers: int = 1) -> dict[str, Any]:
+    """One swarm with codec ``spec``: start it, with ``peers`` peers on ``cfg.slow_stage``, let stage 0 drive
+    ``cfg.steps`` steps cutting each step's batch as ``schedule`` says, and measure."""
     from hlbp.peer.sim.launcher import SimConfig, Swarm, poll
 
     kind, k, ratio = parse_codec(spec, d_model)
@@ -192,38 +210,46 @@ def run_codec(cfg: PipelineBenchConfig, spec: str, d_model: int, workdir: Path,
     started = time.monotonic()
     with Swarm(sim, workdir) as sw:
         sw.start()
-        servers = [sw.add_stage(f"s{s}", s) for s in range(cfg.stages - 1, 0, -1)]
-        for server in servers:
+        slow = [sys.executable, "-m", "hlbp.cli.slowstage", str(cfg.slow_stage_s)] if cfg.slow_stage_s > 0 else None
+        servers = {}
+        for s in range(cfg.stages - 1, 0, -1):
+            for j in range(peers if s == cfg.slow_stage else 1):
+                name = f"s{s}" + "abcd"[j] * (j > 0)
+                servers[name] = (s, sw.add_stage(name, s, program=slow if s == cfg.slow_stage else None, swarm=0))
+        for _, server in servers.values():
             server.proc.wait_for(r"announced in", sim.startup_timeout_s)
         extra = ["--micro-batches", str(cfg.micro_batches), "--micro-batch-schedule", schedule,
-                 "--eval-every", str(cfg.steps)]
+                 "--eval-every", str(cfg.steps), "--stage-peers", str(peers)]
         if cfg.in_flight is not None:
             extra += ["--in-flight", str(cfg.in_flight)]
         key = workdir / "s0.key"  # where the launcher looks for s0's identity before it creates one
         key.write_bytes(driver_identity(cfg.seed))
         key.chmod(0o400)
-        driver = sw.add_stage("s0", 0, *extra, max_steps=cfg.steps)
+        driver = sw.add_stage("s0", 0, *extra, max_steps=cfg.steps, swarm=0)
         try:
             driver.proc.wait_for(r"^driver: ", cfg.timeout_s)
             summary, steps = poll(lambda: _summary(driver.out_dir), 60, "the driver's summary.json")
         except RunFailed as exc:
             raise RunFailed(f"{spec}: the driver did not finish: {exc}\n{driver.proc.output[-3000:]}") from exc
         proxies = _proxy_bytes(sw)
-        stage_of = {p: i + 1 for i, p in enumerate(steps[-1]["chain"])} if steps else {}
+        stage_of = {m[0].group(1): s for s, server in servers.values()
+                    if (m := server.proc.find(r"^connected as (\S+)"))}
     if summary["steps"] < cfg.steps or summary["steps_abandoned"] or not steps:
         raise RunFailed(f"{spec}: {summary['steps']} of {cfg.steps} steps done, "
                         f"{summary['steps_abandoned']} abandoned")
     train_s = sum(r["seconds"] for r in steps)
     tokens = summary["tokens"]
-    busy = {("stage 0" if p == "driver" else f"stage {stage_of.get(p, '?')}"): s / train_s
-            for p, s in summary["busy_s"].items()}
+    busy: dict[str, float] = {}
+    for p, s in summary["busy_s"].items():  # a stage's peers together: with two, each is busy about half as long
+        where = "stage 0" if p == "driver" else f"stage {stage_of.get(p, '?')}"
+        busy[where] = busy.get(where, 0.0) + s / train_s / (peers if stage_of.get(p) == cfg.slow_stage else 1)
     bottleneck = max(busy, key=lambda s: busy[s])
     sent, received = summary["stream_bytes"]["sent"], summary["stream_bytes"]["received"]
     boundaries = cfg.stages - 1
     if not proxies:
         raise RunFailed("no WAN proxy carried any bytes")
     return {
-        "codec": spec, "schedule": schedule, "kind": kind, "k": k, "k_over_d": ratio, "tokens": tokens, "steps": summary["steps"],
+        "codec": spec, "schedule": schedule, "stage_peers": peers, "kind": kind, "k": k, "k_over_d": ratio, "tokens": tokens, "steps": summary["steps"],
         "microbatches": summary["microbatches"], "microbatches_retried": summary["microbatches_retried"],
         "train_seconds": train_s, "tokens_per_s": tokens / train_s,
         "tokens_per_s_wall": summary["tokens_per_s"], "step_seconds": [r["seconds"] for r in steps],
@@ -253,8 +279,9 @@ def write_png(path: Path, rows: list[dict[str, Any]], title: str) -> bool:
     except ImportError:
         return False
     several = len({r["schedule"] for r in rows}) > 1
+    shared = len({r["stage_peers"] for r in rows}) > 1
     labels = [r["codec"].replace("subspace-", "").replace("@", "\n") + (f"\n{r['schedule']}" if several else "")
-              for r in rows]
+              + (f"\nx{r['stage_peers']} peers" if shared else "") for r in rows]
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
     a.bar(labels, [r["tokens_per_s"] for r in rows], color="tab:blue")
     a.set_ylabel("tokens/s")
@@ -283,23 +310,29 @@ def run_pipeline_bench(cfg: PipelineBenchConfig, out: Path | None, console: Cons
     rows = []
     t_all = time.monotonic()
     for spec in cfg.codecs:
-        for schedule in cfg.schedules:  # side by side: one codec's schedules run back to back
-            console.print(f"[bold]{spec}[/] ({schedule} micro-batches): {cfg.stages} stages x {cfg.steps} steps of "
-                          f"{cfg.model}, {cfg.wan_mbps:g} Mbit/s and {cfg.wan_delay_ms:g} ms per link")
-            with tempfile.TemporaryDirectory(prefix="hlbp-bench-pipeline-") as work:
-                rows.append(run_codec(cfg, spec, d_model, Path(work), schedule))
-            r = rows[-1]
-            console.print(f"  {r['tokens_per_s']:,.0f} tokens/s, {r['bytes_per_token']['forward']:.1f} B/token "
-                          f"forward, {r['bottleneck']} busy {r['bottleneck_busy']:.0%}, val loss {r['val_loss']}")
-    dense_by = {r["schedule"]: r for r in rows if r["kind"] == "dense"}  # each row against dense cut alike
+        for schedule in cfg.schedules:  # side by side: one codec's schedules and peer counts run back to back
+            for peers in cfg.stage_peers:
+                console.print(f"[bold]{spec}[/] ({schedule} micro-batches, {peers} peer(s) on stage "
+                              f"{cfg.slow_stage}): {cfg.stages} stages x {cfg.steps} steps of {cfg.model}, "
+                              f"{cfg.wan_mbps:g} Mbit/s and {cfg.wan_delay_ms:g} ms per link")
+                with tempfile.TemporaryDirectory(prefix="hlbp-bench-pipeline-") as work:
+                    rows.append(run_codec(cfg, spec, d_model, Path(work), schedule, peers))
+                r = rows[-1]
+                console.print(f"  {r['tokens_per_s']:,.0f} tokens/s, {r['bytes_per_token']['forward']:.1f} B/token "
+                              f"forward, {r['bottleneck']} busy {r['bottleneck_busy']:.0%}, val loss {r['val_loss']}")
+    # each row against dense cut alike, with as many peers on the slow stage
+    dense_by = {(r["schedule"], r["stage_peers"]): r for r in rows if r["kind"] == "dense"}
     dense = next(iter(dense_by.values()), None)
     link_bps = cfg.wan_mbps * 1e6 / 8
     for r in rows:
-        base = dense_by.get(r["schedule"])
+        base = dense_by.get((r["schedule"], r["stage_peers"]))
         r["speedup_vs_dense"] = r["tokens_per_s"] / base["tokens_per_s"] if base else None
         r["link_use_forward"] = r["tokens_per_s"] * r["bytes_per_token"]["forward"] / link_bps
         r["busiest_link_use"] = r["tokens_per_s"] * r["busiest_link_bytes_per_token"] / link_bps
-    label = (lambda r: r["codec"]) if len(cfg.schedules) == 1 else (lambda r: f"{r['codec']} {r['schedule']}")
+    def label(r: dict[str, Any]) -> str:
+        return " ".join([r["codec"], *([r["schedule"]] if len(cfg.schedules) > 1 else []),
+                         *([f"x{r['stage_peers']} peers"] if len(cfg.stage_peers) > 1 else [])])
+
     table = [[label(r), r["k"], r["tokens_per_s"], r["speedup_vs_dense"] or "",
               r["bytes_per_token"]["forward"], r["bytes_per_token"]["backward"],
               f"{r['formula_bytes_per_token']['forward']:g}/{r['formula_bytes_per_token']['backward']:g}",
@@ -316,6 +349,7 @@ def run_pipeline_bench(cfg: PipelineBenchConfig, out: Path | None, console: Cons
                               "busiest link B/tok", "link use f/max", "bottleneck busy", "val loss"], table)
     verdict = targets(rows)
     compared = schedule_ratios(rows)
+    shared = stage_peer_ratios(rows)
     lines = [("B/tok: measured on the stage stream (whole fwd / bwd messages, boundary 0) per training token; "
               "formula: payload only (values, ids, targets). busiest link B/tok: the most bytes one proxy carried one way "
               "(libp2p framing, DHT and evaluation included) per training token. link use: boundary 0's forward "
@@ -338,9 +372,14 @@ def run_pipeline_bench(cfg: PipelineBenchConfig, out: Path | None, console: Cons
         lines.append(f"{c['codec']}: tapered / uniform micro-batches {c['tokens_per_s_ratio']:.2f}x tokens/s, "
                      f"bottleneck busy {c['busy_points']:+.1f} points, val loss {c['val_loss']['tapered']} against "
                      f"{c['val_loss']['uniform']}")
+    for c in shared:
+        lines.append(f"{c['codec']} ({c['schedule']}): {c['peers']} peers on stage {cfg.slow_stage} against one, "
+                     f"{c['tokens_per_s_ratio']:.2f}x tokens/s (target >= {TARGET_STAGE_PEERS:g}x with two: "
+                     f"{'met' if c['met'] else 'MISSED'}), val loss {c['val_loss']['many']} against "
+                     f"{c['val_loss']['one']}")
     for line in lines:
         wide.print(line)
-    result = {"rows": rows, "targets": verdict, "schedule_ratios": compared, "d_model": d_model, "link_bytes_per_s": link_bps,
+    result = {"rows": rows, "targets": verdict, "schedule_ratios": compared, "stage_peer_ratios": shared, "d_model": d_model, "link_bytes_per_s": link_bps,
               "runtime_s": time.monotonic() - t_all}
     doc = write_result(out, "pipeline", dataclasses.asdict(cfg), result)
     if out is not None:
@@ -352,12 +391,29 @@ def run_pipeline_bench(cfg: PipelineBenchConfig, out: Path | None, console: Cons
     return doc
 
 
+def stage_peer_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per codec and schedule run with one peer on the slow stage and with more: tokens/s of more over one, and
+    both validation losses (the same batches: equal up to the order in which the parts of a gradient are added)."""
+    out = []
+    for spec, schedule in dict.fromkeys((r["codec"], r["schedule"]) for r in rows):
+        by = {r["stage_peers"]: r for r in rows if (r["codec"], r["schedule"]) == (spec, schedule)}
+        if 1 not in by:
+            continue
+        for n, r in sorted(by.items()):
+            if n > 1:
+                ratio = r["tokens_per_s"] / by[1]["tokens_per_s"]
+                out.append({"codec": spec, "schedule": schedule, "peers": n, "tokens_per_s_ratio": ratio,
+                            "met": n < 2 or ratio >= TARGET_STAGE_PEERS,
+                            "val_loss": {"one": by[1]["val_loss"], "many": r["val_loss"]}})
+    return out
+
+
 def schedule_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per codec run under both schedules: tapered over uniform tokens/s, the bottleneck's busy points gained, and
     both validation losses (the same tokens, so equal up to the order micro-batches' gradients are summed in)."""
     out = []
     for spec in dict.fromkeys(r["codec"] for r in rows):
-        by = {r["schedule"]: r for r in rows if r["codec"] == spec}
+        by = {r["schedule"]: r for r in rows if r["codec"] == spec and r["stage_peers"] == 1}
         if set(by) >= set(SCHEDULES):
             t, u = by["tapered"], by["uniform"]
             out.append({"codec": spec, "tokens_per_s_ratio": t["tokens_per_s"] / u["tokens_per_s"],
