@@ -145,6 +145,8 @@ class SwarmPhase:
             self.opt_step += 1
             done = True
             record.update(loss=result.loss, seconds=result.seconds, retried=result.retried, chain=result.chain)
+            if any(len(stage) > 1 for stage in result.serving):
+                record["serving"] = result.serving
             if self.val and due_for_validation(self.opt_step, self.cfg.eval_every):
                 v = self.driver.evaluate(self.val)
                 if v is not None:

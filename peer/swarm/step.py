@@ -21,6 +21,7 @@ class StepResult:
     seconds: float
     chain: list[str]
     retried: int
+    serving: list[list[str]] = field(default_factory=list)  # every peer that served each stage (chain's first)
 
 
 class Abandon(Enum):

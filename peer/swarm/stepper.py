@@ -351,7 +351,8 @@ class StepRunner:
         self.counters.tokens += step.tokens
         self.chains.served(step.peers())
         self.stepped_round = step.round  # the round whose guard this chain will score (guard_loss)
-        return StepResult(step.loss(), time.perf_counter() - step.started, list(step.chain), step.retried)
+        return StepResult(step.loss(), time.perf_counter() - step.started, list(step.chain), step.retried,
+                          [list(stage) for stage in step.serving])
 
     def _on_failed(self, step: StepState, event: FailReport) -> PeerFailed:
         """A stage named a failed peer; one that already applied the step abandons it (re-running cannot help)."""

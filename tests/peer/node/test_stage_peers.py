@@ -1,0 +1,69 @@
+"""Two peers serving one stage together, in a run with a full replica, as real ``hlbp join`` processes on loopback.
+
+A full replica and a 2-stage swarm share the rounds; stage 1 has two peers and the driver runs with
+``--stage-peers 2``. What must hold: once both are there, the driver's steps go through both (its step records name
+them); they trade gradients each step and end every round with the same shard-1 checksum as the full replica; the
+round sees one contribution of shard 1 from the swarm (one of the two contributes, the other sits the round out
+as a mirror), and every peer stays in sync.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from hlbp.peer.sim.launcher import Replica, SimConfig, Swarm
+
+pytestmark = pytest.mark.slow
+
+H = 3
+
+
+def _round(records: list[dict[str, Any]], r: int) -> dict[str, Any] | None:
+    return next((x for x in reversed(records) if x["round"] == r), None)
+
+
+def _id(peer: Replica) -> str:
+    return peer.proc.wait_for(r"serving stage 1 as (\S+)", 60).group(1)
+
+
+def test_two_peers_serve_one_stage_and_the_round_sees_one_contribution_from_them(tmp_path: Path) -> None:
+    cfg = SimConfig(n_stages=2, inner_steps=H, batch_size=4, seq_len=64, seed=3, run_id="stage-peers", ttl_s=8.0,
+                    micro_batches=4, max_peers_per_stage=2)
+    with Swarm(cfg, tmp_path) as sw:
+        sw.start()
+        a = sw.add_stage("a", 1, swarm=0)
+        b = sw.add_stage("b", 1, swarm=0)
+        for p in (a, b):
+            p.proc.wait_for("^announced", 60)
+        full = sw.add("peer0", "--wait-replicas", "3", rounds=1000)
+        driver = sw.add_stage("sw0s0", 0, "--micro-batches", "4", "--eval-every", "0", "--stage-peers", "2",
+                              swarm=0)
+        ids = {_id(a), _id(b)}
+
+        def shared() -> list[dict[str, Any]]:
+            return [s for s in driver.events("step") if s.get("serving") == [sorted(ids)]]
+
+        first = sw.wait(lambda: next(iter(shared()), None), "a step of the driver through both stage-1 peers")
+        last = first["round"] + 3
+        sw.wait(lambda: all(_round(p.rounds(), last) for p in (full, a, b, driver)), f"round {last} on every peer")
+        steps = [s for s in driver.events("step") if "chain" in s]
+        alive = {n: r.proc.alive for n, r in sw.replicas.items()}
+        fulls, as_, bs, drives = (p.rounds() for p in (full, a, b, driver))
+        outputs = {n: r.proc.output for n, r in sw.replicas.items()}
+
+    assert all(alive.values()), alive
+    # from the first shared step on, every step went through both (nobody failed)
+    later = [s for s in steps if s["step"] >= first["step"]]
+    assert later and all(s.get("serving") == [sorted(ids)] for s in later), later
+    assert not any("failed; banned" in out for out in outputs.values()), {n: o[-2000:] for n, o in outputs.items()}
+    for r in range(first["round"] + 1, last + 1):  # whole phases served by both
+        f, x, y, d = _round(fulls, r), _round(as_, r), _round(bs, r), _round(drives, r)
+        assert f is not None and x is not None and y is not None and d is not None, r
+        assert x["checksums"]["1"] == y["checksums"]["1"] == f["checksums"]["1"], (r, f, x, y)
+        assert all(p["in_sync"] for p in (f, x, y, d)), (r, f, x, y, d)
+        # one contribution of shard 1 from the swarm: the peer that led the trades; the mirror sat out
+        assert [x["contributed"], y["contributed"]].count(True) == 1, (r, x, y)
+        assert d["accepted"] and (x["accepted"] or y["accepted"]), (r, d, x, y)
