@@ -396,7 +396,7 @@ def stage_peer_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     both validation losses (the same batches: equal up to the order in which the parts of a gradient are added)."""
     out = []
     for spec, schedule in dict.fromkeys((r["codec"], r["schedule"]) for r in rows):
-        by = {r["stage_peers"]: r for r in rows if (r["codec"], r["schedule"]) == (spec, schedule)}
+        by = {r.get("stage_peers", 1): r for r in rows if (r["codec"], r["schedule"]) == (spec, schedule)}
         if 1 not in by:
             continue
         for n, r in sorted(by.items()):
@@ -413,7 +413,7 @@ def schedule_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     both validation losses (the same tokens, so equal up to the order micro-batches' gradients are summed in)."""
     out = []
     for spec in dict.fromkeys(r["codec"] for r in rows):
-        by = {r["schedule"]: r for r in rows if r["codec"] == spec and r["stage_peers"] == 1}
+        by = {r["schedule"]: r for r in rows if r["codec"] == spec and r.get("stage_peers", 1) == 1}
         if set(by) >= set(SCHEDULES):
             t, u = by["tapered"], by["uniform"]
             out.append({"codec": spec, "tokens_per_s_ratio": t["tokens_per_s"] / u["tokens_per_s"],

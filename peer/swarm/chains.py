@@ -68,6 +68,8 @@ class Chains:
                     logger.info("pipeline chain: %s", " -> ".join(p[:12] for p in [me, *chain]))
                     self._log_faster(options, chain)
                 self.chain = chain
+                if [stage[0] for stage in self.serving] != chain:  # a new chain: its peers alone serve
+                    self.serving = [[p] for p in chain]
                 return chain
             if time.monotonic() >= deadline or (self.stop is not None and self.stop.is_set()) \
                     or (give_up is not None and give_up()):
@@ -124,9 +126,10 @@ class Chains:
                                i + 1, new[:12], said(new), old[:12], said(old))
 
     def live(self) -> list[str]:
-        """The peers of the chain in use that are not banned now."""
+        """The peers of the chain in use, and those serving a stage beside it, that are not banned now."""
         now = time.monotonic()
-        return [p for p in self.chain if not self.bans.banned(p, now)]
+        peers = [p for stage in self.serving for p in stage] if self.serving else self.chain
+        return [p for p in peers if not self.bans.banned(p, now)]
 
     def fail(self, peer: str) -> float:
         """Ban ``peer`` for failing (backoff); returns for how many seconds."""

@@ -133,6 +133,7 @@ class StageServer:
         self._closer: Conn | None = None  # the stream the step's finish came down
         self._session = -1
         self._step_round: int | None = None  # the outer round of the step under way, as its frames say
+        self._step_inner = 0  # the steps its phase applied before it, as its frames say (0: a phase's first)
         self.ledger = StepLedger()  # what this stage said about the step under way, to check its end against
         self._pending: dict[tuple[int, int], Pending] = {}  # (mb, attempt) -> where it came from and went
         self.guard = GuardRelay(slot, worker, codec, vocab_size, lambda job: self._put(FORWARD, job), self._pass_on,
@@ -145,7 +146,8 @@ class StageServer:
                                 max_share_bytes(MAX_MICROBATCHES, worker.shapes()))
         self.peer_id = self.links.peer_id
         self.trades = SiblingTrades(worker, self.links, self.peer_id, lambda job: self._put(BACKWARD, job),
-                                    self._fail, self._on_bad, trade_timeout_s, lambda job: self._put(FORWARD, job))
+                                    self._fail, self._on_bad, trade_timeout_s, lambda job: self._put(FORWARD, job),
+                                    lambda: self._step_inner == 0)
         self._thread = threading.Thread(target=self._compute_loop, name="hlbp-stage-compute", daemon=True)
         self._thread.start()
 
@@ -302,6 +304,11 @@ class StageServer:
         if msg.op == "fwd" and (msg.session, msg.step) != (self.worker.session, self.worker.step) and \
                 self.trades.hold(lambda: self._forward(conn, msg, body)):
             return  # a mirror's step is not applied yet: the next one's micro-batches wait for it
+        if msg.op == "fwd" and not self.trades.serves(msg.inner):  # the driver routes around this peer
+            self.counters.fails_sent += 1
+            self._send_up(StageMessage("fail", session=msg.session, step=msg.step, peer=self.peer_id,
+                                       code=Reason.BAD_SHARE, reason="this peer missed a step of the phase"))
+            return
         start = time.perf_counter()
         frame, window = split_body(body, self.vocab_size)
         received = self.codec.decode_forward(frame)
@@ -319,6 +326,7 @@ class StageServer:
         self.worker.begin(msg.session, msg.step)
         if new_step:
             self._step_round = msg.round  # what the step's apply tells the round gate
+            self._step_inner = msg.inner
             self._closer = None  # this step's finish has yet to come
         self.ledger.started(msg)
         if self.is_last:

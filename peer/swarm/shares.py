@@ -23,10 +23,12 @@ import torch
 
 from hlbp.protocol.gradshare import Share
 
-SHARE_BOUND = 4.0
+SHARE_BOUND = 16.0
 """A share's gradient norm may be at most this many times the receiver's own, per micro-batch (on the square root of
 the micro-batch counts, as a sum of weakly correlated micro-batch gradients grows). Honest parts of one step differ
-by their micro-batches' losses only; the factor leaves room for that and bounds what a lying peer can add."""
+by their micro-batches' losses only, yet they differ a lot: two halves of tiny's 16 micro-batches of 4 sequences
+were measured 5.5x apart (``hlbp bench pipeline --stage-peers 1,2``). The bound leaves room for that and still caps
+what a lying peer adds to a step at a small multiple of an honest part."""
 
 
 def share_fault(share_sumsq: float, share_count: int, own_sumsq: float, own_count: int,

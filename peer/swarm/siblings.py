@@ -54,8 +54,10 @@ class SiblingTrades:
 
     def __init__(self, worker: StageWorker, links: Any, me: str, put: Callable[[Callable[[], None]], None],
                  fail: Callable[[str, Reason, str], None], on_bad: Callable[[str, str], None],
-                 timeout_s: float = 20.0, requeue: Callable[[Callable[[], None]], None] | None = None) -> None:
+                 timeout_s: float = 20.0, requeue: Callable[[Callable[[], None]], None] | None = None,
+                 phase_start: Callable[[], bool] = lambda: True) -> None:
         self.worker, self.links, self.me = worker, links, me
+        self.phase_start = phase_start  # whether the step under way is its phase's first
         self.put, self.fail, self.on_bad = put, fail, on_bad
         self.requeue = requeue or put  # where held forwards go back to
         self.timeout_s = timeout_s
@@ -66,6 +68,9 @@ class SiblingTrades:
         self._lineages: dict[str, bytes] = {}
         self.settled: dict[tuple[int, int], Settled] = {}  # the step's trade that completed here (the last one)
         self._held: list[Callable[[], None]] = []  # the next step's forwards, held until a mirror applied its step
+        # this peer missed a step of the phase under way (it refused its leader's share, or the leader's apply did
+        # not come): its weights are not the stage's, so it serves no training step until the next phase
+        self.missed = False
         self.traded = 0  # trades completed
         self.refused = 0  # shares refused
 
@@ -154,9 +159,10 @@ class SiblingTrades:
     def _release(self, key: tuple[int, int]) -> None:
         settled = self.settled.get(key)
         if settled is not None and not settled.applied:
-            logger.warning("step %d: no apply from the peer that led its trade within %.0f s; going on without it",
-                           key[1], self.timeout_s)
+            logger.warning("step %d: no apply from the peer that led its trade within %.0f s; serving no more steps "
+                           "of this phase", key[1], self.timeout_s)
             settled.applied = True
+            self.missed = True
         held, self._held = self._held, []
         for job in held:
             self.requeue(job)
@@ -202,7 +208,20 @@ class SiblingTrades:
         if trade is None or key is None or not trade.complete():
             return
         session, step, peers = key
-        if any(lineage != self.worker.lineage for lineage in self._lineages.values()):
+        differ = sorted(p for p, lineage in self._lineages.items() if lineage != self.worker.lineage)
+        if differ and not self.phase_start():
+            # within a phase the peers of a stage applied the same steps from the same round's result, so a lineage
+            # that differs means a peer missed a step: its weights differ too, and adding its part would mix them.
+            # The step is re-run without it (the one that leads names it; this phase it serves no more)
+            logger.warning("step %d: stage peer %s missed a step of this phase; not trading with it", step,
+                           differ[0][:12])
+            led, self._trade, self._then = self._then is not None, None, None
+            if led:
+                self.fail(differ[0], Reason.BAD_SHARE, f"its optimizer state left ours in step {step}'s phase")
+            else:
+                self.missed = True
+            return
+        if differ:
             logger.info("step %d: the optimizer states of stage peers %s differ; each clears its moments", step,
                         ", ".join(p[:12] for p in peers))
             self.worker.forget_moments(joint_lineage(session, step, peers))
@@ -231,6 +250,16 @@ class SiblingTrades:
         if self._then is not None:  # the finish waits here: the driver re-runs the step without that peer
             self._trade, self._then = None, None
             self.fail(sender, Reason.BAD_SHARE, fault)
+        elif self._trade is not None:  # a mirror: the step goes on without it, so its weights fall behind
+            self._trade = None
+            self.missed = True
+
+    def serves(self, inner: int) -> bool:
+        """Whether this peer may serve a training step whose phase applied ``inner`` steps before it: not after it
+        missed a step of the phase (a phase's first step starts every peer from the round's result again)."""
+        if inner == 0:
+            self.missed = False
+        return not self.missed
 
 
 def without_own(msg: StageMessage) -> StageMessage:

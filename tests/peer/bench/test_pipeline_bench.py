@@ -15,6 +15,7 @@ from hlbp.peer.bench.pipeline import (
     formula_bytes,
     parse_codec,
     schedule_ratios,
+    stage_peer_ratios,
 )
 from hlbp.peer.common.errors import UserInputError
 from hlbp.peer.node.join import data_rank
@@ -53,6 +54,45 @@ def test_a_codec_run_under_both_schedules_is_compared() -> None:
     assert only["codec"] == "subspace-a@1/128" and only["tokens_per_s_ratio"] == pytest.approx(1.1)
     assert only["busy_points"] == pytest.approx(2.0)
     assert only["val_loss"] == {"tapered": 7.5356, "uniform": 7.5358}
+
+
+def test_runs_with_more_peers_on_the_slow_stage_are_compared_with_one() -> None:
+    def row(schedule: str, peers: int, tps: float) -> dict:
+        return {"codec": "c", "schedule": schedule, "stage_peers": peers, "tokens_per_s": tps, "val_loss": 7.5}
+
+    rows = [row("uniform", 1, 400.0), row("uniform", 2, 680.0), row("tapered", 2, 500.0)]
+    (only,) = stage_peer_ratios(rows)  # tapered ran with two peers only: nothing to compare
+    assert only["peers"] == 2 and only["tokens_per_s_ratio"] == pytest.approx(1.7) and only["met"]
+    assert not stage_peer_ratios([row("uniform", 1, 400.0), row("uniform", 2, 560.0)])[0]["met"]
+    assert schedule_ratios([row("uniform", 1, 1.0), row("tapered", 2, 1.0)]) == []  # only one-peer runs compare
+
+
+@pytest.mark.parametrize(("changes", "flag"), [({"stage_peers": ()}, "--stage-peers"),
+                                               ({"stage_peers": (1, 1)}, "--stage-peers"),
+                                               ({"stage_peers": (5,)}, "--stage-peers"),
+                                               ({"slow_stage": 0}, "--slow-stage"),
+                                               ({"slow_stage": 3}, "--slow-stage"),
+                                               ({"slow_stage_s": -1.0}, "--slow-stage-s")])
+def test_the_stage_peer_settings_must_run(changes: dict, flag: str) -> None:
+    with pytest.raises(UserInputError, match=flag):
+        PipelineBenchConfig(**changes).check()
+
+
+@pytest.mark.slow
+def test_quick_stage_peers_arm_splits_a_slow_stage_between_two_peers(tmp_path) -> None:
+    out = tmp_path / "pipeline.json"
+    run = subprocess.run([sys.executable, "-m", "hlbp.cli.main", "bench", "pipeline", "--quick", "--codecs",
+                          "subspace-a@1/32", "--stage-peers", "1,2", "--slow-stage-s", "0.3", "--wan-mbps", "100",
+                          "--out", str(out)], capture_output=True, text=True, timeout=280, check=False)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    rows = {r["stage_peers"]: r for r in doc["result"]["rows"]}
+    assert set(rows) == {1, 2} and all(r["steps"] == doc["config"]["steps"] for r in rows.values())
+    assert all(r["bottleneck"] == "stage 1" for r in rows.values()), rows  # the sleep made it the bottleneck
+    (ratio,) = doc["result"]["stage_peer_ratios"]
+    # each stage-1 peer sleeps through half the micro-batches: the swarm is faster, whatever else the box runs
+    assert ratio["tokens_per_s_ratio"] > 1.1, ratio
+    assert "2 peers on stage 1 against one" in run.stdout + run.stderr
 
 
 @pytest.mark.slow

@@ -17,6 +17,7 @@ import torch
 from stage_parts import CONFIG3, dense_codec, stage_workers, started_dhts
 
 from hlbp.peer.sim.launcher import poll
+from hlbp.peer.swarm import shares
 from hlbp.peer.swarm.driver import Driver, DriverConfig
 from hlbp.peer.swarm.gate import RoundGate
 from hlbp.peer.swarm.routing import Candidate
@@ -138,3 +139,33 @@ def test_when_one_of_the_two_stops_the_other_serves_the_stage_alone(stops: str) 
              lambda: f"the remaining peers to apply 4 steps: {other.counters.steps_applied}, "
                      f"{last.counters.steps_applied}")
         assert other.trades.traded == 2  # the two steps before the stop; alone it trades nothing
+
+
+@pytest.mark.timeout(300)
+def test_a_refused_share_leaves_the_update_one_peers_and_the_refused_side_out_of_the_phase(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """One check of the third step's trade refuses (as a share past the norm bound is): whichever of the two refused,
+    the step and the next one end with one peer's update, and the driver routes around the peer that fell out."""
+    batches = _batches(4)
+    with _swarm(1) as (driver, mids, last, workers):
+        _train(driver, batches, end=False)
+        poll(lambda: mids[0].counters.steps_applied == 4 and last.counters.steps_applied == 4, 30, "4 steps")
+        init = {n: t for w in stage_workers(OPTIM, 0, 1, 2, n_stages=3) for n, t in _params(w).items()}
+        alone = {n: t for w in workers for n, t in _params(w).items()}
+    calls = {"n": 0}
+    honest = shares.share_fault
+
+    def refuse_once(*args: float) -> str | None:
+        calls["n"] += 1
+        return "a share refused by the test" if calls["n"] == 5 else honest(*args)
+
+    monkeypatch.setattr(shares, "share_fault", refuse_once)
+    with _swarm(2) as (driver, mids, last, workers):
+        _train(driver, batches, end=False)
+        leader = min(mids, key=lambda m: m.peer_id)
+        poll(lambda: leader.counters.steps_applied == 4 and last.counters.steps_applied == 4, 30, "4 steps")
+        assert calls["n"] >= 5 and driver.counters.failures >= 1 and driver.counters.steps == 4
+        lead = workers[1 + mids.index(leader)]
+        got = {n: t for w in (workers[0], lead, workers[3]) for n, t in _params(w).items()}
+    for name, t in got.items():
+        _same_update(t, alone[name], init[name], name)
