@@ -24,25 +24,32 @@ import torch
 from hlbp.protocol.gradshare import Share
 
 SHARE_BOUND = 16.0
-"""A share's gradient norm may be at most this many times the receiver's own, per micro-batch (on the square root of
-the micro-batch counts, as a sum of weakly correlated micro-batch gradients grows). Honest parts of one step differ
-by their micro-batches' losses only, yet they differ a lot: two halves of tiny's 16 micro-batches of 4 sequences
-were measured 5.5x apart (``hlbp bench pipeline --stage-peers 1,2``). The bound leaves room for that and still caps
-what a lying peer adds to a step at a small multiple of an honest part."""
+"""A share's gradient norm may be at most this many times the larger of two references every peer of the trade
+holds: its own part (times the ratio of the micro-batch counts: early in training the micro-batches' gradients
+point alike and their sum's norm grows with the count) and the stage's whole gradient of the last step it traded.
+Honest parts of one step differ a lot: with identical weights, two halves of tiny's 16 micro-batches of 4 sequences
+of text were measured up to 20x apart in norm (``hlbp bench pipeline --stage-peers 1,2``, real text, a few steps in),
+while the step's whole gradient moved by less than 4x from one step to the next. The bound caps what a lying peer
+adds to a step at a small multiple of the stage's recent gradient."""
 
 
-def share_fault(share_sumsq: float, share_count: int, own_sumsq: float, own_count: int,
+def share_fault(share_sumsq: float, share_count: int, own_sumsq: float, own_count: int, last_sumsq: float = 0.0,
                 bound: float = SHARE_BOUND) -> str | None:
     """Why a share of squared norm ``share_sumsq`` over ``share_count`` micro-batches must not be added to this
-    peer's part of ``own_sumsq`` over ``own_count``, or None. A peer with no part of its own (or a zero gradient)
-    has nothing to compare with and takes the share as it is."""
+    peer's part of ``own_sumsq`` over ``own_count``, ``last_sumsq`` being the stage's whole gradient of the last step
+    traded (0: none yet), or None. With neither reference (no part of its own, a zero gradient, no trade before) the
+    share is taken as it is."""
     if not math.isfinite(share_sumsq):
         return "its share is not finite"
-    if own_count <= 0 or own_sumsq <= 0:
+    ref = max(math.sqrt(max(own_sumsq, 0.0)) * max(1.0, share_count / max(own_count, 1)) if own_count > 0 else 0.0,
+              math.sqrt(max(last_sumsq, 0.0)))
+    if ref <= 0:
         return None
-    limit = bound * math.sqrt(own_sumsq) * math.sqrt(max(1.0, share_count / own_count))
+    limit = bound * ref
     if math.sqrt(share_sumsq) > limit:
-        return f"its share's norm {math.sqrt(share_sumsq):.4g} is over {limit:.4g} ({bound:g}x this peer's own part)"
+        return (f"its share's norm {math.sqrt(share_sumsq):.4g} over {share_count} micro-batches is over {limit:.4g} "
+                f"({bound:g}x this peer's own part of {own_count}, {math.sqrt(max(own_sumsq, 0.0)):.4g}, or the "
+                f"stage's last traded step, {math.sqrt(max(last_sumsq, 0.0)):.4g})")
     return None
 
 
@@ -94,8 +101,9 @@ class Trade:
     shares: dict[str, Share] = field(default_factory=dict)
     not_finite: bool = False  # a part (this peer's or a share) was not finite: the step is skipped
 
-    def fault(self, peer: str, share: Share, own_sumsq: float) -> str | None:
-        """Why ``peer``'s ``share`` must not be taken, or None (then it is recorded)."""
+    def fault(self, peer: str, share: Share, own_sumsq: float, last_sumsq: float = 0.0) -> str | None:
+        """Why ``peer``'s ``share`` must not be taken, or None (then it is recorded); ``last_sumsq``: the stage's
+        whole gradient of the last step traded (:func:`share_fault`)."""
         if peer not in self.expected:
             return "a share from a peer that did not serve this stage in the step"
         if peer in self.shares:
@@ -104,7 +112,7 @@ class Trade:
         if held & share.mbs:
             return f"a share of micro-batches {sorted(held & share.mbs)[:4]} already accumulated"
         if share.grads is not None:
-            fault = share_fault(sumsq_of(share.grads), len(share.mbs), own_sumsq, len(self.own))
+            fault = share_fault(sumsq_of(share.grads), len(share.mbs), own_sumsq, len(self.own), last_sumsq)
             if fault is not None:
                 return fault
         self.shares[peer] = share

@@ -22,6 +22,7 @@ driver re-runs the step without it.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -71,6 +72,7 @@ class SiblingTrades:
         # this peer missed a step of the phase under way (it refused its leader's share, or the leader's apply did
         # not come): its weights are not the stage's, so it serves no training step until the next phase
         self.missed = False
+        self.last_sumsq = 0.0  # the stage's whole gradient of the last trade that completed here (a share's bound)
         self.traded = 0  # trades completed
         self.refused = 0  # shares refused
 
@@ -101,7 +103,7 @@ class SiblingTrades:
             self._begin(msg.session, msg.step, msg.count, peers)
             self._send_share(led=False)
         assert self._trade is not None
-        fault = self._trade.fault(sender, share, self.worker.sumsq())
+        fault = self._trade.fault(sender, share, self.worker.sumsq(), self.last_sumsq)
         if fault is not None:
             self._refuse(sender, fault)
             return
@@ -231,6 +233,8 @@ class SiblingTrades:
         self.worker.take_gradients(total, trade.count)
         led = self._then is not None
         self.settled[(session, step)] = Settled(peers, sumsq_of(total), led)
+        if math.isfinite(self.settled[(session, step)].sumsq):
+            self.last_sumsq = self.settled[(session, step)].sumsq
         self.traded += 1
         then, self._trade, self._then = self._then, None, None
         if then is not None:

@@ -203,19 +203,23 @@ class StageWorker:
     # --- several peers of one stage -----------------------------------------------------------------------------
 
     def gradients(self) -> dict[str, torch.Tensor]:
-        """This stage's accumulated gradient of the step under way, by parameter name (zeros where a parameter got
-        none): this peer's part of a trade (hlbp.peer.swarm.shares)."""
+        """This stage's accumulated gradient of the step under way, by name of each trained parameter (zeros where
+        one got none): this peer's part of a trade (hlbp.peer.swarm.shares). Frozen tensors (a subspace codec's
+        fixed basis) are left out: a zero gradient would make AdamW decay them."""
         return {n: (p.grad.detach() if p.grad is not None else torch.zeros_like(p)).float()
-                for n, p in self.stage.named_parameters()}
+                for n, p in self.stage.named_parameters() if p.requires_grad}
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
-        return {n: tuple(p.shape) for n, p in self.stage.named_parameters()}
+        """The shapes of :meth:`gradients`."""
+        return {n: tuple(p.shape) for n, p in self.stage.named_parameters() if p.requires_grad}
 
     def take_gradients(self, total: Mapping[str, torch.Tensor], count: int) -> None:
         """Replace the accumulated gradient with ``total``, the whole step's (every peer's part added), so every one
-        of the step's ``count`` micro-batches counts as accumulated here (a re-run only passes its gradient back)."""
+        of the step's ``count`` micro-batches counts as accumulated here (a re-run only passes its gradient back).
+        A parameter no micro-batch reached keeps no gradient, as one peer's step leaves it (AdamW skips it)."""
         for n, p in self.stage.named_parameters():
-            p.grad = total[n].to(device=p.device, dtype=p.dtype).clone()
+            if n in total and (p.grad is not None or bool(total[n].any())):
+                p.grad = total[n].to(device=p.device, dtype=p.dtype).clone()
         self.accumulated = set(range(count))
 
     def parameters(self) -> dict[str, nn.Parameter]:

@@ -55,9 +55,13 @@ def test_a_share_far_larger_than_the_receivers_own_part_is_refused() -> None:
     assert share_fault(own, 4, own, 4) is None
     assert share_fault((2 * SHARE_BOUND) ** 2 * 0.99, 1, own, 1) is None
     assert share_fault((2 * SHARE_BOUND) ** 2 * 1.01, 1, own, 1) is not None
-    assert share_fault((2 * SHARE_BOUND * 2) ** 2 * 0.99, 16, own, 4) is None  # four times the micro-batches
+    assert share_fault((2 * SHARE_BOUND * 4) ** 2 * 0.99, 16, own, 4) is None  # four times the micro-batches
+    assert share_fault((2 * SHARE_BOUND * 4) ** 2 * 1.01, 16, own, 4) is not None
     assert share_fault(float("inf"), 1, own, 1) is not None
     assert share_fault(1e12, 1, 0.0, 0) is None  # nothing of its own to compare with
+    # the stage's last traded step is the other reference: an honest small part does not refuse a normal share
+    assert share_fault(1.0, 8, 1e-6, 8, last_sumsq=0.25) is None
+    assert share_fault((16 * 0.5) ** 2 * 1.01, 8, 1e-6, 8, last_sumsq=0.25) is not None
     trade = Trade("p", 2, frozenset({0}), frozenset({"q"}))
     assert "over" in (trade.fault("q", Share(frozenset({1}), _g(2, 100.0)), 1.0) or "")
     assert not trade.shares
