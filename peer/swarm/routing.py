@@ -5,11 +5,12 @@
 - :class:`LatencyTracker`: the deadline of a micro-batch is ``factor`` times the recent p95 of measured round
   trips, within bounds; an explicit value overrides it.
 - :func:`choose_chain`: one peer per stage by least expected finish time (queued tokens over measured throughput,
-  SWARM's rule), sticky: the peer that served the stage last keeps it while it is not banned, because stage peers
-  of one stage do not share gradients and a switch mid-phase costs the stage its inner progress. At a phase's
-  first step a switch costs only the stage's AdamW moments (a standby holds the round's result), so there a peer
-  at least ``switch_factor`` times faster takes the stage: a slow peer that came first is a standby again, not a
-  drag on its swarm for the rest of the run.
+  SWARM's rule), sticky: the peer that served the stage last keeps it while it is not banned, because a switch
+  mid-phase costs the stage its inner progress (a standby holds only the round's result). At a phase's first step
+  a switch costs only the stage's AdamW moments, so there a peer at least ``switch_factor`` times faster takes the
+  stage: a slow peer that came first is a standby again, not a drag on its swarm for the rest of the run.
+- :func:`choose_serving` and :func:`assign_routes`: several peers serving one stage in a step (they trade gradients
+  at its end, :mod:`hlbp.peer.swarm.siblings`): who serves, and which micro-batch goes through which of them.
 
 Nothing here touches the network or the clock: time comes in as arguments, so each rule is a unit test.
 """

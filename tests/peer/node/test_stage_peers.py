@@ -13,20 +13,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from stage_runs import round_record, stage_peer_id
 
-from hlbp.peer.sim.launcher import Replica, SimConfig, Swarm
+from hlbp.peer.sim.launcher import SimConfig, Swarm
 
 pytestmark = pytest.mark.slow
 
 H = 3
-
-
-def _round(records: list[dict[str, Any]], r: int) -> dict[str, Any] | None:
-    return next((x for x in reversed(records) if x["round"] == r), None)
-
-
-def _id(peer: Replica) -> str:
-    return peer.proc.wait_for(r"serving stage 1 as (\S+)", 60).group(1)
 
 
 def test_two_peers_serve_one_stage_and_the_round_sees_one_contribution_from_them(tmp_path: Path) -> None:
@@ -41,14 +34,14 @@ def test_two_peers_serve_one_stage_and_the_round_sees_one_contribution_from_them
         full = sw.add("peer0", "--wait-replicas", "3", rounds=1000)
         driver = sw.add_stage("sw0s0", 0, "--micro-batches", "4", "--eval-every", "0", "--stage-peers", "2",
                               swarm=0)
-        ids = {_id(a), _id(b)}
+        ids = {stage_peer_id(a), stage_peer_id(b)}
 
         def shared() -> list[dict[str, Any]]:
             return [s for s in driver.events("step") if s.get("serving") == [sorted(ids)]]
 
         first = sw.wait(lambda: next(iter(shared()), None), "a step of the driver through both stage-1 peers")
         last = first["round"] + 3
-        sw.wait(lambda: all(_round(p.rounds(), last) for p in (full, a, b, driver)), f"round {last} on every peer")
+        sw.wait(lambda: all(round_record(p.rounds(), last) for p in (full, a, b, driver)), f"round {last} on every peer")
         steps = [s for s in driver.events("step") if "chain" in s]
         alive = {n: r.proc.alive for n, r in sw.replicas.items()}
         fulls, as_, bs, drives = (p.rounds() for p in (full, a, b, driver))
@@ -60,7 +53,7 @@ def test_two_peers_serve_one_stage_and_the_round_sees_one_contribution_from_them
     assert later and all(s.get("serving") == [sorted(ids)] for s in later), later
     assert not any("failed; banned" in out for out in outputs.values()), {n: o[-2000:] for n, o in outputs.items()}
     for r in range(first["round"] + 1, last + 1):  # whole phases served by both
-        f, x, y, d = _round(fulls, r), _round(as_, r), _round(bs, r), _round(drives, r)
+        f, x, y, d = round_record(fulls, r), round_record(as_, r), round_record(bs, r), round_record(drives, r)
         assert f is not None and x is not None and y is not None and d is not None, r
         assert x["checksums"]["1"] == y["checksums"]["1"] == f["checksums"]["1"], (r, f, x, y)
         assert all(p["in_sync"] for p in (f, x, y, d)), (r, f, x, y, d)

@@ -15,22 +15,15 @@ from statistics import median
 from typing import Any
 
 import pytest
+from stage_runs import round_record, stage_peer_id
 
 from hlbp.cli.slowstage import program
-from hlbp.peer.sim.launcher import Replica, SimConfig, Swarm
+from hlbp.peer.sim.launcher import SimConfig, Swarm
 
 pytestmark = pytest.mark.slow
 
 H = 4
 SLOW_S = 0.5  # the slow peer's sleep before each micro-batch: at most 256 tokens/s on micro-batches of 2 x 64 tokens
-
-
-def _round(records: list[dict[str, Any]], r: int) -> dict[str, Any] | None:
-    return next((x for x in reversed(records) if x["round"] == r), None)
-
-
-def _id(peer: Replica) -> str:
-    return peer.proc.wait_for(r"serving stage 1 as (\S+)", 60).group(1)
 
 
 def test_a_stage_goes_to_a_faster_peer_at_a_phase_start(tmp_path: Path) -> None:
@@ -45,7 +38,7 @@ def test_a_stage_goes_to_a_faster_peer_at_a_phase_start(tmp_path: Path) -> None:
         fast.proc.wait_for("^announced", 60)
         full = sw.add("peer0", "--wait-replicas", "3", rounds=1000)
         driver = sw.add_stage("sw0s0", 0, "--micro-batches", "2", "--eval-every", "0", "--switch-factor", "2")
-        slow_id, fast_id = _id(slow), _id(fast)
+        slow_id, fast_id = stage_peer_id(slow), stage_peer_id(fast)
 
         def steps() -> list[dict[str, Any]]:
             return [s for s in driver.events("step") if "chain" in s]
@@ -53,7 +46,7 @@ def test_a_stage_goes_to_a_faster_peer_at_a_phase_start(tmp_path: Path) -> None:
         switched = sw.wait(lambda: next((s for s in steps() if s["chain"] == [fast_id]), None),
                            "a step of the driver through the faster peer")
         last = switched["round"] + 2
-        sw.wait(lambda: all(_round(p.rounds(), last) for p in (full, fast, slow, driver)),
+        sw.wait(lambda: all(round_record(p.rounds(), last) for p in (full, fast, slow, driver)),
                 f"round {last} on every peer")
         done = steps()
         output = driver.proc.output
@@ -74,7 +67,7 @@ def test_a_stage_goes_to_a_faster_peer_at_a_phase_start(tmp_path: Path) -> None:
     # the swarm's steps got faster
     assert median(s["seconds"] for s in after) * 1.5 < median(s["seconds"] for s in before), (before, after)
     for r in range(switched["round"], last + 1):
-        f, a, b, d = _round(fulls, r), _round(fasts, r), _round(slows, r), _round(drives, r)
+        f, a, b, d = round_record(fulls, r), round_record(fasts, r), round_record(slows, r), round_record(drives, r)
         assert f is not None and a is not None and b is not None and d is not None, r
         # every holder of shard 1, the standby included, ends every round with the same checksum of it
         assert a["checksums"]["1"] == f["checksums"]["1"] == b["checksums"]["1"], (r, f, a, b)
