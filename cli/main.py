@@ -7,7 +7,7 @@ from pathlib import Path
 
 import typer
 
-from hlbp.cli import bench_memory, bench_scale  # noqa: F401 - register their commands on bench_app
+from hlbp.cli import bench_memory, bench_pipeline, bench_scale  # noqa: F401 - register their commands on bench_app
 from hlbp.cli.bench import bench_app
 from hlbp.cli.control_cmds import register as register_control_commands
 from hlbp.cli.model_cmds import register as register_model_commands
