@@ -10,13 +10,14 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 from hlbp.peer.swarm.routing import Bans, Candidate, assign_routes, choose_chain, choose_serving
 
 logger = logging.getLogger(__name__)
 
 CandidatesFn = Callable[[], Sequence[Sequence[Candidate]]]
+T = TypeVar("T")
 
 RATE_WEIGHT = 0.2  # weight of the newest step in a stage peer's measured throughput (a moving average)
 
@@ -58,10 +59,8 @@ class Chains:
         ``give_up()`` or the stop event). ``me``: the driver's peer id, for the log. ``switch_factor`` > 0 (a
         phase's first step): a serving peer gives way to one at least that many times faster
         (:func:`~hlbp.peer.swarm.routing.choose_chain`)."""
-        deadline = time.monotonic() + self.wait_s
-        announced_once = False
-        while True:
-            options = self.options()
+
+        def attempt(options: list[list[Candidate]]) -> list[str] | None:
             chain = choose_chain(options, self.chain, self.bans, time.monotonic(), tokens, switch_factor)
             if chain is not None:
                 if chain != self.chain:
@@ -70,15 +69,9 @@ class Chains:
                 self.chain = chain
                 if [stage[0] for stage in self.serving] != chain:  # a new chain: its peers alone serve
                     self.serving = [[p] for p in chain]
-                return chain
-            if time.monotonic() >= deadline or (self.stop is not None and self.stop.is_set()) \
-                    or (give_up is not None and give_up()):
-                return None
-            if not announced_once:
-                missing = [i + 1 for i, o in enumerate(options) if not o]
-                logger.info("waiting for stage peers (stages without a usable peer: %s)", missing or "banned")
-                announced_once = True
-            time.sleep(0.5)
+            return chain
+
+        return self._wait(attempt, give_up)
 
     def pick(self, tokens: Sequence[int], give_up: Callable[[], bool] | None = None, me: str = "", most: int = 1,
              fresh: bool = False, switch_factor: float = 0.0) -> list[list[str]] | None:
@@ -89,18 +82,36 @@ class Chains:
             chain = self.choose(max(tokens, default=1), give_up, me, switch_factor if fresh else 0.0)
             self.serving = [] if chain is None else [[p] for p in chain]
             return None if chain is None else self.serving
-        deadline = time.monotonic() + self.wait_s
-        while True:
-            serving = choose_serving(self.options(), self.serving, self.bans, time.monotonic(), tokens, most, fresh)
+
+        def attempt(options: list[list[Candidate]]) -> list[list[str]] | None:
+            serving = choose_serving(options, self.serving, self.bans, time.monotonic(), tokens, most, fresh)
             if serving is not None:
                 if serving != self.serving:
                     logger.info("pipeline stages served by: %s", " -> ".join(
                         "+".join(p[:12] for p in stage) for stage in [[me], *serving]))
                 self.serving, self.chain = serving, [stage[0] for stage in serving]
-                return serving
+            return serving
+
+        return self._wait(attempt, give_up)
+
+    def _wait(self, attempt: Callable[[list[list[Candidate]]], T | None],
+              give_up: Callable[[], bool] | None) -> T | None:
+        """``attempt(options)`` every half second until it returns something, for at most ``wait_s`` (or until
+        ``give_up()`` or the stop event); None if it never did."""
+        deadline = time.monotonic() + self.wait_s
+        announced_once = False
+        while True:
+            options = self.options()
+            found = attempt(options)
+            if found is not None:
+                return found
             if time.monotonic() >= deadline or (self.stop is not None and self.stop.is_set()) \
                     or (give_up is not None and give_up()):
                 return None
+            if not announced_once:
+                missing = [i + 1 for i, o in enumerate(options) if not o]
+                logger.info("waiting for stage peers (stages without a usable peer: %s)", missing or "banned")
+                announced_once = True
             time.sleep(0.5)
 
     def routes(self, serving: Sequence[Sequence[str]], tokens: Sequence[int],
