@@ -200,6 +200,9 @@ class StageServer:
             self._put(BACKWARD, lambda: self._finish(conn, msg))
         elif msg.op == "abort":
             self._put(APPLY, lambda: self._abort(msg))
+        elif msg.op == "share" and any(p != self.peer_id and not self._sibling(p) for p in msg.peers):
+            # it would have this peer send its gradient to whomever it names: only peers of this stage trade
+            self._on_bad(conn.peer, "a share naming a peer that does not serve this stage")
         elif msg.op == "share":
             self._put(BACKWARD, lambda: self.trades.received(conn.peer, msg, body), conn.peer)
         elif msg.op == "apply" and allowed is SIBLING:

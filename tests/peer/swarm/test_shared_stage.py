@@ -9,6 +9,7 @@ other alone."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 
@@ -24,6 +25,8 @@ from hlbp.peer.swarm.routing import Candidate
 from hlbp.peer.swarm.server import StageServer
 from hlbp.peer.swarm.worker import StageWorker
 from hlbp.peer.train.trainer import OptimConfig, lr_at
+from hlbp.protocol.gradshare import encode_share
+from hlbp.protocol.stagewire import StageMessage, encode_message
 
 OPTIM = OptimConfig(lr=3e-3, warmup_steps=1, total_steps=20)
 
@@ -169,3 +172,14 @@ def test_a_refused_share_leaves_the_update_one_peers_and_the_refused_side_out_of
         got = {n: t for w in (workers[0], lead, workers[3]) for n, t in _params(w).items()}
     for name, t in got.items():
         _same_update(t, alone[name], init[name], name)
+
+
+@pytest.mark.timeout(120)
+def test_a_share_that_names_a_peer_outside_the_stage_is_refused_and_its_sender_banned() -> None:
+    with _swarm(2) as (driver, mids, _last, workers):
+        a, b = mids
+        body = encode_share([0], 4, workers[2].gradients())
+        lie = StageMessage("share", session=1, step=1, count=4, peers=(a.peer_id, b.peer_id, driver.peer_id))
+        b.links.dial(a.peer_id).send(encode_message(lie, body))  # b, a peer of the stage, asks a to send to the driver
+        poll(lambda: a.counters.frames_refused == 1, 30, "the share refused")
+        assert a.bans.banned(b.peer_id, time.monotonic()) and a.trades.traded == 0
