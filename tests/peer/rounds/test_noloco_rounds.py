@@ -139,10 +139,13 @@ def test_a_lying_partner_is_bounded_and_poisons_nobody(tmp_path: Path) -> None:
     # honest pairs: a few tensors whose pull the 8x bound cuts (the liar pushed one side away: measured up to 6),
     # never the whole model as each pairing with the liar is
     assert all(r["bounded"] <= 12 for rows in recs.values() for r in rows if r["partner"] != liar_id), recs
-    # every honest replica learns: its loss falls below its first round's (a pairing with the liar moves it at most
-    # 4.6x its own progress, so a late one can lift its last round's loss; seen once under a busy loop, 7.82 against
-    # 7.75), and the honest replicas' mean falls from the first round to the last
+    # every honest replica learns: its loss falls below its first round's. The rounds' losses are noisy (an honest
+    # pairing has lifted one by 0.4 between rounds) and a pairing with the liar moves a replica at most 4.6x its own
+    # progress, so a late one can lift a round's loss: the honest mean of a late round has come out above the first's
+    # (8.26 against 8.23 under a busy loop). What poison does is not noise: unbounded, a lying partner takes honest
+    # losses from 8.8 to 25 (docs/security.md); here none rises a nat above its first round's
     for name, rows in recs.items():
         assert len(rows) == cfg.rounds and min(r["val_loss"] for r in rows[1:]) < rows[0]["val_loss"], (name, rows)
-    first, last = (sum(rows[i]["val_loss"] for rows in recs.values()) / len(recs) for i in (0, -1))
-    assert last < first, recs
+        assert all(r["val_loss"] < rows[0]["val_loss"] + 1.0 for r in rows), (name, rows)
+    means = [sum(rows[i]["val_loss"] for rows in recs.values()) / len(recs) for i in range(cfg.rounds)]
+    assert min(means[1:]) < means[0], means
