@@ -12,7 +12,8 @@ The flow of one micro-batch at stage s: ``fwd`` from upstream → forward → ``
 (:class:`~hlbp.peer.swarm.stepend.StepLedger`); the driver's ``apply`` then comes down ahead of the next step's
 micro-batches, is checked against that norm, passed on and queued before them. A step whose norms did not come up
 complete ends the older way: ``finish`` down the chain summing the norms, the last stage's ``done`` back up, each
-stage queueing its AdamW step before it passes ``done`` on. Every answer goes up the stream its cause came down: a
+stage queueing its AdamW step before it passes ``done`` on (:class:`~hlbp.peer.swarm.ending.StepEnds` runs a
+step's end, trading gradients first when several peers served the stage). Every answer goes up the stream its cause came down: a
 micro-batch's ``bwd`` on the stream of its ``fwd``, a step's ``done`` on the stream of its ``finish``, so peers
 above that feed this stage in one step each hear about their own micro-batches.
 
@@ -38,16 +39,17 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from hlbp.peer.model.codec import ActivationCodec
+from hlbp.peer.swarm.ending import StepEnds
 from hlbp.peer.swarm.evalrelay import EvalRelay
 from hlbp.peer.swarm.gate import RoundGate
 from hlbp.peer.swarm.guardrelay import GuardRelay
 from hlbp.peer.swarm.guardslot import GuardSlot
 from hlbp.peer.swarm.links import Conn, StageLinks
 from hlbp.peer.swarm.routing import Bans
-from hlbp.peer.swarm.siblings import SiblingTrades, without_own
+from hlbp.peer.swarm.siblings import SiblingTrades
 from hlbp.peer.swarm.stepend import StepLedger
 from hlbp.peer.swarm.transcript import Notary, sealed
-from hlbp.peer.swarm.worker import StageStateError, StageWorker, finish_fault, wire_norm, wire_scale
+from hlbp.peer.swarm.worker import StageStateError, StageWorker
 from hlbp.protocol import ProtocolError
 from hlbp.protocol.gradshare import max_share_bytes
 from hlbp.protocol.stagewire import (
@@ -130,10 +132,7 @@ class StageServer:
         # Replies go up the stream their cause came down: a micro-batch's bwd on its fwd's stream, a step's done on
         # its finish's. Several peers of the stage above may feed this one in a step, each on its own stream.
         self._upstream: Conn | None = None  # the session's latest stream: where a fail without a cause goes
-        self._closer: Conn | None = None  # the stream the step's finish came down
         self._session = -1
-        self._step_round: int | None = None  # the outer round of the step under way, as its frames say
-        self._step_inner = 0  # the steps its phase applied before it, as its frames say (0: a phase's first)
         self.ledger = StepLedger()  # what this stage said about the step under way, to check its end against
         self._pending: dict[tuple[int, int], Pending] = {}  # (mb, attempt) -> where it came from and went
         self.guard = GuardRelay(slot, worker, codec, vocab_size, lambda job: self._put(FORWARD, job), self._pass_on,
@@ -147,7 +146,10 @@ class StageServer:
         self.peer_id = self.links.peer_id
         self.trades = SiblingTrades(worker, self.links, self.peer_id, lambda job: self._put(BACKWARD, job),
                                     self._fail, self._on_bad, trade_timeout_s, lambda job: self._put(FORWARD, job),
-                                    lambda: self._step_inner == 0)
+                                    lambda: self.ends.inner == 0)
+        self.ends = StepEnds(worker, self.links, self.ledger, self.trades, gate, max_tokens, self.counters, on_step,
+                             lambda job: self._put(APPLY, job), lambda job: self._put(BACKWARD, job), self._send_up,
+                             self._fail, self._on_bad)
         self._thread = threading.Thread(target=self._compute_loop, name="hlbp-stage-compute", daemon=True)
         self._thread.start()
 
@@ -192,32 +194,20 @@ class StageServer:
         elif msg.op == "bwd":
             self._put(BACKWARD, lambda: self._backward(conn.peer, msg, body), conn.peer)
         elif msg.op == "finish":
-            fault = finish_fault(msg.lr, msg.opt_step, msg.max_norm, self.worker.optim)
-            if fault is not None:  # not run, not passed down: its sender is banned and told why
-                self._on_bad(conn.peer, fault)
-                self._fail(conn.peer, Reason.BAD_FINISH, fault)
-                return
-            self._put(BACKWARD, lambda: self._finish(conn, msg))
+            self.ends.finish_arrived(conn, msg)
         elif msg.op == "abort":
-            self._put(APPLY, lambda: self._abort(msg))
+            self._put(APPLY, lambda: self.ends.abort(msg))
         elif msg.op == "share" and any(p != self.peer_id and not self._sibling(p) for p in msg.peers):
             # it would have this peer send its gradient to whomever it names: only peers of this stage trade
             self._on_bad(conn.peer, "a share naming a peer that does not serve this stage")
         elif msg.op == "share":
             self._put(BACKWARD, lambda: self.trades.received(conn.peer, msg, body), conn.peer)
         elif msg.op == "apply" and allowed is SIBLING:
-            self._put(APPLY, lambda: self._mirror_apply(conn.peer, msg), conn.peer)
+            self._put(APPLY, lambda: self.ends.mirror_apply(conn.peer, msg), conn.peer)
         elif msg.op == "apply":
-            self._apply_arrived(conn, msg)
+            self.ends.apply_arrived(conn, msg)
         elif msg.op == "done":
-            fault = self.ledger.done_fault(msg)
-            if fault is not None:  # not applied, not passed up: the driver re-runs the step on another chain
-                self._on_bad(conn.peer, fault)
-                self._put(APPLY, lambda: self._apply(replace(msg, scale=0.0, tokens=0, round_end=False)))
-                self._fail(conn.peer, Reason.BAD_DONE, fault)
-                return
-            self._put(APPLY, lambda: self._apply(msg))
-            self._send_up(msg)
+            self.ends.done_arrived(conn, msg)
         elif msg.op == "loss":
             self.evals.answered(conn, msg)
         elif msg.op == "guard":
@@ -241,31 +231,9 @@ class StageServer:
 
     def _send_up(self, msg: StageMessage, body: bytes = b"") -> None:
         """A step's end (done) or a failure, up the stream of the step's finish, else the session's latest."""
-        up = self._closer or self._upstream
+        up = self.ends.closer or self._upstream
         if up is not None:
             up.send(encode_message(msg, body))
-
-    def _apply_arrived(self, conn: Conn, msg: StageMessage) -> None:
-        """The driver's ``apply`` of a step, from upstream: checked against the schedule and the norm this stage
-        sent up, and queued ahead of the next step's micro-batches (:meth:`_pass_apply`). One that does not add up drops the step here, is not passed on, and names its sender
-        (the stages below drop the step when the next one starts)."""
-        fault = self.ledger.apply_fault(msg, self.worker.optim)
-        if fault is not None:
-            self._on_bad(conn.peer, fault)
-            self._put(APPLY, lambda: self._apply(replace(msg, scale=0.0, tokens=0, round_end=False)))
-            self._fail(conn.peer, Reason.BAD_DONE, fault)
-            return
-        self._put(APPLY, lambda: self._pass_apply(msg))
-
-    def _pass_apply(self, msg: StageMessage) -> None:
-        """Compute thread (dialling waits on the links' loop): pass a checked ``apply`` down its route, then step.
-        Queued first, it leaves before this stage sends on any micro-batch of the next step."""
-        if msg.route:
-            try:
-                self.links.dial(msg.route[0]).send(encode_message(replace(msg, route=msg.route[1:])))
-            except ConnectionError as exc:  # the stages below drop the step when the next one reaches them
-                logger.warning("the apply of step %d could not reach %s: %s", msg.step, msg.route[0][:12], exc)
-        self._apply(msg)
 
     def _norms(self, msg: StageMessage, below: float | None) -> tuple[float, int]:
         """The norms the ``bwd`` of ``msg`` carries up (:meth:`StepLedger.norms`)."""
@@ -328,9 +296,7 @@ class StageServer:
             logger.warning("the round exchange took over %.0f s; serving the next step anyway", self.gate_timeout_s)
         self.worker.begin(msg.session, msg.step)
         if new_step:
-            self._step_round = msg.round  # what the step's apply tells the round gate
-            self._step_inner = msg.inner
-            self._closer = None  # this step's finish has yet to come
+            self.ends.started(msg)
         self.ledger.started(msg)
         if self.is_last:
             targets = decode_targets(window, shape, self.vocab_size)
@@ -399,80 +365,6 @@ class StageServer:
         up = pending.up if pending is not None else self._upstream
         if up is not None:
             up.send(sealed(self.notary, replace(msg, busy=busy[-32:], sumsq=sumsq, count=count), data))
-
-    def _finish(self, conn: Conn, msg: StageMessage) -> None:
-        self._closer = conn  # one reference, set here and in _forward (this thread), read by _send_up
-        others = msg.peers[:msg.per[0]] if msg.per else ()
-        if others and self.trades.peers_of(msg.session, msg.step) != tuple(sorted({self.peer_id, *others})):
-            if (msg.session, msg.step) != (self.worker.session, self.worker.step):
-                self._fail(self.peer_id, Reason.INCOMPLETE, f"finish of step {msg.step}: none of it is here")
-                return
-            # several peers served this stage: trade gradients first, then finish with the whole step's
-            self.trades.lead(msg, others, lambda: self._finish(conn, msg))
-            return
-        msg = without_own(msg)
-        if (msg.session, msg.step) != (self.worker.session, self.worker.step) or \
-                len(self.worker.accumulated) != msg.count:
-            have = len(self.worker.accumulated) if msg.step == self.worker.step else 0
-            self._fail(self.peer_id, Reason.INCOMPLETE, f"finish of step {msg.step}: {have} of {msg.count} micro-batches accumulated here")
-            return
-        total = msg.sumsq + self.worker.sumsq()
-        if msg.route:
-            try:
-                down = self.links.dial(msg.route[0])
-            except ConnectionError as exc:
-                self._fail(msg.route[0], Reason.UNREACHABLE, str(exc))
-                return
-            # what a done for this step must agree with: the driver's rate and at least the norm counted so far
-            self.ledger.passed_down(msg, total)
-            down.send(encode_message(replace(msg, sumsq=min(total, 1e300), route=msg.route[1:])))
-            return
-        done = StageMessage("done", session=msg.session, step=msg.step, opt_step=msg.opt_step, lr=msg.lr,
-                            sumsq=wire_norm(total), scale=wire_scale(total, msg.max_norm), tokens=msg.tokens,
-                            round_end=msg.round_end)
-        self._apply(done)
-        self._send_up(done)
-
-    def _mirror_apply(self, sender: str, msg: StageMessage) -> None:
-        """Compute thread: the step's apply from the peer of this stage that led its trade (checked against the
-        sum's norm computed here) is applied as a mirror."""
-        fault = self.trades.apply_fault(sender, msg)
-        if fault is not None:
-            self._on_bad(sender, fault)
-            return
-        self._apply(msg, mirror=True)
-
-    def _apply(self, msg: StageMessage, mirror: bool = False) -> None:
-        """Step (or skip) the step under way. A ``mirror`` (a peer of a shared stage that did not lead its trade)
-        steps the same, and its round gate does not count the step: the leader's contribution carries it."""
-        if (msg.session, msg.step) != (self.worker.session, self.worker.step):
-            raise StageStateError(f"done of step {msg.step}, this stage is at step {self.worker.step}")
-        ok = msg.scale > 0 and self.worker.apply(msg.lr, msg.scale)
-        if not ok:
-            self.worker.reset()
-        self.worker.applied_with(msg.session, msg.step, self.trades.peers_of(msg.session, msg.step))
-        self.trades.applied(msg.session, msg.step)
-        if not mirror and msg.scale > 0:
-            self.trades.pass_apply(msg)
-        self.counters.steps_applied += ok
-        self.counters.steps_skipped += not ok
-        self.worker.step = -1  # applied: the next fwd of this session starts the next step afresh
-        if self.gate is not None:
-            # the driver's count weighs this stage's contribution in token-weighted runs: never above a batch
-            self.gate.leave(ok and not mirror, min(msg.tokens, self.max_tokens), msg.round_end, self._step_round)
-        if self.on_step is not None:
-            self.on_step(msg, ok)
-
-    def _abort(self, msg: StageMessage) -> None:
-        if msg.session == self.worker.session:
-            self.worker.reset()
-            if self.gate is not None:
-                self.gate.leave(False)
-        if msg.route:
-            try:
-                self.links.dial(msg.route[0], timeout=3).send(encode_message(replace(msg, route=msg.route[1:])))
-            except ConnectionError:
-                pass
 
     def busy_fraction(self) -> float:
         """Share of the time since the stage started that it spent computing."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from dataclasses import replace
+from typing import Any
 
 import hivemind
 import pytest
@@ -41,8 +42,14 @@ class LyingServer(StageServer):
     def _norms(self, msg: StageMessage, below: float | None) -> tuple[float, int]:
         return 0.0, 0
 
-    def _finish(self, conn: Conn, msg: StageMessage) -> None:
-        super()._finish(conn, replace(msg, lr=10.0))
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        honest = self.ends.finish  # its step's end is wrapped: every finish it runs says a rate of 10
+
+        def finish(conn: Conn, msg: StageMessage) -> None:
+            honest(conn, replace(msg, lr=10.0))
+
+        self.ends.finish = finish  # type: ignore[method-assign]
 
 
 class UnaskedDoneServer(StageServer):
