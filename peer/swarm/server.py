@@ -272,6 +272,8 @@ class StageServer:
             self.counters.busy_s += time.perf_counter() - start
 
     def _forward(self, conn: Conn, msg: StageMessage, body: bytes) -> None:
+        if msg.op == "fwd":  # a micro-batch of a step whose trade completed here: the step is re-run
+            self.trades.reopen(msg.session, msg.step)
         if msg.op == "fwd" and (msg.session, msg.step) != (self.worker.session, self.worker.step) and \
                 self.trades.hold(lambda: self._forward(conn, msg, body)):
             return  # a mirror's step is not applied yet: the next one's micro-batches wait for it

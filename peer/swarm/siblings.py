@@ -16,7 +16,8 @@ so their updates stay equal.
 
 Everything runs on the server's compute thread except :meth:`expire`, which only queues a job there. A trade whose
 shares do not all come within ``timeout_s`` makes the finish's peer send a ``fail`` naming a missing peer; the
-driver re-runs the step without it.
+driver re-runs the step without it. A peer where that trade did complete holds the sum; a micro-batch or a share of the
+step reaching it again means the step is re-run, and it takes back its own part first (:meth:`SiblingTrades.reopen`).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from typing import Any
 import torch
 
 from hlbp.peer.swarm.shares import Trade, joint_lineage, sumsq_of
-from hlbp.peer.swarm.worker import StageStateError, StageWorker, done_fault, finish_fault
+from hlbp.peer.swarm.worker import OwnPart, StageStateError, StageWorker, done_fault, finish_fault
 from hlbp.protocol.gradshare import decode_share, encode_share
 from hlbp.protocol.stagewire import Reason, StageMessage, encode_message
 
@@ -46,6 +47,7 @@ class Settled:
     sumsq: float  # the squared norm of the sum (what an apply must agree with)
     led: bool  # the finish came through this peer: it sends the step's apply to the others
     applied: bool = False  # the step was applied (or skipped) here
+    own: OwnPart | None = None  # this peer's part before the sum replaced it, until the step is applied
 
 
 class SiblingTrades:
@@ -99,6 +101,7 @@ class SiblingTrades:
             self._refuse(sender, f"a share naming peers {[p[:12] for p in peers]}, not both of us")
             return
         share = decode_share(body, msg.count, self.shapes)  # a ProtocolError bans the sender (the compute loop)
+        self.reopen(msg.session, msg.step)  # a trade of a step already traded here: the step is being re-run
         if self._key != (msg.session, msg.step, peers):
             self._begin(msg.session, msg.step, msg.count, peers)
             self._send_share(led=False)
@@ -155,15 +158,31 @@ class SiblingTrades:
         """Step (``session``, ``step``) was applied or skipped here: forwards held for it go back to the queue."""
         settled = self.settled.get((session, step))
         if settled is not None:
-            settled.applied = True
+            settled.applied, settled.own = True, None
         self._release((session, step))
+
+    def reopen(self, session: int, step: int) -> bool:
+        """A forward or a share of a step whose trade completed here and was not applied: the driver re-runs the
+        step (a peer of the trade or a later stage failed), so this peer takes its own part back from the sum. The
+        re-run then adds the micro-batches it is given now to that part, and the next trade gets the part alone:
+        kept, the sum would count every other peer's micro-batches as this peer's, and the trade's partners would
+        refuse it as overlapping theirs. Returns whether it did."""
+        settled = self.settled.get((session, step))
+        if settled is None or settled.applied or settled.own is None:
+            return False
+        logger.info("step %d is re-run after its trade with %s: taking back this peer's part", step,
+                    ", ".join(p[:12] for p in settled.peers if p != self.me))
+        self.worker.restore_part(settled.own)
+        del self.settled[(session, step)]
+        self._key, self._trade, self._then = None, None, None
+        return True
 
     def _release(self, key: tuple[int, int]) -> None:
         settled = self.settled.get(key)
         if settled is not None and not settled.applied:
             logger.warning("step %d: no apply from the peer that led its trade within %.0f s; serving no more steps "
                            "of this phase", key[1], self.timeout_s)
-            settled.applied = True
+            settled.applied, settled.own = True, None
             self.missed = True
         held, self._held = self._held, []
         for job in held:
@@ -230,9 +249,10 @@ class SiblingTrades:
         total = trade.total(self.worker.gradients())
         if total is None:  # a part was not finite: the step is skipped everywhere, as a non-finite norm skips it
             total = {n: torch.full(shape, float("nan")) for n, shape in self.shapes.items()}
+        own = self.worker.own_part()
         self.worker.take_gradients(total, trade.count)
         led = self._then is not None
-        self.settled[(session, step)] = Settled(peers, sumsq_of(total), led)
+        self.settled[(session, step)] = Settled(peers, sumsq_of(total), led, own=own)
         if math.isfinite(self.settled[(session, step)].sumsq):
             self.last_sumsq = self.settled[(session, step)].sumsq
         self.traded += 1

@@ -39,6 +39,14 @@ class _Saved:
     out: torch.Tensor  # output (hidden states), or the weighted loss on the last stage
 
 
+@dataclass(frozen=True)
+class OwnPart:
+    """A stage's accumulated gradient of a step (per parameter, None where none) and the micro-batches in it."""
+
+    grads: dict[str, torch.Tensor | None]
+    accumulated: frozenset[int]
+
+
 class StageWorker:
     """A stage, its optimizer and its per-micro-batch state for the step under way (see the module docstring)."""
 
@@ -221,6 +229,18 @@ class StageWorker:
             if n in total and (p.grad is not None or bool(total[n].any())):
                 p.grad = total[n].to(device=p.device, dtype=p.dtype).clone()
         self.accumulated = set(range(count))
+
+    def own_part(self) -> OwnPart:
+        """The accumulated gradient as it stands (the tensors themselves: :meth:`take_gradients` puts new ones in
+        their place) and the micro-batches in it: what a peer of a shared stage takes back with
+        :meth:`restore_part` when a step it traded is re-run."""
+        return OwnPart({n: p.grad for n, p in self.stage.named_parameters()}, frozenset(self.accumulated))
+
+    def restore_part(self, part: OwnPart) -> None:
+        """Put back the gradient and micro-batches :meth:`own_part` returned (a parameter that had none, none)."""
+        for n, p in self.stage.named_parameters():
+            p.grad = part.grads.get(n)
+        self.accumulated = set(part.accumulated)
 
     def parameters(self) -> dict[str, nn.Parameter]:
         return dict(self.stage.named_parameters())

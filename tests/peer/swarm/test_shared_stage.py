@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
+from typing import Any
 
 import pytest
 import torch
@@ -41,9 +42,10 @@ def _batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 @contextmanager
-def _swarm(middles: int) -> Iterator[tuple[Driver, list[StageServer], StageServer, list[StageWorker]]]:
+def _swarm(middles: int, trade_timeout_s: float = 20.0,
+           ) -> Iterator[tuple[Driver, list[StageServer], StageServer, list[StageWorker]]]:
     """A driver, ``middles`` stage-1 servers (siblings of each other) and a last stage, all from the initial
-    state."""
+    state; the driver spreads each step over up to ``middles`` (at least 2) peers of stage 1."""
     with started_dhts(2 + middles) as dhts, ExitStack() as stack:
         workers = stage_workers(OPTIM, 0, *[1] * middles, 2, n_stages=3)
         upstream: set[str] = set()
@@ -51,13 +53,13 @@ def _swarm(middles: int) -> Iterator[tuple[Driver, list[StageServer], StageServe
         for i in range(middles):
             server = StageServer(dhts[1 + i], workers[1 + i], dense_codec(), CONFIG3.vocab_size,
                                  lambda p: p in upstream, 4096, gate=RoundGate(),
-                                 sibling=lambda p: p in {m.peer_id for m in mids})
+                                 sibling=lambda p: p in {m.peer_id for m in mids}, trade_timeout_s=trade_timeout_s)
             mids.append(server)
             stack.callback(server.close)
         last = StageServer(dhts[-1], workers[-1], dense_codec(), CONFIG3.vocab_size,
                            lambda p: p in upstream or p in {m.peer_id for m in mids}, 4096)
         stack.callback(last.close)
-        cfg = DriverConfig(micro_batches=4, stage_peers=2, max_norm=1.0)
+        cfg = DriverConfig(micro_batches=4, stage_peers=max(2, middles), max_norm=1.0)
         driver = Driver(dhts[0], workers[0], dense_codec(), CONFIG3.vocab_size, cfg,
                         lambda: [[Candidate(m.peer_id, 100.0) for m in mids], [Candidate(last.peer_id, 100.0)]],
                         4096)
@@ -183,3 +185,56 @@ def test_a_share_that_names_a_peer_outside_the_stage_is_refused_and_its_sender_b
         b.links.dial(a.peer_id).send(encode_message(lie, body))  # b, a peer of the stage, asks a to send to the driver
         poll(lambda: a.counters.frames_refused == 1, 30, "the share refused")
         assert a.bans.banned(b.peer_id, time.monotonic()) and a.trades.traded == 0
+
+
+class _Unsent:
+    """A stream whose frames never leave."""
+
+    def send(self, data: bytes) -> None:
+        pass
+
+
+class _DropsTo:
+    """A stage peer's links as its trades use them (the test's wrapper): nothing it trades reaches ``peer``."""
+
+    def __init__(self, links: Any, peer: str) -> None:
+        self.links, self.peer = links, peer
+
+    def dial(self, peer: str, **kwargs: Any) -> Any:
+        return _Unsent() if peer == self.peer else self.links.dial(peer, **kwargs)
+
+
+@pytest.mark.timeout(300)
+def test_a_trade_of_three_that_fails_halfway_is_rerun_by_the_other_two_without_refusing_each_other() -> None:
+    """Three peers serve stage 1; the highest one's share never reaches the one that leads the trade, so the other
+    peer completes the trade (it holds the sum of all three parts) while the leader waits for the missing share,
+    names that peer, and the driver re-runs the step through the two left. The peer that completed takes its own
+    part back: the two trade again, neither refuses the other, and they end every step with the same bits and one
+    peer's update."""
+    batches = _batches(3)
+    with _swarm(1) as (driver, mids, last, workers):
+        init = {n: t for w in workers for n, t in _params(w).items()}
+        _train(driver, batches, end=False)
+        poll(lambda: mids[0].counters.steps_applied == 3 and last.counters.steps_applied == 3, 30, "3 steps")
+        alone = {n: t for w in workers for n, t in _params(w).items()}
+    with _swarm(3, trade_timeout_s=3.0) as (driver, mids, last, workers):
+        leader, other, dropper = sorted(mids, key=lambda m: m.peer_id)  # the finish goes through the lowest id
+        dropper.trades.links = _DropsTo(dropper.trades.links, leader.peer_id)
+        x, y = batches[0]
+        first = driver.train_step(x, y, 0, lr_at(0, OPTIM), inner=0)
+        assert dropper.peer_id not in first.chain and driver.counters.failures >= 1, first
+        assert driver.counters.microbatches_retried > 0
+        for step, (x, y) in enumerate(batches[1:], start=1):
+            driver.train_step(x, y, step, lr_at(step, OPTIM), inner=step)
+        poll(lambda: leader.counters.steps_applied == 3 and other.counters.steps_applied == 3
+             and last.counters.steps_applied == 3, 30,
+             lambda: f"two stage-1 peers to apply 3 steps: {[m.counters.steps_applied for m in mids]}")
+        assert (leader.trades.refused, other.trades.refused) == (0, 0)
+        assert not leader.bans.banned(other.peer_id, time.monotonic())
+        assert not other.bans.banned(leader.peer_id, time.monotonic())
+        a, b = (_params(workers[1 + mids.index(m)]) for m in (leader, other))
+        got = {n: t for w in (workers[0], workers[1 + mids.index(leader)], workers[4]) for n, t in _params(w).items()}
+    for name in a:
+        assert torch.equal(a[name].view(torch.int32), b[name].view(torch.int32)), name
+    for name, t in got.items():
+        _same_update(t, alone[name], init[name], name)
