@@ -17,6 +17,7 @@ Nothing here touches the network or the clock: time comes in as arguments, so ea
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -87,6 +88,35 @@ class Candidate:
     peer: str
     throughput: float  # tokens/s: measured by the driver when it has served, else announced
     queued_tokens: int = 0  # tokens the driver has in flight on this peer
+    bandwidth: float = 0.0  # bytes/s it announces it can download (0: unknown)
+
+
+@dataclass(frozen=True)
+class ShareCosts:
+    """What lets the driver weigh several peers on a stage against their trade: ``grad_bytes[i]``, the bytes of
+    stage i's gradient (what each of its peers sends every other one at a step's end), and ``shares[i]``, its
+    fraction of the model's compute per token (a candidate's full-model tokens/s over it is the stage's rate)."""
+
+    grad_bytes: Sequence[int]
+    shares: Sequence[float]
+
+    def work_s(self, i: int, peers: Sequence[Candidate], tokens: Sequence[int]) -> float:
+        """Seconds stage i's slowest peer of ``peers`` computes over a step of micro-batches of ``tokens`` tokens,
+        routed by :func:`assign_routes`."""
+        load = {c.peer: 0 for c in peers}
+        for t, route in zip(tokens, assign_routes(tokens, [peers]), strict=True):
+            load[route[0]] += t
+        share = self.shares[i] if i < len(self.shares) else 1.0
+        return max(load[c.peer] * share / max(c.throughput, 1e-9) for c in peers)
+
+    def trade_s(self, i: int, peers: Sequence[Candidate]) -> float:
+        """Seconds the trade of stage i's gradient between ``peers`` takes at their announced bandwidth: each one
+        downloads every other one's part (infinite where one announces none; nothing for a lone peer)."""
+        if len(peers) <= 1:
+            return 0.0
+        slowest = min(c.bandwidth for c in peers)
+        size = self.grad_bytes[i] if i < len(self.grad_bytes) else 0
+        return math.inf if slowest <= 0 else (len(peers) - 1) * size / slowest
 
 
 def expected_finish(c: Candidate, tokens: int) -> float:
@@ -156,6 +186,7 @@ def choose_serving(
     most: int,
     fresh: bool,
     switch_factor: float = 0.0,
+    costs: ShareCosts | None = None,
 ) -> list[list[str]] | None:
     """The peers that serve each stage in a step of micro-batches of ``tokens`` tokens, at most ``most`` per stage
     (sorted by id), or None if some stage has no usable peer.
@@ -166,12 +197,16 @@ def choose_serving(
     :func:`assign_routes` would give no micro-batch are left out (a peer so slow that it would only make the others
     wait for its share). Within a phase a stage keeps the peers of ``current`` that are still usable; a stage left
     without one takes the single best (:func:`choose_chain`: its lone peer starts from its own weights, as a
-    replacement always has). ``most`` 1 is :func:`choose_chain` with its sticky choice and ``switch_factor``."""
+    replacement always has). ``most`` 1 is :func:`choose_chain` with its sticky choice and ``switch_factor``.
+
+    With ``costs``, a phase's first step also weighs each added peer against its trade
+    (:func:`fewest_that_pay`): a stage takes fewer than ``most`` where the trade would cost the step more than the
+    added peers save it, so on slow links a stage is served by one peer, as without ``most``."""
     if most <= 1:
         held = [stage[0] if stage else None for stage in current]
         chain = choose_chain(candidates, held, bans, now, max(tokens, default=1), switch_factor if fresh else 0.0)
         return None if chain is None else [[p] for p in chain]
-    serving = []
+    pools: list[list[Candidate]] = []
     for i, options in enumerate(candidates):
         usable = [c for c in options if not bans.banned(c.peer, now)]
         if not usable:
@@ -181,9 +216,38 @@ def choose_serving(
             pool = usable if fresh else [min(usable, key=lambda c: (expected_finish(c, max(tokens, default=1)),
                                                                      c.peer))]
             kept = sorted(pool, key=lambda c: (-c.throughput, c.peer))[:most]
+        pools.append(kept)
+    if fresh and costs is not None and tokens:
+        pools = [pool[:k] for pool, k in zip(pools, fewest_that_pay(pools, tokens, costs), strict=True)]
+    serving = []
+    for kept in pools:
         used = {peer for route in assign_routes(tokens, [kept]) for peer in route} if tokens else {kept[0].peer}
         serving.append(sorted(c.peer for c in kept if c.peer in used))
     return serving
+
+
+def fewest_that_pay(pools: Sequence[Sequence[Candidate]], tokens: Sequence[int], costs: ShareCosts) -> list[int]:
+    """How many of each stage's ``pools[i]`` (fastest first) serve a step of micro-batches of ``tokens`` tokens.
+
+    A step takes about its slowest stage's work (the micro-batches stream through the others meanwhile) plus each
+    shared stage's trade, which runs at the step's end before its update. Starting from one peer a stage, the
+    single change of one stage's count that shortens that estimate most is made, again and again, while one
+    shortens it by more than 1 %: so a stage that is not the bottleneck is not shared (its trade would only add
+    time), and one whose trade crosses a slow link keeps a single peer. The driver's own stage is not counted."""
+    counts = [1] * len(pools)
+
+    def estimate(ks: Sequence[int]) -> float:
+        work = max(costs.work_s(i, pool[:k], tokens) for i, (pool, k) in enumerate(zip(pools, ks, strict=True)))
+        return work + sum(costs.trade_s(i, pool[:k]) for i, (pool, k) in enumerate(zip(pools, ks, strict=True)))
+
+    best = estimate(counts)
+    while True:
+        options = [[*counts[:i], k, *counts[i + 1:]] for i, pool in enumerate(pools)
+                   for k in range(1, len(pool) + 1) if k != counts[i]]
+        scored = min(((estimate(ks), ks) for ks in options), default=None)
+        if scored is None or scored[0] >= 0.99 * best:
+            return counts
+        best, counts = scored
 
 
 def throughput_of(peer: str, measured: Mapping[str, float], announced: Mapping[str, float]) -> float:

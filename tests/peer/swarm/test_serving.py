@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from hlbp.peer.swarm.routing import Bans, Candidate, assign_routes, choose_serving
+from hlbp.peer.swarm.routing import Bans, Candidate, ShareCosts, assign_routes, choose_serving
 
 
 def test_equal_peers_take_turns_and_a_twice_as_fast_peer_takes_twice_the_micro_batches() -> None:
@@ -64,3 +64,39 @@ def test_a_re_run_keeps_each_micro_batch_on_the_peer_that_accumulated_it_where_t
     # a kept micro-batch counts in its peer's queue: the others go to the emptier peer
     fresh = assign_routes([64] * 3, [[Candidate("a", 100.0), Candidate("e", 100.0)]], [["a"], ["b"], ["b"]])
     assert fresh == [["a"], ["e"], ["a"]]  # the last a tie, to the lower id
+
+
+def _two_stages(bandwidth: float) -> list[list[Candidate]]:
+    """Stage 1 slow (1,000 full-model tokens/s a peer: 2 s of a 4,096-token step at half the model's compute) and
+    stage 2 ten times faster, two peers each, every one announcing ``bandwidth`` bytes/s."""
+    return [[Candidate("a", 1000.0, bandwidth=bandwidth), Candidate("b", 1000.0, bandwidth=bandwidth)],
+            [Candidate("c", 10000.0, bandwidth=bandwidth), Candidate("d", 10000.0, bandwidth=bandwidth)]]
+
+
+COSTS = ShareCosts(grad_bytes=[1_300_000, 1_300_000], shares=[0.5, 0.5])  # tiny's middle stage: 1.3 MB of fp32
+
+
+def test_with_costs_only_the_bottleneck_stage_is_shared_and_only_where_its_trade_is_cheap() -> None:
+    tokens = [256] * 16
+    fast = choose_serving(_two_stages(12.5e6), [], Bans(), 0.0, tokens, most=2, fresh=True, costs=COSTS)
+    assert fast == [["a", "b"], ["c"]]  # 100 Mbit/s: a 0.1 s trade halves 2 s; stage 2 would only add its trade
+    slow = choose_serving(_two_stages(125e3), [], Bans(), 0.0, tokens, most=2, fresh=True, costs=COSTS)
+    assert slow == [["a"], ["c"]]  # 1 Mbit/s: the trade (10 s) costs more than the second peer saves
+    unknown = choose_serving(_two_stages(0.0), [], Bans(), 0.0, tokens, most=2, fresh=True, costs=COSTS)
+    assert unknown == [["a"], ["c"]]  # no announced bandwidth: no trade is assumed cheap
+    # without costs every stage takes its fastest peers, as the rule always did
+    assert choose_serving(_two_stages(0.0), [], Bans(), 0.0, tokens, most=2, fresh=True) == [["a", "b"], ["c", "d"]]
+    # within a phase the costs change nothing: the peers of the phase's first step stay
+    assert choose_serving(_two_stages(125e3), [["a", "b"], ["c"]], Bans(), 0.0, tokens, most=2, fresh=False,
+                          costs=COSTS) == [["a", "b"], ["c"]]
+
+
+def test_share_costs_estimate_each_stages_seconds_from_its_share_and_the_slowest_link() -> None:
+    peers = [Candidate("a", 1000.0, bandwidth=1e6), Candidate("b", 3000.0, bandwidth=4e6)]
+    assert COSTS.work_s(0, peers[:1], [256] * 4) == pytest.approx(1024 * 0.5 / 1000)
+    # b, three times as fast, takes three of the four micro-batches: both finish at the same time
+    assert COSTS.work_s(0, peers, [256] * 4) == pytest.approx(256 * 0.5 / 1000)
+    assert COSTS.trade_s(0, peers[:1]) == 0.0
+    assert COSTS.trade_s(0, peers) == pytest.approx(1_300_000 / 1e6)  # the slower link's download
+    three = [*peers, Candidate("c", 1000.0, bandwidth=2e6)]
+    assert COSTS.trade_s(0, three) == pytest.approx(2 * 1_300_000 / 1e6)  # each downloads two parts
