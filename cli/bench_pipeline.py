@@ -43,10 +43,11 @@ def pipeline(
     stage_peers: str = opt("1", "--stage-peers", env="BENCH_STAGE_PEERS",
                            help="Comma-separated counts of peers on the slow stage, each run per codec back to back "
                                 "(e.g. 1,2: the ratio is printed; the driver runs with hlbp join --stage-peers)."),
-    slow_stage: int = opt(1, "--slow-stage", env="BENCH_SLOW_STAGE", help="The stage --slow-stage-s slows."),
-    slow_stage_s: float = opt(0.0, "--slow-stage-s", env="BENCH_SLOW_STAGE_S",
-                              help="Seconds each peer of --slow-stage sleeps before every training pass: a slow "
-                                   "device that makes that stage the bottleneck (0: none)."),
+    slow_stage: int = opt(1, "--slow-stage", env="BENCH_SLOW_STAGE", help="The stage --slow-stage-factor slows."),
+    slow_stage_factor: float = opt(1.0, "--slow-stage-factor", env="BENCH_SLOW_STAGE_FACTOR",
+                                   help="How many times as long each peer of --slow-stage takes over a training "
+                                        "pass (it sleeps the difference and announces that much less throughput): "
+                                        "a slow device that makes that stage the bottleneck (1: none)."),
 ) -> None:
     """One pipeline swarm over emulated WAN links per codec: tokens/s, bytes/token, bottleneck busy, val loss."""
     import dataclasses
@@ -56,7 +57,7 @@ def pipeline(
     cfg = PipelineBenchConfig.quick() if quick else PipelineBenchConfig()
     changes: dict = {"stages": stages, "in_flight": in_flight, "wan_delay_ms": wan_delay_ms, "model": model,
                      "seed": seed, "threads": threads, "cache_dir": cache_dir, "slow_stage": slow_stage,
-                     "slow_stage_s": slow_stage_s}
+                     "slow_stage_factor": slow_stage_factor}
     try:
         changes["stage_peers"] = tuple(int(c) for c in stage_peers.split(",") if c.strip())
     except ValueError:

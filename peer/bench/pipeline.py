@@ -42,12 +42,13 @@ boundaries, so forward of one and backward of the other (about 37 B/token) share
 (``proxy_bytes`` in the JSON shows it).
 
 Several peers on one stage (``stage_peers`` 1,2: each codec runs once per count, back to back): the peers of the
-``slow_stage`` each sleep ``slow_stage_s`` before every training pass (:mod:`hlbp.cli.slowstage`, a slow device that
-does not take the shared cores from the others, as a thread limit would on a machine with cores to spare), so that
-stage is the bottleneck; with two of them the driver (``--stage-peers``) splits each step's micro-batches between them
-and they trade gradients at its end (:mod:`hlbp.peer.swarm.siblings`). The trade is a dense fp32 gradient of the
-stage each step, through the receiving peer's emulated link: run this arm with links fast enough for it
-(``wan_mbps`` 100 moves tiny's middle stage in about a tenth of a second).
+``slow_stage`` each take ``slow_stage_factor`` times as long over every training pass and announce that much less
+throughput (:mod:`hlbp.cli.slowstage`, a slow device that sleeps the difference, so it does not take the shared cores
+from the others, as a thread limit would on a machine with cores to spare), so that stage is the bottleneck; with two
+of them the driver (``--stage-peers``) splits each step's micro-batches between them and they trade gradients at its
+end (:mod:`hlbp.peer.swarm.siblings`), where the trade pays: the trade is a dense fp32 gradient of the stage each
+step, and over links too slow for it (``wan_mbps`` 1: tiny's middle stage takes ten seconds) the driver keeps one
+peer on the stage. ``served_by`` in each row says how many peers the slow stage had at most in a step.
 
 The driving peer's identity is derived from the seed (:func:`driver_identity`): its data order follows its key,
 so every codec, and every run of the same command, trains and is scored on the same batches.
@@ -102,8 +103,8 @@ class PipelineBenchConfig:
     threads: int = 1  # torch threads per stage process
     timeout_s: float = 600.0  # per codec
     stage_peers: tuple[int, ...] = (1,)  # peers on ``slow_stage``; each codec runs once per count
-    slow_stage: int = 1  # the stage whose peers are slowed (when ``slow_stage_s`` > 0) and may be several
-    slow_stage_s: float = 0.0  # sleep of ``slow_stage``'s peers before each training pass (0: none)
+    slow_stage: int = 1  # the stage whose peers are slowed (when ``slow_stage_factor`` > 1) and may be several
+    slow_stage_factor: float = 1.0  # how many times as long ``slow_stage``'s peers take over a training pass
     cache_dir: Path | None = None
 
     @classmethod
@@ -129,8 +130,8 @@ class PipelineBenchConfig:
         if not self.stage_peers or any(not 1 <= n <= 4 for n in self.stage_peers) \
                 or len(set(self.stage_peers)) != len(self.stage_peers):
             raise UserInputError("--stage-peers must name distinct counts of 1 to 4")
-        if not 1 <= self.slow_stage < self.stages or self.slow_stage_s < 0:
-            raise UserInputError("--slow-stage must be a stage after the driver's and --slow-stage-s >= 0")
+        if not 1 <= self.slow_stage < self.stages or not self.slow_stage_factor >= 1:
+            raise UserInputError("--slow-stage must be a stage after the driver's and --slow-stage-factor >= 1")
         for spec in self.codecs:
             parse_codec(spec, 128)
 
@@ -210,7 +211,8 @@ def run_codec(cfg: PipelineBenchConfig, spec: str, d_model: int, workdir: Path,
     started = time.monotonic()
     with Swarm(sim, workdir) as sw:
         sw.start()
-        slow = [sys.executable, "-m", "hlbp.cli.slowstage", str(cfg.slow_stage_s)] if cfg.slow_stage_s > 0 else None
+        slow = [sys.executable, "-m", "hlbp.cli.slowstage", str(cfg.slow_stage_factor)] \
+            if cfg.slow_stage_factor > 1 else None
         servers = {}
         for s in range(cfg.stages - 1, 0, -1):
             for j in range(peers if s == cfg.slow_stage else 1):
@@ -261,6 +263,8 @@ def run_codec(cfg: PipelineBenchConfig, spec: str, d_model: int, workdir: Path,
         "proxy_bytes": proxies,  # per peer's proxy: bytes towards it (inbound) and from it, whole run
         "busiest_link_bytes_per_token": max(max(p["inbound"], p["outbound"]) for p in proxies.values()) / tokens,
         "busy": busy, "bottleneck": bottleneck, "bottleneck_busy": busy[bottleneck],
+        # the most peers the slow stage had in one step (the driver shares a stage only where the trade pays)
+        "served_by": max((len(r["serving"][cfg.slow_stage - 1]) for r in steps if "serving" in r), default=1),
         # after the last step, or None: a driver stopped before its final evaluation finished has only the one
         # before training, which is not a result (a link-bound dense chain can take longer than the stop allows)
         "val_losses": summary["val_losses"], "data_rank": summary["data_rank"],
@@ -319,7 +323,8 @@ def run_pipeline_bench(cfg: PipelineBenchConfig, out: Path | None, console: Cons
                     rows.append(run_codec(cfg, spec, d_model, Path(work), schedule, peers))
                 r = rows[-1]
                 console.print(f"  {r['tokens_per_s']:,.0f} tokens/s, {r['bytes_per_token']['forward']:.1f} B/token "
-                              f"forward, {r['bottleneck']} busy {r['bottleneck_busy']:.0%}, val loss {r['val_loss']}")
+                              f"forward, {r['bottleneck']} busy {r['bottleneck_busy']:.0%}, val loss {r['val_loss']}"
+                              + (f", stage {cfg.slow_stage} served by {r['served_by']}" if peers > 1 else ""))
     # each row against dense cut alike, with as many peers on the slow stage
     dense_by = {(r["schedule"], r["stage_peers"]): r for r in rows if r["kind"] == "dense"}
     dense = next(iter(dense_by.values()), None)
