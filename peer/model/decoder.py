@@ -435,3 +435,11 @@ def load_from_full(stage: Stage, full_state: dict[str, torch.Tensor]) -> None:
 
 def count_parameters(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
+
+
+def gradient_bytes(config: ModelConfig, bounds: Sequence[tuple[int, int]]) -> list[int]:
+    """The bytes of each stage's float32 gradient (its trained parameters), from stages built on the meta device:
+    exact, and nothing allocated, so a driver knows what a trade between the peers of any stage moves."""
+    with torch.device("meta"):
+        stages = [Stage(config, a, b) for a, b in bounds]
+    return [4 * sum(p.numel() for p in stage.parameters() if p.requires_grad) for stage in stages]

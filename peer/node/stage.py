@@ -34,7 +34,7 @@ from hlbp.peer.common import memory
 from hlbp.peer.common.files import atomic_write_bytes
 from hlbp.peer.data.streams import TokenStream, load_tokenizer, prepare_data, val_batches
 from hlbp.peer.model.basis import fixed_table
-from hlbp.peer.model.decoder import compute_shares, preset
+from hlbp.peer.model.decoder import compute_shares, gradient_bytes, preset
 from hlbp.peer.model.pipeline import initial_stage, initial_tensors, run_model_config
 from hlbp.peer.model.subspace import make_codec
 from hlbp.peer.node.join import TrainContext, data_rank
@@ -340,7 +340,7 @@ def _keep(runner: Any, stats: RoundStats | None) -> None:
 
 
 def _is_driver(view: SwarmView, me: str) -> bool:
-    stage0 = [p for p, _ in view.at_stage(0)]
+    stage0 = [p for p, _, _ in view.at_stage(0)]
     return not stage0 or min(stage0 + [me]) == me
 
 
@@ -375,15 +375,18 @@ def _swarm_phase(ctx: TrainContext, options: StageOptions, worker: StageWorker, 
 
     def candidates() -> list[list[Candidate]]:
         out = banned()
-        return [[Candidate(p, t) for p, t in view.at_stage(s) if p not in out] for s in range(1, n_stages)]
+        return [[Candidate(p, t, bandwidth=b) for p, t, b in view.at_stage(s) if p not in out]
+                for s in range(1, n_stages)]
 
     cfg = DriverConfig(micro_batches=options.micro_batches, schedule=options.schedule, in_flight=options.in_flight,
                        deadline_s=options.deadline_s, switch_factor=options.switch_factor,
                        stage_peers=options.stage_peers)
     step_tokens = m.hparams.batch_size * m.hparams.seq_len
     shares = compute_shares(worker.stage.config, m.stages, m.hparams.seq_len)[1:]
+    # what a trade between the peers of each stage moves: the driver shares a stage only where that pays
+    grad_bytes = gradient_bytes(worker.stage.config, m.stages)[1:] if options.stage_peers > 1 else []
     driver = Driver(peer.plane.dht, worker, codec, vocab, cfg, candidates, max_tokens=step_tokens, stop=ctx.stop,
-                    notary=Notary(peer.plane.identity), shares=shares)
+                    notary=Notary(peer.plane.identity), shares=shares, grad_bytes=grad_bytes)
     optim = inner_schedule(m.hparams.lr, m.hparams.schedule_total)
     phase_cfg = PhaseConfig(inner_steps=m.hparams.inner_steps, step_tokens=step_tokens,
                             eval_every=options.eval_every, checkpoint_every_s=options.checkpoint_every_s,

@@ -37,8 +37,9 @@ class SwarmView:
         """The peers announcing this swarm, at any stage."""
         return frozenset(p for p, a in self.peers().items() if a.role == "stage" and a.swarm == self.swarm)
 
-    def at_stage(self, stage: int) -> list[tuple[str, float]]:
-        return sorted((p, a.throughput) for p, a in self.peers().items()
+    def at_stage(self, stage: int) -> list[tuple[str, float, float]]:
+        """The peers announcing this swarm's stage ``stage``: (peer, throughput, bandwidth) sorted by peer id."""
+        return sorted((p, a.throughput, a.bandwidth) for p, a in self.peers().items()
                       if a.role == "stage" and a.swarm == self.swarm and a.stage == stage)
 
     def at_same_stage(self, peer: str, my_stage: int) -> bool:

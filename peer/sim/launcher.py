@@ -340,6 +340,11 @@ class Swarm:
         return ["--host-maddrs", f"/ip4/127.0.0.1/tcp/{port}",
                 "--announce-maddrs", f"/ip4/127.0.0.1/tcp/{self.wan.add(port, delay_s=delay / 1000, rate_mbps=rate)}"]
 
+    def _bandwidth(self, stage: bool) -> float:
+        """The bytes/s a new process announces: its emulated link's rate where one limits it, else 100 MB/s."""
+        rate = self.cfg.swarm_wan_mbps if stage and self.cfg.swarm_wan_mbps is not None else self.cfg.wan_mbps
+        return rate * 1e6 / 8 if self.wan is not None and rate is not None else 1e8
+
     def _spawn(self, name: str, args: list[str], program: Sequence[str] | None = None) -> PeerProcess:
         proc = PeerProcess(name, args, self.env, log=self.workdir / f"{name}.log", program=program,
                            zygote=shared_zygote() if self.cfg.fork else None)
@@ -354,7 +359,8 @@ class Swarm:
         identity = old.identity if old else self.workdir / f"{name}.key"
         out_dir = old.out_dir if old else self.workdir / name
         args = ["join", "--initial-peers", self.maddr, *self._listen("--stage" in role_flags, listen), "--identity", str(identity),
-                "--bandwidth", "1e8", "--reachability", "public", "--threads", str(self.cfg.threads),
+                "--bandwidth", f"{self._bandwidth('--stage' in role_flags):g}", "--reachability", "public",
+                "--threads", str(self.cfg.threads),
                 "--out-dir", str(out_dir), "--ttl", str(self.cfg.ttl_s), *role_flags]
         if self.cfg.checkpoint_every_s is not None:
             args += ["--checkpoint-every", str(self.cfg.checkpoint_every_s)]

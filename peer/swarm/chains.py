@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
-from hlbp.peer.swarm.routing import Bans, Candidate, assign_routes, choose_chain, choose_serving
+from hlbp.peer.swarm.routing import Bans, Candidate, ShareCosts, assign_routes, choose_chain, choose_serving
 
 logger = logging.getLogger(__name__)
 
@@ -28,12 +28,16 @@ class Chains:
     chain; ``stop``: an event that ends the wait. ``shares[i]``: stage i+1's fraction of the model's compute per
     token (:func:`~hlbp.peer.model.decoder.compute_shares`), which turns the rate a stage peer is measured at (its
     stage's tokens/s) into the announcements' unit; without it a measured rate reads several times an announced
-    one and a switch compares the two wrongly."""
+    one and a switch compares the two wrongly. ``grad_bytes[i]``: the bytes of stage i+1's gradient; with it, several
+    peers serve a stage only where the step gains more than their trade costs
+    (:func:`~hlbp.peer.swarm.routing.fewest_that_pay`)."""
 
     def __init__(self, candidates: CandidatesFn, wait_s: float, stop: Any = None,
-                 shares: Sequence[float] = ()) -> None:
+                 shares: Sequence[float] = (), grad_bytes: Sequence[int] = ()) -> None:
         self.candidates, self.wait_s, self.stop = candidates, wait_s, stop
         self.shares = tuple(shares)
+        self.grad_bytes = tuple(grad_bytes)
+        self.end_s = 0.0  # what the end of a shared step took (a moving average; 0 until one ended)
         self.chain: list[str] = []  # the chain in use (empty before the first step): the first serving peer of each
         self.serving: list[list[str]] = []  # the peers that served each stage in the last step, sorted by id
         self.bans = Bans()
@@ -41,7 +45,8 @@ class Chains:
 
     def options(self) -> list[list[Candidate]]:
         """Each stage's announced peers, at the throughput measured where there is one (in full-model tokens/s)."""
-        return [[Candidate(c.peer, self._rate(i, c)) for c in stage] for i, stage in enumerate(self.candidates())]
+        return [[Candidate(c.peer, self._rate(i, c), bandwidth=c.bandwidth) for c in stage]
+                for i, stage in enumerate(self.candidates())]
 
     def _rate(self, i: int, c: Candidate) -> float:
         rate = self.measured.get(c.peer)
@@ -84,7 +89,9 @@ class Chains:
             return None if chain is None else self.serving
 
         def attempt(options: list[list[Candidate]]) -> list[list[str]] | None:
-            serving = choose_serving(options, self.serving, self.bans, time.monotonic(), tokens, most, fresh)
+            costs = ShareCosts(self.grad_bytes, self.shares, self.end_s) if self.grad_bytes else None
+            serving = choose_serving(options, self.serving, self.bans, time.monotonic(), tokens, most, fresh,
+                                     costs=costs)
             if serving is not None:
                 if serving != self.serving:
                     logger.info("pipeline stages served by: %s", " -> ".join(
@@ -93,6 +100,10 @@ class Chains:
             return serving
 
         return self._wait(attempt, give_up)
+
+    def shared_end(self, seconds: float) -> None:
+        """The end of a shared step (its finish down the chain, the trades, its done back up) took ``seconds``."""
+        self.end_s = seconds if not self.end_s else (1 - RATE_WEIGHT) * self.end_s + RATE_WEIGHT * seconds
 
     def _wait(self, attempt: Callable[[list[list[Candidate]]], T | None],
               give_up: Callable[[], bool] | None) -> T | None:

@@ -35,14 +35,16 @@ logger = logging.getLogger(__name__)
 
 class Driver:
     """Stage 0 of a swarm; ``candidates()`` lists the announced peers of stages 1..S-1 (from the DHT);
-    ``shares[i]``: stage i+1's fraction of the model's compute per token (:class:`~hlbp.peer.swarm.chains.Chains`)."""
+    ``shares[i]``: stage i+1's fraction of the model's compute per token, ``grad_bytes[i]`` the bytes of its gradient
+    (:class:`~hlbp.peer.swarm.chains.Chains`)."""
 
     def __init__(self, dht: Any, worker: StageWorker, codec: ActivationCodec, vocab_size: int, cfg: DriverConfig,
                  candidates: CandidatesFn, max_tokens: int, stop: Any = None, notary: Notary | None = None,
-                 shares: Sequence[float] = ()) -> None:
+                 shares: Sequence[float] = (), grad_bytes: Sequence[int] = ()) -> None:
         if not worker.stage.is_first:
             raise ValueError("the driver holds the first stage")
-        self.chains = Chains(candidates, cfg.chain_wait_s, stop, shares)  # the chain in use, its bans and measured rates
+        # the chain in use, its bans and measured rates
+        self.chains = Chains(candidates, cfg.chain_wait_s, stop, shares, grad_bytes)
         self.stop = stop
         self.notary = notary  # signs the frames this driver sends, checks and keeps those it receives
         self.session = random.SystemRandom().randrange(1, 2**63 - 1)

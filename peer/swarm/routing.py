@@ -99,6 +99,7 @@ class ShareCosts:
 
     grad_bytes: Sequence[int]
     shares: Sequence[float]
+    end_s: float = 0.0  # what the end of a shared step took lately (measured; it adds a chain round trip)
 
     def work_s(self, i: int, peers: Sequence[Candidate], tokens: Sequence[int]) -> float:
         """Seconds stage i's slowest peer of ``peers`` computes over a step of micro-batches of ``tokens`` tokens,
@@ -229,16 +230,20 @@ def choose_serving(
 def fewest_that_pay(pools: Sequence[Sequence[Candidate]], tokens: Sequence[int], costs: ShareCosts) -> list[int]:
     """How many of each stage's ``pools[i]`` (fastest first) serve a step of micro-batches of ``tokens`` tokens.
 
-    A step takes about its slowest stage's work (the micro-batches stream through the others meanwhile) plus each
-    shared stage's trade, which runs at the step's end before its update. Starting from one peer a stage, the
-    single change of one stage's count that shortens that estimate most is made, again and again, while one
-    shortens it by more than 1 %: so a stage that is not the bottleneck is not shared (its trade would only add
-    time), and one whose trade crosses a slow link keeps a single peer. The driver's own stage is not counted."""
+    A step takes about its slowest stage's work (the micro-batches stream through the others meanwhile) plus, when
+    a stage is shared, the step's end: the shared stages' trades (at the announced bandwidth), or what shared ends
+    took lately where the driver measured more (``costs.end_s``: it adds the finish's round trip down the chain).
+    Starting from one peer a stage, the single change of one stage's count that shortens that estimate most is
+    made, again and again, while one shortens it by more than 1 %: so a stage that is not the bottleneck is not
+    shared (its trade would only add time), and one whose trade crosses a slow link keeps a single peer. The
+    driver's own stage is not counted."""
     counts = [1] * len(pools)
 
     def estimate(ks: Sequence[int]) -> float:
-        work = max(costs.work_s(i, pool[:k], tokens) for i, (pool, k) in enumerate(zip(pools, ks, strict=True)))
-        return work + sum(costs.trade_s(i, pool[:k]) for i, (pool, k) in enumerate(zip(pools, ks, strict=True)))
+        pairs = list(enumerate(zip(pools, ks, strict=True)))
+        work = max(costs.work_s(i, pool[:k], tokens) for i, (pool, k) in pairs)
+        trades = sum(costs.trade_s(i, pool[:k]) for i, (pool, k) in pairs)
+        return work + (max(trades, costs.end_s) if any(k > 1 for k in ks) else 0.0)
 
     best = estimate(counts)
     while True:

@@ -337,6 +337,8 @@ class StepRunner:
             logger.warning("stage peer %s sent a done that does not add up: %s", event.conn.peer[:12], fault)
             return PeerFailed(event.conn.peer)
         self.latency.add((time.monotonic() - step.finish_at) / 2)
+        if step.shared():  # what sharing a stage costs a step: weighed at the next phase's first step
+            self.chains.shared_end(time.monotonic() - step.finish_at)
         self.counters.norm_round_trips += 1
         return self._stepped(step, msg.scale)
 

@@ -1,7 +1,8 @@
 """Two peers serving one stage together, in a run with a full replica, as real ``hlbp join`` processes on loopback.
 
-A full replica and a 2-stage swarm share the rounds; stage 1 has two peers and the driver runs with
-``--stage-peers 2``. What must hold: once both are there, the driver's steps go through both (its step records name
+A full replica and a 2-stage swarm share the rounds; stage 1 has two peers, both slow devices (``hlbp.cli.slowstage``:
+each training pass takes eight times as long, and they announce eight times less), so that sharing the stage pays
+for the trade, and the driver runs with ``--stage-peers 2``. What must hold: once both are there, the driver's steps go through both (its step records name
 them); they trade gradients each step and end every round with the same shard-1 checksum as the full replica; the
 round sees one contribution of shard 1 from the swarm (one of the two contributes, the other sits the round out
 as a mirror), and every peer stays in sync.
@@ -15,11 +16,13 @@ from typing import Any
 import pytest
 from stage_runs import round_record, stage_peer_id
 
+from hlbp.cli.slowstage import program
 from hlbp.peer.sim.launcher import SimConfig, Swarm
 
 pytestmark = pytest.mark.slow
 
 H = 3
+SLOW = 8.0  # stage 1's two peers: 1,000 / 8 tokens/s announced, the trade of its 5 MB at 100 MB/s is 0.05 s
 
 
 def test_two_peers_serve_one_stage_and_the_round_sees_one_contribution_from_them(tmp_path: Path) -> None:
@@ -27,8 +30,8 @@ def test_two_peers_serve_one_stage_and_the_round_sees_one_contribution_from_them
                     micro_batches=4, max_peers_per_stage=2)
     with Swarm(cfg, tmp_path) as sw:
         sw.start()
-        a = sw.add_stage("a", 1, swarm=0)
-        b = sw.add_stage("b", 1, swarm=0)
+        a = sw.add_stage("a", 1, swarm=0, program=program(SLOW))
+        b = sw.add_stage("b", 1, swarm=0, program=program(SLOW))
         for p in (a, b):
             p.proc.wait_for("^announced", 60)
         full = sw.add("peer0", "--wait-replicas", "3", rounds=1000)

@@ -86,6 +86,10 @@ def test_with_costs_only_the_bottleneck_stage_is_shared_and_only_where_its_trade
     assert unknown == [["a"], ["c"]]  # no announced bandwidth: no trade is assumed cheap
     # without costs every stage takes its fastest peers, as the rule always did
     assert choose_serving(_two_stages(0.0), [], Bans(), 0.0, tokens, most=2, fresh=True) == [["a", "b"], ["c", "d"]]
+    # shared ends measured at 3 s (a long chain round trip): the 1 s a second peer saves does not pay for them
+    slow_ends = ShareCosts(COSTS.grad_bytes, COSTS.shares, end_s=3.0)
+    assert choose_serving(_two_stages(12.5e6), [], Bans(), 0.0, tokens, most=2, fresh=True,
+                          costs=slow_ends) == [["a"], ["c"]]
     # within a phase the costs change nothing: the peers of the phase's first step stay
     assert choose_serving(_two_stages(125e3), [["a", "b"], ["c"]], Bans(), 0.0, tokens, most=2, fresh=False,
                           costs=COSTS) == [["a", "b"], ["c"]]
