@@ -8,7 +8,9 @@ choice); :class:`Chains` holds the driver's state for them and waits, with the c
 from __future__ import annotations
 
 import logging
+import statistics
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -19,6 +21,7 @@ logger = logging.getLogger(__name__)
 CandidatesFn = Callable[[], Sequence[Sequence[Candidate]]]
 T = TypeVar("T")
 
+ENDS_KEPT = 9  # ends of shared steps whose median the sharing judgement uses
 RATE_WEIGHT = 0.2  # weight of the newest step in a stage peer's measured throughput (a moving average)
 
 
@@ -37,7 +40,7 @@ class Chains:
         self.candidates, self.wait_s, self.stop = candidates, wait_s, stop
         self.shares = tuple(shares)
         self.grad_bytes = tuple(grad_bytes)
-        self.end_s = 0.0  # what the end of a shared step took (a moving average; 0 until one ended)
+        self.ends: deque[float] = deque(maxlen=ENDS_KEPT)  # what the latest ends of shared steps took
         self.chain: list[str] = []  # the chain in use (empty before the first step): the first serving peer of each
         self.serving: list[list[str]] = []  # the peers that served each stage in the last step, sorted by id
         self.bans = Bans()
@@ -89,7 +92,8 @@ class Chains:
             return None if chain is None else self.serving
 
         def attempt(options: list[list[Candidate]]) -> list[list[str]] | None:
-            costs = ShareCosts(self.grad_bytes, self.shares, self.end_s) if self.grad_bytes else None
+            end_s = statistics.median(self.ends) if self.ends else 0.0
+            costs = ShareCosts(self.grad_bytes, self.shares, end_s) if self.grad_bytes else None
             serving = choose_serving(options, self.serving, self.bans, time.monotonic(), tokens, most, fresh,
                                      costs=costs)
             if serving is not None:
@@ -102,8 +106,10 @@ class Chains:
         return self._wait(attempt, give_up)
 
     def shared_end(self, seconds: float) -> None:
-        """The end of a shared step (its finish down the chain, the trades, its done back up) took ``seconds``."""
-        self.end_s = seconds if not self.end_s else (1 - RATE_WEIGHT) * self.end_s + RATE_WEIGHT * seconds
+        """The end of a shared step (its finish down the chain, the trades, its done back up) took ``seconds``. The
+        median of the latest is what sharing is judged by: a first end that dialled the stage's peers, or one that
+        met a busy moment, does not stop a stage from being shared for good."""
+        self.ends.append(seconds)
 
     def _wait(self, attempt: Callable[[list[list[Candidate]]], T | None],
               give_up: Callable[[], bool] | None) -> T | None:

@@ -1,7 +1,7 @@
 """Two peers serving one stage together, in a run with a full replica, as real ``hlbp join`` processes on loopback.
 
 A full replica and a 2-stage swarm share the rounds; stage 1 has two peers, both slow devices (``hlbp.cli.slowstage``:
-each training pass takes eight times as long, and they announce eight times less), so that sharing the stage pays
+each training pass takes 30 times as long, and they announce 30 times less), so that sharing the stage pays
 for the trade, and the driver runs with ``--stage-peers 2``. What must hold: once both are there, the driver's steps go through both (its step records name
 them); they trade gradients each step and end every round with the same shard-1 checksum as the full replica; the
 round sees one contribution of shard 1 from the swarm (one of the two contributes, the other sits the round out
@@ -22,7 +22,7 @@ from hlbp.peer.sim.launcher import SimConfig, Swarm
 pytestmark = pytest.mark.slow
 
 H = 3
-SLOW = 8.0  # stage 1's two peers: 1,000 / 8 tokens/s announced, the trade of its 5 MB at 100 MB/s is 0.05 s
+SLOW = 30.0  # stage 1 is the bottleneck by far: its end of a shared step (a trade of 5 MB) costs less than it saves
 
 
 def test_two_peers_serve_one_stage_and_the_round_sees_one_contribution_from_them(tmp_path: Path) -> None:
@@ -39,23 +39,33 @@ def test_two_peers_serve_one_stage_and_the_round_sees_one_contribution_from_them
                               swarm=0)
         ids = {stage_peer_id(a), stage_peer_id(b)}
 
-        def shared() -> list[dict[str, Any]]:
-            return [s for s in driver.events("step") if s.get("serving") == [sorted(ids)]]
+        def phases() -> dict[int, list[Any]]:
+            """The stage-1 peers of each step of the driver, by round."""
+            out: dict[int, list[Any]] = {}
+            for s in driver.events("step"):
+                if "chain" in s:
+                    out.setdefault(s["round"], []).append(s.get("serving"))
+            return out
 
-        first = sw.wait(lambda: next(iter(shared()), None), "a step of the driver through both stage-1 peers")
-        last = first["round"] + 3
+        def shared() -> list[int]:
+            """Rounds whose whole phase went through both (the first one the driver ran may be partial)."""
+            return sorted(r for r, serving in phases().items()
+                          if len(serving) == H and all(x == [sorted(ids)] for x in serving))
+
+        rounds = sw.wait(lambda: shared()[1:] or None, "two whole phases of the driver through both stage-1 peers")
+        last = rounds[-1]
         sw.wait(lambda: all(round_record(p.rounds(), last) for p in (full, a, b, driver)), f"round {last} on every peer")
-        steps = [s for s in driver.events("step") if "chain" in s]
+        by_round = phases()
         alive = {n: r.proc.alive for n, r in sw.replicas.items()}
         fulls, as_, bs, drives = (p.rounds() for p in (full, a, b, driver))
         outputs = {n: r.proc.output for n, r in sw.replicas.items()}
 
     assert all(alive.values()), alive
-    # from the first shared step on, every step went through both (nobody failed)
-    later = [s for s in steps if s["step"] >= first["step"]]
-    assert later and all(s.get("serving") == [sorted(ids)] for s in later), later
+    # the driver judges at a phase's first step whether sharing pays (measured ends, measured rates): whichever it
+    # chose, a phase keeps its peers to its end (nobody failed)
+    assert all(len({str(x) for x in serving}) == 1 for r, serving in by_round.items() if r < last), by_round
     assert not any("failed; banned" in out for out in outputs.values()), {n: o[-2000:] for n, o in outputs.items()}
-    for r in range(first["round"] + 1, last + 1):  # whole phases served by both
+    for r in rounds:  # whole phases served by both
         f, x, y, d = round_record(fulls, r), round_record(as_, r), round_record(bs, r), round_record(drives, r)
         assert f is not None and x is not None and y is not None and d is not None, r
         assert x["checksums"]["1"] == y["checksums"]["1"] == f["checksums"]["1"], (r, f, x, y)
