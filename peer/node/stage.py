@@ -384,7 +384,7 @@ def _swarm_phase(ctx: TrainContext, options: StageOptions, worker: StageWorker, 
     step_tokens = m.hparams.batch_size * m.hparams.seq_len
     shares = compute_shares(worker.stage.config, m.stages, m.hparams.seq_len)[1:]
     # what a trade between the peers of each stage moves: the driver shares a stage only where that pays
-    grad_bytes = gradient_bytes(worker.stage.config, m.stages)[1:] if options.stage_peers > 1 else []
+    grad_bytes = gradient_bytes(worker.stage.config, m.stages[1:]) if options.stage_peers > 1 else []
     driver = Driver(peer.plane.dht, worker, codec, vocab, cfg, candidates, max_tokens=step_tokens, stop=ctx.stop,
                     notary=Notary(peer.plane.identity), shares=shares, grad_bytes=grad_bytes)
     optim = inner_schedule(m.hparams.lr, m.hparams.schedule_total)

@@ -336,13 +336,17 @@ class Swarm:
         port = free_port()
         delay = self.cfg.swarm_wan_delay_ms if stage and self.cfg.swarm_wan_delay_ms is not None \
             else self.cfg.wan_delay_ms
-        rate = self.cfg.swarm_wan_mbps if stage and self.cfg.swarm_wan_mbps is not None else self.cfg.wan_mbps
+        rate = self._rate_mbps(stage)
         return ["--host-maddrs", f"/ip4/127.0.0.1/tcp/{port}",
                 "--announce-maddrs", f"/ip4/127.0.0.1/tcp/{self.wan.add(port, delay_s=delay / 1000, rate_mbps=rate)}"]
 
+    def _rate_mbps(self, stage: bool) -> float | None:
+        """The emulated link rate of a new process (a stage peer's with the swarms' setting where it is set)."""
+        return self.cfg.swarm_wan_mbps if stage and self.cfg.swarm_wan_mbps is not None else self.cfg.wan_mbps
+
     def _bandwidth(self, stage: bool) -> float:
         """The bytes/s a new process announces: its emulated link's rate where one limits it, else 100 MB/s."""
-        rate = self.cfg.swarm_wan_mbps if stage and self.cfg.swarm_wan_mbps is not None else self.cfg.wan_mbps
+        rate = self._rate_mbps(stage)
         return rate * 1e6 / 8 if self.wan is not None and rate is not None else 1e8
 
     def _spawn(self, name: str, args: list[str], program: Sequence[str] | None = None) -> PeerProcess:

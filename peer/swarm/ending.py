@@ -69,9 +69,7 @@ class StepEnds:
         down; otherwise the step is dropped here and the driver re-runs it on another chain."""
         fault = self.ledger.done_fault(msg)
         if fault is not None:
-            self._bad(conn.peer, fault)
-            self._queue_apply(lambda: self.apply(replace(msg, scale=0.0, tokens=0, round_end=False)))
-            self._fail(conn.peer, Reason.BAD_DONE, fault)
+            self._refuse_end(conn, msg, fault)
             return
         self._queue_apply(lambda: self.apply(msg))
         self._send_up(msg)
@@ -83,11 +81,16 @@ class StepEnds:
         one starts)."""
         fault = self.ledger.apply_fault(msg, self.worker.optim)
         if fault is not None:
-            self._bad(conn.peer, fault)
-            self._queue_apply(lambda: self.apply(replace(msg, scale=0.0, tokens=0, round_end=False)))
-            self._fail(conn.peer, Reason.BAD_DONE, fault)
+            self._refuse_end(conn, msg, fault)
             return
         self._queue_apply(lambda: self.pass_apply(msg))
+
+    def _refuse_end(self, conn: Conn, msg: StageMessage, fault: str) -> None:
+        """A step's end that does not add up: its sender is banned, the step is dropped here (stepped with nothing,
+        so the round gate and the worker move on) and the driver told to re-run it on another chain."""
+        self._bad(conn.peer, fault)
+        self._queue_apply(lambda: self.apply(replace(msg, scale=0.0, tokens=0, round_end=False)))
+        self._fail(conn.peer, Reason.BAD_DONE, fault)
 
     # --- compute thread ----------------------------------------------------------------------------------------------
 
