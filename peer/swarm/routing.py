@@ -202,7 +202,7 @@ def choose_serving(
 
     With ``costs``, a phase's first step also weighs each added peer against its trade
     (:func:`fewest_that_pay`): a stage takes fewer than ``most`` where the trade would cost the step more than the
-    added peers save it, so on slow links a stage is served by one peer, as without ``most``."""
+    added peers save it, so on slow links a stage is served by one peer, chosen as with ``most`` 1."""
     if most <= 1:
         held = [stage[0] if stage else None for stage in current]
         chain = choose_chain(candidates, held, bans, now, max(tokens, default=1), switch_factor if fresh else 0.0)
@@ -219,12 +219,25 @@ def choose_serving(
             kept = sorted(pool, key=lambda c: (-c.throughput, c.peer))[:most]
         pools.append(kept)
     if fresh and costs is not None and tokens:
-        pools = [pool[:k] for pool, k in zip(pools, fewest_that_pay(pools, tokens, costs), strict=True)]
+        counts = fewest_that_pay(pools, tokens, costs)
+        pools = [pool[:k] if k > 1 else _lone(candidates[i], current[i] if i < len(current) else (), bans, now,
+                                              max(tokens), switch_factor)
+                 for i, (pool, k) in enumerate(zip(pools, counts, strict=True))]
     serving = []
     for kept in pools:
         used = {peer for route in assign_routes(tokens, [kept]) for peer in route} if tokens else {kept[0].peer}
         serving.append(sorted(c.peer for c in kept if c.peer in used))
     return serving
+
+
+def _lone(options: Sequence[Candidate], current: Sequence[str], bans: Bans, now: float, tokens: int,
+          switch_factor: float) -> list[Candidate]:
+    """The one peer of a stage that sharing would not pay for, chosen as without sharing (:func:`choose_chain`): the
+    peer that served it keeps it unless one ``switch_factor`` times faster is usable, so two peers of about the same
+    speed do not hand the stage back and forth, and its AdamW moments, at every phase's start."""
+    chain = choose_chain([options], [current[0] if current else None], bans, now, tokens, switch_factor)
+    peer = chain[0] if chain else None
+    return [c for c in options if c.peer == peer]
 
 
 def fewest_that_pay(pools: Sequence[Sequence[Candidate]], tokens: Sequence[int], costs: ShareCosts) -> list[int]:

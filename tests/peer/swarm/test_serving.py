@@ -104,3 +104,29 @@ def test_share_costs_estimate_each_stages_seconds_from_its_share_and_the_slowest
     assert COSTS.trade_s(0, peers) == pytest.approx(1_300_000 / 1e6)  # the slower link's download
     three = [*peers, Candidate("c", 1000.0, bandwidth=2e6)]
     assert COSTS.trade_s(0, three) == pytest.approx(2 * 1_300_000 / 1e6)  # each downloads two parts
+
+
+def test_a_stage_that_sharing_does_not_pay_for_keeps_its_peer_as_with_one_peer_a_stage() -> None:
+    # 1 Mbit/s: no stage is shared, so each keeps the peer that served it, as with most=1 (not the fastest)
+    slow = [[Candidate("a", 1000.0, bandwidth=125e3), Candidate("b", 1500.0, bandwidth=125e3)],
+            [Candidate("c", 10000.0, bandwidth=125e3), Candidate("d", 12000.0, bandwidth=125e3)]]
+    tokens = [256] * 16
+    kept = choose_serving(slow, [["a"], ["c"]], Bans(), 0.0, tokens, most=8, fresh=True, switch_factor=2.0,
+                          costs=COSTS)
+    assert kept == [["a"], ["c"]]
+    # a peer at least switch_factor times faster takes the stage at a phase's start, as with most=1
+    faster = [[*slow[0], Candidate("e", 2500.0, bandwidth=125e3)], slow[1]]
+    assert choose_serving(faster, [["a"], ["c"]], Bans(), 0.0, tokens, most=8, fresh=True, switch_factor=2.0,
+                          costs=COSTS) == [["e"], ["c"]]
+    # a stage that served shared last phase and is not shared now keeps the first of its peers
+    assert choose_serving(slow, [["a", "b"], ["c"]], Bans(), 0.0, tokens, most=8, fresh=True, switch_factor=2.0,
+                          costs=COSTS) == [["a"], ["c"]]
+    # the same views with most=1 choose the same peers
+    for view, current in ((slow, [["a"], ["c"]]), (faster, [["a"], ["c"]])):
+        assert choose_serving(view, current, Bans(), 0.0, tokens, most=1, fresh=True, switch_factor=2.0) == \
+            choose_serving(view, current, Bans(), 0.0, tokens, most=8, fresh=True, switch_factor=2.0, costs=COSTS)
+    # a banned holder gives way to the best usable peer
+    bans = Bans()
+    bans.fail("a", 0.0)
+    assert choose_serving(slow, [["a"], ["c"]], bans, 1.0, tokens, most=8, fresh=True, switch_factor=2.0,
+                          costs=COSTS) == [["b"], ["c"]]
