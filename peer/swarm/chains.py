@@ -95,11 +95,12 @@ class Chains:
             end_s = statistics.median(self.ends) if self.ends else 0.0
             costs = ShareCosts(self.grad_bytes, self.shares, end_s) if self.grad_bytes else None
             serving = choose_serving(options, self.serving, self.bans, time.monotonic(), tokens, most, fresh,
-                                     costs=costs)
+                                     switch_factor if fresh else 0.0, costs)
             if serving is not None:
                 if serving != self.serving:
                     logger.info("pipeline stages served by: %s", " -> ".join(
                         "+".join(p[:12] for p in stage) for stage in [[me], *serving]))
+                    self._log_faster(options, [stage[0] for stage in serving])
                 self.serving, self.chain = serving, [stage[0] for stage in serving]
             return serving
 

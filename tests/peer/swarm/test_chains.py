@@ -71,3 +71,19 @@ def test_a_measured_stage_rate_is_compared_with_announcements_in_full_model_toke
     raw = Chains(lambda: [stage], wait_s=1.0)
     raw.measure("held", 3000.0)
     assert raw.options()[0][0].throughput == 3000.0
+
+
+def test_with_several_peers_allowed_a_stage_not_worth_sharing_switches_only_at_a_phase_start(caplog: Any) -> None:
+    # 1 Mbit/s announced: a trade of 1.3 MB would take 10 s, so no stage is shared (peers may serve up to 4)
+    stage = [Candidate("a", 1000.0, bandwidth=125e3), Candidate("b", 1500.0, bandwidth=125e3)]
+    chains = Chains(lambda: [stage], wait_s=1.0, shares=[1.0], grad_bytes=[1_300_000])
+    tokens = [256] * 4
+    assert chains.pick(tokens, most=4, fresh=True, switch_factor=2.0) == [["b"]]  # none served yet: the fastest
+    stage[1:] = [Candidate("b", 1500.0, bandwidth=125e3), Candidate("c", 2500.0, bandwidth=125e3)]
+    # c is under twice b: b keeps the stage at the next phase's start, and within a phase c never takes it
+    assert chains.pick(tokens, most=4, fresh=True, switch_factor=2.0) == [["b"]]
+    stage[2] = Candidate("c", 4000.0, bandwidth=125e3)
+    assert chains.pick(tokens, most=4, fresh=False, switch_factor=2.0) == [["b"]]
+    with caplog.at_level(logging.WARNING, logger="hlbp.peer.swarm.chains"):
+        assert chains.pick(tokens, most=4, fresh=True, switch_factor=2.0) == [["c"]] and chains.chain == ["c"]
+    assert "takes over from" in caplog.text  # the driver says why the stage moved
