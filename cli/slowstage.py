@@ -21,7 +21,12 @@ from typing import Any
 
 class SlowWorker:
     """A stage worker whose training passes each take ``factor`` times as long as ``inner``'s (it sleeps the
-    difference after each); its results are honest, its throughput low."""
+    difference after each); its results are honest, its throughput low.
+
+    The extra is scaled from the CPU time the pass took in this thread, not its wall time: a slow device does more
+    work per pass, while the time other processes take the core away from this one is the box's, not the device's.
+    Scaled from wall time, one preemption of a tenth of a second on a busy box became 12 s asleep at factor 120.
+    (The benchmark and the tests run one torch thread per peer, so a pass's work is this thread's.)"""
 
     def __init__(self, inner: Any, factor: float) -> None:
         object.__setattr__(self, "inner", inner)
@@ -34,9 +39,9 @@ class SlowWorker:
         setattr(self.inner, name, value)
 
     def _slowly(self, run: Callable[[], Any]) -> Any:
-        start = time.perf_counter()
+        start = time.thread_time()
         out = run()
-        time.sleep((self.factor - 1.0) * (time.perf_counter() - start))
+        time.sleep((self.factor - 1.0) * (time.thread_time() - start))
         return out
 
     def forward(self, mb: int, attempt: int, x: Any, train: bool = True) -> Any:
