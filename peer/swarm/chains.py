@@ -22,7 +22,7 @@ CandidatesFn = Callable[[], Sequence[Sequence[Candidate]]]
 T = TypeVar("T")
 
 ENDS_KEPT = 9  # ends of shared steps whose median the sharing judgement uses
-RATE_WEIGHT = 0.2  # weight of the newest step in a stage peer's measured throughput (a moving average)
+RATES_KEPT = 9  # a stage peer's latest micro-batch rates; its measured throughput is their median
 
 
 class Chains:
@@ -45,6 +45,7 @@ class Chains:
         self.serving: list[list[str]] = []  # the peers that served each stage in the last step, sorted by id
         self.bans = Bans()
         self.measured: dict[str, float] = {}  # tokens/s of its stage per stage peer, from the busy times it reports
+        self._rates: dict[str, deque[float]] = {}  # the latest per micro-batch, after each peer's first
 
     def options(self) -> list[list[Candidate]]:
         """Each stage's announced peers, at the throughput measured where there is one (in full-model tokens/s)."""
@@ -135,9 +136,19 @@ class Chains:
     def routes(self, serving: Sequence[Sequence[str]], tokens: Sequence[int],
                keep: Sequence[Sequence[str]] = ()) -> list[list[str]]:
         """Each micro-batch's route through ``serving`` by least expected finish at the rates believed now
-        (:func:`~hlbp.peer.swarm.routing.assign_routes`; ``keep``: routes of a re-run)."""
+        (:func:`~hlbp.peer.swarm.routing.assign_routes`; ``keep``: routes of a re-run).
+
+        A serving peer not measured yet, beside one that is, is taken at the median of its stage's measured rates:
+        its announcement (a probe, on another load) and a measured rate are not comparable, and either way one of
+        them would get most of the step and the other stay unmeasured. An equal part measures it."""
         rate = {c.peer: c.throughput for stage in self.options() for c in stage}
-        return assign_routes(tokens, [[Candidate(p, rate.get(p, 1.0)) for p in stage] for stage in serving], keep)
+
+        def believed(stage: Sequence[str]) -> list[Candidate]:
+            known = [rate[p] for p in stage if self.measured.get(p) and p in rate]
+            fill = statistics.median(known) if known else None
+            return [Candidate(p, rate.get(p, 1.0) if fill is None or self.measured.get(p) else fill) for p in stage]
+
+        return assign_routes(tokens, [believed(stage) for stage in serving], keep)
 
     def _log_faster(self, options: Sequence[Sequence[Candidate]], chain: Sequence[str]) -> None:
         """Log each stage whose serving peer, neither banned nor gone, gave way to a faster one, with each one's
@@ -170,6 +181,14 @@ class Chains:
             self.bans.ok(p)
 
     def measure(self, peer: str, rate: float) -> None:
-        """Fold a step's measured throughput of ``peer`` (tokens/s) into its moving average."""
-        old = self.measured.get(peer)
-        self.measured[peer] = rate if old is None else (1 - RATE_WEIGHT) * old + RATE_WEIGHT * rate
+        """A micro-batch's throughput of ``peer`` (tokens/s), from the busy time it reported. Its measured rate is
+        the median of its latest :data:`RATES_KEPT`, its first micro-batch left out: that one pays the peer's
+        warm-up (first allocations and kernels), and one slow pass (a warm-up, a pause, a busy core) must not steer
+        routing for steps. A rate read too low routes less to the peer, which is then measured less often: with a
+        moving average seeded by a warm-up pass taking four times as long, two peers of a stage split a step 3:1 for
+        its first four steps."""
+        if peer not in self._rates:
+            self._rates[peer] = deque(maxlen=RATES_KEPT)
+            return
+        self._rates[peer].append(rate)
+        self.measured[peer] = statistics.median(self._rates[peer])

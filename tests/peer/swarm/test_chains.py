@@ -1,5 +1,5 @@
 """The driver's choice of chain (hlbp.peer.swarm.chains): sticky while its peers serve, a failed peer banned and
-replaced, a wait that ends, and throughput measured as a moving average."""
+replaced, a wait that ends, and throughput measured as a median after a warm-up."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import threading
 import time
 from typing import Any
 
-from hlbp.peer.swarm.chains import Chains
+from hlbp.peer.swarm.chains import RATES_KEPT, Chains
 from hlbp.peer.swarm.routing import Candidate
 
 
@@ -40,15 +40,23 @@ def test_without_a_complete_chain_the_wait_ends_at_its_limit_or_when_told() -> N
     assert time.monotonic() - t0 < 5
 
 
-def test_measured_throughput_is_a_moving_average_that_routing_prefers() -> None:
+def test_measured_throughput_is_a_median_after_the_warm_up_that_routing_prefers() -> None:
     stages = [[Candidate("slow", 1000.0), Candidate("fast", 10.0)]]
     chains = Chains(lambda: stages, wait_s=1.0)
+    chains.measure("fast", 50.0)  # its first micro-batch paid the warm-up: not its rate
+    assert "fast" not in chains.measured and chains.choose(64) == ["slow"]
     chains.measure("fast", 5000.0)
     assert chains.measured["fast"] == 5000.0
     chains.measure("fast", 0.0)
+    assert chains.measured["fast"] == 2500.0
+    chains.measure("fast", 4000.0)  # one slow pass among three does not move it
     assert chains.measured["fast"] == 4000.0
     assert [c.throughput for c in chains.options()[0]] == [1000.0, 4000.0]
-    assert chains.choose(64) == ["fast"]
+    assert chains.choose(64) == ["slow"]  # the chain in use stays between phase starts
+    assert chains.choose(64, switch_factor=2.0) == ["fast"]  # at one, a peer twice as fast takes over
+    for _ in range(RATES_KEPT):  # the latest RATES_KEPT count: a peer that slowed down is read as slow
+        chains.measure("fast", 300.0)
+    assert chains.measured["fast"] == 300.0 and chains.choose(64, switch_factor=2.0) == ["slow"]
 
 
 def test_a_measured_stage_rate_is_compared_with_announcements_in_full_model_tokens(caplog: Any) -> None:
@@ -58,6 +66,7 @@ def test_a_measured_stage_rate_is_compared_with_announcements_in_full_model_toke
     chains = Chains(lambda: [stage], wait_s=1.0, shares=[0.5])
     assert chains.choose(64) == ["standby"]  # nothing measured: the announcements decide
     chains.chain = ["held"]
+    chains.measure("held", 1.0)  # a warm-up
     chains.measure("held", 3000.0)
     assert [c.throughput for c in chains.options()[0]] == [1500.0, 2500.0]
     assert chains.choose(64, switch_factor=2.0) == ["held"]
@@ -69,6 +78,7 @@ def test_a_measured_stage_rate_is_compared_with_announcements_in_full_model_toke
         in caplog.text
     # unconverted, the same 3000 would read as faster than the standby's 2500
     raw = Chains(lambda: [stage], wait_s=1.0)
+    raw.measure("held", 1.0)
     raw.measure("held", 3000.0)
     assert raw.options()[0][0].throughput == 3000.0
 
@@ -87,3 +97,19 @@ def test_with_several_peers_allowed_a_stage_not_worth_sharing_switches_only_at_a
     with caplog.at_level(logging.WARNING, logger="hlbp.peer.swarm.chains"):
         assert chains.pick(tokens, most=4, fresh=True, switch_factor=2.0) == [["c"]] and chains.chain == ["c"]
     assert "takes over from" in caplog.text  # the driver says why the stage moved
+
+
+def test_an_unmeasured_peer_beside_a_measured_one_is_routed_an_equal_part_until_measured() -> None:
+    # a probe on a quiet box announced 5000; the measured sibling does 400: by announcements the unmeasured peer
+    # would take every micro-batch, by a guess of 1 none
+    stages = [[Candidate("a", 5000.0), Candidate("b", 5000.0)]]
+    chains = Chains(lambda: stages, wait_s=1.0)
+    chains.measure("a", 1.0)
+    chains.measure("a", 400.0)
+    assert chains.routes([["a", "b"]], [64] * 4) == [["a"], ["b"], ["a"], ["b"]]
+    chains.measure("b", 1.0)
+    chains.measure("b", 1200.0)  # measured three times as fast: three micro-batches in four
+    assert sorted(r[0] for r in chains.routes([["a", "b"]], [64] * 4)) == ["a", "b", "b", "b"]
+    # nothing measured on a stage: the announcements decide
+    fresh = Chains(lambda: [[Candidate("a", 1000.0), Candidate("b", 3000.0)]], wait_s=1.0)
+    assert sorted(r[0] for r in fresh.routes([["a", "b"]], [64] * 4)) == ["a", "b", "b", "b"]
