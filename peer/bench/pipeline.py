@@ -81,6 +81,7 @@ SCHEDULES = tuple(s.value for s in Schedule)
 TARGET_SPEEDUP = 5.0  # the target: the best subspace codec at >= 5x dense bf16 tokens/s
 TARGET_BUSY = 0.8  # and the bottleneck stage busy >= 80 %
 TARGET_BYTES = 2  # bytes per target id on the wire (vocabularies up to 65,536)
+WARM_STEPS = 2  # steps that pay one-time costs, left out of the steady rate (see run_codec)
 TARGET_STAGE_PEERS = 1.5  # two peers on the bottleneck stage: >= 1.5x the swarm's tokens/s with one
 
 
@@ -246,6 +247,11 @@ def run_codec(cfg: PipelineBenchConfig, spec: str, d_model: int, workdir: Path,
         where = "stage 0" if p == "driver" else f"stage {stage_of.get(p, '?')}"
         busy[where] = busy.get(where, 0.0) + s / train_s / (peers if stage_of.get(p) == cfg.slow_stage else 1)
     bottleneck = max(busy, key=lambda s: busy[s])
+    served_by = [len(r["serving"][cfg.slow_stage - 1]) if "serving" in r else 1 for r in steps]
+    # the first steps pay once: a peer's first pass allocates and compiles (at a slow-stage factor of 120, its four
+    # times the CPU is seconds), and its first optimizer step and sibling trade land in the next step, which waits
+    # for them; the steady rate leaves them out, so that arms with different peer counts compare their running speed
+    steady = steps[WARM_STEPS:] or steps
     sent, received = summary["stream_bytes"]["sent"], summary["stream_bytes"]["received"]
     boundaries = cfg.stages - 1
     if not proxies:
@@ -254,7 +260,9 @@ def run_codec(cfg: PipelineBenchConfig, spec: str, d_model: int, workdir: Path,
         "codec": spec, "schedule": schedule, "stage_peers": peers, "kind": kind, "k": k, "k_over_d": ratio, "tokens": tokens, "steps": summary["steps"],
         "microbatches": summary["microbatches"], "microbatches_retried": summary["microbatches_retried"],
         "train_seconds": train_s, "tokens_per_s": tokens / train_s,
-        "tokens_per_s_wall": summary["tokens_per_s"], "step_seconds": [r["seconds"] for r in steps],
+        "tokens_per_s_wall": summary["tokens_per_s"],
+        "tokens_per_s_steady": sum(r["tokens"] for r in steady) / sum(r["seconds"] for r in steady),
+        "warm_steps": len(steps) - len(steady), "step_seconds": [r["seconds"] for r in steps],
         "bytes_per_token": {"forward": sent.get("fwd", 0) / tokens, "backward": received.get("bwd", 0) / tokens},
         "formula_bytes_per_token": formula_bytes(kind, k),
         "stream_bytes": summary["stream_bytes"],
@@ -264,7 +272,8 @@ def run_codec(cfg: PipelineBenchConfig, spec: str, d_model: int, workdir: Path,
         "busiest_link_bytes_per_token": max(max(p["inbound"], p["outbound"]) for p in proxies.values()) / tokens,
         "busy": busy, "bottleneck": bottleneck, "bottleneck_busy": busy[bottleneck],
         # the most peers the slow stage had in one step (the driver shares a stage only where the trade pays)
-        "served_by": max((len(r["serving"][cfg.slow_stage - 1]) for r in steps if "serving" in r), default=1),
+        "served_by": max(served_by, default=1),
+        "served_by_step": served_by,
         # after the last step, or None: a driver stopped before its final evaluation finished has only the one
         # before training, which is not a result (a link-bound dense chain can take longer than the stop allows)
         "val_losses": summary["val_losses"], "data_rank": summary["data_rank"],
@@ -322,7 +331,8 @@ def run_pipeline_bench(cfg: PipelineBenchConfig, out: Path | None, console: Cons
                 with tempfile.TemporaryDirectory(prefix="hlbp-bench-pipeline-") as work:
                     rows.append(run_codec(cfg, spec, d_model, Path(work), schedule, peers))
                 r = rows[-1]
-                console.print(f"  {r['tokens_per_s']:,.0f} tokens/s, {r['bytes_per_token']['forward']:.1f} B/token "
+                console.print(f"  {r['tokens_per_s']:,.0f} tokens/s ({r['tokens_per_s_steady']:,.0f} after "
+                              f"{r['warm_steps']} warm-up steps), {r['bytes_per_token']['forward']:.1f} B/token "
                               f"forward, {r['bottleneck']} busy {r['bottleneck_busy']:.0%}, val loss {r['val_loss']}"
                               + (f", stage {cfg.slow_stage} served by {r['served_by']}" if peers > 1 else ""))
     # each row against dense cut alike, with as many peers on the slow stage
@@ -380,7 +390,9 @@ def run_pipeline_bench(cfg: PipelineBenchConfig, out: Path | None, console: Cons
     for c in shared:
         lines.append(f"{c['codec']} ({c['schedule']}): {c['peers']} peers on stage {cfg.slow_stage} against one, "
                      f"{c['tokens_per_s_ratio']:.2f}x tokens/s (target >= {TARGET_STAGE_PEERS:g}x with two: "
-                     f"{'met' if c['met'] else 'MISSED'}), val loss {c['val_loss']['many']} against "
+                     f"{'met' if c['met'] else 'MISSED'}; "
+                     + (f"{c['steady_tokens_per_s_ratio']:.2f}x" if c["steady_tokens_per_s_ratio"] else "n/a")
+                     + f" after {WARM_STEPS} warm-up steps), val loss {c['val_loss']['many']} against "
                      f"{c['val_loss']['one']}")
     for line in lines:
         wide.print(line)
@@ -407,7 +419,9 @@ def stage_peer_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         for n, r in sorted(by.items()):
             if n > 1:
                 ratio = r["tokens_per_s"] / by[1]["tokens_per_s"]
+                steady = r.get("tokens_per_s_steady"), by[1].get("tokens_per_s_steady")
                 out.append({"codec": spec, "schedule": schedule, "peers": n, "tokens_per_s_ratio": ratio,
+                            "steady_tokens_per_s_ratio": steady[0] / steady[1] if all(steady) else None,
                             "met": n < 2 or ratio >= TARGET_STAGE_PEERS,
                             "val_loss": {"one": by[1]["val_loss"], "many": r["val_loss"]}})
     return out

@@ -10,6 +10,7 @@ import pytest
 
 from hlbp.peer.bench.pipeline import (
     QUICK_CODECS,
+    WARM_STEPS,
     PipelineBenchConfig,
     driver_identity,
     formula_bytes,
@@ -63,6 +64,10 @@ def test_runs_with_more_peers_on_the_slow_stage_are_compared_with_one() -> None:
     rows = [row("uniform", 1, 400.0), row("uniform", 2, 680.0), row("tapered", 2, 500.0)]
     (only,) = stage_peer_ratios(rows)  # tapered ran with two peers only: nothing to compare
     assert only["peers"] == 2 and only["tokens_per_s_ratio"] == pytest.approx(1.7) and only["met"]
+    assert only["steady_tokens_per_s_ratio"] is None  # rows without a steady rate: none
+    steady = [{**row("uniform", 1, 400.0), "tokens_per_s_steady": 500.0},
+              {**row("uniform", 2, 440.0), "tokens_per_s_steady": 800.0}]
+    assert stage_peer_ratios(steady)[0]["steady_tokens_per_s_ratio"] == pytest.approx(1.6)
     assert not stage_peer_ratios([row("uniform", 1, 400.0), row("uniform", 2, 560.0)])[0]["met"]
     assert schedule_ratios([row("uniform", 1, 1.0), row("tapered", 2, 1.0)]) == []  # only one-peer runs compare
 
@@ -92,8 +97,10 @@ def test_quick_stage_peers_arm_splits_a_slow_stage_between_two_peers(tmp_path) -
     # at 100 Mbit/s tiny's stage-1 gradient trades in a tenth of a second: the driver judged sharing pays
     assert (rows[1]["served_by"], rows[2]["served_by"]) == (1, 2), rows
     (ratio,) = doc["result"]["stage_peer_ratios"]
-    # each stage-1 peer sleeps through half the micro-batches: the swarm is faster, whatever else the box runs
-    assert ratio["tokens_per_s_ratio"] > 1.1, ratio
+    # each stage-1 peer sleeps through half the micro-batches: once warm, the swarm is faster, whatever else the
+    # box runs (the first steps pay each peer's one-time costs, two peers' at once, and are left out)
+    assert all(r["warm_steps"] == WARM_STEPS for r in rows.values())
+    assert ratio["steady_tokens_per_s_ratio"] > 1.1, ratio
     assert "2 peers on stage 1 against one" in run.stdout + run.stderr
 
 
