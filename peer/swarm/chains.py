@@ -12,6 +12,7 @@ import statistics
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any, TypeVar
 
 from hlbp.peer.swarm.routing import Bans, Candidate, ShareCosts, assign_routes, choose_chain, choose_serving
@@ -47,10 +48,25 @@ class Chains:
         self.measured: dict[str, float] = {}  # tokens/s of its stage per stage peer, from the busy times it reports
         self._rates: dict[str, deque[float]] = {}  # the latest per micro-batch, after each peer's first
 
-    def options(self) -> list[list[Candidate]]:
-        """Each stage's announced peers, at the throughput measured where there is one (in full-model tokens/s)."""
-        return [[Candidate(c.peer, self._rate(i, c), bandwidth=c.bandwidth) for c in stage]
-                for i, stage in enumerate(self.candidates())]
+    def options(self, calibrated: bool = False) -> list[list[Candidate]]:
+        """Each stage's announced peers, at the throughput measured where there is one (in full-model tokens/s).
+
+        ``calibrated``: a peer not measured yet, on a stage where some are, at its announcement times the median of
+        their measured rates over their announcements. Peers that serve a stage together are weighed against each
+        other this way: an announcement (a probe run once, on another load) and a measured rate are not comparable,
+        and compared raw one of them gets most of the step's micro-batches and the other stays unmeasured, or is
+        dropped from the stage. The sticky one-peer chain compares them raw (a standby's announcement against the
+        serving peer's measured rate, see :meth:`choose`)."""
+        out = []
+        for i, stage in enumerate(self.candidates()):
+            rated = [Candidate(c.peer, self._rate(i, c), bandwidth=c.bandwidth) for c in stage]
+            seen = [r.throughput / c.throughput for c, r in zip(stage, rated, strict=True)
+                    if self.measured.get(c.peer) and c.throughput > 0]
+            if calibrated and seen:
+                k = statistics.median(seen)
+                rated = [r if self.measured.get(r.peer) else replace(r, throughput=r.throughput * k) for r in rated]
+            out.append(rated)
+        return out
 
     def _rate(self, i: int, c: Candidate) -> float:
         rate = self.measured.get(c.peer)
@@ -105,7 +121,7 @@ class Chains:
                 self.serving, self.chain = serving, [stage[0] for stage in serving]
             return serving
 
-        return self._wait(attempt, give_up)
+        return self._wait(attempt, give_up, calibrated=True)
 
     def shared_end(self, seconds: float) -> None:
         """The end of a shared step (its finish down the chain, the trades, its done back up) took ``seconds``. The
@@ -114,13 +130,13 @@ class Chains:
         self.ends.append(seconds)
 
     def _wait(self, attempt: Callable[[list[list[Candidate]]], T | None],
-              give_up: Callable[[], bool] | None) -> T | None:
+              give_up: Callable[[], bool] | None, calibrated: bool = False) -> T | None:
         """``attempt(options)`` every half second until it returns something, for at most ``wait_s`` (or until
-        ``give_up()`` or the stop event); None if it never did."""
+        ``give_up()`` or the stop event); None if it never did. ``calibrated``: see :meth:`options`."""
         deadline = time.monotonic() + self.wait_s
         announced_once = False
         while True:
-            options = self.options()
+            options = self.options(calibrated)
             found = attempt(options)
             if found is not None:
                 return found
@@ -136,19 +152,10 @@ class Chains:
     def routes(self, serving: Sequence[Sequence[str]], tokens: Sequence[int],
                keep: Sequence[Sequence[str]] = ()) -> list[list[str]]:
         """Each micro-batch's route through ``serving`` by least expected finish at the rates believed now
-        (:func:`~hlbp.peer.swarm.routing.assign_routes`; ``keep``: routes of a re-run).
-
-        A serving peer not measured yet, beside one that is, is taken at the median of its stage's measured rates:
-        its announcement (a probe, on another load) and a measured rate are not comparable, and either way one of
-        them would get most of the step and the other stay unmeasured. An equal part measures it."""
-        rate = {c.peer: c.throughput for stage in self.options() for c in stage}
-
-        def believed(stage: Sequence[str]) -> list[Candidate]:
-            known = [rate[p] for p in stage if self.measured.get(p) and p in rate]
-            fill = statistics.median(known) if known else None
-            return [Candidate(p, rate.get(p, 1.0) if fill is None or self.measured.get(p) else fill) for p in stage]
-
-        return assign_routes(tokens, [believed(stage) for stage in serving], keep)
+        (:func:`~hlbp.peer.swarm.routing.assign_routes`; ``keep``: routes of a re-run), a peer not measured yet
+        calibrated as :meth:`options` says, so that its part of the step measures it."""
+        rate = {c.peer: c.throughput for stage in self.options(calibrated=True) for c in stage}
+        return assign_routes(tokens, [[Candidate(p, rate.get(p, 1.0)) for p in stage] for stage in serving], keep)
 
     def _log_faster(self, options: Sequence[Sequence[Candidate]], chain: Sequence[str]) -> None:
         """Log each stage whose serving peer, neither banned nor gone, gave way to a faster one, with each one's
