@@ -16,21 +16,44 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import random
 import socket
 import threading
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Self
 
+PRIVATE_LOW = 20000  # free_port's lowest choice: above the well-known and most registered services' ports
 CHUNK = 16 * 1024  # bytes per scheduled segment: small enough that the rate limit is smooth
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket() as sock:
+    """A TCP port on 127.0.0.1 that nothing listens on right now, below the kernel's ephemeral range.
+
+    The port is handed to a process that binds it later; one from the ephemeral range (what binding port 0 gives)
+    can meanwhile become the source port of any outgoing connection on the box (p2pd dials, the proxies' own), and
+    the peer then fails at start with its port in use."""
+    low = _ephemeral_low()
+    for port in random.sample(range(PRIVATE_LOW, low), min(64, max(low - PRIVATE_LOW, 0))):
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as sock:  # the range below is full (or the ephemeral range starts below it)
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (Linux's default where it cannot be read)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 @dataclass

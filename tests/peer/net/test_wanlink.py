@@ -5,10 +5,11 @@ from __future__ import annotations
 import socket
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
-from hlbp.peer.net.wanlink import Link, WanEmulator
+from hlbp.peer.net.wanlink import PRIVATE_LOW, Link, WanEmulator, free_port
 
 
 def _echo_server() -> tuple[socket.socket, int]:
@@ -73,3 +74,15 @@ def test_round_trip_and_rate_through_the_proxy() -> None:
 def test_bad_settings_are_refused() -> None:
     with pytest.raises(ValueError):
         WanEmulator(delay_s=-1.0, rate_mbps=None)
+
+
+def test_a_free_port_is_below_the_ephemeral_range_and_free() -> None:
+    # outgoing connections take their source ports from the ephemeral range: a port handed out there can be taken
+    # before the process it was meant for binds it
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    ports = {free_port() for _ in range(20)}
+    assert len(ports) > 1 and all(PRIVATE_LOW <= p < low for p in ports), ports
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", min(ports)))
+        held.listen()
+        assert all(free_port() != min(ports) for _ in range(50))  # one that is taken is never handed out
