@@ -12,7 +12,6 @@ import statistics
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import replace
 from typing import Any, TypeVar
 
 from hlbp.peer.swarm.routing import Bans, Candidate, ShareCosts, assign_routes, choose_chain, choose_serving
@@ -48,25 +47,10 @@ class Chains:
         self.measured: dict[str, float] = {}  # tokens/s of its stage per stage peer, from the busy times it reports
         self._rates: dict[str, deque[float]] = {}  # the latest per micro-batch, after each peer's first
 
-    def options(self, calibrated: bool = False) -> list[list[Candidate]]:
-        """Each stage's announced peers, at the throughput measured where there is one (in full-model tokens/s).
-
-        ``calibrated``: a peer not measured yet, on a stage where some are, at its announcement times the median of
-        their measured rates over their announcements. Peers that serve a stage together are weighed against each
-        other this way: an announcement (a probe run once, on another load) and a measured rate are not comparable,
-        and compared raw one of them gets most of the step's micro-batches and the other stays unmeasured, or is
-        dropped from the stage. The sticky one-peer chain compares them raw (a standby's announcement against the
-        serving peer's measured rate, see :meth:`choose`)."""
-        out = []
-        for i, stage in enumerate(self.candidates()):
-            rated = [Candidate(c.peer, self._rate(i, c), bandwidth=c.bandwidth) for c in stage]
-            seen = [r.throughput / c.throughput for c, r in zip(stage, rated, strict=True)
-                    if self.measured.get(c.peer) and c.throughput > 0]
-            if calibrated and seen:
-                k = statistics.median(seen)
-                rated = [r if self.measured.get(r.peer) else replace(r, throughput=r.throughput * k) for r in rated]
-            out.append(rated)
-        return out
+    def options(self) -> list[list[Candidate]]:
+        """Each stage's announced peers, at the throughput measured where there is one (in full-model tokens/s)."""
+        return [[Candidate(c.peer, self._rate(i, c), bandwidth=c.bandwidth) for c in stage]
+                for i, stage in enumerate(self.candidates())]
 
     def _rate(self, i: int, c: Candidate) -> float:
         rate = self.measured.get(c.peer)
@@ -121,7 +105,7 @@ class Chains:
                 self.serving, self.chain = serving, [stage[0] for stage in serving]
             return serving
 
-        return self._wait(attempt, give_up, calibrated=True)
+        return self._wait(attempt, give_up)
 
     def shared_end(self, seconds: float) -> None:
         """The end of a shared step (its finish down the chain, the trades, its done back up) took ``seconds``. The
@@ -130,13 +114,13 @@ class Chains:
         self.ends.append(seconds)
 
     def _wait(self, attempt: Callable[[list[list[Candidate]]], T | None],
-              give_up: Callable[[], bool] | None, calibrated: bool = False) -> T | None:
+              give_up: Callable[[], bool] | None) -> T | None:
         """``attempt(options)`` every half second until it returns something, for at most ``wait_s`` (or until
-        ``give_up()`` or the stop event); None if it never did. ``calibrated``: see :meth:`options`."""
+        ``give_up()`` or the stop event); None if it never did."""
         deadline = time.monotonic() + self.wait_s
         announced_once = False
         while True:
-            options = self.options(calibrated)
+            options = self.options()
             found = attempt(options)
             if found is not None:
                 return found
@@ -152,10 +136,21 @@ class Chains:
     def routes(self, serving: Sequence[Sequence[str]], tokens: Sequence[int],
                keep: Sequence[Sequence[str]] = ()) -> list[list[str]]:
         """Each micro-batch's route through ``serving`` by least expected finish at the rates believed now
-        (:func:`~hlbp.peer.swarm.routing.assign_routes`; ``keep``: routes of a re-run), a peer not measured yet
-        calibrated as :meth:`options` says, so that its part of the step measures it."""
-        rate = {c.peer: c.throughput for stage in self.options(calibrated=True) for c in stage}
-        return assign_routes(tokens, [[Candidate(p, rate.get(p, 1.0)) for p in stage] for stage in serving], keep)
+        (:func:`~hlbp.peer.swarm.routing.assign_routes`; ``keep``: routes of a re-run).
+
+        A serving peer never measured, beside one that was, is taken at the median of the measured ones: its
+        announcement (a probe run once, on another load) and a measured rate are not comparable, and compared raw
+        one of them would get most of the step and the other stay unmeasured. An equal part measures it. (Which
+        peers serve is judged on the raw rates: an announcement scaled by how the measured peers compare with theirs
+        would let one peer that announces far more than it does make every other look slow.)"""
+        rate = {c.peer: c.throughput for stage in self.options() for c in stage}
+
+        def believed(stage: Sequence[str]) -> list[Candidate]:
+            known = [rate[p] for p in stage if self.measured.get(p) and p in rate]
+            fill = statistics.median(known) if known else None
+            return [Candidate(p, rate.get(p, 1.0) if fill is None or self.measured.get(p) else fill) for p in stage]
+
+        return assign_routes(tokens, [believed(stage) for stage in serving], keep)
 
     def _log_faster(self, options: Sequence[Sequence[Candidate]], chain: Sequence[str]) -> None:
         """Log each stage whose serving peer, neither banned nor gone, gave way to a faster one, with each one's
@@ -189,13 +184,16 @@ class Chains:
 
     def measure(self, peer: str, rate: float) -> None:
         """A micro-batch's throughput of ``peer`` (tokens/s), from the busy time it reported. Its measured rate is
-        the median of its latest :data:`RATES_KEPT`, its first micro-batch left out: that one pays the peer's
-        warm-up (first allocations and kernels), and one slow pass (a warm-up, a pause, a busy core) must not steer
-        routing for steps. A rate read too low routes less to the peer, which is then measured less often: with a
-        moving average seeded by a warm-up pass taking four times as long, two peers of a stage split a step 3:1 for
-        its first four steps."""
-        if peer not in self._rates:
+        the median of its latest :data:`RATES_KEPT`, its first micro-batch left out once a second is there: the
+        first pays the peer's warm-up (first allocations and kernels), and one slow pass (a warm-up, a pause, a
+        busy core) must not steer routing for steps. A rate read too low routes less to the peer, which is then
+        measured less often: with a moving average seeded by a warm-up pass taking four times as long, two peers of
+        a stage split a step 3:1 for its first four steps. Until the second, the first is the peer's rate: a peer
+        that served is judged by what it did, not by its announcement."""
+        kept = self._rates.get(peer)
+        if kept is None:
             self._rates[peer] = deque(maxlen=RATES_KEPT)
+            self.measured[peer] = rate
             return
-        self._rates[peer].append(rate)
-        self.measured[peer] = statistics.median(self._rates[peer])
+        kept.append(rate)
+        self.measured[peer] = statistics.median(kept)
