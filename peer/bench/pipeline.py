@@ -251,7 +251,7 @@ def run_codec(cfg: PipelineBenchConfig, spec: str, d_model: int, workdir: Path,
     # the first steps pay once: a peer's first pass allocates and compiles (at a slow-stage factor of 120, its four
     # times the CPU is seconds), and its first optimizer step and sibling trade land in the next step, which waits
     # for them; the steady rate leaves them out, so that arms with different peer counts compare their running speed
-    steady = steps[WARM_STEPS:] or steps
+    warm, steady = (steps[:WARM_STEPS], steps[WARM_STEPS:]) if len(steps) > WARM_STEPS else ([], steps)
     sent, received = summary["stream_bytes"]["sent"], summary["stream_bytes"]["received"]
     boundaries = cfg.stages - 1
     if not proxies:
@@ -261,8 +261,10 @@ def run_codec(cfg: PipelineBenchConfig, spec: str, d_model: int, workdir: Path,
         "microbatches": summary["microbatches"], "microbatches_retried": summary["microbatches_retried"],
         "train_seconds": train_s, "tokens_per_s": tokens / train_s,
         "tokens_per_s_wall": summary["tokens_per_s"],
-        "tokens_per_s_steady": sum(r["tokens"] for r in steady) / sum(r["seconds"] for r in steady),
-        "warm_steps": len(steps) - len(steady), "step_seconds": [r["seconds"] for r in steps],
+        # a step record's tokens count the whole run's so far
+        "tokens_per_s_steady": (steps[-1]["tokens"] - (warm[-1]["tokens"] if warm else 0))
+        / sum(r["seconds"] for r in steady),
+        "warm_steps": len(warm), "step_seconds": [r["seconds"] for r in steps],
         "bytes_per_token": {"forward": sent.get("fwd", 0) / tokens, "backward": received.get("bwd", 0) / tokens},
         "formula_bytes_per_token": formula_bytes(kind, k),
         "stream_bytes": summary["stream_bytes"],

@@ -99,7 +99,11 @@ def test_quick_stage_peers_arm_splits_a_slow_stage_between_two_peers(tmp_path) -
     (ratio,) = doc["result"]["stage_peer_ratios"]
     # each stage-1 peer sleeps through half the micro-batches: once warm, the swarm is faster, whatever else the
     # box runs (the first steps pay each peer's one-time costs, two peers' at once, and are left out)
-    assert all(r["warm_steps"] == WARM_STEPS for r in rows.values())
+    per_step = doc["config"]["batch_size"] * doc["config"]["seq_len"]
+    for r in rows.values():  # the steady rate: the tokens of the steps after the warm-up over their seconds
+        assert r["warm_steps"] == WARM_STEPS and r["tokens"] == per_step * r["steps"]
+        assert r["tokens_per_s_steady"] == pytest.approx(
+            per_step * (r["steps"] - WARM_STEPS) / sum(r["step_seconds"][WARM_STEPS:])), r
     assert ratio["steady_tokens_per_s_ratio"] > 1.1, ratio
     assert "2 peers on stage 1 against one" in run.stdout + run.stderr
 
