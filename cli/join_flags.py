@@ -111,9 +111,10 @@ class JoinFlags:
     switch_factor: float = flag(2.0, "--switch-factor", env="SWITCH_FACTOR",
                                 help="Stage 0: at a phase's first step, hand a stage to a peer at least this many "
                                      "times faster than the one serving it (measured, else announced; 0: never).")
-    stage_peers: int = flag(1, "--stage-peers", env="STAGE_PEERS",
+    stage_peers: int = flag(4, "--stage-peers", env="STAGE_PEERS",
                             help="Stage 0: at most this many peers serve each stage in a step, splitting its "
-                                 "micro-batches and trading gradients at its end (1: one peer, the others stand by).")
+                                 "micro-batches and trading gradients at its end, where the step gains more than "
+                                 "their trade costs (1: one peer, the others stand by).")
     rebalance_period: float | None = flag(
         None, "--rebalance-period", env="REBALANCE_PERIOD",
         help="Stage peer: move to a stage another swarm lacks only when idle and when the same move was seen twice "

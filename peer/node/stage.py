@@ -82,7 +82,7 @@ class StageOptions:
     in_flight: int | None = None  # driver: most micro-batches in the chain at once (None: all of a step's)
     deadline_s: float | None = None  # driver: fixed per-micro-batch deadline (None: from measured latency)
     switch_factor: float = 2.0  # driver: at a phase's first step a stage goes to a peer this many times faster
-    stage_peers: int = 1  # driver: most peers serving one stage in a step (they trade gradients, swarm.siblings)
+    stage_peers: int = 4  # driver: most peers serving one stage in a step where that pays (swarm.siblings)
     eval_every: int = 10  # driver: validation loss every this many steps (0: never)
     eval_batches: int = 4  # as a full replica's, so a swarm's and a replica's validation losses compare
     threads: int | None = None

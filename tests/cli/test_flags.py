@@ -32,7 +32,7 @@ def test_join_flags_become_the_plan_of_one_peer(monkeypatch):
     assert plan.stage.schedule is Schedule.UNIFORM  # the driver's default cut of a step's batch
     assert join_plan(["--micro-batch-schedule", "tapered"]).stage.schedule is Schedule.TAPERED
     assert set(SCHEDULES) == {s.value for s in Schedule}  # the flag's light list names every schedule
-    assert plan.stage.stage_peers == 1 and join_plan(["--stage-peers", "2"]).stage.stage_peers == 2
+    assert plan.stage.stage_peers == 4 and join_plan(["--stage-peers", "1"]).stage.stage_peers == 1
     assert MAX_STAGE_PEERS == stagewire.MAX_STAGE_PEERS  # the flag's bound is the wire's
 
 
