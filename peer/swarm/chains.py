@@ -12,6 +12,7 @@ import statistics
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any, TypeVar
 
 from hlbp.peer.swarm.routing import Bans, Candidate, ShareCosts, assign_routes, choose_chain, choose_serving
@@ -47,10 +48,23 @@ class Chains:
         self.measured: dict[str, float] = {}  # tokens/s of its stage per stage peer, from the busy times it reports
         self._rates: dict[str, deque[float]] = {}  # the latest per micro-batch, after each peer's first
 
-    def options(self) -> list[list[Candidate]]:
-        """Each stage's announced peers, at the throughput measured where there is one (in full-model tokens/s)."""
-        return [[Candidate(c.peer, self._rate(i, c), bandwidth=c.bandwidth) for c in stage]
-                for i, stage in enumerate(self.candidates())]
+    def options(self, calibrated: bool = False) -> list[list[Candidate]]:
+        """Each stage's announced peers, at the throughput measured where there is one (in full-model tokens/s).
+
+        ``calibrated`` (the choice of several peers per stage): where a stage's measured peers do more than they
+        announced, its peers not measured yet are believed that much faster too (the median ratio). A probe runs
+        once at a peer's start, often beside other work, and reads low: compared raw with a measured rate, an
+        honest peer of a stage looks slow and is never given the stage's work that would measure it. The ratio is
+        never taken below 1: a peer announcing far more than it does must not make every other peer of its stage
+        look slow and so keep the stage."""
+        out = []
+        for i, stage in enumerate(self.candidates()):
+            rated = [Candidate(c.peer, self._rate(i, c), bandwidth=c.bandwidth) for c in stage]
+            seen = [r.throughput / c.throughput for c, r in zip(stage, rated, strict=True)
+                    if self.measured.get(c.peer) and c.throughput > 0]
+            k = max(1.0, statistics.median(seen)) if calibrated and seen else 1.0
+            out.append([r if self.measured.get(r.peer) else replace(r, throughput=r.throughput * k) for r in rated])
+        return out
 
     def _rate(self, i: int, c: Candidate) -> float:
         rate = self.measured.get(c.peer)
@@ -105,7 +119,7 @@ class Chains:
                 self.serving, self.chain = serving, [stage[0] for stage in serving]
             return serving
 
-        return self._wait(attempt, give_up)
+        return self._wait(attempt, give_up, calibrated=True)
 
     def shared_end(self, seconds: float) -> None:
         """The end of a shared step (its finish down the chain, the trades, its done back up) took ``seconds``. The
@@ -114,13 +128,13 @@ class Chains:
         self.ends.append(seconds)
 
     def _wait(self, attempt: Callable[[list[list[Candidate]]], T | None],
-              give_up: Callable[[], bool] | None) -> T | None:
+              give_up: Callable[[], bool] | None, calibrated: bool = False) -> T | None:
         """``attempt(options)`` every half second until it returns something, for at most ``wait_s`` (or until
-        ``give_up()`` or the stop event); None if it never did."""
+        ``give_up()`` or the stop event); None if it never did. ``calibrated``: see :meth:`options`."""
         deadline = time.monotonic() + self.wait_s
         announced_once = False
         while True:
-            options = self.options()
+            options = self.options(calibrated)
             found = attempt(options)
             if found is not None:
                 return found
@@ -140,9 +154,7 @@ class Chains:
 
         A serving peer never measured, beside one that was, is taken at the median of the measured ones: its
         announcement (a probe run once, on another load) and a measured rate are not comparable, and compared raw
-        one of them would get most of the step and the other stay unmeasured. An equal part measures it. (Which
-        peers serve is judged on the raw rates: an announcement scaled by how the measured peers compare with theirs
-        would let one peer that announces far more than it does make every other look slow.)"""
+        one of them would get most of the step and the other stay unmeasured. An equal part measures it."""
         rate = {c.peer: c.throughput for stage in self.options() for c in stage}
 
         def believed(stage: Sequence[str]) -> list[Candidate]:
@@ -184,16 +196,15 @@ class Chains:
 
     def measure(self, peer: str, rate: float) -> None:
         """A micro-batch's throughput of ``peer`` (tokens/s), from the busy time it reported. Its measured rate is
-        the median of its latest :data:`RATES_KEPT`, its first micro-batch left out once a second is there: the
-        first pays the peer's warm-up (first allocations and kernels), and one slow pass (a warm-up, a pause, a
-        busy core) must not steer routing for steps. A rate read too low routes less to the peer, which is then
-        measured less often: with a moving average seeded by a warm-up pass taking four times as long, two peers of
-        a stage split a step 3:1 for its first four steps. Until the second, the first is the peer's rate: a peer
-        that served is judged by what it did, not by its announcement."""
+        the median of its latest :data:`RATES_KEPT`, its first micro-batch left out: that one pays the peer's
+        warm-up (first allocations and kernels, four times the CPU of the next), and one slow pass (a warm-up, a
+        pause, a busy core) must not steer routing for steps. A rate read too low routes less to the peer, which is
+        then measured less often: with a moving average seeded by the warm-up pass, two peers of a stage split a
+        step 3:1 for its first four steps, and a peer read at its warm-up among peers read warm was dropped from
+        its stage. Until its second micro-batch a peer counts as not measured (see :meth:`options`)."""
         kept = self._rates.get(peer)
         if kept is None:
             self._rates[peer] = deque(maxlen=RATES_KEPT)
-            self.measured[peer] = rate
             return
         kept.append(rate)
         self.measured[peer] = statistics.median(kept)

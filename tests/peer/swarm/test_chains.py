@@ -43,8 +43,8 @@ def test_without_a_complete_chain_the_wait_ends_at_its_limit_or_when_told() -> N
 def test_measured_throughput_is_a_median_after_the_warm_up_that_routing_prefers() -> None:
     stages = [[Candidate("slow", 1000.0), Candidate("fast", 10.0)]]
     chains = Chains(lambda: stages, wait_s=1.0)
-    chains.measure("fast", 50.0)  # its first micro-batch paid the warm-up: its rate only until a second comes
-    assert chains.measured["fast"] == 50.0 and chains.choose(64) == ["slow"]
+    chains.measure("fast", 50.0)  # its first micro-batch paid the warm-up: not its rate
+    assert "fast" not in chains.measured and chains.choose(64) == ["slow"]
     chains.measure("fast", 5000.0)
     assert chains.measured["fast"] == 5000.0
     chains.measure("fast", 0.0)
@@ -107,11 +107,24 @@ def test_an_unmeasured_peer_beside_a_measured_one_is_routed_an_equal_part_until_
     chains.measure("a", 1.0)
     chains.measure("a", 400.0)
     assert chains.routes([["a", "b"]], [64] * 4) == [["a"], ["b"], ["a"], ["b"]]
-    # which peers serve is judged on the raw rates (see Chains.routes): there its announcement stands
-    assert [c.throughput for c in chains.options()[0]] == [400.0, 5000.0]
+    # measured below its announcement, a peer does not make its stage's others look slow (the ratio stays 1)
+    assert [c.throughput for c in chains.options(calibrated=True)[0]] == [400.0, 5000.0]
     chains.measure("b", 1.0)
     chains.measure("b", 1200.0)  # measured three times as fast: three micro-batches in four
     assert sorted(r[0] for r in chains.routes([["a", "b"]], [64] * 4)) == ["a", "b", "b", "b"]
     # nothing measured on a stage: the announcements decide
     fresh = Chains(lambda: [[Candidate("a", 1000.0), Candidate("b", 3000.0)]], wait_s=1.0)
     assert sorted(r[0] for r in fresh.routes([["a", "b"]], [64] * 4)) == ["a", "b", "b", "b"]
+
+
+def test_announcements_are_scaled_by_how_far_a_stage_s_measured_peers_outdo_theirs() -> None:
+    # probes on a busy box read low: the measured peer does 4x what it announced, so an unmeasured peer of its
+    # stage is believed 4x its announcement when several peers may serve, and taken raw by the one-peer chain
+    stages = [[Candidate("a", 100.0), Candidate("b", 50.0)], [Candidate("c", 80.0)]]
+    chains = Chains(lambda: stages, wait_s=1.0)
+    chains.measure("a", 1.0)
+    chains.measure("a", 400.0)
+    assert [[c.throughput for c in s] for s in chains.options(calibrated=True)] == [[400.0, 200.0], [80.0]]
+    assert [[c.throughput for c in s] for s in chains.options()] == [[400.0, 50.0], [80.0]]
+    # raw, b would look 8x slower and be left out; believed at half of a, it serves beside it
+    assert chains.pick([64] * 4, most=2, fresh=True) == [["a", "b"], ["c"]]
