@@ -24,6 +24,7 @@ T = TypeVar("T")
 
 ENDS_KEPT = 9  # ends of shared steps whose median the sharing judgement uses
 RATES_KEPT = 9  # a stage peer's latest micro-batch rates; its measured throughput is their median
+RATES_NEEDED = 3  # rates a peer is measured from at least: one pass slowed by a busy core cannot set a median of 3
 
 
 class Chains:
@@ -201,10 +202,13 @@ class Chains:
         pause, a busy core) must not steer routing for steps. A rate read too low routes less to the peer, which is
         then measured less often: with a moving average seeded by the warm-up pass, two peers of a stage split a
         step 3:1 for its first four steps, and a peer read at its warm-up among peers read warm was dropped from
-        its stage. Until its second micro-batch a peer counts as not measured (see :meth:`options`)."""
+        its stage. A peer counts as not measured (see :meth:`options`) until :data:`RATES_NEEDED` rates after its
+        first: the busy time is wall time, and one pass preempted on a loaded core read a peer of a shared stage
+        four times slower than its mate, so the next step routed it nothing and it fell out of its stage's phase."""
         kept = self._rates.get(peer)
         if kept is None:
             self._rates[peer] = deque(maxlen=RATES_KEPT)
             return
         kept.append(rate)
-        self.measured[peer] = statistics.median(kept)
+        if len(kept) >= RATES_NEEDED:
+            self.measured[peer] = statistics.median(kept)
