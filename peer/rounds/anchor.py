@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hlbp.peer.common.spill import SpilledTensors
+from hlbp.peer.common.spill import SpilledTensors, Streamed, stream_of
 
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 DENSE_FRACTION = 1 / 3  # above this fraction of positions changed, an undo record keeps the old tensor instead
@@ -112,6 +112,11 @@ class Anchor(Mapping[str, torch.Tensor]):
                 self._undo.setdefault(name, []).append(Undo.between(self._version, old, value))
             self._now[name] = value
             self._written[name] = self._version
+
+    def stream(self, name: str) -> Streamed:
+        """Parameter ``name``'s current value a block at a time (:func:`~hlbp.peer.common.spill.stream_of`): a
+        spilled one is not read whole."""
+        return stream_of(self._now, name)
 
     def values_at(self, name: str, positions: torch.Tensor) -> torch.Tensor:
         """Parameter ``name``'s current values at the flat ``positions`` (sorted, unique, int64), as float32: a

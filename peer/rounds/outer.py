@@ -23,7 +23,7 @@ from typing import Literal
 import torch
 
 from hlbp.peer.common.errors import UserInputError
-from hlbp.peer.common.spill import SpilledTensors
+from hlbp.peer.common.spill import SpilledTensors, Streamed, stream_of
 from hlbp.peer.train.adamw import STATE_DTYPES
 from hlbp.protocol.sparse import SMALL_TENSOR_RULES, SparseTensor, compress, tensor_k
 
@@ -40,6 +40,12 @@ class Prefixed(Mapping[str, torch.Tensor]):
         if not key.startswith(self.prefix):
             raise KeyError(key)
         return self.tensors[key[len(self.prefix):]]
+
+    def stream(self, key: str) -> Streamed:
+        """Tensor ``key`` a block at a time where the mapping underneath can hand it out so."""
+        if not key.startswith(self.prefix):
+            raise KeyError(key)
+        return stream_of(self.tensors, key[len(self.prefix):])
 
     def __iter__(self) -> Iterator[str]:
         return (self.prefix + n for n in list(self.tensors))

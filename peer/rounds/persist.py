@@ -20,6 +20,7 @@ import torch
 
 from hlbp.peer.common.errors import UserInputError
 from hlbp.peer.common.files import remove_stale_temps
+from hlbp.peer.common.spill import Streamed, stream_of
 from hlbp.peer.rounds.state import ReplicaState
 from hlbp.peer.train.checkpoint import open_checkpoint, save_checkpoint
 from hlbp.protocol.roundwire import MAX_RECORD_BYTES
@@ -81,6 +82,11 @@ class _Joined(Mapping[str, torch.Tensor]):
         part, n = self._where[key]
         return part[n]
 
+    def stream(self, key: str) -> Streamed:
+        """Tensor ``key`` a block at a time where its mapping can hand it out so (a spilled anchor or buffer)."""
+        part, n = self._where[key]
+        return stream_of(part, n)
+
     def __iter__(self) -> Iterator[str]:
         return iter(self._where)
 
@@ -95,7 +101,7 @@ def save_replica(path: Path, anchor: Mapping[str, torch.Tensor], outers: Mapping
                  window: float | None = None) -> bool:
     """Save the checkpoint, unless the anchor holds a non-finite value: a poisoned state is never stored as current
     (the previous checkpoint stays, and a restart syncs from peers). Returns whether it was saved."""
-    if not all(bool(torch.isfinite(t).all()) for t in anchor.values()):
+    if not all(bool(torch.isfinite(block).all()) for name in anchor for block in stream_of(anchor, name).blocks):
         logger.error("not saving the checkpoint: the global parameters hold a non-finite value")
         return False
     own, header = trainer.state_tensors()

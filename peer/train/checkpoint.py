@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ from safetensors.torch import load_file
 
 from hlbp.peer.common.errors import UserInputError
 from hlbp.peer.common.files import atomic_path
+from hlbp.peer.common.spill import stream_of
 from hlbp.protocol import ProtocolError
 from hlbp.protocol.dense import read_header
 
@@ -44,8 +46,18 @@ def tensors_digest(tensors: Mapping[str, torch.Tensor]) -> str:
 
 def _hash_into(h: Any, name: str, t: torch.Tensor) -> None:
     """Add one host tensor to a :func:`tensors_digest` in progress (tensors go in name order)."""
-    h.update(f"{name}\0{t.dtype}\0{tuple(t.shape)}\0".encode())
-    h.update(t.reshape(-1).view(torch.uint8).numpy())
+    _hash_head(h, name, t.dtype, tuple(t.shape))
+    h.update(_raw(t))
+
+
+def _hash_head(h: Any, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+    """What a :func:`tensors_digest` takes of a tensor before its bytes."""
+    h.update(f"{name}\0{dtype}\0{shape}\0".encode())
+
+
+def _raw(t: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous host tensor, without a copy."""
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
 
 
 _ST_DTYPE = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -59,22 +71,24 @@ def save_checkpoint(path: Path, tensors: Mapping[str, torch.Tensor], header: dic
     checksum (:func:`tensors_digest`) in the metadata.
 
     The safetensors file is written one tensor at a time, each read twice (its layout and checksum, then its
-    bytes; a tensor kept in a file is not read a third time for its shape): a tensor on a GPU is copied to the host
-    only while it is hashed and while it is written, so saving a model and its AdamW state never holds them on the host whole
+    bytes): a tensor kept in a file is read a block at a time (:func:`~hlbp.peer.common.spill.stream_of`), and a
+    tensor on a GPU is copied to the host only while it is hashed and while it is written, so saving a model and its AdamW state never holds them on the host whole
     (12 bytes per parameter beside a GPU; docs/design.md, "Memory per parameter")."""
     names = sorted(tensors)
     entries: dict[str, Any] = {}
     offset = 0
     digest = hashlib.sha256()
     for name in names:  # the layout and the checksum in one read of each tensor; the write below is the second
-        t = tensors[name].detach().contiguous().cpu()
-        if t.dtype not in _ST_DTYPE:
-            raise ValueError(f"tensor {name} has dtype {t.dtype}, which a checkpoint does not hold")
-        size = t.numel() * t.element_size()
-        entries[name] = {"dtype": _ST_DTYPE[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + size]}
+        streamed = stream_of(tensors, name)
+        if streamed.dtype not in _ST_DTYPE:
+            raise ValueError(f"tensor {name} has dtype {streamed.dtype}, which a checkpoint does not hold")
+        size = math.prod(streamed.shape) * streamed.dtype.itemsize
+        entries[name] = {"dtype": _ST_DTYPE[streamed.dtype], "shape": list(streamed.shape),
+                         "data_offsets": [offset, offset + size]}
         offset += size
-        _hash_into(digest, name, t)
-        del t
+        _hash_head(digest, name, streamed.dtype, streamed.shape)
+        for block in streamed.blocks:
+            digest.update(_raw(block))
     entries["__metadata__"] = {"format": FORMAT, "version": str(FORMAT_VERSION),
                                "header": json.dumps(header, sort_keys=True), "sha256": digest.hexdigest()}
     head = json.dumps(entries, separators=(",", ":")).encode()
@@ -83,8 +97,8 @@ def save_checkpoint(path: Path, tensors: Mapping[str, torch.Tensor], header: dic
         f.write(len(head).to_bytes(8, "little"))
         f.write(head)
         for name in names:
-            host = tensors[name].detach().contiguous().cpu()
-            f.write(host.reshape(-1).view(torch.uint8).numpy().data)
+            for block in stream_of(tensors, name).blocks:
+                f.write(_raw(block))
 
 
 def _read_prefix(path: Path) -> bytes:

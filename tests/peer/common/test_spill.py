@@ -126,3 +126,38 @@ def test_gather_and_scatter_touch_the_positions_only_a_block_at_a_time(tmp_path,
     with pytest.raises(ValueError):
         store.scatter("t", pos, new.float() if dtype != torch.float32 else new.double())
     assert torch.equal(store["t"], expected)  # a refused scatter wrote nothing
+
+
+@pytest.mark.parametrize("value", [
+    torch.randn(37, 11),
+    torch.randn(101).bfloat16(),
+    torch.tensor([True, False, True]),
+    torch.tensor(2.5),
+    torch.empty(0, 4),
+], ids=["fp32", "bf16", "bool", "scalar", "empty"])
+def test_a_stream_hands_out_the_tensors_bytes_in_order_a_block_at_a_time(tmp_path, monkeypatch, value):
+    monkeypatch.setattr(spill, "BLOCK_BYTES", 64)  # blocks of 16 fp32 or 32 bf16 values
+    store = SpilledTensors(tmp_path)
+    store["t"] = value
+    streamed = store.stream("t")
+    assert (streamed.dtype, streamed.shape) == (value.dtype, tuple(value.shape))
+    parts = [block.view(torch.uint8).clone() for block in streamed.blocks]
+    assert all(p.numel() <= 64 for p in parts)
+    want = value.reshape(-1).view(torch.uint8)
+    assert torch.equal(torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8), want)
+    assert len(parts) == -(-want.numel() // 64)
+    # a tensor held in memory is one block; either way stream_of says its dtype and shape
+    whole = spill.stream_of({"t": value}, "t")
+    assert (whole.dtype, whole.shape) == (value.dtype, tuple(value.shape))
+    assert torch.equal(torch.cat([b.reshape(-1).view(torch.uint8) for b in whole.blocks]), want)
+
+
+def test_a_tensor_rewritten_while_streamed_is_refused_not_mixed(tmp_path, monkeypatch):
+    monkeypatch.setattr(spill, "BLOCK_BYTES", 64)
+    store = SpilledTensors(tmp_path)
+    store["t"] = torch.zeros(64)
+    blocks = store.stream("t").blocks
+    next(blocks)
+    store["t"] = torch.ones(64)  # same size: the same slot, rewritten under the reader
+    with pytest.raises(spill.ChangedWhileStreamed):
+        next(blocks)
