@@ -245,10 +245,9 @@ class SparseLoCo(OuterOptimizer):
         held = bool(self.ef)
         sent: dict[str, SparseTensor] = {}
         for name in anchor:  # one tensor at a time: the transient buffers are one parameter's, not the model's
-            delta = anchor[name].detach().float().cpu() - local[name].detach().float().cpu()
-            e = self.ef.get(name)
-            e = delta if e is None else e.float().mul_(self.config.beta).add_(delta)  # float32: in place
-            del delta  # in e now: gone before compress makes its buffers
+            e = anchor[name].detach().float().cpu() - local[name].detach().float().cpu()  # the phase's delta
+            if name in self.ef:
+                self._add_kept(name, e)
             k = tensor_k(tuple(e.shape), self.config.k, self.config.small_tensors)
             s = compress(e / m if m > 1 else e, k, self.config.quant_bits)
             # whatever was not sent (including quantisation error) stays for later rounds; after a backlog of m
@@ -259,6 +258,23 @@ class SparseLoCo(OuterOptimizer):
         c = Contribution(sender, tokens, sent)
         self._taken, self.phases = (m, c, held), 0
         return c
+
+    def _add_kept(self, name: str, e: torch.Tensor) -> None:
+        """Add β times the buffer kept for ``name`` into the phase's delta ``e`` (float32, in place), a block of the
+        kept buffer at a time where it lives in a file: bit for bit ``β·buffer + Δ`` (a float addition does not
+        depend on the order of its two terms), without the buffer whole, widened to float32, beside the delta (the
+        largest parameter's copies were a contribution's peak: 40 MiB for the small model's embedding)."""
+        streamed = stream_of(self.ef, name)
+        if streamed.shape != tuple(e.shape):
+            raise ValueError(f"the error feedback of {name} has shape {streamed.shape}, the parameter {tuple(e.shape)}")
+        flat, at = e.view(-1), 0
+        for block in streamed.blocks:
+            n = block.numel()
+            kept = block.reshape(-1)
+            # a float32 buffer kept in memory is the stored tensor itself: scaled into a new one, never in place
+            scaled = kept.float().mul_(self.config.beta) if kept.dtype != torch.float32 else kept * self.config.beta
+            flat[at:at + n].add_(scaled)
+            at += n
 
     def withdraw(self, contribution: Contribution) -> None:
         # A straggler's unsent pseudo-gradient goes back into its buffer, as if it had never been taken out.

@@ -314,3 +314,37 @@ def test_a_round_applied_at_its_positions_into_the_anchor_is_the_dense_sum_bit_f
         assert torch.equal(before[n].view(torch.int32), start[n].view(torch.int32))
     assert opt.sparse_steps(list(anchor), []) is None
     assert DiLoCo(OuterConfig(kind="diloco")).sparse_steps(list(anchor), contributions) is None
+
+
+@pytest.mark.parametrize("ef_dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("where", ["memory", "disk"])
+def test_the_buffer_added_into_the_delta_a_block_at_a_time_is_the_whole_formula_bit_for_bit(tmp_path, monkeypatch,
+                                                                                           ef_dtype, where):
+    """A contribution adds β times the kept buffer into the phase's delta a block at a time (a spilled buffer in
+    blocks of 64 bytes here): its contributions and its buffer are bit for bit those of ``β·e + Δ`` made whole, over
+    rounds with a backlog of two phases among them."""
+    from hlbp.peer.common import spill
+
+    monkeypatch.setattr(spill, "BLOCK_BYTES", 64)
+    opt = SparseLoCo(OuterConfig(k=64, beta=0.95, ef_dtype=ef_dtype, ef_dir=str(tmp_path) if where == "disk" else ""))
+    store = torch.float32 if ef_dtype == "fp32" else torch.bfloat16
+    anchor = _params(0)
+    for r in range(4):
+        local = {n: t - 0.01 * torch.randn_like(t, generator=torch.Generator().manual_seed(r)) for n, t in anchor.items()}
+        before = {n: opt.ef[n].clone() for n in opt.ef}
+        m = opt.phases + 1
+        made = opt.contribute(anchor, local)
+        for n in anchor:
+            delta = anchor[n] - local[n]
+            e = delta if n not in before else before[n].float().mul_(0.95).add_(delta)
+            want = compress(e / m if m > 1 else e, 64, 2)
+            got = made.tensors[n]
+            assert torch.equal(got.indices, want.indices) and torch.equal(got.codes, want.codes), (r, n)
+            assert torch.equal(got.table, want.table) and got.shift == want.shift, (r, n)
+            kept = move_mass(e, want, m, -1.0).to(store)
+            assert torch.equal(opt.ef[n].view(-1).view(torch.uint8), kept.view(-1).view(torch.uint8)), (r, n)
+        if r == 1:
+            opt.withdraw(made)  # a straggler: the next contribution carries two phases
+    opt.ef["b"] = torch.zeros(299, dtype=store)  # a buffer that is not the parameter's shape is refused
+    with pytest.raises(ValueError):
+        opt.contribute(anchor, anchor)
