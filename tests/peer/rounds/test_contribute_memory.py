@@ -4,19 +4,15 @@ float32 beside them (the largest parameter's copies were a full replica's peak a
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
-import pytest
+from peak_growth import needs_clear_refs, peak_growth_mib
 
 _SCRIPT = textwrap.dedent("""
-    import gc, json, sys
+    import sys
     from pathlib import Path
     import torch
-    from hlbp.peer.common.memory import current_host_bytes, trim
     from hlbp.peer.rounds.outer import OuterConfig, SparseLoCo
 
     folder = Path(sys.argv[1])
@@ -25,23 +21,12 @@ _SCRIPT = textwrap.dedent("""
     local = {"emb": anchor["emb"] - 0.01}
     opt = SparseLoCo(OuterConfig(k=64, beta=0.95, ef_dtype="bf16", ef_dir=str(folder)))
     opt.ef["emb"] = torch.full(shape, 0.001, dtype=torch.bfloat16)
-    gc.collect()
-    trim()
-    before = current_host_bytes()
-    Path("/proc/self/clear_refs").write_text("5")  # the peak from here on
-    opt.contribute(anchor, local)
-    with open("/proc/self/status") as f:
-        peak = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
-    print(json.dumps({"grown_mib": (peak - before) / 2**20}))
 """)
 
 
-@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux's clear_refs")
+@needs_clear_refs
 def test_a_contribution_holds_the_delta_and_a_block_of_the_kept_buffer(tmp_path: Path) -> None:
-    done = subprocess.run([sys.executable, "-c", _SCRIPT, str(tmp_path)], capture_output=True, text=True,
-                          timeout=300, check=False)
-    assert done.returncode == 0, done.stderr[-3000:]
-    grown = json.loads(done.stdout.strip().splitlines()[-1])["grown_mib"]
+    grown = peak_growth_mib(_SCRIPT, "opt.contribute(anchor, local)", tmp_path)
     # a 256 MiB parameter: its float32 delta (256) and the narrowed buffer written back (128) make 384; the buffer
     # read whole and widened beside the delta made 640 (bf16 read 128, float32 256)
     assert grown < 512, grown

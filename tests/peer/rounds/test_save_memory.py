@@ -4,15 +4,13 @@ peak by a few blocks, not by the largest parameter (a full replica's peak was at
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from peak_growth import needs_clear_refs, peak_growth_mib
 
 from hlbp.peer.rounds.anchor import Anchor
 from hlbp.peer.rounds.outer import Prefixed
@@ -63,10 +61,9 @@ def test_a_checkpoint_of_spilled_state_is_the_file_of_the_same_state_in_memory(t
 
 
 _SCRIPT = textwrap.dedent("""
-    import gc, json, sys
+    import sys
     from pathlib import Path
     import torch
-    from hlbp.peer.common.memory import current_host_bytes, trim
     from hlbp.peer.common.spill import SpilledTensors
     from hlbp.peer.rounds.anchor import Anchor
     from hlbp.peer.rounds.outer import Prefixed
@@ -82,22 +79,12 @@ _SCRIPT = textwrap.dedent("""
     anchor["emb"] = torch.full(shape, 0.5)
     ef = SpilledTensors(folder / "ef")
     ef["emb"] = torch.full(shape, -0.25, dtype=torch.bfloat16)
-    gc.collect()
-    trim()
-    before = current_host_bytes()
-    Path("/proc/self/clear_refs").write_text("5")  # the peak from here on
-    assert save_replica(folder / "ckpt.safetensors", anchor, {0: Prefixed(ef, "ef.")}, Model(), 1, True, "run")
-    with open("/proc/self/status") as f:
-        peak = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
-    print(json.dumps({"grown_mib": (peak - before) / 2**20}))
 """)
 
 
-@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux's clear_refs")
+@needs_clear_refs
 def test_saving_spilled_state_holds_a_few_blocks_not_a_parameter(tmp_path: Path) -> None:
-    done = subprocess.run([sys.executable, "-c", _SCRIPT, str(tmp_path)], capture_output=True, text=True,
-                          timeout=300, check=False)
-    assert done.returncode == 0, done.stderr[-3000:]
-    grown = json.loads(done.stdout.strip().splitlines()[-1])["grown_mib"]
+    grown = peak_growth_mib(_SCRIPT, 'assert save_replica(folder / "ckpt.safetensors", anchor, {0: Prefixed(ef, "ef.")}, '
+                                              'Model(), 1, True, "run")', tmp_path)
     # a 128 MiB anchor parameter and its 64 MiB buffer: read whole, the peak grew by at least the parameter
     assert grown < 64, grown  # 22 MiB here: two 4 MiB blocks and the first use of the kernels it runs
