@@ -254,12 +254,13 @@ class SpilledTensors(MutableMapping[str, torch.Tensor]):
         return offset
 
 
-def _bytes_of(t: torch.Tensor) -> memoryview:
+def bytes_of(t: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous host tensor, without a copy (an empty tensor's are empty)."""
     return memoryview(t.reshape(-1).view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
 
 
 def _write_exactly(fd: int, t: torch.Tensor, offset: int) -> None:
-    view = _bytes_of(t)
+    view = bytes_of(t)
     done = 0
     while done < len(view):
         done += os.pwrite(fd, view[done:], offset + done)

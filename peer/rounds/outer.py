@@ -268,11 +268,10 @@ class SparseLoCo(OuterOptimizer):
         if streamed.shape != tuple(e.shape):
             raise ValueError(f"the error feedback of {name} has shape {streamed.shape}, the parameter {tuple(e.shape)}")
         flat, at = e.view(-1), 0
-        for block in streamed.blocks:
+        for block in streamed.blocks:  # flat, in order
             n = block.numel()
-            kept = block.reshape(-1)
             # a float32 buffer kept in memory is the stored tensor itself: scaled into a new one, never in place
-            scaled = kept.float().mul_(self.config.beta) if kept.dtype != torch.float32 else kept * self.config.beta
+            scaled = block.float().mul_(self.config.beta) if block.dtype != torch.float32 else block * self.config.beta
             flat[at:at + n].add_(scaled)
             at += n
 

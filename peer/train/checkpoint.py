@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 
 from hlbp.peer.common.errors import UserInputError
 from hlbp.peer.common.files import atomic_path
-from hlbp.peer.common.spill import stream_of
+from hlbp.peer.common.spill import bytes_of, stream_of
 from hlbp.protocol import ProtocolError
 from hlbp.protocol.dense import read_header
 
@@ -47,17 +47,12 @@ def tensors_digest(tensors: Mapping[str, torch.Tensor]) -> str:
 def _hash_into(h: Any, name: str, t: torch.Tensor) -> None:
     """Add one host tensor to a :func:`tensors_digest` in progress (tensors go in name order)."""
     _hash_head(h, name, t.dtype, tuple(t.shape))
-    h.update(_raw(t))
+    h.update(bytes_of(t))
 
 
 def _hash_head(h: Any, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
     """What a :func:`tensors_digest` takes of a tensor before its bytes."""
     h.update(f"{name}\0{dtype}\0{shape}\0".encode())
-
-
-def _raw(t: torch.Tensor) -> memoryview:
-    """The bytes of a contiguous host tensor, without a copy."""
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
 
 
 _ST_DTYPE = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -88,7 +83,7 @@ def save_checkpoint(path: Path, tensors: Mapping[str, torch.Tensor], header: dic
         offset += size
         _hash_head(digest, name, streamed.dtype, streamed.shape)
         for block in streamed.blocks:
-            digest.update(_raw(block))
+            digest.update(bytes_of(block))
     entries["__metadata__"] = {"format": FORMAT, "version": str(FORMAT_VERSION),
                                "header": json.dumps(header, sort_keys=True), "sha256": digest.hexdigest()}
     head = json.dumps(entries, separators=(",", ":")).encode()
@@ -98,7 +93,7 @@ def save_checkpoint(path: Path, tensors: Mapping[str, torch.Tensor], header: dic
         f.write(head)
         for name in names:
             for block in stream_of(tensors, name).blocks:
-                f.write(_raw(block))
+                f.write(bytes_of(block))
 
 
 def _read_prefix(path: Path) -> bytes:
