@@ -16,8 +16,10 @@ so their updates stay equal.
 
 Everything runs on the server's compute thread except :meth:`expire`, which only queues a job there. A trade whose
 shares do not all come within ``timeout_s`` makes the finish's peer send a ``fail`` naming a missing peer; the
-driver re-runs the step without it. A peer where that trade did complete holds the sum; a micro-batch or a share of the
-step reaching it again means the step is re-run, and it takes back its own part first (:meth:`SiblingTrades.reopen`).
+driver re-runs the step without it. A peer where that trade did complete holds the sum; a micro-batch of the step,
+or a share of it from the lowest id of the trade (the re-run's leader), reaching it again means the step is re-run,
+and it takes back its own part first (:meth:`SiblingTrades.reopen`). Another peer's share of such a step waits for
+the leader's: alone, it may be a resent share of the completed trade, which must not undo that trade here.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ import torch
 
 from hlbp.peer.swarm.shares import Trade, joint_lineage, sumsq_of
 from hlbp.peer.swarm.worker import OwnPart, StageStateError, StageWorker, done_fault, finish_fault
-from hlbp.protocol.gradshare import decode_share, encode_share
+from hlbp.protocol.gradshare import Share, decode_share, encode_share
 from hlbp.protocol.stagewire import Reason, StageMessage, encode_message
 
 logger = logging.getLogger(__name__)
@@ -77,6 +79,10 @@ class SiblingTrades:
         self.last_sumsq = 0.0  # the stage's whole gradient of the last trade that completed here (a share's bound)
         self.traded = 0  # trades completed
         self.refused = 0  # shares refused
+        # shares of a step whose trade completed here, from peers other than a re-run's leader, held for that
+        # leader's share (one per sender; dropped when the step is applied)
+        self._early: dict[str, tuple[StageMessage, Share]] = {}
+        self.deferred = 0  # shares held so
 
     # --- compute thread --------------------------------------------------------------------------------------------
 
@@ -101,11 +107,33 @@ class SiblingTrades:
             self._refuse(sender, f"a share naming peers {[p[:12] for p in peers]}, not both of us")
             return
         share = decode_share(body, msg.count, self.shapes)  # a ProtocolError bans the sender (the compute loop)
-        self.reopen(msg.session, msg.step)  # a trade of a step already traded here: the step is being re-run
+        key = (msg.session, msg.step)
+        if self._open(key) and sender != peers[0]:
+            # a share of a step whose trade completed here: a re-run's trade starts with its leader's share (the
+            # lowest id), so until that comes this one waits; a peer resending its share of the completed trade
+            # would otherwise make this one take its part back and refuse the leader's apply
+            self._early[sender] = (msg, share)
+            self.deferred += 1
+            return
+        self.reopen(msg.session, msg.step)  # the leader trades a step already traded here: it is being re-run
+        self._take(sender, msg, peers, share)
+        early = [(p, m, s) for p, (m, s) in self._early.items() if (m.session, m.step) == key]
+        self._early = {}
+        for p, m, s in early:  # the re-run's shares that came before its leader's
+            self._take(p, m, tuple(sorted(m.peers)), s)
+
+    def _open(self, key: tuple[int, int]) -> bool:
+        """Whether step ``key``'s trade completed here and the step is not applied yet (a re-run would reopen it)."""
+        settled = self.settled.get(key)
+        return settled is not None and not settled.applied and settled.own is not None
+
+    def _take(self, sender: str, msg: StageMessage, peers: tuple[str, ...], share: Share) -> None:
+        """Add ``sender``'s checked share to the trade of (msg.session, msg.step, peers), begun here if it is not."""
         if self._key != (msg.session, msg.step, peers):
             self._begin(msg.session, msg.step, msg.count, peers)
             self._send_share(led=False)
-        assert self._trade is not None
+        if self._trade is None:  # a share of a trade that completed or was refused here: nothing to add it to
+            return
         fault = self._trade.fault(sender, share, self.worker.sumsq(), self.last_sumsq)
         if fault is not None:
             self._refuse(sender, fault)
@@ -159,6 +187,7 @@ class SiblingTrades:
         settled = self.settled.get((session, step))
         if settled is not None:
             settled.applied, settled.own = True, None
+        self._early = {}
         self._release((session, step))
 
     def reopen(self, session: int, step: int) -> bool:
@@ -167,9 +196,9 @@ class SiblingTrades:
         re-run then adds the micro-batches it is given now to that part, and the next trade gets the part alone:
         kept, the sum would count every other peer's micro-batches as this peer's, and the trade's partners would
         refuse it as overlapping theirs. Returns whether it did."""
-        settled = self.settled.get((session, step))
-        if settled is None or settled.applied or settled.own is None:
+        if not self._open((session, step)):
             return False
+        settled = self.settled[(session, step)]
         logger.info("step %d is re-run after its trade with %s: taking back this peer's part", step,
                     ", ".join(p[:12] for p in settled.peers if p != self.me))
         self.worker.restore_part(settled.own)

@@ -27,7 +27,7 @@ from hlbp.peer.swarm.server import StageServer
 from hlbp.peer.swarm.worker import StageWorker
 from hlbp.peer.train.trainer import OptimConfig, lr_at
 from hlbp.protocol.gradshare import encode_share
-from hlbp.protocol.stagewire import StageMessage, encode_message
+from hlbp.protocol.stagewire import StageMessage, decode_message, encode_message
 
 OPTIM = OptimConfig(lr=3e-3, warmup_steps=1, total_steps=20)
 
@@ -238,3 +238,64 @@ def test_a_trade_of_three_that_fails_halfway_is_rerun_by_the_other_two_without_r
         assert torch.equal(a[name].view(torch.int32), b[name].view(torch.int32)), name
     for name, t in got.items():
         _same_update(t, alone[name], init[name], name)
+
+
+def _op(frame: bytes) -> str:
+    return decode_message(frame, 1 << 30, 1 << 30)[0].op
+
+
+class _Tapped:
+    """A stage peer's links as its trades use them (the test's wrapper): each frame it sends ``peer`` is kept in
+    ``frames``; those of op ``hold`` are kept only, the others sent too."""
+
+    def __init__(self, links: Any, peer: str, hold: str = "") -> None:
+        self.links, self.peer, self.hold = links, peer, hold
+        self.frames: list[bytes] = []
+
+    def dial(self, peer: str, **kwargs: Any) -> Any:
+        return self.links.dial(peer, **kwargs) if peer != self.peer else self
+
+    def send(self, data: bytes) -> None:
+        self.frames.append(data)
+        if _op(data) != self.hold:
+            self.links.dial(self.peer).send(data)
+
+
+@pytest.mark.timeout(300)
+def test_a_share_resent_after_its_trade_completed_undoes_nothing_and_bans_no_one() -> None:
+    """Three peers serve stage 1. After the first step's trade completed at the middle one, and before the leader's
+    apply reaches it, the highest one sends it its share of that trade again (a peer with a valid key replaying a
+    frame). The middle peer holds it for a re-run's leader and keeps the trade: it applies the leader's step as a
+    mirror, refuses and bans no one, and ends every step with the leader's bits."""
+    batches = _batches(2)
+    with _swarm(3) as (driver, mids, last, workers):
+        leader, mirror, replayer = sorted(mids, key=lambda m: m.peer_id)
+        recorded = _Tapped(replayer.trades.links, mirror.peer_id)
+        replayer.trades.links = recorded
+        applies = _Tapped(leader.trades.links, mirror.peer_id, hold="apply")
+        leader.trades.links = applies
+        x, y = batches[0]
+        first = driver.train_step(x, y, 0, lr_at(0, OPTIM), inner=0)
+        assert driver.counters.failures == 0 and driver.counters.microbatches_retried == 0, first
+        # the leader's share went out, its apply is held: the trade completed at the mirror, the step is not applied
+        poll(lambda: "apply" in [_op(f) for f in applies.frames], 30,
+             "the leader's apply of the first step")
+        assert mirror.trades.traded == 1 and mirror.counters.steps_applied == 0
+        assert [_op(f) for f in recorded.frames] == ["share"]
+        replayer.links.dial(mirror.peer_id).send(recorded.frames[0])
+        poll(lambda: mirror.trades.deferred == 1, 30, "the resent share to reach the mirror's trades")
+        leader.trades.links = applies.links
+        for frame in applies.frames:
+            if _op(frame) == "apply":
+                leader.links.dial(mirror.peer_id).send(frame)
+        x, y = batches[1]
+        driver.train_step(x, y, 1, lr_at(1, OPTIM), inner=1)
+        poll(lambda: all(m.counters.steps_applied == 2 for m in mids) and last.counters.steps_applied == 2, 30,
+             lambda: f"every stage-1 peer to apply 2 steps: {[m.counters.steps_applied for m in mids]}")
+        assert [m.trades.refused for m in mids] == [0, 0, 0]
+        now = time.monotonic()
+        assert not any(m.bans.banned(o.peer_id, now) for m in mids for o in mids if o is not m)
+        assert not mirror.trades.missed
+        a, b = (_params(workers[1 + mids.index(m)]) for m in (leader, mirror))
+    for name in a:
+        assert torch.equal(a[name].view(torch.int32), b[name].view(torch.int32)), name
