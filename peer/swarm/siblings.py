@@ -81,8 +81,8 @@ class SiblingTrades:
         self.refused = 0  # shares refused
         # shares of a step whose trade completed here, from peers other than a re-run's leader, held for that
         # leader's share (one per sender; dropped when the step is applied)
-        self._early: dict[str, tuple[StageMessage, Share]] = {}
-        self.deferred = 0  # shares held so
+        self._early: dict[str, tuple[StageMessage, tuple[str, ...], Share]] = {}
+        self.deferred = 0  # shares held for a re-run's leader
 
     # --- compute thread --------------------------------------------------------------------------------------------
 
@@ -112,15 +112,15 @@ class SiblingTrades:
             # a share of a step whose trade completed here: a re-run's trade starts with its leader's share (the
             # lowest id), so until that comes this one waits; a peer resending its share of the completed trade
             # would otherwise make this one take its part back and refuse the leader's apply
-            self._early[sender] = (msg, share)
+            self._early[sender] = (msg, peers, share)
             self.deferred += 1
             return
         self.reopen(msg.session, msg.step)  # the leader trades a step already traded here: it is being re-run
         self._take(sender, msg, peers, share)
-        early = [(p, m, s) for p, (m, s) in self._early.items() if (m.session, m.step) == key]
+        early = [(p, *held) for p, held in self._early.items() if (held[0].session, held[0].step) == key]
         self._early = {}
-        for p, m, s in early:  # the re-run's shares that came before its leader's
-            self._take(p, m, tuple(sorted(m.peers)), s)
+        for p, m, named, s in early:  # the re-run's shares that came before its leader's
+            self._take(p, m, named, s)
 
     def _open(self, key: tuple[int, int]) -> bool:
         """Whether step ``key``'s trade completed here and the step is not applied yet (a re-run would reopen it)."""
