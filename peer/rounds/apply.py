@@ -120,7 +120,7 @@ class Applier:
                 return self._refuse(r, {p: f"shard {s}'s contribution norm is {v:.3g}x the round's median"
                                         for p, v in far.items()}, "a contribution is far above the round's others")
             shard = Subset(state.anchor, list(names))
-            scale = guard.scale(shard)
+            scale = guard.scale(state.anchor, names)
             moved = 0.0  # ‖θ_s(t+1) − θ_s(t)‖², a parameter at a time
             steps = state.outers[s].sparse_steps(list(names), contributions)
             if steps is not None:

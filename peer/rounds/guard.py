@@ -20,11 +20,12 @@ honest runs stay more than an order of magnitude below them (README, "Hostile pe
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 
+from hlbp.peer.common.spill import stream_of
 from hlbp.peer.rounds.outer import Contribution
 from hlbp.protocol.sparse import SparseTensor
 
@@ -54,6 +55,8 @@ LOSS_WINDOW = 8  # committed rounds whose guard-batch losses a slow climb is mea
 
 
 CHUNK = 1 << 18  # elements summed in float64 at a time: 2 MiB of temporaries, whatever the parameter's size
+# (a block of a kept tensor, :data:`hlbp.peer.common.spill.BLOCK_BYTES`, holds a whole number of chunks, so a norm
+# read a block at a time sums the same chunks in the same order as one read whole)
 
 
 def _square_sum(t: torch.Tensor, minus: torch.Tensor | None = None) -> float:
@@ -73,13 +76,17 @@ def _square_sum(t: torch.Tensor, minus: torch.Tensor | None = None) -> float:
     return total
 
 
-def norm(tensors: Mapping[str, torch.Tensor]) -> float:
-    """The float64 Euclidean norm over every tensor; inf if any value is not finite."""
+def norm(tensors: Mapping[str, torch.Tensor], names: Iterable[str] | None = None) -> float:
+    """The float64 Euclidean norm over ``names`` of ``tensors`` (every tensor when None); inf if any value is not
+    finite. A tensor kept in a file is read a block at a time (:func:`~hlbp.peer.common.spill.stream_of`), not
+    whole: the anchor's norm is taken by the exchange thread while a training step runs beside it, and a whole
+    read of every parameter at once was a model-sized transient at the step's peak."""
     total = 0.0
-    for t in tensors.values():
-        total += _square_sum(t)
-        if not math.isfinite(total):
-            return math.inf
+    for name in tensors if names is None else names:
+        for block in stream_of(tensors, name).blocks:
+            total += _square_sum(block)
+            if not math.isfinite(total):
+                return math.inf
     return math.sqrt(total)
 
 
@@ -88,9 +95,9 @@ def contribution_norm(c: Contribution) -> float:
     return norm({n: t.dense_values() if isinstance(t, SparseTensor) else t for n, t in c.tensors.items()})
 
 
-def scale(anchor: Mapping[str, torch.Tensor]) -> float:
-    """The shard's scale: ‖θ_s‖, at least :data:`MIN_SCALE`."""
-    return max(norm(anchor), MIN_SCALE)
+def scale(anchor: Mapping[str, torch.Tensor], names: Iterable[str] | None = None) -> float:
+    """The shard's scale: ‖θ_s‖ over ``names`` of ``anchor`` (all of it when None), at least :data:`MIN_SCALE`."""
+    return max(norm(anchor, names), MIN_SCALE)
 
 
 def oversized(norms: Mapping[str, float], shard_scale: float, cfg: GuardConfig) -> dict[str, float]:

@@ -97,7 +97,7 @@ class Payloads:
 
     def measure_scales(self, anchor: Mapping[str, torch.Tensor], shards: Sequence[Sequence[str]]) -> None:
         """‖θ_s‖ of the round's anchor for every shard we apply: the guard's bounds are relative to it."""
-        self.scales = {s: guard.scale({n: anchor[n] for n in shards[s]}) for s in self.applied}
+        self.scales = {s: guard.scale(anchor, shards[s]) for s in self.applied}
 
     def check(self, r: int, sender: str, digests: Mapping[int, str]) -> Exception | None:
         """Fetch, decode and bound ``sender``'s payloads for the shards in ``digests`` not yet checked; each good

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator, Mapping
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
 
+from hlbp.peer.common.spill import BLOCK_BYTES, SpilledTensors, Streamed
 from hlbp.peer.rounds import guard
+from hlbp.peer.rounds.anchor import Anchor
 from hlbp.peer.rounds.guard import GuardConfig
 from hlbp.peer.rounds.outer import Contribution, OuterConfig, SparseLoCo
 
@@ -31,6 +35,52 @@ def test_norm_is_float64_and_infinite_on_non_finite() -> None:
     assert guard.norm({"a": torch.tensor([1.0, float("nan")])}) == math.inf
     assert guard.norm({"a": torch.full((4,), 3e38)}) == pytest.approx(6e38)  # float32 squares would overflow
     assert guard.scale({"a": torch.zeros(3)}) == guard.MIN_SCALE
+
+
+class _BlocksOnly(Mapping[str, torch.Tensor]):
+    """A kept store that refuses whole reads: what it hands out, it hands out a block at a time."""
+
+    def __init__(self, store: SpilledTensors) -> None:
+        self.store, self.blocks = store, 0
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        raise AssertionError(f"{name} was read whole")
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.store)
+
+    def __len__(self) -> int:
+        return len(self.store)
+
+    def stream(self, name: str) -> Streamed:
+        streamed = self.store.stream(name)
+
+        def counted() -> Iterator[torch.Tensor]:
+            for block in streamed.blocks:
+                self.blocks += 1
+                yield block
+        return Streamed(streamed.dtype, streamed.shape, counted())
+
+
+def test_a_kept_anchors_scale_is_read_a_block_at_a_time_with_the_same_bits(tmp_path: Path) -> None:
+    # the exchange thread takes the anchor's norm while a training step runs beside it: a whole read of each
+    # parameter (every one at once, before) was a model-sized transient at the step's peak
+    g = torch.Generator().manual_seed(3)
+    per_block = BLOCK_BYTES // 4
+    params = {"emb": torch.randn(per_block * 2 + 12345, generator=g), "w": torch.randn(300, 7, generator=g),
+              "b": torch.randn(5, generator=g) * 1e3}
+    whole = guard.scale(params)
+    assert whole == pytest.approx(math.sqrt(sum(float(t.double().square().sum()) for t in params.values())), rel=1e-12)
+    store = SpilledTensors(tmp_path)
+    for n, t in params.items():
+        store[n] = t
+    blocks = _BlocksOnly(store)
+    assert guard.scale(blocks) == whole  # the same chunks summed in the same order: the same bits
+    assert blocks.blocks == 3 + 1 + 1  # the large parameter in three blocks, the others in one each
+    assert guard.scale(blocks, ["w", "b"]) == guard.scale({"w": params["w"], "b": params["b"]})
+    anchor = Anchor(params, spill_dir=str(tmp_path))  # as a full replica keeps it (--state-on-disk)
+    assert guard.scale(anchor, list(params)) == whole
+    store.close()
 
 
 def test_oversized_catches_scaled_outsized_and_nan_contributions() -> None:
