@@ -29,6 +29,7 @@ from hlbp.cli.options import (
     split_values,
 )
 from hlbp.cli.status_view import status_table
+from hlbp.peer.common import allocator
 from hlbp.peer.common.errors import UserInputError
 from hlbp.peer.common.signals import stop_on_signals
 
@@ -185,6 +186,7 @@ def register(app: typer.Typer) -> None:
 def main() -> None:
     """Stand-alone entry (``python -m hlbp.cli.control_cmds``), with the same error handling as ``hlbp``: what the
     loopback simulation runs for ``bootstrap`` and ``join`` (it imports less than ``hlbp.cli.main``)."""
+    allocator.run_with_jemalloc()
     app = typer.Typer(name="hlbp", no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
     register(app)
     run_app(app, err_console)

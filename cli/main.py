@@ -13,6 +13,7 @@ from hlbp.cli.control_cmds import register as register_control_commands
 from hlbp.cli.model_cmds import register as register_model_commands
 from hlbp.cli.options import make_console, opt, run_app
 from hlbp.cli.simulate import register as register_simulate
+from hlbp.peer.common import allocator
 
 app = typer.Typer(
     name="hlbp",
@@ -93,7 +94,9 @@ def train(
 
 
 def main() -> None:
-    """Console entry point: user and protocol errors become one line on stderr and exit status 2."""
+    """Console entry point: user and protocol errors become one line on stderr and exit status 2. A command that
+    runs a peer starts again with jemalloc where the system has it (:mod:`hlbp.peer.common.allocator`)."""
+    allocator.run_with_jemalloc()
     run_app(app, console)
 
 

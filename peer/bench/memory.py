@@ -28,6 +28,7 @@ from rich.console import Console
 
 from hlbp.peer.bench.report import print_table, write_result
 from hlbp.peer.bench.stepcost import recompute_cost
+from hlbp.peer.common import allocator
 from hlbp.peer.common.errors import RunFailed
 from hlbp.peer.sim.launcher import SimConfig
 from hlbp.peer.sim.report import is_stage
@@ -187,7 +188,8 @@ def run_memory_bench(cfg: MemoryBenchConfig, out: Path | None = None,
                      console: Console | None = None) -> dict[str, Any]:
     """Every preset's run, the table, the projection and the JSON (written after each run)."""
     console = console or Console(stderr=True)
-    config = dataclasses.asdict(cfg)
+    # the peers run the allocator this process runs (hlbp.peer.common.allocator): it moves the figures by 2-4 B/param
+    config = {**dataclasses.asdict(cfg), "allocator": allocator.in_use()}
     runs: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="hlbp-memory-") as tmp:
         base = cfg.workdir or Path(tmp)
@@ -209,7 +211,7 @@ def run_memory_bench(cfg: MemoryBenchConfig, out: Path | None = None,
                          r.get("compute_s", {}).get(role, "-"), f"{r['rounds_agreed']}/{r['rounds']}"])
     print_table(console, f"memory: peak above the pre-model baseline, {cfg.rounds} rounds of H={cfg.inner_steps}, "
                          f"overlap {cfg.overlap}, batch {cfg.batch_size}x{cfg.seq_len}, "
-                         f"own state {cfg.state_dtype or 'bf16'}"
+                         f"own state {cfg.state_dtype or 'bf16'}, malloc {config['allocator']}"
                          f"{' in memory' if cfg.state_on_disk is False else ''}"
                          f"{', blocks recomputed' if cfg.recompute else ''}",
                 ["preset", "role", "params trained", "baseline GiB", "peak GiB", "host B/param", "device B/param",

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Self
 
+from hlbp.peer.common import allocator
 from hlbp.peer.common.errors import RunFailed
 from hlbp.peer.net.wanlink import WanEmulator, free_port
 from hlbp.peer.sim.report import (
@@ -312,7 +313,8 @@ class Swarm:
         """Start the bootstrap; returns the multiaddr joiners dial. ``program`` runs it under another command (in a
         network namespace, say) and ``listen`` is its listen multiaddr there (default: any loopback port)."""
         self.workdir.mkdir(parents=True, exist_ok=True)
-        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
+        self.env = {**os.environ, "PYTHONUNBUFFERED": "1",
+                    allocator.ENV_CHOICE: allocator.for_children(os.environ), **self.env}
         if self.cfg.cache_dir is not None:
             self.env["HLBP_CACHE"] = str(self.cfg.cache_dir)
         run = self.workdir / "run.toml"
