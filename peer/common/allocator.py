@@ -105,6 +105,16 @@ def in_use() -> str:
     return "jemalloc" if running_jemalloc() else "glibc"
 
 
+def status_line(running: bool, available: bool) -> str:
+    """What a peer's start says of its allocator: jemalloc, or glibc's and how to change that."""
+    if running:
+        return "malloc: jemalloc"
+    if available:
+        return f"malloc: glibc's ({ENV_CHOICE} asked for it, or the peer was started without its entry point)"
+    return ("malloc: glibc's; with libjemalloc2 installed (Debian, Ubuntu) a full replica peaks 2.5-4.5 bytes per "
+            "parameter lower")
+
+
 def run_with_jemalloc(argv: Sequence[str] | None = None) -> None:
     """Replace this process by the same command with jemalloc preloaded where :func:`preload_plan` says so;
     return otherwise. Call it first thing in a console entry point, before anything starts a thread."""

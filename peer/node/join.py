@@ -27,6 +27,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
+from hlbp.peer.common import allocator
 from hlbp.peer.common.errors import UserInputError
 from hlbp.peer.light.trust import trusted_signers
 from hlbp.peer.net.control import ControlPlane, NetworkConfig, software_version
@@ -342,6 +343,7 @@ def join(cfg: JoinConfig, echo: Callable[[str], None]) -> JoinedPeer:
     echo(f"capacity: {capacity.memory_gb:.1f} GB, {capacity.throughput:,.0f} tok/s, "
          f"{capacity.bandwidth / 1e6:,.1f} MB/s (measured in {probe_s:.1f} s; --throughput and --bandwidth skip it)")
     echo(reachability_line(reachability, role.kind, maddrs, checked=cfg.reachability == "auto"))
+    echo(allocator.status_line(allocator.running_jemalloc(), allocator.find_jemalloc() is not None))
     echo(f"announced in {seconds:.1f} s ({heartbeat.last_size}-byte record, refreshed every {cfg.ttl / 3:.0f} s)")
     return JoinedPeer(plane, heartbeat, signed, role, capacity, tokenizer_path, seconds, reachability, tmp)
 

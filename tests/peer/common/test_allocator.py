@@ -70,3 +70,9 @@ def test_a_real_peer_command_runs_jemalloc_exactly_where_the_system_has_it(tmp_p
     kept = subprocess.run([sys.executable, str(probe)], env={**env, "HLBP_ALLOCATOR": "glibc"},
                           capture_output=True, text=True, timeout=60, check=True)
     assert kept.stdout.split() == ["glibc"]
+
+
+def test_a_peers_start_says_which_malloc_it_runs_and_how_to_get_jemalloc() -> None:
+    assert allocator.status_line(running=True, available=True) == "malloc: jemalloc"
+    assert "HLBP_ALLOCATOR" in allocator.status_line(running=False, available=True)
+    assert "libjemalloc2" in allocator.status_line(running=False, available=False)
