@@ -65,12 +65,16 @@ def for_children(environ: Mapping[str, str]) -> str:
 
 
 def preload_plan(argv: Sequence[str], environ: Mapping[str, str], library: str | None,
-                 running: bool) -> dict[str, str] | None:
+                 running: bool, started_as: Sequence[str]) -> dict[str, str] | None:
     """The environment to start this command again with jemalloc preloaded, or None to run on as it is.
 
     ``argv``: the command line (``argv[1]`` the subcommand); ``library``: jemalloc's file name where the system has
-    it (None: it has not); ``running``: this process already runs it."""
+    it (None: it has not); ``running``: this process already runs it; ``started_as``: the interpreter's own command
+    line (``sys.orig_argv``). It is started again only when that ends with ``argv``'s arguments: a process forked
+    from another program (a launcher's warm interpreter) would start that program again instead."""
     if running or library is None or environ.get(REEXEC_MARK):
+        return None
+    if len(started_as) < len(argv) or list(started_as[len(started_as) - len(argv) + 1:]) != list(argv[1:]):
         return None
     if choice(environ) is not Choice.AUTO:
         return None
@@ -121,12 +125,12 @@ def run_with_jemalloc(argv: Sequence[str] | None = None) -> None:
     argv = list(sys.argv if argv is None else argv)
     if len(argv) < 2 or argv[1] not in PEER_COMMANDS:
         return  # decided before looking anything up: other commands start as fast as they did
+    started = list(getattr(sys, "orig_argv", []))
     try:
-        env = preload_plan(argv, os.environ, find_jemalloc(), running_jemalloc())
+        env = preload_plan(argv, os.environ, find_jemalloc(), running_jemalloc(), started)
     except ValueError as exc:
         sys.stderr.write(f"error: {exc}\n")
         raise SystemExit(2) from None
     if env is None:
         return
-    command = list(getattr(sys, "orig_argv", [])) or [sys.executable, *argv]
-    os.execve(sys.executable, [sys.executable, *command[1:]], env)
+    os.execve(sys.executable, [sys.executable, *started[1:]], env)
